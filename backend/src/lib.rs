@@ -1,0 +1,19 @@
+//! Tessera backend: the model runtime.
+//!
+//! - [`runtime`]: load a GGUF file (weights, tokenizer, chat template).
+//! - [`model`]: llama forward pass over the paged KV cache.
+//! - [`kv`]: page pool with tags and epochs, per-sequence block tables.
+//! - [`engine`]: admission, continuous batching with chunked prefill, streaming.
+//! - [`tokenizer`], [`chat`], [`detok`], [`sampling`]: text in and out.
+
+pub mod chat;
+pub mod detok;
+pub mod engine;
+pub mod kv;
+pub mod model;
+pub mod runtime;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use engine::{Engine, EngineConfig, Event, FinishReason, GenerateRequest, Rejection};
+pub use runtime::LoadedModel;

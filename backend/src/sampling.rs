@@ -1,0 +1,601 @@
+//! Next-token sampling: penalties, greedy, temperature, top-k, top-p.
+//!
+//! [`SamplingParams`] is what a request asks for; [`SamplingParams::validate`]
+//! checks it. A [`Sampler`] is created per sequence and owns that sequence's
+//! random number generator (ChaCha20 seeded from the request's `seed`, or
+//! from a fallback chosen by the caller), so the same seed and the same logits
+//! give the same tokens.
+//!
+//! Order of operations in [`Sampler::sample`]:
+//! 1. repetition penalty over every distinct token of prompt + output
+//!    (llama.cpp/HF: a positive logit is divided by the penalty, a negative one
+//!    multiplied), then frequency and presence penalties over the output
+//!    (OpenAI: `logit -= frequency * count + presence * (count > 0)`);
+//! 2. greedy (`temperature == 0`): argmax, ties to the lowest id;
+//! 3. temperature, top-k, softmax, top-p, then one draw.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use serde::{Deserialize, Serialize};
+
+/// Largest accepted `temperature`.
+pub const MAX_TEMPERATURE: f32 = 5.0;
+/// Bound of `frequency_penalty` and `presence_penalty` (accepted range is `[-2, 2]`).
+pub const MAX_ABS_PENALTY: f32 = 2.0;
+
+/// How to pick the next token. `Default` is greedy with no penalties.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Softmax temperature in `[0, 5]`; 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus sampling mass in `(0, 1]`; 1.0 disables it.
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables it.
+    pub top_k: u32,
+    /// Seed of the sequence's random number generator; `None` uses the
+    /// sampler's fallback seed.
+    pub seed: Option<u64>,
+    /// Multiplicative penalty (> 0) on every token seen in prompt or output;
+    /// 1.0 disables it.
+    pub repetition_penalty: f32,
+    /// Subtracted from a logit once per occurrence in the output, in `[-2, 2]`.
+    pub frequency_penalty: f32,
+    /// Subtracted from a logit of any token present in the output, in `[-2, 2]`.
+    pub presence_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+        }
+    }
+}
+
+/// A sampling parameter outside its accepted range. Messages name the field,
+/// the limit and the value given.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// `temperature` is NaN, negative or above [`MAX_TEMPERATURE`].
+    #[error("`temperature` must be >= 0 and <= {MAX_TEMPERATURE}. Given: {0}")]
+    Temperature(f32),
+    /// `top_p` is not in `(0, 1]`.
+    #[error("`top_p` must be > 0 and <= 1. Given: {0}")]
+    TopP(f32),
+    /// `repetition_penalty` is not a finite number above 0.
+    #[error("`repetition_penalty` must be > 0 and finite. Given: {0}")]
+    RepetitionPenalty(f32),
+    /// `frequency_penalty` is outside `[-2, 2]`.
+    #[error(
+        "`frequency_penalty` must be >= -{MAX_ABS_PENALTY} and <= {MAX_ABS_PENALTY}. Given: {0}"
+    )]
+    FrequencyPenalty(f32),
+    /// `presence_penalty` is outside `[-2, 2]`.
+    #[error(
+        "`presence_penalty` must be >= -{MAX_ABS_PENALTY} and <= {MAX_ABS_PENALTY}. Given: {0}"
+    )]
+    PresencePenalty(f32),
+}
+
+impl SamplingError {
+    /// The name of the offending field (stable, machine-readable).
+    pub fn field(&self) -> &'static str {
+        match self {
+            Self::Temperature(_) => "temperature",
+            Self::TopP(_) => "top_p",
+            Self::RepetitionPenalty(_) => "repetition_penalty",
+            Self::FrequencyPenalty(_) => "frequency_penalty",
+            Self::PresencePenalty(_) => "presence_penalty",
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks every field against its range (NaN is always rejected).
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let t = self.temperature;
+        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
+            return Err(SamplingError::Temperature(t));
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(SamplingError::TopP(p));
+        }
+        let r = self.repetition_penalty;
+        if !(r > 0.0 && r.is_finite()) {
+            return Err(SamplingError::RepetitionPenalty(r));
+        }
+        let range = -MAX_ABS_PENALTY..=MAX_ABS_PENALTY;
+        if !range.contains(&self.frequency_penalty) {
+            return Err(SamplingError::FrequencyPenalty(self.frequency_penalty));
+        }
+        if !range.contains(&self.presence_penalty) {
+            return Err(SamplingError::PresencePenalty(self.presence_penalty));
+        }
+        Ok(())
+    }
+
+    /// Whether sampling is greedy (deterministic argmax).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// Index of the largest value, ties to the lowest index; NaN never wins.
+/// Returns 0 for an empty or all-NaN slice.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &v) in logits.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if !found || v > best_v {
+            best = i;
+            best_v = v;
+            found = true;
+        }
+    }
+    best as u32
+}
+
+/// Per-sequence sampler: the parameters plus the sequence's RNG and scratch space.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha20Rng,
+    /// Scratch: sorted token ids for penalty counting.
+    seen: Vec<u32>,
+    /// Scratch: candidate (id, logit or probability) pairs.
+    cands: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// A sampler for one sequence. The RNG is seeded from `params.seed`, or from
+    /// `request_seed_fallback` when the request gave none. `params` are
+    /// expected to have passed [`SamplingParams::validate`].
+    pub fn new(params: SamplingParams, request_seed_fallback: u64) -> Self {
+        let seed = params.seed.unwrap_or(request_seed_fallback);
+        Self {
+            params,
+            rng: ChaCha20Rng::seed_from_u64(seed),
+            seen: Vec::new(),
+            cands: Vec::new(),
+        }
+    }
+
+    /// The parameters this sampler uses.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` (one value per vocabulary id; the
+    /// penalties are applied in place). `prompt_tokens` and
+    /// `generated` are the sequence so far; ids outside `logits` are ignored.
+    pub fn sample(&mut self, logits: &mut [f32], prompt_tokens: &[u32], generated: &[u32]) -> u32 {
+        self.apply_penalties(logits, prompt_tokens, generated);
+        if self.params.is_greedy() || logits.len() <= 1 {
+            return argmax(logits);
+        }
+
+        let inv_t = 1.0 / self.params.temperature;
+        let n = logits.len();
+        let top_k = self.params.top_k as usize;
+        let cands = &mut self.cands;
+        cands.clear();
+        cands.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as u32, if l.is_nan() { f32::NEG_INFINITY } else { l })),
+        );
+        // Descending logit, ties to the lowest id: a total order. Candidates are
+        // ranked on logits (before softmax rounding) whenever the order matters.
+        let by_rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let top_p = f64::from(self.params.top_p);
+        if top_k > 0 && top_k < n {
+            cands.select_nth_unstable_by(top_k - 1, by_rank);
+            cands.truncate(top_k);
+            cands.sort_unstable_by(by_rank);
+        } else if top_p < 1.0 {
+            cands.sort_unstable_by(by_rank);
+        }
+
+        // Softmax of logit / temperature over the candidates.
+        let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return argmax(logits);
+        }
+        let mut total = 0.0f64;
+        for c in cands.iter_mut() {
+            c.1 = ((c.1 - max) * inv_t).exp();
+            total += f64::from(c.1);
+        }
+        if !(total.is_finite() && total > 0.0) {
+            return argmax(logits);
+        }
+
+        // Nucleus: the shortest prefix (candidates are ranked) whose mass reaches top_p.
+        if top_p < 1.0 {
+            let target = top_p * total;
+            let mut acc = 0.0f64;
+            let mut keep = cands.len();
+            for (i, c) in cands.iter().enumerate() {
+                acc += f64::from(c.1);
+                if acc >= target {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cands.truncate(keep);
+            total = cands.iter().map(|c| f64::from(c.1)).sum();
+        }
+
+        let u: f64 = self.rng.random::<f64>() * total;
+        let mut acc = 0.0f64;
+        for c in cands.iter() {
+            acc += f64::from(c.1);
+            if u < acc {
+                return c.0;
+            }
+        }
+        // Rounding left u at the very top: take the last candidate with mass.
+        cands
+            .iter()
+            .rev()
+            .find(|c| c.1 > 0.0)
+            .map_or_else(|| argmax(logits), |c| c.0)
+    }
+
+    fn apply_penalties(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
+        let n = logits.len();
+        let rep = self.params.repetition_penalty;
+        if rep != 1.0 {
+            self.seen.clear();
+            self.seen.extend_from_slice(prompt);
+            self.seen.extend_from_slice(generated);
+            self.seen.sort_unstable();
+            self.seen.dedup();
+            for &id in &self.seen {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    if *l > 0.0 {
+                        *l /= rep;
+                    } else {
+                        *l *= rep;
+                    }
+                }
+            }
+        }
+        let (freq, pres) = (self.params.frequency_penalty, self.params.presence_penalty);
+        if freq != 0.0 || pres != 0.0 {
+            self.seen.clear();
+            self.seen.extend_from_slice(generated);
+            self.seen.sort_unstable();
+            for run in self.seen.chunk_by(|a, b| a == b) {
+                let id = run[0] as usize;
+                if id < n {
+                    logits[id] -= freq * run.len() as f32 + pres;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_p: f32, top_k: u32, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        }
+    }
+
+    /// Smooth pseudo-random logits over a realistic vocabulary.
+    fn logits(n: usize, salt: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let x = i
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add(salt.wrapping_mul(40_503));
+                (x >> 8) as f32 / (1 << 24) as f32 * 8.0 - 4.0
+            })
+            .collect()
+    }
+
+    fn draws(p: &SamplingParams, fallback: u64, steps: u32) -> Vec<u32> {
+        let mut s = Sampler::new(p.clone(), fallback);
+        (0..steps)
+            .map(|step| s.sample(&mut logits(49152, step), &[], &[]))
+            .collect()
+    }
+
+    #[test]
+    fn default_is_greedy_and_valid() {
+        let p = SamplingParams::default();
+        assert!(p.is_greedy());
+        assert_eq!(p.validate(), Ok(()));
+        let parsed: SamplingParams = serde_json::from_str(r#"{"temperature":0.7}"#).unwrap();
+        assert_eq!(parsed.top_p, 1.0);
+        assert_eq!(parsed.repetition_penalty, 1.0);
+    }
+
+    #[test]
+    fn greedy_picks_argmax_lowest_id_on_ties() {
+        let mut s = Sampler::new(SamplingParams::default(), 7);
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[], &[]), 1);
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 3.0], &[], &[]), 1);
+        assert_eq!(s.sample(&mut [f32::NAN, -5.0, -5.0], &[], &[]), 1);
+        let mut l = logits(49152, 3);
+        let expect = argmax(&l);
+        assert_eq!(s.sample(&mut l, &[], &[]), expect);
+        assert_eq!(
+            l[expect as usize],
+            l.iter().copied().fold(f32::MIN, f32::max)
+        );
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let p = params(1.0, 0.95, 50, 1234);
+        assert_eq!(
+            draws(&p, 0, 32),
+            draws(&p, 99, 32),
+            "explicit seed wins over fallback"
+        );
+        let unseeded = SamplingParams {
+            seed: None,
+            ..p.clone()
+        };
+        assert_eq!(draws(&unseeded, 5, 32), draws(&unseeded, 5, 32));
+        let full = params(1.5, 1.0, 0, 42);
+        assert_eq!(draws(&full, 0, 16), draws(&full, 0, 16));
+    }
+
+    #[test]
+    fn different_seeds_differ() {
+        for p in [params(1.0, 1.0, 0, 1), params(1.0, 0.9, 40, 1)] {
+            let a = draws(&p, 0, 16);
+            let b = draws(
+                &SamplingParams {
+                    seed: Some(2),
+                    ..p.clone()
+                },
+                0,
+                16,
+            );
+            assert_ne!(a, b);
+        }
+    }
+
+    #[test]
+    fn top_k_one_equals_greedy() {
+        let p = params(1.3, 1.0, 1, 9);
+        let mut s = Sampler::new(p, 0);
+        for step in 0..20 {
+            let mut l = logits(49152, step);
+            let expect = argmax(&l);
+            assert_eq!(s.sample(&mut l, &[], &[]), expect);
+        }
+        // Ties resolve to the lowest id, like greedy.
+        assert_eq!(s.sample(&mut [1.0, 5.0, 5.0, 0.0], &[], &[]), 1);
+    }
+
+    #[test]
+    fn tiny_top_p_equals_greedy() {
+        let mut s = Sampler::new(params(2.0, 1e-6, 0, 11), 0);
+        for step in 0..20 {
+            let mut l = logits(49152, step);
+            let expect = argmax(&l);
+            assert_eq!(s.sample(&mut l, &[], &[]), expect);
+        }
+        assert_eq!(s.sample(&mut [1.0, 5.0, 5.0, 0.0], &[], &[]), 1);
+    }
+
+    #[test]
+    fn top_k_restricts_support() {
+        let mut s = Sampler::new(params(5.0, 1.0, 3, 3), 0);
+        let base = [0.0, 1.0, 4.0, 2.0, 3.0, 0.5];
+        for _ in 0..200 {
+            let t = s.sample(&mut base.clone(), &[], &[]);
+            assert!([2, 3, 4].contains(&t), "{t}");
+        }
+    }
+
+    #[test]
+    fn top_p_restricts_support() {
+        // Probabilities ~ [0.5, 0.3, 0.15, 0.05]: top_p 0.75 keeps ids 0 and 1.
+        let base: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let mut s = Sampler::new(params(1.0, 0.75, 0, 3), 0);
+        let mut counts = [0u32; 4];
+        for _ in 0..2000 {
+            counts[s.sample(&mut base.clone(), &[], &[]) as usize] += 1;
+        }
+        assert_eq!(counts[2] + counts[3], 0, "{counts:?}");
+        assert!(counts[0] > counts[1] && counts[1] > 500, "{counts:?}");
+    }
+
+    #[test]
+    fn repetition_penalty_changes_pick() {
+        let p = SamplingParams {
+            repetition_penalty: 1.5,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(p, 0);
+        // 3.0 / 1.5 = 2.0 < 2.5: id 0 seen in the prompt loses to id 1.
+        let mut l = [3.0, 2.5, -1.0];
+        assert_eq!(s.sample(&mut l, &[0, 0, 7_000_000], &[]), 1);
+        assert_eq!(l, [2.0, 2.5, -1.0]);
+        // Negative logits are multiplied.
+        let mut l = [-1.0, -1.2, -3.0];
+        assert_eq!(s.sample(&mut l, &[], &[0]), 1);
+        assert_eq!(l, [-1.5, -1.2, -3.0]);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_change_pick() {
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(p, 0);
+        // id 0 generated twice: 3.0 - (0.5 * 2 + 0.25) = 1.75 < 2.0.
+        let mut l = [3.0, 2.0, 1.0];
+        assert_eq!(s.sample(&mut l, &[1, 1, 1], &[0, 2, 0]), 1);
+        assert_eq!(l, [1.75, 2.0, 0.25]);
+        // The prompt does not count for these penalties.
+        let mut l = [3.0, 2.0, 1.0];
+        assert_eq!(s.sample(&mut l, &[0, 0, 0], &[]), 0);
+    }
+
+    #[test]
+    fn validation_rejects_each_bad_field() {
+        let ok = SamplingParams::default();
+        let cases: Vec<(SamplingParams, &str, &str)> = vec![
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..ok.clone()
+                },
+                "temperature",
+                "NaN",
+            ),
+            (
+                SamplingParams {
+                    temperature: -0.1,
+                    ..ok.clone()
+                },
+                "temperature",
+                "-0.1",
+            ),
+            (
+                SamplingParams {
+                    temperature: 5.5,
+                    ..ok.clone()
+                },
+                "temperature",
+                "5.5",
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..ok.clone()
+                },
+                "top_p",
+                "0",
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.01,
+                    ..ok.clone()
+                },
+                "top_p",
+                "1.01",
+            ),
+            (
+                SamplingParams {
+                    top_p: f32::NAN,
+                    ..ok.clone()
+                },
+                "top_p",
+                "NaN",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..ok.clone()
+                },
+                "repetition_penalty",
+                "0",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: -1.0,
+                    ..ok.clone()
+                },
+                "repetition_penalty",
+                "-1",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: f32::INFINITY,
+                    ..ok.clone()
+                },
+                "repetition_penalty",
+                "inf",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: 2.5,
+                    ..ok.clone()
+                },
+                "frequency_penalty",
+                "2.5",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -2.1,
+                    ..ok.clone()
+                },
+                "frequency_penalty",
+                "-2.1",
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: -3.0,
+                    ..ok.clone()
+                },
+                "presence_penalty",
+                "-3",
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: f32::NAN,
+                    ..ok.clone()
+                },
+                "presence_penalty",
+                "NaN",
+            ),
+        ];
+        for (p, field, given) in cases {
+            let err = p.validate().unwrap_err();
+            assert_eq!(err.field(), field);
+            let msg = err.to_string();
+            assert!(msg.starts_with(&format!("`{field}` must be")), "{msg}");
+            assert!(msg.ends_with(&format!("Given: {given}")), "{msg}");
+        }
+        let edge = SamplingParams {
+            temperature: 5.0,
+            top_p: 1.0,
+            top_k: 1_000_000,
+            seed: Some(0),
+            repetition_penalty: 0.01,
+            frequency_penalty: -2.0,
+            presence_penalty: 2.0,
+        };
+        assert_eq!(edge.validate(), Ok(()));
+        assert_eq!(
+            SamplingParams {
+                temperature: 6.0,
+                ..ok
+            }
+            .validate()
+            .unwrap_err()
+            .to_string(),
+            "`temperature` must be >= 0 and <= 5. Given: 6"
+        );
+    }
+}

@@ -1,0 +1,303 @@
+//! Paged attention on CPU with page-tag verification (DESIGN.md §2 I3, §5).
+//!
+//! KV memory is a pool of fixed pages. One page holds `page_size` token slots for
+//! every layer, laid out `[layer][K|V][slot][kv_head][head_dim]` in `f16`, so a page
+//! is one contiguous range (one transfer write). A sequence reaches its pages only
+//! through its block table, whose entries carry the tag the page must hold; the
+//! kernel compares that with the pool's tag array before it reads a page and fails
+//! the row with [`IntegrityError`] on any difference, so a wrong mapping can never
+//! yield a token.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// Owner tag of one physical KV page. Written when the page is filled, checked at
+/// every read. `epoch` changes every time the page is freed, so a tag taken before a
+/// free never validates after it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(C)]
+pub struct PageTag {
+    /// Tenant (account) that owns the data.
+    pub tenant: u64,
+    /// Sequence (request) id within the node.
+    pub seq: u64,
+    /// Page generation; bumped on free.
+    pub epoch: u32,
+    /// Index of this page in the sequence's block table.
+    pub logical_block: u32,
+}
+
+/// One block-table entry: where a logical block lives and the tag it must carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockRef {
+    /// Physical page index in the pool.
+    pub page: u32,
+    /// Tag the page must carry.
+    pub tag: PageTag,
+}
+
+/// Shape of the KV pool's pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Transformer layers.
+    pub layers: usize,
+    /// Token slots per page.
+    pub page_size: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Dimension per head.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// `kv_heads * head_dim`: values per token per layer for K (or V).
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// `f16` values in one page.
+    pub fn page_elems(&self) -> usize {
+        self.layers * 2 * self.page_size * self.kv_dim()
+    }
+
+    /// Offset (in `f16` values) of slot 0 of K (`v = false`) or V for `layer` in `page`.
+    pub fn offset(&self, page: usize, layer: usize, v: bool) -> usize {
+        page * self.page_elems() + (layer * 2 + v as usize) * self.page_size * self.kv_dim()
+    }
+}
+
+/// A page's tag differs from the one its block table expects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "KV page {page} (logical block {logical_block}) carries tag {found:?}, expected {expected:?}"
+)]
+pub struct IntegrityError {
+    /// Physical page.
+    pub page: u32,
+    /// Logical block in the reading sequence.
+    pub logical_block: u32,
+    /// Tag the block table expected.
+    pub expected: PageTag,
+    /// Tag found in the pool.
+    pub found: PageTag,
+}
+
+/// Checks every block-table entry against the pool's tags.
+pub fn verify_tags(tags: &[PageTag], table: &[BlockRef]) -> Result<(), IntegrityError> {
+    for (i, e) in table.iter().enumerate() {
+        let found = tags.get(e.page as usize).copied().unwrap_or_default();
+        if found != e.tag || e.tag.logical_block as usize != i {
+            return Err(IntegrityError {
+                page: e.page,
+                logical_block: i as u32,
+                expected: e.tag,
+                found,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Causal attention of one query token over keys `0..n_keys` of one sequence.
+///
+/// - `q`: `[n_heads * head_dim]` (RoPE already applied); `out`: same shape.
+/// - `data`, `tags`: the pool; `table`: the sequence's block table (must cover `n_keys`).
+/// - Grouped-query attention: query head `h` reads KV head `h / (n_heads / kv_heads)`.
+///
+/// Softmax scale is `1/sqrt(head_dim)`. Every page is tag-checked before it is read.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    q: &[f32],
+    n_heads: usize,
+    n_keys: usize,
+    layer: usize,
+    layout: &KvLayout,
+    data: &[f16],
+    tags: &[PageTag],
+    table: &[BlockRef],
+    out: &mut [f32],
+) -> Result<(), IntegrityError> {
+    let (hd, kvd, ps) = (layout.head_dim, layout.kv_dim(), layout.page_size);
+    let group = n_heads / layout.kv_heads;
+    assert_eq!(q.len(), n_heads * hd);
+    assert_eq!(out.len(), n_heads * hd);
+    let n_pages = n_keys.div_ceil(ps);
+    assert!(table.len() >= n_pages, "block table shorter than the keys");
+    verify_tags(tags, &table[..n_pages])?;
+
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = vec![0f32; n_heads * n_keys];
+    let mut kbuf = vec![0f32; ps * kvd];
+    for (b, e) in table[..n_pages].iter().enumerate() {
+        let slots = (n_keys - b * ps).min(ps);
+        let off = layout.offset(e.page as usize, layer, false);
+        data[off..off + slots * kvd].convert_to_f32_slice(&mut kbuf[..slots * kvd]);
+        for h in 0..n_heads {
+            let qh = &q[h * hd..(h + 1) * hd];
+            let g = h / group;
+            for s in 0..slots {
+                let k = &kbuf[s * kvd + g * hd..s * kvd + (g + 1) * hd];
+                scores[h * n_keys + b * ps + s] = dot(qh, k) * scale;
+            }
+        }
+    }
+    for h in 0..n_heads {
+        softmax(&mut scores[h * n_keys..(h + 1) * n_keys]);
+    }
+    out.fill(0.0);
+    for (b, e) in table[..n_pages].iter().enumerate() {
+        let slots = (n_keys - b * ps).min(ps);
+        let off = layout.offset(e.page as usize, layer, true);
+        data[off..off + slots * kvd].convert_to_f32_slice(&mut kbuf[..slots * kvd]);
+        for h in 0..n_heads {
+            let g = h / group;
+            let o = &mut out[h * hd..(h + 1) * hd];
+            for s in 0..slots {
+                let p = scores[h * n_keys + b * ps + s];
+                let v = &kbuf[s * kvd + g * hd..s * kvd + (g + 1) * hd];
+                for (oi, vi) in o.iter_mut().zip(v) {
+                    *oi += p * vi;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = a
+        .chunks_exact(8)
+        .remainder()
+        .iter()
+        .zip(b.chunks_exact(8).remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// In-place numerically stable softmax.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            layers: 2,
+            page_size: 4,
+            kv_heads: 1,
+            head_dim: 32,
+        }
+    }
+
+    fn tag(seq: u64, lb: u32) -> PageTag {
+        PageTag {
+            tenant: 9,
+            seq,
+            epoch: 1,
+            logical_block: lb,
+        }
+    }
+
+    #[test]
+    fn attention_matches_dense_reference_across_pages() {
+        let l = layout();
+        let n_pages = 3;
+        let mut data = vec![f16::ZERO; n_pages * l.page_elems()];
+        let n_keys = 6;
+        // Sequence pages are physical 2 then 0 (out of order on purpose).
+        let table = [
+            BlockRef {
+                page: 2,
+                tag: tag(5, 0),
+            },
+            BlockRef {
+                page: 0,
+                tag: tag(5, 1),
+            },
+        ];
+        let mut tags = vec![PageTag::default(); n_pages];
+        tags[2] = tag(5, 0);
+        tags[0] = tag(5, 1);
+        let key = |t: usize, i: usize| ((t * 7 + i * 3) % 11) as f32 * 0.1 - 0.5;
+        let val = |t: usize, i: usize| ((t * 5 + i) % 13) as f32 * 0.1;
+        for t in 0..n_keys {
+            let e = table[t / 4];
+            for i in 0..32 {
+                let ko = l.offset(e.page as usize, 1, false) + (t % 4) * 32 + i;
+                let vo = l.offset(e.page as usize, 1, true) + (t % 4) * 32 + i;
+                data[ko] = f16::from_f32(key(t, i));
+                data[vo] = f16::from_f32(val(t, i));
+            }
+        }
+        let q: Vec<f32> = (0..64).map(|i| (i % 5) as f32 * 0.2 - 0.3).collect();
+        let mut out = vec![0f32; 64];
+        paged_attention(&q, 2, n_keys, 1, &l, &data, &tags, &table, &mut out).unwrap();
+        for h in 0..2 {
+            let mut s: Vec<f32> = (0..n_keys)
+                .map(|t| {
+                    (0..32)
+                        .map(|i| q[h * 32 + i] * f16::from_f32(key(t, i)).to_f32())
+                        .sum::<f32>()
+                        / (32f32).sqrt()
+                })
+                .collect();
+            softmax(&mut s);
+            for i in 0..32 {
+                let want: f32 = (0..n_keys)
+                    .map(|t| s[t] * f16::from_f32(val(t, i)).to_f32())
+                    .sum();
+                assert!((out[h * 32 + i] - want).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn a_page_owned_by_another_sequence_fails_before_any_read() {
+        let l = layout();
+        let data = vec![f16::ZERO; 2 * l.page_elems()];
+        let tags = vec![tag(5, 0), tag(6, 0)];
+        // Sequence 5's table points at sequence 6's page.
+        let table = [BlockRef {
+            page: 1,
+            tag: tag(5, 0),
+        }];
+        let mut out = vec![0f32; 32];
+        let err =
+            paged_attention(&[0.0; 32], 1, 1, 0, &l, &data, &tags, &table, &mut out).unwrap_err();
+        assert_eq!(err.page, 1);
+        assert_eq!(err.found.seq, 6);
+    }
+
+    #[test]
+    fn a_stale_epoch_fails() {
+        let tags = vec![PageTag {
+            epoch: 2,
+            ..tag(5, 0)
+        }];
+        let table = [BlockRef {
+            page: 0,
+            tag: tag(5, 0),
+        }];
+        assert!(verify_tags(&tags, &table).is_err());
+    }
+}
