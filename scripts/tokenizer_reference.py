@@ -39,6 +39,15 @@ CASES = [
     ("Mixed: café naïve résumé – “quotes” … ©", True),
     ("tabs\tand\nnewlines\r\nand\u00a0nbsp", True),
     ("½ ² ٣ ① numbers", True),
+    ("こんにちは世界 안녕하세요 नमस्ते दुनिया", True),
+    ("Ελληνικά and ภาษาไทย and עברית", True),
+    ("e\u0301 combining and ZWJ\u200dhere", True),
+    ("https://example.com/path?q=1&r=two#frag user@example.org", True),
+    ("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", True),
+    ("!!! ??? ... --- *** ''' \"\"\" ```python\n", True),
+    ("\n\n\n\n  \n\t\t\n", True),
+    ("x<|im_end|>y <|im_start|> z<|endoftext|>", True),
+    ("Hello world", False),
     ("", True),
 ]
 

@@ -52,6 +52,9 @@ pub(crate) struct GenerateArgs {
     /// Stop string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
     /// KV pool size in tokens.
     #[arg(long, default_value_t = EngineConfig::default().kv_pool_tokens)]
     kv_pool_tokens: usize,
@@ -106,6 +109,7 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
             presence_penalty: a.presence_penalty,
         },
         stop: a.stop,
+        ignore_eos: a.ignore_eos,
     };
     let admitted = engine.admit(req)?;
     let rx = engine.enqueue(admitted);

@@ -187,7 +187,7 @@ fn raise_exception(msg: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
 }
 
-fn str_arg<'a>(args: &'a [Value], i: usize) -> Option<&'a str> {
+fn str_arg(args: &[Value], i: usize) -> Option<&str> {
     args.get(i).and_then(Value::as_str)
 }
 

@@ -60,6 +60,8 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Stop strings: generation ends before the first occurrence.
     pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (benchmarks, reference tests).
+    pub ignore_eos: bool,
 }
 
 /// Why a request was refused at admission. Terminal: nothing was allocated.
@@ -187,6 +189,7 @@ struct Seq {
     prompt: Vec<u32>,
     generated: Vec<u32>,
     max_tokens: usize,
+    ignore_eos: bool,
     prefilled: usize,
     sampler: Sampler,
     detok: IncrementalDecoder,
@@ -336,7 +339,7 @@ impl Engine {
         s.generated.push(tok);
         let mut reason = None;
         let mut text: String;
-        if stop_ids.contains(&tok) {
+        if !s.ignore_eos && stop_ids.contains(&tok) {
             reason = Some(FinishReason::Stop);
             text = s.stop.finish();
         } else {
@@ -404,6 +407,7 @@ impl Engine {
                 prompt: r.prompt,
                 generated: Vec::new(),
                 max_tokens: r.max_tokens,
+                ignore_eos: r.ignore_eos,
                 prefilled: 0,
                 detok: IncrementalDecoder::new(true),
                 stop: StopMatcher::new(r.stop),

@@ -17,6 +17,7 @@ pub struct SeqId(pub u64);
 pub struct KvManager {
     pool: PagePool,
     tables: HashMap<SeqId, Vec<BlockRef>>,
+    owners: HashMap<SeqId, u64>,
 }
 
 impl KvManager {
@@ -25,6 +26,7 @@ impl KvManager {
         Self {
             pool,
             tables: HashMap::new(),
+            owners: HashMap::new(),
         }
     }
 
@@ -46,22 +48,29 @@ impl KvManager {
         );
         let refs = self.pool.alloc(tenant, seq.0, 0, self.pages_for(tokens))?;
         self.tables.insert(seq, refs);
+        self.owners.insert(seq, tenant);
         Ok(())
     }
 
     /// Frees every page of `seq` (no-op for an unknown sequence). Returns pages freed.
+    ///
+    /// Pages are found by their owner tag, not by the block table: a corrupted table
+    /// entry can neither free another sequence's page nor leak this one's.
     pub fn release(&mut self, seq: SeqId) -> usize {
-        let Some(refs) = self.tables.remove(&seq) else {
+        let (Some(refs), Some(tenant)) = (self.tables.remove(&seq), self.owners.remove(&seq))
+        else {
             return 0;
         };
-        for r in &refs {
-            // A table entry that no longer matches its page (e.g. corrupted) must not
-            // free someone else's page; the page it pointed at stays with its owner.
-            if let Err(e) = self.pool.free(*r) {
-                tracing::error!(error = %e, "block table entry did not match its page; not freed");
-            }
+        let freed = self.pool.free_owned_by(tenant, seq.0);
+        if freed != refs.len() {
+            tracing::error!(
+                ?seq,
+                freed,
+                table = refs.len(),
+                "block table disagreed with page tags"
+            );
         }
-        refs.len()
+        freed
     }
 
     /// The block table of `seq`.

@@ -39,6 +39,7 @@ pub struct PagePool {
     tags: Vec<PageTag>,
     epochs: Vec<u32>,
     free: Vec<u32>,
+    held: Vec<bool>,
     scrub_on_free: bool,
 }
 
@@ -53,6 +54,7 @@ impl PagePool {
             epochs: vec![0; pages],
             // Reversed so that page 0 is handed out first.
             free: (0..pages as u32).rev().collect(),
+            held: vec![false; pages],
             scrub_on_free,
         }
     }
@@ -102,6 +104,7 @@ impl PagePool {
                 logical_block: first_block + i as u32,
             };
             self.tags[page as usize] = tag;
+            self.held[page as usize] = true;
             out.push(BlockRef { page, tag });
         }
         Ok(out)
@@ -111,7 +114,7 @@ impl PagePool {
     pub fn free(&mut self, r: BlockRef) -> Result<(), PoolError> {
         let p = r.page as usize;
         let found = self.tags.get(p).copied().unwrap_or_default();
-        if p >= self.tags.len() || found != r.tag || self.free.contains(&r.page) {
+        if p >= self.tags.len() || found != r.tag || !self.held[p] {
             return Err(PoolError::NotHeld {
                 page: r.page,
                 expected: r.tag,
@@ -127,8 +130,28 @@ impl PagePool {
             let n = self.layout.page_elems();
             self.data[p * n..(p + 1) * n].fill(f16::ZERO);
         }
+        self.held[p] = false;
         self.free.push(r.page);
         Ok(())
+    }
+
+    /// Frees every page tagged as owned by `(tenant, seq)`, whatever any block
+    /// table says. Returns the number freed. `O(capacity)`.
+    pub fn free_owned_by(&mut self, tenant: u64, seq: u64) -> usize {
+        let owned: Vec<BlockRef> = self
+            .tags
+            .iter()
+            .enumerate()
+            .filter(|(p, t)| self.held[*p] && t.tenant == tenant && t.seq == seq)
+            .map(|(p, t)| BlockRef {
+                page: p as u32,
+                tag: *t,
+            })
+            .collect();
+        for r in &owned {
+            self.free(*r).expect("tag read from the pool itself");
+        }
+        owned.len()
     }
 
     /// The tag array, indexed by physical page.
