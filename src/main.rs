@@ -1,6 +1,7 @@
 //! `tessera`: the single Tessera binary. Subcommands parse arguments and call into
 //! the library crates; no logic lives here.
 
+mod bench;
 mod generate;
 mod model_fetch;
 
@@ -28,6 +29,8 @@ enum Command {
     },
     /// Generate text from a prompt on this machine (streams to stdout).
     Generate(generate::GenerateArgs),
+    /// Measure engine throughput (prefill, decode at batch 1 and N) as JSON lines.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -58,5 +61,6 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Generate(args) => generate::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

@@ -131,13 +131,12 @@ impl LlamaConfig {
 #[derive(Debug)]
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: QMatrix,
-    wk: QMatrix,
-    wv: QMatrix,
+    /// Q, K and V stacked: `[hidden + 2 * kv_dim, hidden]`.
+    wqkv: QMatrix,
     wo: QMatrix,
     ffn_norm: Vec<f32>,
-    gate: QMatrix,
-    up: QMatrix,
+    /// Gate and up stacked: `[2 * ffn, hidden]`.
+    gate_up: QMatrix,
     down: QMatrix,
 }
 
@@ -219,13 +218,17 @@ impl Llama {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: read_vec(content, reader, &p("attn_norm"))?,
-                wq: read_matrix(content, reader, &p("attn_q"), d, d)?,
-                wk: read_matrix(content, reader, &p("attn_k"), kvd, d)?,
-                wv: read_matrix(content, reader, &p("attn_v"), kvd, d)?,
+                wqkv: QMatrix::concat_rows(vec![
+                    read_matrix(content, reader, &p("attn_q"), d, d)?,
+                    read_matrix(content, reader, &p("attn_k"), kvd, d)?,
+                    read_matrix(content, reader, &p("attn_v"), kvd, d)?,
+                ])?,
                 wo: read_matrix(content, reader, &p("attn_output"), d, d)?,
                 ffn_norm: read_vec(content, reader, &p("ffn_norm"))?,
-                gate: read_matrix(content, reader, &p("ffn_gate"), cfg.ffn, d)?,
-                up: read_matrix(content, reader, &p("ffn_up"), cfg.ffn, d)?,
+                gate_up: QMatrix::concat_rows(vec![
+                    read_matrix(content, reader, &p("ffn_gate"), cfg.ffn, d)?,
+                    read_matrix(content, reader, &p("ffn_up"), cfg.ffn, d)?,
+                ])?,
                 down: read_matrix(content, reader, &p("ffn_down"), d, cfg.ffn)?,
             });
         }
@@ -256,7 +259,7 @@ impl Llama {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                [&l.wqkv, &l.wo, &l.gate_up, &l.down]
                     .iter()
                     .map(|m| m.weight_bytes())
                     .sum::<usize>()
@@ -287,17 +290,23 @@ impl Llama {
         }
         let mut h = vec![0f32; n * d];
         let mut acts = Activations::default();
+        let qkv_dim = d + 2 * kvd;
+        let mut qkv = vec![0f32; n * qkv_dim];
         let (mut q, mut k, mut v) = (vec![0f32; n * d], vec![0f32; n * kvd], vec![0f32; n * kvd]);
         let mut attn = vec![0f32; n * d];
         let mut proj = vec![0f32; n * d];
-        let (mut gate, mut up) = (vec![0f32; n * cfg.ffn], vec![0f32; n * cfg.ffn]);
+        let mut gate_up = vec![0f32; n * 2 * cfg.ffn];
+        let mut gate = vec![0f32; n * cfg.ffn];
 
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
-            l.wq.matmul(&acts, &mut q);
-            l.wk.matmul(&acts, &mut k);
-            l.wv.matmul(&acts, &mut v);
+            l.wqkv.matmul(&acts, &mut qkv);
+            for (i, row) in qkv.chunks_exact(qkv_dim).enumerate() {
+                q[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
+                k[i * kvd..(i + 1) * kvd].copy_from_slice(&row[d..d + kvd]);
+                v[i * kvd..(i + 1) * kvd].copy_from_slice(&row[d + kvd..]);
+            }
             for (i, r) in rows.iter().enumerate() {
                 self.rope.apply(&mut q[i * d..(i + 1) * d], r.pos);
                 self.rope.apply(&mut k[i * kvd..(i + 1) * kvd], r.pos);
@@ -355,10 +364,10 @@ impl Llama {
 
             rms_norm(&x, &l.ffn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
-            l.gate.matmul(&acts, &mut gate);
-            l.up.matmul(&acts, &mut up);
-            for (g, u) in gate.chunks_exact_mut(cfg.ffn).zip(up.chunks_exact(cfg.ffn)) {
-                swiglu(g, u);
+            l.gate_up.matmul(&acts, &mut gate_up);
+            for (g, gu) in gate.chunks_exact_mut(cfg.ffn).zip(gate_up.chunks_exact(2 * cfg.ffn)) {
+                g.copy_from_slice(&gu[..cfg.ffn]);
+                swiglu(g, &gu[cfg.ffn..]);
             }
             acts.set(&gate, n, cfg.ffn);
             l.down.matmul(&acts, &mut proj);

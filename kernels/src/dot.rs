@@ -16,7 +16,7 @@ use crate::quant::{BlockQ4_1, BlockQ8, BlockQ8_0, QK};
 pub enum Isa {
     /// Portable Rust.
     Scalar,
-    /// x86-64 AVX2 + FMA.
+    /// x86-64 AVX2 + FMA + F16C.
     Avx2,
 }
 
@@ -30,7 +30,10 @@ pub fn isa() -> Isa {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return Isa::Avx2;
             }
         }
@@ -46,7 +49,7 @@ pub fn dot_q4_1<const R: usize>(w: &[BlockQ4_1], xs: [&[BlockQ8]; R]) -> [f32; R
         assert_eq!(x.len(), w.len());
     }
     match isa() {
-        // SAFETY: `isa()` verified avx2 and fma; lengths checked above.
+        // SAFETY: `isa()` verified avx2, fma and f16c; lengths checked above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::dot_q4_1::<R>(w, xs) },
         _ => scalar_dot_q4_1(w, xs),
@@ -60,7 +63,7 @@ pub fn dot_q8_0<const R: usize>(w: &[BlockQ8_0], xs: [&[BlockQ8]; R]) -> [f32; R
         assert_eq!(x.len(), w.len());
     }
     match isa() {
-        // SAFETY: `isa()` verified avx2 and fma; lengths checked above.
+        // SAFETY: `isa()` verified avx2, fma and f16c; lengths checked above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::dot_q8_0::<R>(w, xs) },
         _ => scalar_dot_q8_0(w, xs),
@@ -154,48 +157,61 @@ mod avx2 {
         _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    /// Converts the two leading `f16` fields of a block (`d`, `m`) to `f32` with F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn two_f16(p: *const u8) -> (f32, f32) {
+        // SAFETY: caller passes a pointer to at least 4 readable bytes.
+        let raw = unsafe { std::ptr::read_unaligned(p as *const i32) };
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(raw));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
+
+    /// Two interleaved accumulators (even and odd blocks) hide the FMA latency; the
+    /// order is fixed, so results are the same for every `R`.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q4_1<const R: usize>(
         w: &[BlockQ4_1],
         xs: [&[BlockQ8]; R],
     ) -> [f32; R] {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut offset = [0f32; R];
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut offset = [[0f32; 2]; R];
         let mask = _mm256_set1_epi8(0x0F);
         for (b, wb) in w.iter().enumerate() {
+            let lane = b & 1;
             // SAFETY: `qs` is 16 bytes; unaligned load.
             let packed = unsafe { _mm_loadu_si128(wb.qs.as_ptr() as *const __m128i) };
             let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
             let qw = _mm256_and_si256(both, mask);
-            let dw = wb.d.to_f32();
-            let mw = wb.m.to_f32();
+            let (dw, mw) = two_f16(wb as *const BlockQ4_1 as *const u8);
             for r in 0..R {
                 // SAFETY: every `xs[r]` has `w.len()` blocks (checked by the caller).
                 let xb = unsafe { xs[r].get_unchecked(b) };
                 let qx = unsafe { _mm256_loadu_si256(xb.qs.as_ptr() as *const __m256i) };
                 let isum = _mm256_cvtepi32_ps(mul_sum_u8_i8(qw, qx));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), isum, acc[r]);
-                offset[r] += mw * xb.s;
+                acc[r][lane] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), isum, acc[r][lane]);
+                offset[r][lane] += mw * xb.s;
             }
         }
         let mut out = [0f32; R];
         for r in 0..R {
-            out[r] = hsum(acc[r]) + offset[r];
+            out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (offset[r][0] + offset[r][1]);
         }
         out
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_q8_0<const R: usize>(
         w: &[BlockQ8_0],
         xs: [&[BlockQ8]; R],
     ) -> [f32; R] {
-        let mut acc = [_mm256_setzero_ps(); R];
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for (b, wb) in w.iter().enumerate() {
+            let lane = b & 1;
             // SAFETY: `qs` is 32 bytes; unaligned load.
             let qw = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
             let aw = _mm256_sign_epi8(qw, qw);
-            let dw = wb.d.to_f32();
+            let (dw, _) = two_f16(wb as *const BlockQ8_0 as *const u8);
             for r in 0..R {
                 // SAFETY: every `xs[r]` has `w.len()` blocks (checked by the caller).
                 let xb = unsafe { xs[r].get_unchecked(b) };
@@ -203,12 +219,12 @@ mod avx2 {
                 // |w| * (x * sign(w)) == w * x, with the unsigned operand first.
                 let sx = _mm256_sign_epi8(qx, qw);
                 let isum = _mm256_cvtepi32_ps(mul_sum_u8_i8(aw, sx));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), isum, acc[r]);
+                acc[r][lane] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xb.d), isum, acc[r][lane]);
             }
         }
         let mut out = [0f32; R];
         for r in 0..R {
-            out[r] = hsum(acc[r]);
+            out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
         }
         out
     }

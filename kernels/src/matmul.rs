@@ -188,6 +188,54 @@ impl QMatrix {
         Ok(blocks)
     }
 
+    /// Stacks matrices with equal `cols` and format along the output dimension
+    /// (e.g. Q, K and V into one QKV matrix, so one pass reads one input once).
+    /// Falls back to `f32` when formats differ.
+    pub fn concat_rows(parts: Vec<QMatrix>) -> Result<Self, MatrixError> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+            return Err(MatrixError::Cols { cols: p.cols });
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let same = |f: fn(&Weights) -> bool| parts.iter().all(|p| f(&p.weights));
+        let weights = if same(|w| matches!(w, Weights::Q4_1(_))) {
+            Weights::Q4_1(
+                parts
+                    .into_iter()
+                    .flat_map(|p| match p.weights {
+                        Weights::Q4_1(v) => v,
+                        _ => unreachable!(),
+                    })
+                    .collect(),
+            )
+        } else if same(|w| matches!(w, Weights::Q8_0(_))) {
+            Weights::Q8_0(
+                parts
+                    .into_iter()
+                    .flat_map(|p| match p.weights {
+                        Weights::Q8_0(v) => v,
+                        _ => unreachable!(),
+                    })
+                    .collect(),
+            )
+        } else {
+            let mut v = vec![0f32; rows * cols];
+            let mut at = 0;
+            for p in &parts {
+                for r in 0..p.rows {
+                    p.dequantize_row(r, &mut v[at * cols..(at + 1) * cols]);
+                    at += 1;
+                }
+            }
+            Weights::F32(v)
+        };
+        Ok(Self {
+            rows,
+            cols,
+            weights,
+        })
+    }
+
     /// Output features.
     pub fn rows(&self) -> usize {
         self.rows

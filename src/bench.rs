@@ -1,0 +1,136 @@
+//! `tessera bench`: engine throughput on this machine (prefill tokens/s, decode
+//! tokens/s at batch 1 and batch N), printed as JSON lines that
+//! `scripts/bench.sh` puts beside llama.cpp's figures from the same run.
+
+use crate::generate::model_path;
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tessera_backend::sampling::SamplingParams;
+use tessera_backend::{Engine, EngineConfig, Event, GenerateRequest, LoadedModel};
+
+/// Arguments of `tessera bench`.
+#[derive(Args, Debug)]
+pub(crate) struct BenchArgs {
+    /// GGUF model file (default: the fetched default model).
+    #[arg(long, env = "TESSERA_MODEL")]
+    model: Option<PathBuf>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Output tokens per sequence for the decode measurements.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    /// Concurrent sequences for the batched decode measurement.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+}
+
+/// Deterministic prompt of `n` ordinary tokens (a fixed text repeated), `salt` varies it.
+fn prompt(m: &LoadedModel, n: usize, salt: usize) -> Vec<u32> {
+    let text = format!(
+        "Story {salt}: the lighthouse keeper counted ships in the harbor every night, \
+         writing each name in a worn blue notebook beside the lamp. "
+    );
+    let unit = m.tokenizer.encode(&text, false).expect("tokenize");
+    unit.iter().copied().cycle().take(n).collect()
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        tenant: 0,
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop: vec![],
+        ignore_eos: true,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn emit(metric: &str, extra: serde_json::Value, value: f64) {
+    let mut o = serde_json::json!({"system": "tessera", "metric": metric, "value": value});
+    if let (Some(o), Some(e)) = (o.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    println!("{o}");
+}
+
+/// Runs `reqs` together; returns (time until every request has its first token,
+/// time from then until all finished, tokens generated after that point).
+fn run_batch(engine: &mut Engine, reqs: Vec<GenerateRequest>) -> (Duration, Duration, usize) {
+    let t0 = Instant::now();
+    let rxs: Vec<_> = reqs
+        .into_iter()
+        .map(|r| engine.enqueue(engine.admit(r).expect("admit")))
+        .collect();
+    let mut counts = vec![0usize; rxs.len()];
+    let mut all_first: Option<(Instant, usize)> = None;
+    while engine.has_work() {
+        engine.step();
+        for (c, rx) in counts.iter_mut().zip(&rxs) {
+            for ev in rx.try_iter() {
+                match ev {
+                    Event::Token { .. } => *c += 1,
+                    Event::Error(e) => panic!("bench request failed: {e}"),
+                    Event::Done { .. } => {}
+                }
+            }
+        }
+        if all_first.is_none() && counts.iter().all(|&c| c >= 1) {
+            all_first = Some((Instant::now(), counts.iter().sum()));
+        }
+    }
+    let end = Instant::now();
+    let (t1, at_first) = all_first.expect("every request produced a token");
+    (t1 - t0, end - t1, counts.iter().sum::<usize>() - at_first)
+}
+
+pub(crate) fn run(a: BenchArgs) -> Result<()> {
+    let m = LoadedModel::load(&model_path(a.model)?)?;
+    let cfg = EngineConfig {
+        max_running: a.batch.max(1),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(m.llama.clone(), m.tokenizer.clone(), cfg);
+    // Warm-up: page in weights, start the thread pool.
+    run_batch(&mut engine, vec![request(prompt(&m, 32, 0), 4)]);
+
+    let mut prefill = Vec::new();
+    for rep in 0..a.reps {
+        let (ttft, _, _) = run_batch(&mut engine, vec![request(prompt(&m, a.prompt_tokens, rep), 1)]);
+        prefill.push(a.prompt_tokens as f64 / ttft.as_secs_f64());
+    }
+    emit(
+        "prefill_tok_s",
+        serde_json::json!({"prompt_tokens": a.prompt_tokens}),
+        median(prefill),
+    );
+
+    for batch in [1, a.batch] {
+        let mut rates = Vec::new();
+        for rep in 0..a.reps {
+            let reqs = (0..batch)
+                .map(|i| request(prompt(&m, 16 + i, rep * 100 + i), a.decode_tokens))
+                .collect();
+            let (_, decode, tokens) = run_batch(&mut engine, reqs);
+            rates.push(tokens as f64 / decode.as_secs_f64());
+        }
+        emit(
+            "decode_tok_s",
+            serde_json::json!({"batch": batch, "decode_tokens": a.decode_tokens}),
+            median(rates),
+        );
+    }
+    let weights_mb = m.llama.weight_bytes() as f64 / 1e6;
+    emit("weight_bytes_per_step_mb", serde_json::json!({}), weights_mb);
+    Ok(())
+}
