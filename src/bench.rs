@@ -68,7 +68,7 @@ fn emit(metric: &str, extra: serde_json::Value, value: f64) {
 /// time from then until all finished, tokens generated after that point).
 fn run_batch(engine: &mut Engine, reqs: Vec<GenerateRequest>) -> (Duration, Duration, usize) {
     let t0 = Instant::now();
-    let rxs: Vec<_> = reqs
+    let mut rxs: Vec<_> = reqs
         .into_iter()
         .map(|r| engine.enqueue(engine.admit(r).expect("admit")))
         .collect();
@@ -76,8 +76,8 @@ fn run_batch(engine: &mut Engine, reqs: Vec<GenerateRequest>) -> (Duration, Dura
     let mut all_first: Option<(Instant, usize)> = None;
     while engine.has_work() {
         engine.step();
-        for (c, rx) in counts.iter_mut().zip(&rxs) {
-            for ev in rx.try_iter() {
+        for (c, rx) in counts.iter_mut().zip(rxs.iter_mut()) {
+            while let Ok(ev) = rx.try_recv() {
                 match ev {
                     Event::Token { .. } => *c += 1,
                     Event::Error(e) => panic!("bench request failed: {e}"),
@@ -106,7 +106,10 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
 
     let mut prefill = Vec::new();
     for rep in 0..a.reps {
-        let (ttft, _, _) = run_batch(&mut engine, vec![request(prompt(&m, a.prompt_tokens, rep), 1)]);
+        let (ttft, _, _) = run_batch(
+            &mut engine,
+            vec![request(prompt(&m, a.prompt_tokens, rep), 1)],
+        );
         prefill.push(a.prompt_tokens as f64 / ttft.as_secs_f64());
     }
     emit(
@@ -131,6 +134,10 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
         );
     }
     let weights_mb = m.llama.weight_bytes() as f64 / 1e6;
-    emit("weight_bytes_per_step_mb", serde_json::json!({}), weights_mb);
+    emit(
+        "weight_bytes_per_step_mb",
+        serde_json::json!({}),
+        weights_mb,
+    );
     Ok(())
 }

@@ -112,13 +112,13 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
     };
     let admitted = engine.admit(req)?;
-    let rx = engine.enqueue(admitted);
+    let mut rx = engine.enqueue(admitted);
     let mut ids = Vec::new();
     let mut out = String::new();
     let stdout = std::io::stdout();
     while engine.has_work() {
         engine.step();
-        for ev in rx.try_iter() {
+        while let Ok(ev) = rx.try_recv() {
             match ev {
                 Event::Token { id, text } => {
                     ids.push(id);

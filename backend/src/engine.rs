@@ -15,10 +15,10 @@ use crate::model::{BatchRow, Llama};
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use std::collections::VecDeque;
-use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_kernels::IntegrityError;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// Engine sizing.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -194,7 +194,7 @@ struct Seq {
     sampler: Sampler,
     detok: IncrementalDecoder,
     stop: StopMatcher,
-    sink: Sender<Event>,
+    sink: UnboundedSender<Event>,
     submitted: Instant,
     first_token: Option<Instant>,
 }
@@ -205,7 +205,7 @@ pub struct Engine {
     tokenizer: Arc<Tokenizer>,
     cfg: EngineConfig,
     kv: KvManager,
-    waiting: VecDeque<(Admitted, Sender<Event>, Instant)>,
+    waiting: VecDeque<(Admitted, UnboundedSender<Event>, Instant)>,
     running: Vec<Seq>,
     stop_ids: Vec<u32>,
     next_seq: u64,
@@ -240,21 +240,45 @@ impl Engine {
 
     /// Admission (I1): every check that can refuse the request, before any allocation.
     pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
-        admit(
-            &req,
-            self.model.config().context,
-            self.kv.pool().capacity_tokens(),
-            self.cfg.page_size,
-            self.model.config().vocab,
-        )?;
-        Ok(Admitted(req))
+        self.limits().admit(req)
+    }
+
+    /// The static limits admission checks against.
+    pub fn limits(&self) -> AdmissionLimits {
+        AdmissionLimits {
+            context: self.model.config().context,
+            pool_tokens: self.kv.pool().capacity_tokens(),
+            page_size: self.cfg.page_size,
+            vocab: self.model.config().vocab,
+        }
     }
 
     /// Queues an admitted request; its events go to the returned receiver.
-    pub fn enqueue(&mut self, req: Admitted) -> Receiver<Event> {
-        let (tx, rx) = mpsc::channel();
-        self.waiting.push_back((req, tx, Instant::now()));
+    pub fn enqueue(&mut self, req: Admitted) -> UnboundedReceiver<Event> {
+        let (tx, rx) = unbounded_channel();
+        self.enqueue_with_sink(req, tx, Instant::now());
         rx
+    }
+
+    /// Queues an admitted request whose events go to `sink`; `submitted` is when
+    /// the client's request arrived (TTFT is measured from it).
+    pub fn enqueue_with_sink(
+        &mut self,
+        req: Admitted,
+        sink: UnboundedSender<Event>,
+        submitted: Instant,
+    ) {
+        self.waiting.push_back((req, sink, submitted));
+    }
+
+    /// Requests waiting for admission to the running batch.
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests in the running batch.
+    pub fn running_len(&self) -> usize {
+        self.running.len()
     }
 
     /// Whether any request is waiting or running.
@@ -463,8 +487,35 @@ enum Accepted {
     Disconnected,
 }
 
-/// The I1 checks shared by every role: pure, no allocation.
-pub fn admit(
+/// What admission checks a request against: the model's context window and the
+/// node's pool. Copyable, so any thread can admit without touching the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdmissionLimits {
+    /// Model context window (tokens).
+    pub context: usize,
+    /// KV pool capacity (tokens).
+    pub pool_tokens: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+impl AdmissionLimits {
+    /// The I1 checks: pure, no allocation. Returns the validated request.
+    pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
+        check(
+            &req,
+            self.context,
+            self.pool_tokens,
+            self.page_size,
+            self.vocab,
+        )?;
+        Ok(Admitted(req))
+    }
+}
+
+fn check(
     req: &GenerateRequest,
     context: usize,
     pool_tokens: usize,

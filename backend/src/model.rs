@@ -365,7 +365,10 @@ impl Llama {
             rms_norm(&x, &l.ffn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
             l.gate_up.matmul(&acts, &mut gate_up);
-            for (g, gu) in gate.chunks_exact_mut(cfg.ffn).zip(gate_up.chunks_exact(2 * cfg.ffn)) {
+            for (g, gu) in gate
+                .chunks_exact_mut(cfg.ffn)
+                .zip(gate_up.chunks_exact(2 * cfg.ffn))
+            {
                 g.copy_from_slice(&gu[..cfg.ffn]);
                 swiglu(g, &gu[cfg.ffn..]);
             }

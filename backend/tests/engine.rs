@@ -44,7 +44,7 @@ fn greedy_output_alone_equals_output_with_seven_other_requests() {
             ..EngineConfig::default()
         },
     );
-    let rxs: Vec<_> = reqs
+    let mut rxs: Vec<_> = reqs
         .iter()
         .map(|r| e.enqueue(e.admit(r.clone()).unwrap()))
         .collect();
@@ -54,7 +54,7 @@ fn greedy_output_alone_equals_output_with_seven_other_requests() {
         e.step();
     }
     assert_eq!(max_batch, 8, "all eight requests must run together");
-    for (i, rx) in rxs.iter().enumerate() {
+    for (i, rx) in rxs.iter_mut().enumerate() {
         let together = drain(rx);
         assert!(!alone[i].ids.is_empty());
         assert_eq!(together, alone[i], "prompt {i} ({:?})", PROMPTS[i]);
@@ -71,13 +71,13 @@ fn block_table_pointing_at_another_sequence_fails_only_that_request() {
 
     let mut e = engine(&m, EngineConfig::default());
     let start_free = e.kv().pool().free_pages();
-    let victim = e.enqueue(e.admit(victim_req).unwrap());
-    let other = e.enqueue(e.admit(other_req).unwrap());
+    let mut victim = e.enqueue(e.admit(victim_req).unwrap());
+    let mut other = e.enqueue(e.admit(other_req).unwrap());
     // Run until both have produced a first token (both prompts prefilled).
     e.step();
     let ids = e.running_ids();
     assert_eq!(ids.len(), 2);
-    let before = drain(&victim);
+    let before = drain(&mut victim);
     assert_eq!(before.ids.len(), 1);
     // Corrupt: the victim's logical block 0 now points at the other sequence's page 0,
     // keeping the victim's expected tag.
@@ -85,7 +85,7 @@ fn block_table_pointing_at_another_sequence_fails_only_that_request() {
     e.kv_mut_for_test().table_mut_for_test(ids[0]).unwrap()[0].page = other_page;
     e.run_to_completion();
 
-    let after = drain(&victim);
+    let after = drain(&mut victim);
     assert!(
         after.ids.is_empty(),
         "no token may follow an integrity failure"
@@ -98,7 +98,7 @@ fn block_table_pointing_at_another_sequence_fails_only_that_request() {
         }
         other => panic!("expected an integrity error, got {other:?}"),
     }
-    let mut other_out = drain(&other);
+    let mut other_out = drain(&mut other);
     other_out.text = other_out.text.clone();
     assert_eq!(
         other_out, other_alone,
@@ -116,7 +116,7 @@ fn block_table_pointing_at_another_sequence_fails_only_that_request() {
 fn admission_rejections_leave_the_pool_untouched() {
     let m = load();
     let ctx = m.config().context;
-    let mut e = engine(&m, EngineConfig::default());
+    let e = engine(&m, EngineConfig::default());
     let free = e.kv().pool().free_pages();
 
     let over = greedy(vec![42; ctx - 10], 11);
@@ -180,12 +180,12 @@ fn requests_wait_for_pages_instead_of_failing() {
     );
     let a = greedy(chat_prompt(&m, "Hi"), 8);
     assert!(a.prompt.len() + 8 <= 64 && 2 * (a.prompt.len() + 8).div_ceil(16) > 4);
-    let ra = e.enqueue(e.admit(a.clone()).unwrap());
-    let rb = e.enqueue(e.admit(a.clone()).unwrap());
+    let mut ra = e.enqueue(e.admit(a.clone()).unwrap());
+    let mut rb = e.enqueue(e.admit(a.clone()).unwrap());
     e.step();
     assert_eq!(e.running_ids().len(), 1);
     e.run_to_completion();
-    let (oa, ob) = (drain(&ra), drain(&rb));
+    let (oa, ob) = (drain(&mut ra), drain(&mut rb));
     assert_eq!(oa, ob, "the request that reused freed pages must match");
     assert_eq!(oa, solo(&m, a));
     assert_eq!(e.kv().pool().free_pages(), 4);

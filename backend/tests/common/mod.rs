@@ -3,9 +3,9 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::PathBuf;
-use std::sync::mpsc::Receiver;
 use tessera_backend::sampling::SamplingParams;
 use tessera_backend::{Engine, EngineConfig, Event, GenerateRequest, LoadedModel};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 /// The real model: `$TESSERA_MODEL`, else `models/` in the workspace (filled by
 /// `tessera model fetch`, which `.ci/run` runs first).
@@ -50,13 +50,13 @@ pub struct Outcome {
     pub last: Option<Event>,
 }
 
-pub fn drain(rx: &Receiver<Event>) -> Outcome {
+pub fn drain(rx: &mut UnboundedReceiver<Event>) -> Outcome {
     let mut o = Outcome {
         ids: vec![],
         text: String::new(),
         last: None,
     };
-    for ev in rx.try_iter() {
+    while let Ok(ev) = rx.try_recv() {
         match ev {
             Event::Token { id, text } => {
                 assert!(o.last.is_none(), "token after the final event");
@@ -78,10 +78,10 @@ pub fn drain(rx: &Receiver<Event>) -> Outcome {
 /// Runs one request alone on a fresh engine.
 pub fn solo(m: &LoadedModel, req: GenerateRequest) -> Outcome {
     let mut e = engine(m, EngineConfig::default());
-    let rx = e.enqueue(e.admit(req).unwrap());
+    let mut rx = e.enqueue(e.admit(req).unwrap());
     e.run_to_completion();
     assert_eq!(e.kv().pool().free_pages(), e.kv().pool().capacity());
-    drain(&rx)
+    drain(&mut rx)
 }
 
 pub fn chat_prompt(m: &LoadedModel, user: &str) -> Vec<u32> {

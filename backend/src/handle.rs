@@ -1,0 +1,132 @@
+//! [`EngineHandle`]: the engine on its own thread, shared by many callers.
+//!
+//! One thread owns the [`Engine`] (and so the KV pool); callers hold cheap clones of
+//! the handle. Admission runs in the caller's thread against copied
+//! [`AdmissionLimits`], so a rejected request never reaches the engine's queue (I1).
+//! Dropping a request's receiver aborts it at the next step and frees its pages.
+
+use crate::engine::{AdmissionLimits, Engine, EngineConfig, Event, GenerateRequest, Rejection};
+use crate::runtime::LoadedModel;
+use crate::Admitted;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// Point-in-time engine counters (updated after every step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Free KV pages.
+    pub free_pages: usize,
+    /// Total KV pages.
+    pub capacity_pages: usize,
+    /// Requests in the running batch.
+    pub running: usize,
+    /// Requests waiting for pages or a batch slot.
+    pub waiting: usize,
+}
+
+#[derive(Default)]
+struct Shared {
+    free_pages: AtomicUsize,
+    capacity_pages: AtomicUsize,
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+}
+
+struct Submit {
+    req: Admitted,
+    sink: UnboundedSender<Event>,
+    at: Instant,
+}
+
+/// A cloneable handle to an engine running on a dedicated thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Submit>,
+    limits: AdmissionLimits,
+    shared: Arc<Shared>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread. It exits once every handle is dropped and the
+    /// requests it already accepted have finished.
+    pub fn spawn(model: &LoadedModel, cfg: EngineConfig) -> Self {
+        let engine = Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg);
+        let limits = engine.limits();
+        let shared = Arc::new(Shared::default());
+        let (tx, rx) = mpsc::channel::<Submit>();
+        let sh = shared.clone();
+        publish(&engine, &sh);
+        std::thread::Builder::new()
+            .name("tessera-engine".into())
+            .spawn(move || run(engine, rx, sh))
+            .expect("spawn engine thread");
+        Self { tx, limits, shared }
+    }
+
+    /// Admits `req` (I1) and queues it; events arrive on the returned receiver.
+    /// Drop the receiver to abort.
+    pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>, Rejection> {
+        let req = self.limits.admit(req)?;
+        let (sink, rx) = unbounded_channel();
+        let at = Instant::now();
+        if let Err(mpsc::SendError(s)) = self.tx.send(Submit { req, sink, at }) {
+            let _ = s
+                .sink
+                .send(Event::Error(crate::engine::EngineError::Shutdown));
+        }
+        Ok(rx)
+    }
+
+    /// The limits admission checks against.
+    pub fn limits(&self) -> AdmissionLimits {
+        self.limits
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            free_pages: self.shared.free_pages.load(Ordering::Acquire),
+            capacity_pages: self.shared.capacity_pages.load(Ordering::Acquire),
+            running: self.shared.running.load(Ordering::Acquire),
+            waiting: self.shared.waiting.load(Ordering::Acquire),
+        }
+    }
+}
+
+fn publish(e: &Engine, sh: &Shared) {
+    sh.free_pages
+        .store(e.kv().pool().free_pages(), Ordering::Release);
+    sh.capacity_pages
+        .store(e.kv().pool().capacity(), Ordering::Release);
+    sh.running.store(e.running_len(), Ordering::Release);
+    sh.waiting.store(e.waiting_len(), Ordering::Release);
+}
+
+fn run(mut engine: Engine, rx: mpsc::Receiver<Submit>, sh: Arc<Shared>) {
+    let mut open = true;
+    loop {
+        if !engine.has_work() {
+            if !open {
+                return;
+            }
+            match rx.recv() {
+                Ok(s) => engine.enqueue_with_sink(s.req, s.sink, s.at),
+                Err(_) => return,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(s) => engine.enqueue_with_sink(s.req, s.sink, s.at),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        engine.step();
+        publish(&engine, &sh);
+    }
+}
