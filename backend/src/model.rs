@@ -12,9 +12,9 @@ use crate::kv::{KvManager, SeqId};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
 use half::f16;
-use rayon::prelude::*;
 use std::collections::HashMap;
 use std::io::{Read, Seek};
+use std::sync::Mutex;
 use tessera_kernels::ops::{rms_norm, swiglu, Rope};
 use tessera_kernels::{paged_attention, Activations, IntegrityError, KvLayout, QMatrix};
 
@@ -149,6 +149,18 @@ pub struct Llama {
     output_norm: Vec<f32>,
     layers: Vec<Layer>,
     rope: Rope,
+}
+
+/// Base pointer of a row-major output shared by pool tasks that write disjoint rows.
+#[derive(Clone, Copy)]
+struct RowsPtr(*mut f32);
+// SAFETY: tasks write disjoint rows of a buffer that outlives the parallel region.
+unsafe impl Send for RowsPtr {}
+unsafe impl Sync for RowsPtr {}
+impl RowsPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
 }
 
 /// One token of a forward batch.
@@ -339,22 +351,30 @@ impl Llama {
             }
 
             let (data, tags) = (kv.pool().data(), kv.pool().tags());
-            let results: Vec<Option<(SeqId, IntegrityError)>> = attn
-                .par_chunks_mut(d)
-                .zip(q.par_chunks(d))
-                .zip(rows.par_iter())
-                .map(|((out, qr), r)| {
-                    if failed.contains_key(&r.seq) {
-                        out.fill(0.0);
-                        return None;
-                    }
-                    let table = kv.table(r.seq).unwrap_or(&[]);
+            let errors: Vec<Mutex<Option<IntegrityError>>> =
+                (0..n).map(|_| Mutex::new(None)).collect();
+            let out_ptr = RowsPtr(attn.as_mut_ptr());
+            tessera_kernels::pool::global().parallel_for(n, |i| {
+                let r = &rows[i];
+                // SAFETY: task i writes only row i of `attn`, which outlives the region.
+                let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(i * d), d) };
+                if failed.contains_key(&r.seq) {
+                    out.fill(0.0);
+                    return;
+                }
+                let table = kv.table(r.seq).unwrap_or(&[]);
+                let qr = &q[i * d..(i + 1) * d];
+                if let Err(e) =
                     paged_attention(qr, nh, r.pos + 1, li, &layout, data, tags, table, out)
-                        .err()
-                        .map(|e| (r.seq, e))
-                })
-                .collect();
-            for (seq, e) in results.into_iter().flatten() {
+                {
+                    *errors[i].lock().unwrap() = Some(e);
+                }
+            });
+            let results = errors
+                .into_iter()
+                .enumerate()
+                .map(|(i, e)| e.into_inner().unwrap().map(|e| (rows[i].seq, e)));
+            for (seq, e) in results.flatten() {
                 failed.entry(seq).or_insert(e);
             }
 

@@ -5,11 +5,13 @@
 //! - [`matmul`]: batch-invariant quantized matmul, threaded over output features.
 //! - [`attention`]: paged attention that verifies each KV page's tag before reading it.
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU.
+//! - [`pool`]: the fork-join thread pool the kernels run on.
 
 pub mod attention;
 pub mod dot;
 pub mod matmul;
 pub mod ops;
+pub mod pool;
 pub mod quant;
 
 pub use attention::{paged_attention, BlockRef, IntegrityError, KvLayout, PageTag};

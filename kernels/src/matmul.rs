@@ -7,9 +7,9 @@
 //! the reduction, so each `Y[i, j]` is computed by the same instructions in the
 //! same order whatever `n` is and whoever else is in the batch.
 
-use crate::dot::{dot_f32, dot_q4_1, dot_q8_0};
-use crate::quant::{quantize_row_q8, BlockQ4_1, BlockQ8, BlockQ8_0, QK};
-use rayon::prelude::*;
+use crate::dot::{dot_f32, panel_q4_1, panel_q8_0, Q4_1Matrix, Q8_0Matrix};
+use crate::quant::{quantize_row_q8_split, ActRow, BlockQ4_1, BlockQ8_0, QK};
+use half::f16;
 
 /// Errors building a weight matrix.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -38,13 +38,26 @@ pub enum MatrixError {
     },
 }
 
-/// Weight storage formats with a native kernel.
+/// Weight storage formats with a native kernel. Quantized formats are kept as
+/// structure-of-arrays (the GGUF bytes regrouped, not re-quantized), row-major.
 #[derive(Debug)]
 pub enum Weights {
-    /// GGML `Q4_1` blocks, `rows * cols / 32` of them.
-    Q4_1(Vec<BlockQ4_1>),
-    /// GGML `Q8_0` blocks.
-    Q8_0(Vec<BlockQ8_0>),
+    /// GGML `Q4_1`: 16 nibble bytes, one `d` and one `m` per 32 weights.
+    Q4_1 {
+        /// Packed nibbles, `rows * cols / 2` bytes.
+        qs: Vec<u8>,
+        /// Scales, `rows * cols / 32`.
+        d: Vec<f16>,
+        /// Offsets, `rows * cols / 32`.
+        m: Vec<f16>,
+    },
+    /// GGML `Q8_0`: 32 `i8` and one `d` per 32 weights.
+    Q8_0 {
+        /// Values, `rows * cols`.
+        qs: Vec<i8>,
+        /// Scales, `rows * cols / 32`.
+        d: Vec<f16>,
+    },
     /// Plain `f32` (any other GGUF type, dequantized at load).
     F32(Vec<f32>),
 }
@@ -63,7 +76,9 @@ pub struct Activations {
     n: usize,
     cols: usize,
     f32: Vec<f32>,
-    q8: Vec<BlockQ8>,
+    qs: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
 }
 
 impl Activations {
@@ -83,11 +98,15 @@ impl Activations {
         self.f32.clear();
         self.f32.extend_from_slice(x);
         let bpr = cols / QK;
-        self.q8.resize(n * bpr, BlockQ8::default());
-        self.q8
-            .par_chunks_mut(bpr)
-            .zip(x.par_chunks(cols))
-            .for_each(|(q, row)| quantize_row_q8(row, q));
+        self.qs.resize(n * cols, 0);
+        self.d.resize(n * bpr, 0.0);
+        self.s.resize(n * bpr, 0.0);
+        self.qs
+            .chunks_mut(cols)
+            .zip(self.d.chunks_mut(bpr))
+            .zip(self.s.chunks_mut(bpr))
+            .zip(x.chunks(cols))
+            .for_each(|(((q, d), s), row)| quantize_row_q8_split(row, q, d, s));
     }
 
     /// Number of rows.
@@ -95,9 +114,13 @@ impl Activations {
         self.n
     }
 
-    fn q8_row(&self, r: usize) -> &[BlockQ8] {
+    fn q8_row(&self, r: usize) -> ActRow<'_> {
         let bpr = self.cols / QK;
-        &self.q8[r * bpr..(r + 1) * bpr]
+        ActRow {
+            qs: &self.qs[r * self.cols..(r + 1) * self.cols],
+            d: &self.d[r * bpr..(r + 1) * bpr],
+            s: &self.s[r * bpr..(r + 1) * bpr],
+        }
     }
 
     fn f32_row(&self, r: usize) -> &[f32] {
@@ -116,30 +139,43 @@ impl QMatrix {
     /// Builds a matrix from GGUF bytes of a `Q4_1` tensor.
     pub fn from_q4_1_bytes(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, MatrixError> {
         let blocks = Self::check(bytes.len(), rows, cols, BlockQ4_1::BYTES, "Q4_1")?;
-        let v = bytes
+        let (mut qs, mut d, mut m) = (
+            Vec::with_capacity(blocks * 16),
+            Vec::with_capacity(blocks),
+            Vec::with_capacity(blocks),
+        );
+        for b in bytes
             .chunks_exact(BlockQ4_1::BYTES)
             .take(blocks)
             .map(BlockQ4_1::from_bytes)
-            .collect();
+        {
+            qs.extend_from_slice(&b.qs);
+            d.push(b.d);
+            m.push(b.m);
+        }
         Ok(Self {
             rows,
             cols,
-            weights: Weights::Q4_1(v),
+            weights: Weights::Q4_1 { qs, d, m },
         })
     }
 
     /// Builds a matrix from GGUF bytes of a `Q8_0` tensor.
     pub fn from_q8_0_bytes(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, MatrixError> {
         let blocks = Self::check(bytes.len(), rows, cols, BlockQ8_0::BYTES, "Q8_0")?;
-        let v = bytes
+        let (mut qs, mut d) = (Vec::with_capacity(blocks * QK), Vec::with_capacity(blocks));
+        for b in bytes
             .chunks_exact(BlockQ8_0::BYTES)
             .take(blocks)
             .map(BlockQ8_0::from_bytes)
-            .collect();
+        {
+            qs.extend_from_slice(&b.qs);
+            d.push(b.d);
+        }
         Ok(Self {
             rows,
             cols,
-            weights: Weights::Q8_0(v),
+            weights: Weights::Q8_0 { qs, d },
         })
     }
 
@@ -198,26 +234,25 @@ impl QMatrix {
         }
         let rows = parts.iter().map(|p| p.rows).sum();
         let same = |f: fn(&Weights) -> bool| parts.iter().all(|p| f(&p.weights));
-        let weights = if same(|w| matches!(w, Weights::Q4_1(_))) {
-            Weights::Q4_1(
-                parts
-                    .into_iter()
-                    .flat_map(|p| match p.weights {
-                        Weights::Q4_1(v) => v,
-                        _ => unreachable!(),
-                    })
-                    .collect(),
-            )
-        } else if same(|w| matches!(w, Weights::Q8_0(_))) {
-            Weights::Q8_0(
-                parts
-                    .into_iter()
-                    .flat_map(|p| match p.weights {
-                        Weights::Q8_0(v) => v,
-                        _ => unreachable!(),
-                    })
-                    .collect(),
-            )
+        let weights = if same(|w| matches!(w, Weights::Q4_1 { .. })) {
+            let (mut qs, mut d, mut m) = (Vec::new(), Vec::new(), Vec::new());
+            for p in parts {
+                if let Weights::Q4_1 { qs: a, d: b, m: c } = p.weights {
+                    qs.extend(a);
+                    d.extend(b);
+                    m.extend(c);
+                }
+            }
+            Weights::Q4_1 { qs, d, m }
+        } else if same(|w| matches!(w, Weights::Q8_0 { .. })) {
+            let (mut qs, mut d) = (Vec::new(), Vec::new());
+            for p in parts {
+                if let Weights::Q8_0 { qs: a, d: b } = p.weights {
+                    qs.extend(a);
+                    d.extend(b);
+                }
+            }
+            Weights::Q8_0 { qs, d }
         } else {
             let mut v = vec![0f32; rows * cols];
             let mut at = 0;
@@ -255,8 +290,8 @@ impl QMatrix {
     pub fn weight_bytes(&self) -> usize {
         let blocks = self.rows * self.cols / QK;
         match &self.weights {
-            Weights::Q4_1(_) => blocks * BlockQ4_1::BYTES,
-            Weights::Q8_0(_) => blocks * BlockQ8_0::BYTES,
+            Weights::Q4_1 { .. } => blocks * BlockQ4_1::BYTES,
+            Weights::Q8_0 { .. } => blocks * BlockQ8_0::BYTES,
             Weights::F32(_) => self.rows * self.cols * 4,
         }
     }
@@ -265,20 +300,21 @@ impl QMatrix {
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let bpr = self.cols / QK;
         match &self.weights {
-            Weights::Q4_1(b) => {
-                for (blk, o) in b[r * bpr..(r + 1) * bpr]
-                    .iter()
-                    .zip(out.chunks_exact_mut(QK))
-                {
-                    blk.dequantize(o)
+            Weights::Q4_1 { qs, d, m } => {
+                for (b, o) in (r * bpr..(r + 1) * bpr).zip(out.chunks_exact_mut(QK)) {
+                    let (d, m) = (d[b].to_f32(), m[b].to_f32());
+                    for j in 0..QK / 2 {
+                        o[j] = (qs[b * 16 + j] & 0x0F) as f32 * d + m;
+                        o[j + QK / 2] = (qs[b * 16 + j] >> 4) as f32 * d + m;
+                    }
                 }
             }
-            Weights::Q8_0(b) => {
-                for (blk, o) in b[r * bpr..(r + 1) * bpr]
-                    .iter()
-                    .zip(out.chunks_exact_mut(QK))
-                {
-                    blk.dequantize(o)
+            Weights::Q8_0 { qs, d } => {
+                for (b, o) in (r * bpr..(r + 1) * bpr).zip(out.chunks_exact_mut(QK)) {
+                    let d = d[b].to_f32();
+                    for (oj, &q) in o.iter_mut().zip(&qs[b * QK..(b + 1) * QK]) {
+                        *oj = q as f32 * d;
+                    }
                 }
             }
             Weights::F32(v) => out.copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
@@ -290,59 +326,69 @@ impl QMatrix {
         assert_eq!(x.cols, self.cols, "input features");
         assert_eq!(out.len(), x.n * self.rows, "output shape");
         let rows = self.rows;
-        let threads = rayon::current_num_threads().max(1);
-        let chunk = (rows / (threads * 8)).clamp(4, 256);
+        let pool = crate::pool::global();
+        let chunk = (rows / (pool.threads() * 8)).clamp(4, 256);
         let ptr = OutPtr(out.as_mut_ptr());
         let n_chunks = rows.div_ceil(chunk);
-        (0..n_chunks).into_par_iter().for_each(|c| {
+        pool.parallel_for(n_chunks, |c| {
             let ptr = ptr;
             let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(rows));
             let mut i = 0;
             while i < x.n {
-                let take = (x.n - i).min(4);
-                for j in j0..j1 {
-                    let vals = self.dot_rows(j, x, i, take);
-                    for (r, v) in vals.iter().take(take).enumerate() {
-                        // SAFETY: (i + r, j) is in bounds and owned by this chunk.
-                        unsafe { *ptr.0.add((i + r) * rows + j) = *v };
-                    }
-                }
+                let take = (x.n - i).min(GROUP);
+                self.panel(j0..j1, x, i, take, |j, r, v| {
+                    // SAFETY: (i + r, j) is in bounds and owned by this chunk.
+                    unsafe { *ptr.0.add((i + r) * rows + j) = v };
+                });
                 i += take;
             }
         });
     }
 
-    /// Dots weight row `j` with activation rows `i..i+take` (`take <= 4`).
+    /// Dots weight rows `js` with activation rows `i..i+take` (`take <= GROUP`),
+    /// calling `out(j, r, value)` for each.
     #[inline]
-    fn dot_rows(&self, j: usize, x: &Activations, i: usize, take: usize) -> [f32; 4] {
+    fn panel(
+        &self,
+        js: std::ops::Range<usize>,
+        x: &Activations,
+        i: usize,
+        take: usize,
+        mut out: impl FnMut(usize, usize, f32),
+    ) {
         let bpr = self.cols / QK;
-        let mut out = [0f32; 4];
-        macro_rules! go {
-            ($f:ident, $w:expr, $row:ident) => {
+        macro_rules! group {
+            ($panel:ident, $w:expr, $($n:literal)+) => {
                 match take {
-                    4 => {
-                        out = $f::<4>($w, [x.$row(i), x.$row(i + 1), x.$row(i + 2), x.$row(i + 3)])
-                    }
-                    3 => {
-                        let v = $f::<3>($w, [x.$row(i), x.$row(i + 1), x.$row(i + 2)]);
-                        out[..3].copy_from_slice(&v);
-                    }
-                    2 => {
-                        let v = $f::<2>($w, [x.$row(i), x.$row(i + 1)]);
-                        out[..2].copy_from_slice(&v);
-                    }
-                    _ => out[0] = $f::<1>($w, [x.$row(i)])[0],
+                    $($n => {
+                        let rows: [_; $n] = std::array::from_fn(|k| x.q8_row(i + k));
+                        $panel::<$n>($w, js, rows, |j, v| v.iter().enumerate().for_each(|(r, &v)| out(j, r, v)));
+                    })+
+                    _ => unreachable!("group size {take}"),
                 }
             };
         }
         match &self.weights {
-            Weights::Q4_1(b) => go!(dot_q4_1, &b[j * bpr..(j + 1) * bpr], q8_row),
-            Weights::Q8_0(b) => go!(dot_q8_0, &b[j * bpr..(j + 1) * bpr], q8_row),
-            Weights::F32(v) => go!(dot_f32, &v[j * self.cols..(j + 1) * self.cols], f32_row),
+            Weights::Q4_1 { qs, d, m } => {
+                group!(panel_q4_1, Q4_1Matrix { qs, d, m, bpr }, 1 2 3 4 5 6 7 8)
+            }
+            Weights::Q8_0 { qs, d } => {
+                group!(panel_q8_0, Q8_0Matrix { qs, d, bpr }, 1 2 3 4 5 6 7 8)
+            }
+            Weights::F32(v) => {
+                for j in js {
+                    let w = &v[j * self.cols..(j + 1) * self.cols];
+                    for r in 0..take {
+                        out(j, r, dot_f32::<1>(w, [x.f32_row(i + r)])[0]);
+                    }
+                }
+            }
         }
-        out
     }
 }
+
+/// Activation rows multiplied per weight-row load.
+const GROUP: usize = 8;
 
 #[cfg(test)]
 mod tests {

@@ -49,6 +49,71 @@ pub struct BlockQ8 {
     pub qs: [i8; QK],
 }
 
+/// One weight row of `Q4_1` blocks in structure-of-arrays form (same bytes as
+/// GGUF, regrouped so SIMD loads are contiguous): `qs` holds 16 bytes per block.
+#[derive(Clone, Copy, Debug)]
+pub struct Q4_1Row<'a> {
+    /// Packed nibbles, 16 bytes per block (GGML order within a block).
+    pub qs: &'a [u8],
+    /// Block scales.
+    pub d: &'a [f16],
+    /// Block offsets.
+    pub m: &'a [f16],
+}
+
+/// One weight row of `Q8_0` blocks in structure-of-arrays form.
+#[derive(Clone, Copy, Debug)]
+pub struct Q8_0Row<'a> {
+    /// Values, 32 per block.
+    pub qs: &'a [i8],
+    /// Block scales.
+    pub d: &'a [f16],
+}
+
+/// One quantized activation row in structure-of-arrays form.
+#[derive(Clone, Copy, Debug)]
+pub struct ActRow<'a> {
+    /// Values, 32 per block.
+    pub qs: &'a [i8],
+    /// Block scales.
+    pub d: &'a [f32],
+    /// `d * sum(qs)` per block.
+    pub s: &'a [f32],
+}
+
+impl<'a> Q4_1Row<'a> {
+    /// Blocks in the row.
+    pub fn blocks(&self) -> usize {
+        self.d.len()
+    }
+}
+
+impl<'a> Q8_0Row<'a> {
+    /// Blocks in the row.
+    pub fn blocks(&self) -> usize {
+        self.d.len()
+    }
+}
+
+/// Quantizes one activation row (length a multiple of [`QK`]) into split arrays:
+/// `qs` (`x.len()` values), `d` and `s` (`x.len() / QK` each). Same rounding as
+/// [`quantize_row_q8`].
+pub fn quantize_row_q8_split(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    for (b, xs) in x.chunks_exact(QK).enumerate() {
+        let amax = xs.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let db = amax / 127.0;
+        let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in qs[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
+            let qi = (v * id).round() as i32;
+            *q = qi as i8;
+            sum += qi;
+        }
+        d[b] = db;
+        s[b] = db * sum as f32;
+    }
+}
+
 impl BlockQ4_1 {
     /// Bytes per block in a GGUF file.
     pub const BYTES: usize = 20;
