@@ -31,6 +31,10 @@
 #                  (about 15 minutes on 2 cores; log in $LLAMA_CPP_DIR/llama_build.log)
 #   THREADS        llama.cpp threads (default: nproc)
 #   PROMPT_TOKENS  default 256;  DECODE_TOKENS default 128;  RUNS default 5
+#   BATCH          sequences decoded together for the batched figure (default 16):
+#                  one llama_decode per step carrying one token of each sequence
+#                  (unified KV cache), which is what llama-server's continuous
+#                  batching does with -np BATCH, minus its HTTP layer.
 # Nothing is written inside the repository.
 set -euo pipefail
 
@@ -42,6 +46,7 @@ THREADS=${THREADS:-$(nproc)}
 PROMPT_TOKENS=${PROMPT_TOKENS:-256}
 DECODE_TOKENS=${DECODE_TOKENS:-128}
 RUNS=${RUNS:-5}
+BATCH=${BATCH:-16}
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 
 if [ ! -f "$MODEL" ]; then
@@ -62,14 +67,14 @@ if ! "$PYTHON" -c 'import llama_cpp' 2>/dev/null; then
             echo "build failed; see $LLAMA_CPP_DIR/llama_build.log" >&2; exit 1; }
 fi
 
-exec "$PYTHON" - "$MODEL" "$THREADS" "$PROMPT_TOKENS" "$DECODE_TOKENS" "$RUNS" <<'PY'
+exec "$PYTHON" - "$MODEL" "$THREADS" "$PROMPT_TOKENS" "$DECODE_TOKENS" "$RUNS" "$BATCH" <<'PY'
 import hashlib, json, os, statistics, sys, time
 
 import numpy as np
 import llama_cpp
 from llama_cpp import Llama
 
-model, threads, n_prompt, n_decode, runs = sys.argv[1], *map(int, sys.argv[2:6])
+model, threads, n_prompt, n_decode, runs, n_batch_seq = sys.argv[1], *map(int, sys.argv[2:7])
 
 h = hashlib.sha256()
 with open(model, "rb") as f:
@@ -130,4 +135,50 @@ emit({"system": "llama.cpp", "metric": "decode_tok_s", "batch": 1,
                   "prompt_tokens": n_prompt, "decode_tokens": n_decode,
                   "value": round(n_decode / d, 1), "ms_per_token": round(1000 * d / n_decode, 3),
                   **common})
+
+# Batched decode: n_batch_seq sequences with 16-token prompts, then n_decode steps
+# of one llama_decode holding one greedy token per sequence.
+cp = llama_cpp.llama_context_default_params()
+cp.n_ctx = n_batch_seq * (16 + n_decode + 8)
+cp.n_batch = cp.n_ubatch = max(512, n_batch_seq * 16)
+cp.n_seq_max = n_batch_seq
+cp.kv_unified = True
+cp.n_threads = cp.n_threads_batch = threads
+ctx = llama_cpp.llama_init_from_model(llm._model.model, cp)
+batch = llama_cpp.llama_batch_init(n_batch_seq * 16, 0, n_batch_seq)
+def fill(items):  # items: (token, pos, seq, want_logits)
+    batch.n_tokens = len(items)
+    for i, (t, p, s, l) in enumerate(items):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, p, 1
+        batch.seq_id[i][0], batch.logits[i] = s, int(l)
+def batched():
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+    items = []
+    for s in range(n_batch_seq):
+        ids = llm.tokenize(f"Story {s}: the lighthouse keeper counted ships.".encode(), add_bos=False)[:16]
+        ids = (ids * 16)[:16]
+        items += [(t, p, s, p == 15) for p, t in enumerate(ids)]
+    fill(items)
+    assert llama_cpp.llama_decode(ctx, batch) == 0
+    def argmax_all():
+        out = []
+        for i in range(n_batch_seq):
+            ptr = llama_cpp.llama_get_logits_ith(ctx, i)
+            out.append(int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))))
+        return out
+    toks = []
+    for s in range(n_batch_seq):
+        ptr = llama_cpp.llama_get_logits_ith(ctx, s * 16 + 15)
+        toks.append(int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))))
+    t0 = time.perf_counter()
+    for step in range(n_decode):
+        fill([(toks[s], 16 + step, s, True) for s in range(n_batch_seq)])
+        assert llama_cpp.llama_decode(ctx, batch) == 0
+        toks = argmax_all()
+    return time.perf_counter() - t0
+batched()  # warm-up
+b = statistics.median(batched() for _ in range(runs))
+emit({"system": "llama.cpp", "metric": "decode_tok_s", "batch": n_batch_seq,
+      "prompt_tokens": 16, "decode_tokens": n_decode,
+      "value": round(n_batch_seq * n_decode / b, 1), **common})
 PY

@@ -121,15 +121,19 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
     for batch in [1, a.batch] {
         let mut rates = Vec::new();
         for rep in 0..a.reps {
+            // Batch 1 continues after a full-length prompt, batch N after 16-token
+            // prompts: the same shapes scripts/bench_llamacpp.sh gives llama.cpp.
+            let plen = if batch == 1 { a.prompt_tokens } else { 16 };
             let reqs = (0..batch)
-                .map(|i| request(prompt(&m, 16 + i, rep * 100 + i), a.decode_tokens))
+                .map(|i| request(prompt(&m, plen, rep * 100 + i), a.decode_tokens))
                 .collect();
             let (_, decode, tokens) = run_batch(&mut engine, reqs);
             rates.push(tokens as f64 / decode.as_secs_f64());
         }
         emit(
             "decode_tok_s",
-            serde_json::json!({"batch": batch, "decode_tokens": a.decode_tokens}),
+            serde_json::json!({"batch": batch, "decode_tokens": a.decode_tokens,
+                "prompt_tokens": if batch == 1 { a.prompt_tokens } else { 16 }}),
             median(rates),
         );
     }
