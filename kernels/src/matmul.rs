@@ -135,6 +135,14 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// Pointer to element `idx` (a method, so closures capture the whole wrapper).
+    fn at(self, idx: usize) -> *mut f32 {
+        // SAFETY: callers pass in-bounds indices.
+        unsafe { self.0.add(idx) }
+    }
+}
+
 impl QMatrix {
     /// Builds a matrix from GGUF bytes of a `Q4_1` tensor.
     pub fn from_q4_1_bytes(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, MatrixError> {
@@ -190,7 +198,7 @@ impl QMatrix {
                 format: "F32",
             });
         }
-        if cols % QK != 0 {
+        if !cols.is_multiple_of(QK) {
             return Err(MatrixError::Cols { cols });
         }
         Ok(Self {
@@ -207,7 +215,7 @@ impl QMatrix {
         block_bytes: usize,
         format: &'static str,
     ) -> Result<usize, MatrixError> {
-        if cols % QK != 0 {
+        if !cols.is_multiple_of(QK) {
             return Err(MatrixError::Cols { cols });
         }
         let blocks = rows * cols / QK;
@@ -331,14 +339,13 @@ impl QMatrix {
         let ptr = OutPtr(out.as_mut_ptr());
         let n_chunks = rows.div_ceil(chunk);
         pool.parallel_for(n_chunks, |c| {
-            let ptr = ptr;
             let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(rows));
             let mut i = 0;
             while i < x.n {
                 let take = (x.n - i).min(GROUP);
                 self.panel(j0..j1, x, i, take, |j, r, v| {
                     // SAFETY: (i + r, j) is in bounds and owned by this chunk.
-                    unsafe { *ptr.0.add((i + r) * rows + j) = v };
+                    unsafe { *ptr.at((i + r) * rows + j) = v };
                 });
                 i += take;
             }

@@ -115,7 +115,7 @@ mod sync {
         }
         #[cfg(not(loom))]
         {
-            spins % 256 != 0 || started.elapsed() < super::SPIN
+            !spins.is_multiple_of(256) || started.elapsed() < super::SPIN
         }
     }
 }
@@ -382,7 +382,6 @@ mod tests {
 
     #[test]
     fn regions_after_workers_parked_still_complete() {
-        use std::time::Duration;
         let pool = ThreadPool::new(1);
         let sum = AtomicUsize::new(0);
         pool.parallel_for(10, |i| {
