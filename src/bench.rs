@@ -143,5 +143,28 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
         serde_json::json!({}),
         weights_mb,
     );
+    let pool = engine.kv().pool();
+    let pool_mb = (pool.capacity() * pool.layout().page_elems() * 2) as f64 / 1e6;
+    emit(
+        "kv_pool_mb",
+        serde_json::json!({"tokens": pool.capacity_tokens()}),
+        pool_mb,
+    );
+    if let Some(rss) = rss_mb() {
+        emit("rss_mb", serde_json::json!({}), rss);
+    }
     Ok(())
+}
+
+/// Resident set size of this process (Linux), in MB.
+fn rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024.0 / 1e6)
 }
