@@ -1,0 +1,131 @@
+//! API keys: `tsk_<key_id>_<secret>`.
+//!
+//! `key_id` is 16 lowercase hex chars (public, used to find the key's row);
+//! `secret` is 64 lowercase hex chars (256 bits). The store keeps only
+//! `sha256("tessera-key-v1:" + key_id + ":" + secret)`, and the check compares
+//! digests in constant time ([`subtle`]).
+
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// Prefix of every key.
+pub const PREFIX: &str = "tsk_";
+const KEY_ID_HEX: usize = 16;
+const SECRET_HEX: usize = 64;
+
+/// Why a presented key string is not a well-formed key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// Not of the form `tsk_<key_id>_<secret>`.
+    #[error("API key is malformed (expected tsk_<key_id>_<secret>)")]
+    Malformed,
+}
+
+/// A parsed (not yet verified) key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    key_id: String,
+    secret: String,
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKey")
+            .field("key_id", &self.key_id)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
+fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+impl ApiKey {
+    /// A fresh random key.
+    pub fn generate() -> Self {
+        Self {
+            key_id: crate::random_hex(KEY_ID_HEX / 2),
+            secret: crate::random_hex(SECRET_HEX / 2),
+        }
+    }
+
+    /// Parses `tsk_<key_id>_<secret>`.
+    pub fn parse(s: &str) -> Result<Self, KeyError> {
+        let rest = s.strip_prefix(PREFIX).ok_or(KeyError::Malformed)?;
+        let (key_id, secret) = rest.split_once('_').ok_or(KeyError::Malformed)?;
+        if !is_hex(key_id, KEY_ID_HEX) || !is_hex(secret, SECRET_HEX) {
+            return Err(KeyError::Malformed);
+        }
+        Ok(Self {
+            key_id: key_id.into(),
+            secret: secret.into(),
+        })
+    }
+
+    /// The public key id.
+    pub fn key_id(&self) -> &str {
+        &self.key_id
+    }
+
+    /// The full key string (show it once, to its owner).
+    pub fn expose(&self) -> String {
+        format!("{PREFIX}{}_{}", self.key_id, self.secret)
+    }
+
+    /// Hex SHA-256 digest stored for this key.
+    pub fn digest_hex(&self) -> String {
+        digest_hex(&self.key_id, &self.secret)
+    }
+
+    /// Whether this key's digest equals `stored_hex`, compared in constant time.
+    pub fn verify(&self, stored_hex: &str) -> bool {
+        let mine = self.digest_hex();
+        mine.as_bytes().ct_eq(stored_hex.as_bytes()).into()
+    }
+}
+
+fn digest_hex(key_id: &str, secret: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(b"tessera-key-v1:");
+    h.update(key_id.as_bytes());
+    h.update(b":");
+    h.update(secret.as_bytes());
+    crate::hex(&h.finalize())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generate_parse_roundtrip_and_verify() {
+        let k = ApiKey::generate();
+        let s = k.expose();
+        assert!(s.starts_with("tsk_"));
+        assert_eq!(s.len(), 4 + 16 + 1 + 64);
+        let p = ApiKey::parse(&s).unwrap();
+        assert_eq!(p, k);
+        assert!(p.verify(&k.digest_hex()));
+        let other = ApiKey::generate();
+        assert!(!p.verify(&other.digest_hex()));
+        assert!(!format!("{p:?}").contains(&s[21..]));
+    }
+
+    #[test]
+    fn malformed_keys() {
+        for s in [
+            "",
+            "tsk_",
+            "sk-abc",
+            "tsk_0123456789abcdef",
+            "tsk_0123456789abcdeg_00000000000000000000000000000000000000000000000000000000000000aa",
+            "tsk_0123456789ABCDEF_00000000000000000000000000000000000000000000000000000000000000aa",
+            "tsk_0123456789abcdef_00",
+        ] {
+            assert_eq!(ApiKey::parse(s), Err(KeyError::Malformed), "{s}");
+        }
+    }
+}

@@ -1,0 +1,786 @@
+//! [`Store`]: the tenancy database over sqlx's `Any` driver, so one set of SQL
+//! statements and migrations serves SQLite (`sqlite://path`, the embedded default)
+//! and PostgreSQL (`postgres://...`). Placeholders are `$1, $2, ...` (both accept them).
+
+use crate::keys::ApiKey;
+use crate::now_ms;
+use serde::Serialize;
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Row};
+use std::str::FromStr;
+
+/// Migrations, in order; each runs once, inside a transaction.
+const MIGRATIONS: &[(i64, &str, &str)] =
+    &[(1, "init", include_str!("../migrations/0001_init.sql"))];
+
+/// Store failures.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database reported an error.
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    /// The URL names no supported database.
+    #[error("unsupported store URL `{0}` (use sqlite://PATH or postgres://...)")]
+    BadUrl(String),
+    /// No such tenant.
+    #[error("no tenant with id `{0}`")]
+    NoTenant(String),
+    /// A value in the database is not what this code wrote.
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+/// Why authentication failed. All map to 401 except [`AuthError::Suspended`] (403).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// No `Authorization: Bearer` header.
+    #[error("missing API key: send `Authorization: Bearer tsk_...`")]
+    Missing,
+    /// Not of the form `tsk_<key_id>_<secret>`.
+    #[error("malformed API key")]
+    Malformed,
+    /// Unknown key id or wrong secret.
+    #[error("invalid API key")]
+    Invalid,
+    /// The key was revoked.
+    #[error("API key has been revoked")]
+    Revoked,
+    /// The key's tenant is suspended.
+    #[error("account {0} is suspended")]
+    Suspended(String),
+}
+
+impl AuthError {
+    /// Stable machine label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Missing => "missing_key",
+            Self::Malformed => "malformed_key",
+            Self::Invalid => "invalid_key",
+            Self::Revoked => "revoked_key",
+            Self::Suspended(_) => "tenant_suspended",
+        }
+    }
+}
+
+/// Tenant status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantStatus {
+    /// Requests are served.
+    Active,
+    /// Every request is refused with 403.
+    Suspended,
+}
+
+impl TenantStatus {
+    /// Database spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Active => "active",
+            Self::Suspended => "suspended",
+        }
+    }
+}
+
+impl FromStr for TenantStatus {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, StoreError> {
+        match s {
+            "active" => Ok(Self::Active),
+            "suspended" => Ok(Self::Suspended),
+            o => Err(StoreError::Corrupt(format!("tenant status `{o}`"))),
+        }
+    }
+}
+
+/// Per-tenant limits; 0 means unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct Limits {
+    /// Requests per minute.
+    pub requests_per_minute: u32,
+    /// Prompt tokens per minute.
+    pub input_tokens_per_minute: u32,
+    /// Output tokens per minute (charged with `max_tokens` at admission).
+    pub output_tokens_per_minute: u32,
+    /// Requests in flight at once.
+    pub max_concurrent: u32,
+    /// Input + output tokens per UTC day.
+    pub daily_tokens: u64,
+}
+
+/// A tenant (account).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Tenant {
+    /// Account id (32 lowercase hex chars), as used in `/client/v4/accounts/{id}`.
+    pub id: String,
+    /// Display name.
+    pub name: String,
+    /// Status.
+    pub status: TenantStatus,
+    /// Creation time (Unix ms).
+    pub created_ms: i64,
+    /// Limits.
+    pub limits: Limits,
+}
+
+impl Tenant {
+    /// The tenant id the engine tags KV pages with: the first 16 hex digits of the
+    /// account id.
+    pub fn engine_id(&self) -> u64 {
+        u64::from_str_radix(self.id.get(..16).unwrap_or("0"), 16).unwrap_or(0)
+    }
+}
+
+/// An API key's public metadata (never the secret).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KeyInfo {
+    /// Public key id.
+    pub key_id: String,
+    /// Owner.
+    pub tenant_id: String,
+    /// Label.
+    pub name: String,
+    /// Creation time (Unix ms).
+    pub created_ms: i64,
+    /// Revocation time (Unix ms), if revoked.
+    pub revoked_ms: Option<i64>,
+}
+
+/// An authenticated caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    /// The key's tenant.
+    pub tenant: Tenant,
+    /// The key used.
+    pub key_id: String,
+}
+
+/// One usage-ledger row.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct UsageRecord {
+    /// Request id (primary key: a request is recorded at most once).
+    pub request_id: String,
+    /// Tenant ('' when unauthenticated).
+    pub tenant_id: String,
+    /// Key id ('' when unauthenticated).
+    pub key_id: String,
+    /// Model id ('' when none was resolved).
+    pub model: String,
+    /// Endpoint label, e.g. `workers_ai.run`, `openai.chat`.
+    pub endpoint: String,
+    /// HTTP status sent.
+    pub status: u16,
+    /// Workers AI error code; 0 when none.
+    pub error_code: u32,
+    /// `stop`, `length`, `error` or `aborted`.
+    pub finish: String,
+    /// Prompt tokens.
+    pub input_tokens: i64,
+    /// Generated tokens.
+    pub output_tokens: i64,
+    /// Prompt tokens served from a cache (0: no prefix cache yet).
+    pub cached_tokens: i64,
+    /// Time to first token, microseconds (0 when none).
+    pub ttft_us: i64,
+    /// Request duration, microseconds.
+    pub duration_us: i64,
+    /// When the request arrived (Unix ms).
+    pub created_ms: i64,
+}
+
+/// Usage aggregation key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupBy {
+    /// By model id.
+    Model,
+    /// By API key id.
+    Key,
+    /// By UTC hour.
+    Hour,
+    /// By UTC day.
+    Day,
+}
+
+impl FromStr for GroupBy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "model" => Ok(Self::Model),
+            "key" => Ok(Self::Key),
+            "hour" => Ok(Self::Hour),
+            "day" => Ok(Self::Day),
+            o => Err(format!(
+                "`group_by` must be one of model, key, hour, day. Given: {o}"
+            )),
+        }
+    }
+}
+
+/// One group of the usage API.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct UsageGroup {
+    /// Model id, key id, or bucket start (RFC 3339, UTC).
+    pub key: String,
+    /// Requests.
+    pub requests: i64,
+    /// Prompt tokens.
+    pub input_tokens: i64,
+    /// Generated tokens.
+    pub output_tokens: i64,
+    /// Cached prompt tokens.
+    pub cached_tokens: i64,
+    /// Requests that ended in an error status (>= 400).
+    pub errors: i64,
+}
+
+/// The tenancy database. Cheap to clone (a pool handle).
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: AnyPool,
+    backend: &'static str,
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` for Unix milliseconds.
+pub fn rfc3339(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 -> (year, month, day) (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+/// (year, month, day) -> days since 1970-01-01.
+pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = m as i64;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// Parses a time given as Unix seconds, `YYYY-MM-DD` or `YYYY-MM-DDTHH:MM:SSZ`
+/// into Unix milliseconds.
+pub fn parse_time(s: &str) -> Option<i64> {
+    if let Ok(n) = s.parse::<i64>() {
+        return n.checked_mul(1000);
+    }
+    let b = s.as_bytes();
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let t = s.get(r)?;
+        if t.bytes().all(|c| c.is_ascii_digit()) {
+            t.parse().ok()
+        } else {
+            None
+        }
+    };
+    if b.len() < 10 || b[4] != b'-' || b[7] != b'-' {
+        return None;
+    }
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) {
+        return None;
+    }
+    let mut secs = days_from_civil(y, mo as u32, d as u32) * 86_400;
+    if b.len() > 10 {
+        if b.len() != 20 || b[10] != b'T' || b[13] != b':' || b[16] != b':' || b[19] != b'Z' {
+            return None;
+        }
+        let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
+        if h > 23 || mi > 59 || se > 60 {
+            return None;
+        }
+        secs += h * 3600 + mi * 60 + se;
+    }
+    Some(secs * 1000)
+}
+
+fn get_i64(r: &AnyRow, c: &str) -> Result<i64, StoreError> {
+    Ok(r.try_get::<i64, _>(c)?)
+}
+
+fn get_str(r: &AnyRow, c: &str) -> Result<String, StoreError> {
+    Ok(r.try_get::<String, _>(c)?)
+}
+
+const TENANT_COLS: &str = "t.id, t.name, t.status, t.created_ms, l.requests_per_minute, \
+     l.input_tokens_per_minute, l.output_tokens_per_minute, l.max_concurrent, l.daily_tokens";
+
+fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
+    Ok(Tenant {
+        id: get_str(r, "id")?,
+        name: get_str(r, "name")?,
+        status: get_str(r, "status")?.parse()?,
+        created_ms: get_i64(r, "created_ms")?,
+        limits: Limits {
+            requests_per_minute: get_i64(r, "requests_per_minute")? as u32,
+            input_tokens_per_minute: get_i64(r, "input_tokens_per_minute")? as u32,
+            output_tokens_per_minute: get_i64(r, "output_tokens_per_minute")? as u32,
+            max_concurrent: get_i64(r, "max_concurrent")? as u32,
+            daily_tokens: get_i64(r, "daily_tokens")? as u64,
+        },
+    })
+}
+
+fn key_from_row(r: &AnyRow) -> Result<KeyInfo, StoreError> {
+    Ok(KeyInfo {
+        key_id: get_str(r, "key_id")?,
+        tenant_id: get_str(r, "tenant_id")?,
+        name: get_str(r, "name")?,
+        created_ms: get_i64(r, "created_ms")?,
+        revoked_ms: r.try_get::<Option<i64>, _>("revoked_ms")?,
+    })
+}
+
+fn usage_from_row(r: &AnyRow) -> Result<UsageRecord, StoreError> {
+    Ok(UsageRecord {
+        request_id: get_str(r, "request_id")?,
+        tenant_id: get_str(r, "tenant_id")?,
+        key_id: get_str(r, "key_id")?,
+        model: get_str(r, "model")?,
+        endpoint: get_str(r, "endpoint")?,
+        status: get_i64(r, "status")? as u16,
+        error_code: get_i64(r, "error_code")? as u32,
+        finish: get_str(r, "finish")?,
+        input_tokens: get_i64(r, "input_tokens")?,
+        output_tokens: get_i64(r, "output_tokens")?,
+        cached_tokens: get_i64(r, "cached_tokens")?,
+        ttft_us: get_i64(r, "ttft_us")?,
+        duration_us: get_i64(r, "duration_us")?,
+        created_ms: get_i64(r, "created_ms")?,
+    })
+}
+
+impl Store {
+    /// Opens (creating a SQLite file if needed) and migrates the store at `url`:
+    /// `sqlite://PATH` or `postgres://USER@HOST/DB`.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        sqlx::any::install_default_drivers();
+        let (url, backend, max) = if let Some(path) = url.strip_prefix("sqlite://") {
+            let sep = if path.contains('?') { '&' } else { '?' };
+            let u = if path.contains("mode=") {
+                url.to_string()
+            } else {
+                format!("{url}{sep}mode=rwc")
+            };
+            (u, "sqlite", 4)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            (url.to_string(), "postgres", 16)
+        } else {
+            return Err(StoreError::BadUrl(url.into()));
+        };
+        let pool = AnyPoolOptions::new()
+            .max_connections(max)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if backend == "sqlite" {
+                        // WAL + synchronous=NORMAL: a commit does not wait for
+                        // fsync (the WAL is synced at checkpoints); the database
+                        // stays consistent, and an OS crash or power loss can lose
+                        // the last commits. Use PostgreSQL where that matters.
+                        sqlx::query("PRAGMA synchronous=NORMAL")
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await?;
+        if backend == "sqlite" {
+            // Persistent per database file; sqlx already sets a busy timeout and
+            // enables foreign keys on every SQLite connection.
+            sqlx::query("PRAGMA journal_mode=WAL")
+                .fetch_all(&pool)
+                .await?;
+        }
+        let store = Self { pool, backend };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// `sqlite` or `postgres`.
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS tessera_migrations (version BIGINT PRIMARY KEY, \
+             name TEXT NOT NULL, applied_ms BIGINT NOT NULL)",
+        )
+        .execute(&self.pool)
+        .await?;
+        for &(version, name, sql) in MIGRATIONS {
+            let done = sqlx::query("SELECT version FROM tessera_migrations WHERE version = $1")
+                .bind(version)
+                .fetch_optional(&self.pool)
+                .await?;
+            if done.is_some() {
+                continue;
+            }
+            let mut tx = self.pool.begin().await?;
+            sqlx::raw_sql(sql).execute(&mut *tx).await?;
+            sqlx::query(
+                "INSERT INTO tessera_migrations (version, name, applied_ms) VALUES ($1, $2, $3)",
+            )
+            .bind(version)
+            .bind(name)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            tracing::info!(version, name, "applied migration");
+        }
+        Ok(())
+    }
+
+    /// Whether the database answers.
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").fetch_one(&self.pool).await.is_ok()
+    }
+
+    /// Creates an active tenant with a fresh account id.
+    pub async fn create_tenant(&self, name: &str, limits: Limits) -> Result<Tenant, StoreError> {
+        let t = Tenant {
+            id: crate::random_hex(16),
+            name: name.into(),
+            status: TenantStatus::Active,
+            created_ms: now_ms(),
+            limits,
+        };
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("INSERT INTO tenants (id, name, status, created_ms) VALUES ($1, $2, $3, $4)")
+            .bind(&t.id)
+            .bind(&t.name)
+            .bind(t.status.as_str())
+            .bind(t.created_ms)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO tenant_limits (tenant_id, requests_per_minute, input_tokens_per_minute, \
+             output_tokens_per_minute, max_concurrent, daily_tokens) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(&t.id)
+        .bind(limits.requests_per_minute as i64)
+        .bind(limits.input_tokens_per_minute as i64)
+        .bind(limits.output_tokens_per_minute as i64)
+        .bind(limits.max_concurrent as i64)
+        .bind(limits.daily_tokens as i64)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(t)
+    }
+
+    /// All tenants, oldest first.
+    pub async fn list_tenants(&self) -> Result<Vec<Tenant>, StoreError> {
+        let q = format!(
+            "SELECT {TENANT_COLS} FROM tenants t JOIN tenant_limits l ON l.tenant_id = t.id \
+             ORDER BY t.created_ms, t.id"
+        );
+        let rows = sqlx::query(&q).fetch_all(&self.pool).await?;
+        rows.iter().map(tenant_from_row).collect()
+    }
+
+    /// One tenant.
+    pub async fn tenant(&self, id: &str) -> Result<Option<Tenant>, StoreError> {
+        let q = format!(
+            "SELECT {TENANT_COLS} FROM tenants t JOIN tenant_limits l ON l.tenant_id = t.id \
+             WHERE t.id = $1"
+        );
+        let row = sqlx::query(&q).bind(id).fetch_optional(&self.pool).await?;
+        row.as_ref().map(tenant_from_row).transpose()
+    }
+
+    /// Sets a tenant's status; effective on its next request.
+    pub async fn set_status(&self, id: &str, status: TenantStatus) -> Result<(), StoreError> {
+        let r = sqlx::query("UPDATE tenants SET status = $1 WHERE id = $2")
+            .bind(status.as_str())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        if r.rows_affected() == 0 {
+            return Err(StoreError::NoTenant(id.into()));
+        }
+        Ok(())
+    }
+
+    /// Replaces a tenant's limits; effective on its next request.
+    pub async fn set_limits(&self, id: &str, l: Limits) -> Result<(), StoreError> {
+        let r = sqlx::query(
+            "UPDATE tenant_limits SET requests_per_minute = $1, input_tokens_per_minute = $2, \
+             output_tokens_per_minute = $3, max_concurrent = $4, daily_tokens = $5 WHERE tenant_id = $6",
+        )
+        .bind(l.requests_per_minute as i64)
+        .bind(l.input_tokens_per_minute as i64)
+        .bind(l.output_tokens_per_minute as i64)
+        .bind(l.max_concurrent as i64)
+        .bind(l.daily_tokens as i64)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        if r.rows_affected() == 0 {
+            return Err(StoreError::NoTenant(id.into()));
+        }
+        Ok(())
+    }
+
+    /// Creates a key for `tenant_id`; returns its metadata and the full key string,
+    /// which is shown once and never stored.
+    pub async fn create_key(
+        &self,
+        tenant_id: &str,
+        name: &str,
+    ) -> Result<(KeyInfo, String), StoreError> {
+        if self.tenant(tenant_id).await?.is_none() {
+            return Err(StoreError::NoTenant(tenant_id.into()));
+        }
+        let key = ApiKey::generate();
+        let info = KeyInfo {
+            key_id: key.key_id().into(),
+            tenant_id: tenant_id.into(),
+            name: name.into(),
+            created_ms: now_ms(),
+            revoked_ms: None,
+        };
+        sqlx::query(
+            "INSERT INTO api_keys (key_id, tenant_id, name, secret_sha256, created_ms) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&info.key_id)
+        .bind(&info.tenant_id)
+        .bind(&info.name)
+        .bind(key.digest_hex())
+        .bind(info.created_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok((info, key.expose()))
+    }
+
+    /// Keys, of one tenant or of all.
+    pub async fn list_keys(&self, tenant_id: Option<&str>) -> Result<Vec<KeyInfo>, StoreError> {
+        let cols = "key_id, tenant_id, name, created_ms, revoked_ms";
+        let rows = match tenant_id {
+            Some(t) => {
+                sqlx::query(&format!(
+                    "SELECT {cols} FROM api_keys WHERE tenant_id = $1 ORDER BY created_ms, key_id"
+                ))
+                .bind(t)
+                .fetch_all(&self.pool)
+                .await?
+            }
+            None => {
+                sqlx::query(&format!(
+                    "SELECT {cols} FROM api_keys ORDER BY created_ms, key_id"
+                ))
+                .fetch_all(&self.pool)
+                .await?
+            }
+        };
+        rows.iter().map(key_from_row).collect()
+    }
+
+    /// Revokes a key; returns false if no active key has that id. Effective on the
+    /// next request (every request reads the key's row).
+    pub async fn revoke_key(&self, key_id: &str) -> Result<bool, StoreError> {
+        let r = sqlx::query(
+            "UPDATE api_keys SET revoked_ms = $1 WHERE key_id = $2 AND revoked_ms IS NULL",
+        )
+        .bind(now_ms())
+        .bind(key_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() > 0)
+    }
+
+    /// Resolves a presented key string to its tenant. The secret is checked by
+    /// comparing SHA-256 digests in constant time; an unknown key id still costs
+    /// one digest and one comparison.
+    pub async fn authenticate(
+        &self,
+        presented: &str,
+    ) -> Result<Result<Principal, AuthError>, StoreError> {
+        let Ok(key) = ApiKey::parse(presented) else {
+            return Ok(Err(AuthError::Malformed));
+        };
+        let q = format!(
+            "SELECT k.secret_sha256, k.revoked_ms, {TENANT_COLS} FROM api_keys k \
+             JOIN tenants t ON t.id = k.tenant_id JOIN tenant_limits l ON l.tenant_id = t.id \
+             WHERE k.key_id = $1"
+        );
+        let row = sqlx::query(&q)
+            .bind(key.key_id())
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else {
+            let _ = key.verify(&"0".repeat(64));
+            return Ok(Err(AuthError::Invalid));
+        };
+        let stored = get_str(&row, "secret_sha256")?;
+        if !key.verify(&stored) {
+            return Ok(Err(AuthError::Invalid));
+        }
+        if row.try_get::<Option<i64>, _>("revoked_ms")?.is_some() {
+            return Ok(Err(AuthError::Revoked));
+        }
+        let tenant = tenant_from_row(&row)?;
+        if tenant.status == TenantStatus::Suspended {
+            return Ok(Err(AuthError::Suspended(tenant.id)));
+        }
+        Ok(Ok(Principal {
+            tenant,
+            key_id: key.key_id().into(),
+        }))
+    }
+
+    /// Writes a usage row. Returns false (and changes nothing) when a row with the
+    /// same request id exists: a request is recorded exactly once.
+    pub async fn record_usage(&self, u: &UsageRecord) -> Result<bool, StoreError> {
+        let r = sqlx::query(
+            "INSERT INTO usage_ledger (request_id, tenant_id, key_id, model, endpoint, status, \
+             error_code, finish, input_tokens, output_tokens, cached_tokens, ttft_us, duration_us, \
+             created_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+             ON CONFLICT (request_id) DO NOTHING",
+        )
+        .bind(&u.request_id)
+        .bind(&u.tenant_id)
+        .bind(&u.key_id)
+        .bind(&u.model)
+        .bind(&u.endpoint)
+        .bind(u.status as i64)
+        .bind(u.error_code as i64)
+        .bind(&u.finish)
+        .bind(u.input_tokens)
+        .bind(u.output_tokens)
+        .bind(u.cached_tokens)
+        .bind(u.ttft_us)
+        .bind(u.duration_us)
+        .bind(u.created_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Ledger rows, optionally of one tenant, oldest first.
+    pub async fn usage_rows(
+        &self,
+        tenant_id: Option<&str>,
+    ) -> Result<Vec<UsageRecord>, StoreError> {
+        let base = "SELECT request_id, tenant_id, key_id, model, endpoint, status, error_code, \
+                    finish, input_tokens, output_tokens, cached_tokens, ttft_us, duration_us, \
+                    created_ms FROM usage_ledger";
+        let rows = match tenant_id {
+            Some(t) => {
+                sqlx::query(&format!(
+                    "{base} WHERE tenant_id = $1 ORDER BY created_ms, request_id"
+                ))
+                .bind(t)
+                .fetch_all(&self.pool)
+                .await?
+            }
+            None => {
+                sqlx::query(&format!("{base} ORDER BY created_ms, request_id"))
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+        };
+        rows.iter().map(usage_from_row).collect()
+    }
+
+    /// One ledger row by request id.
+    pub async fn usage_row(&self, request_id: &str) -> Result<Option<UsageRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT request_id, tenant_id, key_id, model, endpoint, status, error_code, finish, \
+             input_tokens, output_tokens, cached_tokens, ttft_us, duration_us, created_ms \
+             FROM usage_ledger WHERE request_id = $1",
+        )
+        .bind(request_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(usage_from_row).transpose()
+    }
+
+    /// Input + output tokens of `tenant_id` since `since_ms`.
+    pub async fn tokens_since(&self, tenant_id: &str, since_ms: i64) -> Result<i64, StoreError> {
+        let row = sqlx::query(
+            "SELECT CAST(COALESCE(SUM(input_tokens + output_tokens), 0) AS BIGINT) AS n \
+             FROM usage_ledger WHERE tenant_id = $1 AND created_ms >= $2",
+        )
+        .bind(tenant_id)
+        .bind(since_ms)
+        .fetch_one(&self.pool)
+        .await?;
+        get_i64(&row, "n")
+    }
+
+    /// A tenant's usage in `[since_ms, until_ms)`, grouped. Only `tenant_id`'s rows
+    /// are ever read.
+    pub async fn usage_summary(
+        &self,
+        tenant_id: &str,
+        since_ms: i64,
+        until_ms: i64,
+        group_by: GroupBy,
+    ) -> Result<Vec<UsageGroup>, StoreError> {
+        let expr = match group_by {
+            GroupBy::Model => "model",
+            GroupBy::Key => "key_id",
+            GroupBy::Hour => "(created_ms / 3600000) * 3600000",
+            GroupBy::Day => "(created_ms / 86400000) * 86400000",
+        };
+        let q = format!(
+            "SELECT {expr} AS k, COUNT(*) AS requests, \
+             CAST(COALESCE(SUM(input_tokens), 0) AS BIGINT) AS input_tokens, \
+             CAST(COALESCE(SUM(output_tokens), 0) AS BIGINT) AS output_tokens, \
+             CAST(COALESCE(SUM(cached_tokens), 0) AS BIGINT) AS cached_tokens, \
+             CAST(COALESCE(SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END), 0) AS BIGINT) AS errors \
+             FROM usage_ledger WHERE tenant_id = $1 AND created_ms >= $2 AND created_ms < $3 \
+             GROUP BY {expr} ORDER BY 1"
+        );
+        let rows = sqlx::query(&q)
+            .bind(tenant_id)
+            .bind(since_ms)
+            .bind(until_ms)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                let key = match group_by {
+                    GroupBy::Model | GroupBy::Key => get_str(r, "k")?,
+                    GroupBy::Hour | GroupBy::Day => rfc3339(get_i64(r, "k")?),
+                };
+                Ok(UsageGroup {
+                    key,
+                    requests: get_i64(r, "requests")?,
+                    input_tokens: get_i64(r, "input_tokens")?,
+                    output_tokens: get_i64(r, "output_tokens")?,
+                    cached_tokens: get_i64(r, "cached_tokens")?,
+                    errors: get_i64(r, "errors")?,
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,149 @@
+//! Test support: a throwaway PostgreSQL server (feature `test-util`).
+//!
+//! [`PgServer::from_env_or_start`] returns the server named by
+//! `TESSERA_TEST_POSTGRES_URL` (`.ci/run` installs Debian's `postgresql`, starts it
+//! and sets the variable), or else starts a private server from the installed
+//! PostgreSQL binaries (initdb + pg_ctl in a temp dir, as the `postgres` user when
+//! run as root, since initdb refuses root) and stops it on drop.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A PostgreSQL server for tests.
+pub struct PgServer {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    as_postgres: bool,
+    url: String,
+}
+
+fn pg_bin() -> PathBuf {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path().join("bin"))
+                .collect()
+        })
+        .unwrap_or_default();
+    dirs.sort();
+    dirs.into_iter()
+        .rev()
+        .find(|d| d.join("initdb").exists())
+        .expect("PostgreSQL binaries not found: `apt-get install postgresql` (see .ci/run) or set TESSERA_TEST_POSTGRES_URL")
+}
+
+fn run(as_postgres: bool, bin: &Path, args: &[&str]) {
+    let mut c = if as_postgres {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(bin);
+        c
+    } else {
+        Command::new(bin)
+    };
+    let out = c.args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{} {args:?}: {}",
+        bin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl PgServer {
+    /// The URL of the test server: `TESSERA_TEST_POSTGRES_URL`, or a private server
+    /// started now (kept alive by the returned guard).
+    pub fn from_env_or_start() -> (Option<Self>, String) {
+        match std::env::var("TESSERA_TEST_POSTGRES_URL") {
+            Ok(u) if !u.is_empty() => (None, u),
+            _ => {
+                let s = Self::start();
+                let u = s.url.clone();
+                (Some(s), u)
+            }
+        }
+    }
+
+    /// Connection URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Starts a private server.
+    pub fn start() -> Self {
+        let bin = pg_bin();
+        let dir = tempfile::tempdir().unwrap();
+        // initdb refuses to run as root: then run the server as `postgres`.
+        let as_postgres = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+            .unwrap_or(false);
+        if as_postgres {
+            let st = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir.path())
+                .status()
+                .unwrap();
+            assert!(st.success());
+        }
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let data = dir.path().join("data");
+        let data_s = data.to_str().unwrap();
+        run(
+            as_postgres,
+            &bin.join("initdb"),
+            &[
+                "-D",
+                data_s,
+                "-A",
+                "trust",
+                "-U",
+                "tessera",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+        );
+        let opts = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            dir.path().display()
+        );
+        let log = dir.path().join("log");
+        run(
+            as_postgres,
+            &bin.join("pg_ctl"),
+            &[
+                "-D",
+                data_s,
+                "-o",
+                &opts,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+            ],
+        );
+        Self {
+            url: format!("postgres://tessera@127.0.0.1:{port}/postgres"),
+            dir,
+            bin,
+            as_postgres,
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let data = self.dir.path().join("data");
+        run(
+            self.as_postgres,
+            &self.bin.join("pg_ctl"),
+            &["-D", data.to_str().unwrap(), "-m", "immediate", "stop"],
+        );
+    }
+}

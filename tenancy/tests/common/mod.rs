@@ -1,0 +1,271 @@
+//! The store contract both backends must meet (same SQL for SQLite and PostgreSQL).
+
+use tessera_tenancy::store::rfc3339;
+use tessera_tenancy::{AuthError, GroupBy, Limits, Store, TenantStatus, UsageRecord};
+
+#[allow(clippy::too_many_arguments)] // a table row, one argument per column
+fn row(
+    id: &str,
+    tenant: &str,
+    key: &str,
+    model: &str,
+    status: u16,
+    i: i64,
+    o: i64,
+    at: i64,
+) -> UsageRecord {
+    UsageRecord {
+        request_id: id.into(),
+        tenant_id: tenant.into(),
+        key_id: key.into(),
+        model: model.into(),
+        endpoint: "test".into(),
+        status,
+        error_code: if status >= 400 { 3003 } else { 0 },
+        finish: if status >= 400 {
+            "error".into()
+        } else {
+            "stop".into()
+        },
+        input_tokens: i,
+        output_tokens: o,
+        cached_tokens: 0,
+        ttft_us: 10,
+        duration_us: 20,
+        created_ms: at,
+    }
+}
+
+/// Tenants, keys, auth, revocation, suspension, limits, ledger idempotency and
+/// usage grouping with tenant isolation.
+pub(crate) async fn store_contract(store: &Store) {
+    let lim = Limits {
+        requests_per_minute: 5,
+        ..Limits::default()
+    };
+    let a = store.create_tenant("alpha", lim).await.unwrap();
+    let b = store
+        .create_tenant("beta", Limits::default())
+        .await
+        .unwrap();
+    assert_eq!(a.id.len(), 32);
+    assert_ne!(a.id, b.id);
+    let listed = store.list_tenants().await.unwrap();
+    assert!(listed.iter().any(|t| t == &a));
+    assert_eq!(store.tenant(&a.id).await.unwrap().unwrap().limits, lim);
+
+    let (ka, secret_a) = store.create_key(&a.id, "k1").await.unwrap();
+    let (kb, secret_b) = store.create_key(&b.id, "k2").await.unwrap();
+    assert!(secret_a.starts_with(&format!("tsk_{}_", ka.key_id)));
+    let p = store.authenticate(&secret_a).await.unwrap().unwrap();
+    assert_eq!(
+        (p.tenant.id.as_str(), p.key_id.as_str()),
+        (a.id.as_str(), ka.key_id.as_str())
+    );
+    assert_eq!(
+        store
+            .authenticate(&secret_b)
+            .await
+            .unwrap()
+            .unwrap()
+            .tenant
+            .id,
+        b.id
+    );
+    // Wrong secret for a real key id, unknown id, malformed.
+    let wrong = format!("tsk_{}_{}", ka.key_id, "0".repeat(64));
+    assert_eq!(
+        store.authenticate(&wrong).await.unwrap(),
+        Err(AuthError::Invalid)
+    );
+    let unknown = format!("tsk_{}_{}", "f".repeat(16), "0".repeat(64));
+    assert_eq!(
+        store.authenticate(&unknown).await.unwrap(),
+        Err(AuthError::Invalid)
+    );
+    assert_eq!(
+        store.authenticate("sk-123").await.unwrap(),
+        Err(AuthError::Malformed)
+    );
+    // Secrets are not stored.
+    assert!(store.list_keys(None).await.unwrap().len() >= 2);
+    // Revocation: effective immediately; a second revoke is a no-op.
+    let (kr, secret_r) = store.create_key(&a.id, "short-lived").await.unwrap();
+    assert!(store.revoke_key(&kr.key_id).await.unwrap());
+    assert!(!store.revoke_key(&kr.key_id).await.unwrap());
+    assert_eq!(
+        store.authenticate(&secret_r).await.unwrap(),
+        Err(AuthError::Revoked)
+    );
+    let keys_a = store.list_keys(Some(&a.id)).await.unwrap();
+    assert_eq!(keys_a.len(), 2);
+    assert!(keys_a
+        .iter()
+        .any(|k| k.key_id == kr.key_id && k.revoked_ms.is_some()));
+    // Suspension.
+    store
+        .set_status(&b.id, TenantStatus::Suspended)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.authenticate(&secret_b).await.unwrap(),
+        Err(AuthError::Suspended(b.id.clone()))
+    );
+    store.set_status(&b.id, TenantStatus::Active).await.unwrap();
+    assert!(store.authenticate(&secret_b).await.unwrap().is_ok());
+    assert!(store
+        .set_status("nope", TenantStatus::Active)
+        .await
+        .is_err());
+    // Limits.
+    let new = Limits {
+        max_concurrent: 3,
+        daily_tokens: 1_000_000,
+        ..lim
+    };
+    store.set_limits(&a.id, new).await.unwrap();
+    assert_eq!(store.tenant(&a.id).await.unwrap().unwrap().limits, new);
+
+    // Ledger: exactly once per request id.
+    let h = 3_600_000;
+    let t0 = 1_767_225_600_000; // 2026-01-01T00:00:00Z
+    assert!(store
+        .record_usage(&row(
+            &format!("{}-r1", a.id),
+            &a.id,
+            &ka.key_id,
+            "m1",
+            200,
+            10,
+            5,
+            t0
+        ))
+        .await
+        .unwrap());
+    assert!(!store
+        .record_usage(&row(
+            &format!("{}-r1", a.id),
+            &a.id,
+            &ka.key_id,
+            "m1",
+            200,
+            99,
+            99,
+            t0
+        ))
+        .await
+        .unwrap());
+    assert_eq!(
+        store
+            .usage_row(&format!("{}-r1", a.id))
+            .await
+            .unwrap()
+            .unwrap()
+            .input_tokens,
+        10
+    );
+    store
+        .record_usage(&row(
+            &format!("{}-r2", a.id),
+            &a.id,
+            &ka.key_id,
+            "m2",
+            200,
+            7,
+            3,
+            t0 + h + 5,
+        ))
+        .await
+        .unwrap();
+    store
+        .record_usage(&row(
+            &format!("{}-r3", a.id),
+            &a.id,
+            &kr.key_id,
+            "m1",
+            400,
+            0,
+            0,
+            t0 + 25 * h,
+        ))
+        .await
+        .unwrap();
+    store
+        .record_usage(&row(
+            &format!("{}-r4", a.id),
+            &b.id,
+            &kb.key_id,
+            "m1",
+            200,
+            1000,
+            1000,
+            t0,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(store.usage_rows(Some(&a.id)).await.unwrap().len(), 3);
+
+    let all = t0..t0 + 48 * h;
+    let by_model = store
+        .usage_summary(&a.id, all.start, all.end, GroupBy::Model)
+        .await
+        .unwrap();
+    assert_eq!(by_model.len(), 2);
+    assert_eq!(
+        (
+            by_model[0].key.as_str(),
+            by_model[0].requests,
+            by_model[0].input_tokens,
+            by_model[0].output_tokens,
+            by_model[0].errors
+        ),
+        ("m1", 2, 10, 5, 1)
+    );
+    assert_eq!(
+        (by_model[1].key.as_str(), by_model[1].input_tokens),
+        ("m2", 7)
+    );
+    let by_key = store
+        .usage_summary(&a.id, all.start, all.end, GroupBy::Key)
+        .await
+        .unwrap();
+    assert_eq!(by_key.len(), 2);
+    let by_hour = store
+        .usage_summary(&a.id, all.start, all.end, GroupBy::Hour)
+        .await
+        .unwrap();
+    let hours: Vec<_> = by_hour.iter().map(|g| g.key.clone()).collect();
+    assert_eq!(
+        hours,
+        vec![rfc3339(t0), rfc3339(t0 + h), rfc3339(t0 + 25 * h)]
+    );
+    assert_eq!(hours[0], "2026-01-01T00:00:00Z");
+    let by_day = store
+        .usage_summary(&a.id, all.start, all.end, GroupBy::Day)
+        .await
+        .unwrap();
+    assert_eq!(by_day.len(), 2);
+    assert_eq!(
+        (
+            by_day[0].key.as_str(),
+            by_day[0].requests,
+            by_day[0].input_tokens
+        ),
+        ("2026-01-01T00:00:00Z", 2, 17)
+    );
+    // Range is half-open and tenant-scoped.
+    let first_hour = store
+        .usage_summary(&a.id, t0, t0 + h, GroupBy::Model)
+        .await
+        .unwrap();
+    assert_eq!(first_hour.len(), 1);
+    assert_eq!(first_hour[0].input_tokens, 10);
+    let b_sum = store
+        .usage_summary(&b.id, all.start, all.end, GroupBy::Model)
+        .await
+        .unwrap();
+    assert_eq!(b_sum.len(), 1);
+    assert_eq!(b_sum[0].input_tokens, 1000);
+    assert_eq!(store.tokens_since(&a.id, t0).await.unwrap(), 25);
+    assert!(store.ping().await);
+}

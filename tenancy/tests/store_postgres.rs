@@ -1,0 +1,16 @@
+//! The store against a real PostgreSQL server (see [`tessera_tenancy::testing`]).
+
+mod common;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_contract() {
+    let (_server, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    assert_eq!(store.backend(), "postgres");
+    // A shared server may hold rows from earlier runs: the contract creates fresh
+    // tenants with random ids, so counts below are per tenant.
+    common::store_contract(&store).await;
+    // Migrations are idempotent.
+    let again = tessera_tenancy::Store::connect(&url).await.unwrap();
+    assert!(again.list_tenants().await.unwrap().len() >= 2);
+}
