@@ -1,0 +1,180 @@
+//! API errors. Every failure a client can see is an [`ApiError`]; its HTTP status,
+//! Workers AI code and OpenAI type/code come from [`ErrorKind`], mapped here and
+//! nowhere else.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use std::time::Duration;
+
+/// Which API shape an error is rendered in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    /// `{"success":false,"errors":[{"code":N,"message":..}],...}` (Workers AI, usage, admin).
+    WorkersAi,
+    /// `{"error":{"message":..,"type":..,"param":..,"code":..}}`.
+    OpenAi,
+}
+
+/// What went wrong, as a closed set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// No, malformed, unknown or revoked API key (401).
+    Unauthenticated,
+    /// Key valid but not for this account, or the tenant is suspended (403).
+    Forbidden,
+    /// Body is not JSON, a field has the wrong type or value (400).
+    BadRequest,
+    /// Prompt + max_tokens over the context window, or over the KV pool (400).
+    ContextOverflow,
+    /// Body over the size limit (413).
+    TooLarge,
+    /// Unknown model id (404).
+    NoSuchModel,
+    /// Unknown route (404).
+    NotFound,
+    /// A per-tenant rate limit (429).
+    RateLimited,
+    /// The tenant's daily token quota is used up (429).
+    QuotaExceeded,
+    /// The engine is not accepting work (503).
+    Unavailable,
+    /// An internal failure, e.g. a KV integrity error (500).
+    Internal,
+}
+
+impl ErrorKind {
+    /// HTTP status.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::Unauthenticated => StatusCode::UNAUTHORIZED,
+            Self::Forbidden => StatusCode::FORBIDDEN,
+            Self::BadRequest | Self::ContextOverflow => StatusCode::BAD_REQUEST,
+            Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::NoSuchModel | Self::NotFound => StatusCode::NOT_FOUND,
+            Self::RateLimited | Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Workers AI error code.
+    pub fn workers_code(self) -> u32 {
+        match self {
+            Self::Unauthenticated | Self::Forbidden => 10000,
+            Self::BadRequest => 3003,
+            Self::ContextOverflow | Self::TooLarge => 3006,
+            Self::NoSuchModel => 5007,
+            Self::NotFound => 7000,
+            Self::RateLimited | Self::Unavailable => 3040,
+            Self::QuotaExceeded => 3036,
+            Self::Internal => 3043,
+        }
+    }
+
+    /// OpenAI `(type, code)`.
+    pub fn openai(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Unauthenticated => ("invalid_request_error", "invalid_api_key"),
+            Self::Forbidden => ("invalid_request_error", "permission_denied"),
+            Self::BadRequest => ("invalid_request_error", "invalid_request"),
+            Self::ContextOverflow => ("invalid_request_error", "context_length_exceeded"),
+            Self::TooLarge => ("invalid_request_error", "request_too_large"),
+            Self::NoSuchModel => ("invalid_request_error", "model_not_found"),
+            Self::NotFound => ("invalid_request_error", "not_found"),
+            Self::RateLimited => ("requests", "rate_limit_exceeded"),
+            Self::QuotaExceeded => ("insufficient_quota", "insufficient_quota"),
+            Self::Unavailable => ("server_error", "engine_unavailable"),
+            Self::Internal => ("server_error", "internal_error"),
+        }
+    }
+}
+
+/// A client-visible error.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    /// Kind (status and codes).
+    pub kind: ErrorKind,
+    /// Message naming the field and the limit.
+    pub message: String,
+    /// Offending field, if one.
+    pub param: Option<String>,
+    /// For 429: when a retry can succeed.
+    pub retry_after: Option<Duration>,
+    /// For 429: false when waiting cannot help.
+    pub retryable: bool,
+}
+
+impl ApiError {
+    /// An error of `kind` with `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            param: None,
+            retry_after: None,
+            retryable: true,
+        }
+    }
+
+    /// A 400 about `field`.
+    pub fn field(field: &str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(field.into()),
+            ..Self::new(ErrorKind::BadRequest, message)
+        }
+    }
+
+    /// The response in `flavor`'s shape, with `x-request-id` and, for 429,
+    /// `retry-after` (whole seconds, rounded up) and `x-should-retry`.
+    pub fn into_response_as(self, flavor: Flavor, request_id: &str) -> Response {
+        let status = self.kind.status();
+        let body = match flavor {
+            Flavor::WorkersAi => json!({
+                "result": null,
+                "success": false,
+                "errors": [{"code": self.kind.workers_code(), "message": self.message}],
+                "messages": [],
+            }),
+            Flavor::OpenAi => {
+                let (ty, code) = self.kind.openai();
+                json!({"error": {"message": self.message, "type": ty, "param": self.param, "code": code}})
+            }
+        };
+        let mut resp = (status, axum::Json(body)).into_response();
+        let h = resp.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(request_id) {
+            h.insert("x-request-id", v);
+        }
+        if let Some(d) = self.retry_after {
+            let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+            h.insert("retry-after", HeaderValue::from(secs.max(1)));
+            h.insert(
+                "x-should-retry",
+                HeaderValue::from_static(if self.retryable { "true" } else { "false" }),
+            );
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_and_headers() {
+        let mut e = ApiError::new(ErrorKind::RateLimited, "slow down");
+        e.retry_after = Some(Duration::from_millis(1500));
+        e.retryable = false;
+        let r = e.clone().into_response_as(Flavor::WorkersAi, "rid");
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers()["retry-after"], "2");
+        assert_eq!(r.headers()["x-should-retry"], "false");
+        assert_eq!(r.headers()["x-request-id"], "rid");
+        let r = ApiError::field("max_tokens", "bad").into_response_as(Flavor::OpenAi, "rid");
+        assert_eq!(r.status(), 400);
+        assert!(r.headers().get("retry-after").is_none());
+    }
+}

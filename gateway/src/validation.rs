@@ -1,0 +1,574 @@
+//! Request validation: JSON body -> typed [`ParsedRequest`] -> [`Validated`]
+//! (model resolved, prompt tokenized, I1 checked). Later phases accept only a
+//! [`Validated`], so nothing unchecked reaches the engine. Messages name the field,
+//! the limit and the value given.
+
+use crate::catalog::{Catalog, CatalogEntry};
+use crate::error::{ApiError, ErrorKind};
+use serde_json::{Map, Value};
+use tessera_backend::chat::ChatMessage;
+use tessera_backend::engine::AdmissionLimits;
+use tessera_backend::sampling::SamplingParams;
+use tessera_backend::{GenerateRequest, LoadedModel, Rejection};
+
+/// Default `max_tokens` when a request gives none.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// What to feed the model.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    /// A text prompt; `chat` wraps it as one user message in the chat template.
+    Prompt {
+        /// The text.
+        text: String,
+        /// Apply the chat template.
+        chat: bool,
+    },
+    /// A conversation, rendered by the chat template.
+    Messages(Vec<ChatMessage>),
+}
+
+/// A syntactically valid request (types and ranges checked, nothing tokenized).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParsedRequest {
+    /// Model id from the body (OpenAI) or path (Workers AI).
+    pub model: String,
+    /// Prompt or messages.
+    pub input: Input,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling parameters (validated).
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Stream as server-sent events.
+    pub stream: bool,
+    /// OpenAI `stream_options.include_usage`.
+    pub include_usage: bool,
+}
+
+/// A request ready for the engine: I1 checked against the model's limits.
+#[derive(Clone, Debug)]
+pub struct Validated {
+    /// Catalog entry.
+    pub model: CatalogEntry,
+    /// The engine request (token ids).
+    pub request: GenerateRequest,
+    /// Stream as server-sent events.
+    pub stream: bool,
+    /// OpenAI `stream_options.include_usage`.
+    pub include_usage: bool,
+}
+
+/// Parses a JSON object body.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(other) => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "request body must be a JSON object. Given: {}",
+                type_name(&other)
+            ),
+        )),
+        Err(e) => Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!("request body is not valid JSON: {e}"),
+        )),
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+fn present<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    o.get(k).filter(|v| !v.is_null())
+}
+
+fn opt_bool(o: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
+    match present(o, k) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(ApiError::field(
+            k,
+            format!("`{k}` must be a boolean. Given: {}", type_name(v)),
+        )),
+    }
+}
+
+fn opt_f32(o: &Map<String, Value>, k: &str) -> Result<Option<f32>, ApiError> {
+    match present(o, k) {
+        None => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64().map(|f| f as f32)),
+        Some(v) => Err(ApiError::field(
+            k,
+            format!("`{k}` must be a number. Given: {}", type_name(v)),
+        )),
+    }
+}
+
+/// A non-negative integer field; `min` is the smallest accepted value.
+fn opt_uint(o: &Map<String, Value>, k: &str, min: u64) -> Result<Option<u64>, ApiError> {
+    let Some(v) = present(o, k) else {
+        return Ok(None);
+    };
+    let bad = |given: String| {
+        ApiError::field(
+            k,
+            format!("`{k}` must be an integer >= {min}. Given: {given}"),
+        )
+    };
+    match v {
+        Value::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                if u < min {
+                    return Err(bad(u.to_string()));
+                }
+                Ok(Some(u))
+            } else if n.as_i64().is_some() {
+                Err(bad(n.to_string()))
+            } else {
+                let f = n.as_f64().unwrap_or(f64::NAN);
+                if f.fract() == 0.0 && f >= min as f64 {
+                    // An integral value too large for u64: saturate; the context
+                    // check rejects it with both numbers.
+                    Ok(Some(u64::MAX))
+                } else {
+                    Err(bad(n.to_string()))
+                }
+            }
+        }
+        other => Err(bad(type_name(other).into())),
+    }
+}
+
+fn opt_string<'a>(o: &'a Map<String, Value>, k: &str) -> Result<Option<&'a str>, ApiError> {
+    match present(o, k) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(ApiError::field(
+            k,
+            format!("`{k}` must be a string. Given: {}", type_name(v)),
+        )),
+    }
+}
+
+fn sampling(o: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
+    let d = SamplingParams::default();
+    // Workers AI's default temperature is 0.6; an absent field keeps our greedy
+    // default so answers are reproducible unless a client asks otherwise.
+    let s = SamplingParams {
+        temperature: opt_f32(o, "temperature")?.unwrap_or(d.temperature),
+        top_p: opt_f32(o, "top_p")?.unwrap_or(d.top_p),
+        top_k: opt_uint(o, "top_k", 0)?
+            .map(|k| k.min(u32::MAX as u64) as u32)
+            .unwrap_or(d.top_k),
+        seed: opt_uint(o, "seed", 0)?,
+        repetition_penalty: opt_f32(o, "repetition_penalty")?.unwrap_or(d.repetition_penalty),
+        frequency_penalty: opt_f32(o, "frequency_penalty")?.unwrap_or(d.frequency_penalty),
+        presence_penalty: opt_f32(o, "presence_penalty")?.unwrap_or(d.presence_penalty),
+    };
+    s.validate()
+        .map_err(|e| ApiError::field(e.field(), e.to_string()))?;
+    Ok(s)
+}
+
+fn max_tokens(o: &Map<String, Value>, keys: &[&str]) -> Result<usize, ApiError> {
+    for k in keys {
+        if let Some(n) = opt_uint(o, k, 1)? {
+            return Ok(usize::try_from(n).unwrap_or(usize::MAX));
+        }
+    }
+    Ok(DEFAULT_MAX_TOKENS)
+}
+
+fn content_text(v: &Value, field: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => out.push_str(t),
+                    _ => {
+                        return Err(ApiError::field(
+                            field,
+                            format!("`{field}` parts must be {{\"type\":\"text\",\"text\":..}}"),
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        other => Err(ApiError::field(
+            field,
+            format!("`{field}` must be a string. Given: {}", type_name(other)),
+        )),
+    }
+}
+
+fn messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+    let Value::Array(items) = v else {
+        return Err(ApiError::field(
+            "messages",
+            format!("`messages` must be an array. Given: {}", type_name(v)),
+        ));
+    };
+    if items.is_empty() {
+        return Err(ApiError::field(
+            "messages",
+            "`messages` must contain at least 1 message. Given: 0",
+        ));
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::field("messages", format!("`messages[{i}].role` must be a string"))
+        })?;
+        if !matches!(role, "system" | "user" | "assistant" | "developer" | "tool") {
+            return Err(ApiError::field(
+                "messages",
+                format!(
+                    "`messages[{i}].role` must be one of system, user, assistant. Given: {role}"
+                ),
+            ));
+        }
+        let role = if role == "developer" { "system" } else { role };
+        let content = m.get("content").unwrap_or(&Value::Null);
+        let content = content_text(content, &format!("messages[{i}].content"))?;
+        out.push(ChatMessage::new(role, content));
+    }
+    Ok(out)
+}
+
+fn prompt_text(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    match present(o, "prompt") {
+        None => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Err(ApiError::field(
+            "prompt",
+            "`prompt` must be a non-empty string. Given: \"\"",
+        )),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            let s = a[0].as_str().unwrap_or_default();
+            if s.is_empty() {
+                return Err(ApiError::field(
+                    "prompt",
+                    "`prompt` must be a non-empty string. Given: \"\"",
+                ));
+            }
+            Ok(Some(s.into()))
+        }
+        Some(v) => Err(ApiError::field(
+            "prompt",
+            format!("`prompt` must be a string. Given: {}", type_name(v)),
+        )),
+    }
+}
+
+fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    match present(o, "stop") {
+        None => Ok(vec![]),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(Value::is_string) => Ok(a
+            .iter()
+            .filter_map(|s| s.as_str().map(String::from))
+            .filter(|s| !s.is_empty())
+            .collect()),
+        Some(_) => Err(ApiError::field(
+            "stop",
+            "`stop` must be a string or an array of at most 4 strings",
+        )),
+    }
+}
+
+/// `POST .../ai/run/{model}`: `{prompt}` (chat-templated unless `raw`) or `{messages}`.
+pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
+    let raw = opt_bool(o, "raw")?.unwrap_or(false);
+    let prompt = prompt_text(o)?;
+    let input = match (prompt, present(o, "messages")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "give either `prompt` or `messages`, not both",
+            ))
+        }
+        (Some(text), None) => Input::Prompt { text, chat: !raw },
+        (None, Some(m)) => Input::Messages(messages(m)?),
+        (None, None) => {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "request needs `prompt` or `messages`",
+            ))
+        }
+    };
+    Ok(ParsedRequest {
+        model: model.into(),
+        input,
+        max_tokens: max_tokens(o, &["max_tokens"])?,
+        sampling: sampling(o)?,
+        stop: vec![],
+        stream: opt_bool(o, "stream")?.unwrap_or(false),
+        include_usage: true,
+    })
+}
+
+fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, ApiError> {
+    let model =
+        opt_string(o, "model")?.ok_or_else(|| ApiError::field("model", "`model` is required"))?;
+    if let Some(n) = opt_uint(o, "n", 1)? {
+        if n != 1 {
+            return Err(ApiError::field("n", format!("`n` must be 1. Given: {n}")));
+        }
+    }
+    let stream = opt_bool(o, "stream")?.unwrap_or(false);
+    let include_usage = match present(o, "stream_options") {
+        None => false,
+        Some(Value::Object(so)) => opt_bool(so, "include_usage")?.unwrap_or(false),
+        Some(v) => {
+            return Err(ApiError::field(
+                "stream_options",
+                format!(
+                    "`stream_options` must be an object. Given: {}",
+                    type_name(v)
+                ),
+            ))
+        }
+    };
+    Ok(ParsedRequest {
+        model: model.into(),
+        input,
+        max_tokens: max_tokens(o, &["max_completion_tokens", "max_tokens"])?,
+        sampling: sampling(o)?,
+        stop: stop(o)?,
+        stream,
+        include_usage,
+    })
+}
+
+/// `POST /v1/chat/completions`.
+pub fn openai_chat(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
+    let m = present(o, "messages")
+        .ok_or_else(|| ApiError::field("messages", "`messages` is required"))?;
+    let input = Input::Messages(messages(m)?);
+    openai_common(o, input)
+}
+
+/// `POST /v1/completions` (raw prompt, no chat template).
+pub fn openai_completion(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
+    let text = prompt_text(o)?.ok_or_else(|| ApiError::field("prompt", "`prompt` is required"))?;
+    openai_common(o, Input::Prompt { text, chat: false })
+}
+
+/// Maps an engine admission rejection to the client error.
+pub fn rejection(r: &Rejection) -> ApiError {
+    match r {
+        Rejection::ContextOverflow { .. } | Rejection::PoolTooSmall { .. } => {
+            ApiError::new(ErrorKind::ContextOverflow, r.to_string())
+        }
+        Rejection::Sampling(e) => ApiError::field(e.field(), e.to_string()),
+        Rejection::ZeroMaxTokens => ApiError::field("max_tokens", r.to_string()),
+        Rejection::EmptyPrompt => ApiError::field("prompt", r.to_string()),
+        Rejection::BadToken { .. } => ApiError::new(ErrorKind::BadRequest, r.to_string()),
+    }
+}
+
+/// Resolves the model, renders and tokenizes the input, and runs the I1 checks
+/// against `limits` (pure: nothing is allocated, nothing reaches the engine).
+pub fn validate(
+    p: ParsedRequest,
+    catalog: &Catalog,
+    model: &LoadedModel,
+    limits: AdmissionLimits,
+    tenant: u64,
+) -> Result<Validated, ApiError> {
+    let entry = catalog.get(&p.model).cloned().ok_or_else(|| {
+        let mut e = ApiError::new(ErrorKind::NoSuchModel, format!("No such model {}", p.model));
+        e.param = Some("model".into());
+        e
+    })?;
+    let (text, special) = match &p.input {
+        Input::Prompt { text, chat: false } => (text.clone(), false),
+        Input::Prompt { text, chat: true } => (
+            render(model, &[ChatMessage::new("user", text.clone())])?,
+            true,
+        ),
+        Input::Messages(m) => (render(model, m)?, true),
+    };
+    let prompt = model.tokenizer.encode(&text, special).map_err(|e| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!("cannot tokenize the prompt: {e}"),
+        )
+    })?;
+    if prompt.is_empty() {
+        return Err(ApiError::field(
+            "prompt",
+            "prompt is empty after tokenization",
+        ));
+    }
+    if prompt.len().saturating_add(p.max_tokens) > limits.context {
+        return Err(rejection(&Rejection::ContextOverflow {
+            prompt: prompt.len(),
+            max_tokens: p.max_tokens,
+            context: limits.context,
+        }));
+    }
+    let request = GenerateRequest {
+        tenant,
+        prompt,
+        max_tokens: p.max_tokens,
+        sampling: p.sampling,
+        stop: p.stop,
+        ignore_eos: false,
+    };
+    limits.admit(request.clone()).map_err(|r| rejection(&r))?;
+    Ok(Validated {
+        model: entry,
+        request,
+        stream: p.stream,
+        include_usage: p.include_usage,
+    })
+}
+
+fn render(model: &LoadedModel, messages: &[ChatMessage]) -> Result<String, ApiError> {
+    model
+        .chat
+        .render(messages, true)
+        .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn workers_ai_fields() {
+        let p = workers_ai("m", &obj(json!({"prompt": "hi"}))).unwrap();
+        assert_eq!(p.max_tokens, DEFAULT_MAX_TOKENS);
+        assert_eq!(
+            p.input,
+            Input::Prompt {
+                text: "hi".into(),
+                chat: true
+            }
+        );
+        let p = workers_ai("m", &obj(json!({"prompt": "hi", "raw": true, "max_tokens": 5, "seed": 7, "temperature": 0.5}))).unwrap();
+        assert_eq!(
+            p.input,
+            Input::Prompt {
+                text: "hi".into(),
+                chat: false
+            }
+        );
+        assert_eq!(
+            (p.max_tokens, p.sampling.seed, p.sampling.temperature),
+            (5, Some(7), 0.5)
+        );
+        for (body, field) in [
+            (json!({"prompt": 5}), "prompt"),
+            (json!({"prompt": ""}), "prompt"),
+            (json!({"prompt": "x", "max_tokens": -1}), "max_tokens"),
+            (json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+            (json!({"prompt": "x", "max_tokens": 1.5}), "max_tokens"),
+            (json!({"prompt": "x", "max_tokens": "12"}), "max_tokens"),
+            (json!({"prompt": "x", "stream": "yes"}), "stream"),
+            (json!({"prompt": "x", "temperature": 9.0}), "temperature"),
+            (json!({"prompt": "x", "top_p": 0.0}), "top_p"),
+            (json!({"messages": []}), "messages"),
+            (
+                json!({"messages": [{"role": "wizard", "content": "x"}]}),
+                "messages",
+            ),
+        ] {
+            let e = workers_ai("m", &obj(body.clone())).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::BadRequest, "{body}");
+            assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
+        }
+        let e = workers_ai("m", &obj(json!({"prompt": "x", "max_tokens": -5}))).unwrap_err();
+        assert_eq!(e.message, "`max_tokens` must be an integer >= 1. Given: -5");
+        assert_eq!(
+            workers_ai("m", &obj(json!({}))).unwrap_err().kind,
+            ErrorKind::BadRequest
+        );
+        let huge = workers_ai("m", &obj(json!({"prompt": "x", "max_tokens": 1e30}))).unwrap();
+        assert_eq!(huge.max_tokens, usize::MAX);
+    }
+
+    #[test]
+    fn openai_fields() {
+        let p = openai_chat(&obj(json!({
+            "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            "stream": true, "stream_options": {"include_usage": true}, "stop": ["x", "y"], "max_tokens": 9
+        })))
+        .unwrap();
+        assert!(p.stream && p.include_usage);
+        assert_eq!(p.stop, vec!["x", "y"]);
+        assert_eq!(p.max_tokens, 9);
+        assert_eq!(
+            p.input,
+            Input::Messages(vec![ChatMessage::new("user", "a")])
+        );
+        assert_eq!(
+            openai_chat(&obj(json!({"messages": []})))
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("messages")
+        );
+        assert_eq!(
+            openai_chat(&obj(json!({"messages": [{"role":"user","content":"x"}]})))
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("model")
+        );
+        assert_eq!(
+            openai_chat(&obj(
+                json!({"model": "m", "n": 2, "messages": [{"role":"user","content":"x"}]})
+            ))
+            .unwrap_err()
+            .param
+            .as_deref(),
+            Some("n")
+        );
+        let c = openai_completion(&obj(
+            json!({"model": "m", "prompt": "abc", "max_completion_tokens": 3}),
+        ))
+        .unwrap();
+        assert_eq!(
+            c.input,
+            Input::Prompt {
+                text: "abc".into(),
+                chat: false
+            }
+        );
+        assert_eq!(c.max_tokens, 3);
+    }
+
+    #[test]
+    fn bodies() {
+        assert!(parse_object(b"{\"a\":1}").is_ok());
+        assert_eq!(
+            parse_object(b"{nope").unwrap_err().kind,
+            ErrorKind::BadRequest
+        );
+        assert!(parse_object(b"[1]").unwrap_err().message.contains("array"));
+    }
+}

@@ -1,0 +1,192 @@
+//! Test harness: the real server on 127.0.0.1:0 with the real model, a real SQLite
+//! file in a temp dir, and real HTTP clients.
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_backend::{EngineConfig, EngineHandle, LoadedModel};
+use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
+use tessera_tenancy::{Limits, Store, Tenant, UsageRecord};
+
+pub const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+pub const ADMIN: &str = "test-admin-token";
+
+pub fn model_path() -> PathBuf {
+    std::env::var_os("TESSERA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../models/SmolLM2-135M-Instruct.Q4_1.gguf"
+            ))
+        })
+}
+
+pub struct TestServer {
+    pub base: String,
+    pub addr: std::net::SocketAddr,
+    pub state: Arc<AppState>,
+    pub tenant: Tenant,
+    pub key: String,
+    pub client: reqwest::Client,
+    pub dir: tempfile::TempDir,
+    /// Send to shut the server down (drain, then abort).
+    pub shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The server task.
+    pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+pub async fn start() -> TestServer {
+    start_with(GatewayConfig::default()).await
+}
+
+pub async fn start_with(cfg: GatewayConfig) -> TestServer {
+    start_with_store(cfg, None).await
+}
+
+/// Starts the server on the store at `url` (default: a SQLite file in a temp dir).
+pub async fn start_with_store(mut cfg: GatewayConfig, url: Option<String>) -> TestServer {
+    let dir = tempfile::tempdir().unwrap();
+    let url =
+        url.unwrap_or_else(|| format!("sqlite://{}", dir.path().join("tessera.db").display()));
+    let store = Store::connect(&url).await.unwrap();
+    let model = LoadedModel::load(&model_path()).expect("model (run `tessera model fetch`)");
+    let engine = EngineHandle::spawn(&model, EngineConfig::default());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.admin_token = Some(ADMIN.into());
+    if let TlsMode::SelfSigned(None) = cfg.tls {
+        cfg.tls = TlsMode::SelfSigned(Some(dir.path().join("cert.pem")));
+    }
+    let state = AppState::new(store.clone(), model, engine, &cfg);
+    let server = Server::bind(&cfg, state.clone()).await.unwrap();
+    let addr = server.local_addr();
+    let base = format!("{}://{}", server.scheme(), addr);
+    let (shutdown, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.run_until(async move {
+        let _ = rx.await;
+    }));
+    let tenant = store
+        .create_tenant("alpha", Limits::default())
+        .await
+        .unwrap();
+    let (_, key) = store.create_key(&tenant.id, "test").await.unwrap();
+    TestServer {
+        base,
+        addr,
+        state,
+        tenant,
+        key,
+        client: reqwest::Client::builder()
+            .timeout(Duration::from_secs(300))
+            .build()
+            .unwrap(),
+        dir,
+        shutdown: Some(shutdown),
+        task,
+    }
+}
+
+impl TestServer {
+    pub fn store(&self) -> &Store {
+        &self.state.store
+    }
+
+    pub fn run_url(&self, account: &str) -> String {
+        format!("{}/client/v4/accounts/{account}/ai/run/{MODEL}", self.base)
+    }
+
+    pub async fn tenant_with_key(&self, name: &str, limits: Limits) -> (Tenant, String) {
+        let t = self.store().create_tenant(name, limits).await.unwrap();
+        let (_, k) = self.store().create_key(&t.id, "k").await.unwrap();
+        (t, k)
+    }
+
+    /// POSTs JSON with a bearer key; returns status, x-request-id and body JSON.
+    pub async fn post(
+        &self,
+        url: &str,
+        key: Option<&str>,
+        body: &serde_json::Value,
+    ) -> (u16, String, serde_json::Value) {
+        let mut r = self.client.post(url).json(body);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        let resp = r.send().await.unwrap();
+        split(resp).await
+    }
+
+    pub async fn get(&self, url: &str, key: Option<&str>) -> (u16, String, serde_json::Value) {
+        let mut r = self.client.get(url);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        split(r.send().await.unwrap()).await
+    }
+
+    /// The request's ledger row (written right after the response ends: polls).
+    pub async fn row(&self, rid: &str) -> UsageRecord {
+        for _ in 0..400 {
+            if let Some(r) = self.store().usage_row(rid).await.unwrap() {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("no usage row for {rid}")
+    }
+
+    /// Waits until every admitted request has written its usage row.
+    pub async fn settle(&self) {
+        assert!(self.state.wait_idle(Duration::from_secs(10)).await);
+    }
+
+    pub async fn row_count(&self) -> usize {
+        self.settle().await;
+        self.store().usage_rows(None).await.unwrap().len()
+    }
+
+    pub fn account_url(&self, path: &str) -> String {
+        format!(
+            "{}/client/v4/accounts/{}/ai/{path}",
+            self.base, self.tenant.id
+        )
+    }
+
+    /// Waits until the engine is idle with every page free.
+    pub async fn wait_idle(&self) {
+        for _ in 0..600 {
+            let s = self.state.engine.stats();
+            if s.running == 0 && s.waiting == 0 && s.free_pages == s.capacity_pages {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("engine not idle: {:?}", self.state.engine.stats());
+    }
+}
+
+pub async fn split(resp: reqwest::Response) -> (u16, String, serde_json::Value) {
+    let status = resp.status().as_u16();
+    let rid = resp
+        .headers()
+        .get("x-request-id")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let text = resp.text().await.unwrap();
+    let v = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+    (status, rid, v)
+}
+
+/// Reads a whole SSE body into its `data:` payloads.
+pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
+    let text = resp.text().await.unwrap();
+    text.split("\n\n")
+        .filter(|f| !f.trim().is_empty())
+        .map(|f| {
+            f.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad SSE frame {f:?}"))
+                .to_string()
+        })
+        .collect()
+}

@@ -1,0 +1,1071 @@
+//! The gateway over real sockets with the real model and a real SQLite store.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+use tessera_tenancy::{Limits, TenantStatus};
+
+/// (name, account in the path, key, body, HTTP status, Workers AI code, tenant of the row)
+type Case<'a> = (&'a str, String, Option<&'a str>, Value, u16, i64, &'a str);
+
+fn usage_of(v: &Value) -> (i64, i64) {
+    (
+        v["prompt_tokens"].as_i64().unwrap(),
+        v["completion_tokens"].as_i64().unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_ai_envelope_stream_and_ledger() {
+    let s = start().await;
+    let url = s.run_url(&s.tenant.id);
+    let body = json!({"prompt": "What is the capital of France?", "max_tokens": 12});
+    let (st, rid, v) = s.post(&url, Some(&s.key), &body).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(rid.len(), 32);
+    assert_eq!(v["success"], true);
+    assert_eq!(v["errors"], json!([]));
+    assert_eq!(v["messages"], json!([]));
+    let text = v["result"]["response"].as_str().unwrap().to_string();
+    assert!(!text.is_empty());
+    let (p, c) = usage_of(&v["result"]["usage"]);
+    assert!(p > 5 && (1..=12).contains(&c), "{v}");
+    assert_eq!(
+        v["result"]["usage"]["total_tokens"].as_i64().unwrap(),
+        p + c
+    );
+    let row = s.row(&rid).await;
+    assert_eq!(
+        (
+            row.input_tokens,
+            row.output_tokens,
+            row.status,
+            row.error_code
+        ),
+        (p, c, 200, 0)
+    );
+    assert_eq!(
+        (row.tenant_id.as_str(), row.model.as_str()),
+        (s.tenant.id.as_str(), MODEL)
+    );
+    assert!(row.finish == "stop" || row.finish == "length");
+
+    // Streaming: the same greedy text, a final usage frame, then [DONE].
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let resp = s
+        .client
+        .post(&url)
+        .bearer_auth(&s.key)
+        .json(&sbody)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let srid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let frames: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let last = frames.last().unwrap();
+    assert_eq!(usage_of(&last["usage"]), (p, c));
+    let streamed: String = frames
+        .iter()
+        .map(|f| f["response"].as_str().unwrap())
+        .collect();
+    assert_eq!(streamed, text);
+    assert!(frames.len() >= 2);
+    let srow = s.row(&srid).await;
+    assert_eq!(
+        (srow.input_tokens, srow.output_tokens, srow.status),
+        (p, c, 200)
+    );
+
+    // Messages form equals the chat-templated prompt form.
+    let (st, _, mv) = s
+        .post(&url, Some(&s.key), &json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12}))
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(mv["result"]["response"].as_str().unwrap(), text);
+    // raw: no chat template, so fewer prompt tokens.
+    let (st, _, rv) = s
+        .post(
+            &url,
+            Some(&s.key),
+            &json!({"prompt": "The capital of France is", "raw": true, "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(st, 200);
+    assert!(usage_of(&rv["result"]["usage"]).0 < 8, "{rv}");
+    s.wait_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_shapes_over_http() {
+    let s = start().await;
+    let msgs = json!([{"role": "user", "content": "Name a color."}]);
+    for url in [
+        format!("{}/v1/chat/completions", s.base),
+        format!(
+            "{}/client/v4/accounts/{}/ai/v1/chat/completions",
+            s.base, s.tenant.id
+        ),
+    ] {
+        let (st, rid, v) = s
+            .post(
+                &url,
+                Some(&s.key),
+                &json!({"model": MODEL, "messages": msgs, "max_tokens": 8}),
+            )
+            .await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["id"], format!("chatcmpl-{rid}"));
+        assert_eq!(v["model"], MODEL);
+        assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+        let fr = v["choices"][0]["finish_reason"].as_str().unwrap();
+        assert!(fr == "stop" || fr == "length");
+        let row = s.row(&rid).await;
+        assert_eq!(usage_of(&v["usage"]), (row.input_tokens, row.output_tokens));
+        assert_eq!(row.endpoint, "openai.chat");
+    }
+    // Streaming with include_usage.
+    let resp = s
+        .client
+        .post(format!("{}/v1/chat/completions", s.base))
+        .bearer_auth(&s.key)
+        .json(&json!({"model": MODEL, "messages": msgs, "max_tokens": 8, "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let ev = sse_events(resp).await;
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk" && c["id"] == format!("chatcmpl-{rid}")));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    let row = s.row(&rid).await;
+    assert_eq!(
+        usage_of(&usage_chunk["usage"]),
+        (row.input_tokens, row.output_tokens)
+    );
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c["usage"].is_null()));
+    assert!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"].is_string());
+    // Completions (raw prompt).
+    let (st, rid, v) = s
+        .post(
+            &format!("{}/v1/completions", s.base),
+            Some(&s.key),
+            &json!({"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 5}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["id"], format!("cmpl-{rid}"));
+    assert!(v["choices"][0]["text"].is_string());
+    assert_eq!(usage_of(&v["usage"]).1, s.row(&rid).await.output_tokens);
+    // Models.
+    let (st, _, v) = s.get(&format!("{}/v1/models", s.base), Some(&s.key)).await;
+    assert_eq!(st, 200);
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], MODEL);
+    assert_eq!(v["data"][0]["context_window"], 8192);
+    let (st, _, v) = s
+        .get(
+            &format!(
+                "{}/client/v4/accounts/{}/ai/models/search",
+                s.base, s.tenant.id
+            ),
+            Some(&s.key),
+        )
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(v["success"], true);
+    assert_eq!(v["result"][0]["name"], MODEL);
+    assert_eq!(v["result"][0]["task"]["name"], "Text Generation");
+    let search = |q: &str| {
+        format!(
+            "{}/client/v4/accounts/{}/ai/models/search?{q}",
+            s.base, s.tenant.id
+        )
+    };
+    let (_, _, v) = s
+        .get(
+            &search("search=SmolLM2&task=Text%20Generation"),
+            Some(&s.key),
+        )
+        .await;
+    assert_eq!(v["result"].as_array().unwrap().len(), 1);
+    let (_, _, v) = s.get(&search("search=llama"), Some(&s.key)).await;
+    assert_eq!(v["result"], json!([]));
+    let (_, _, v) = s
+        .get(&search("task=image-classification"), Some(&s.key))
+        .await;
+    assert_eq!(v["result"], json!([]));
+    // Another tenant's account path: 403.
+    let (other, _) = s.tenant_with_key("other", Limits::default()).await;
+    let url = format!(
+        "{}/client/v4/accounts/{}/ai/models/search",
+        s.base, other.id
+    );
+    assert_eq!(s.get(&url, Some(&s.key)).await.0, 403);
+    let (st, _, v) = s.get(&format!("{}/v1/models", s.base), None).await;
+    assert_eq!(st, 401);
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    // Health.
+    assert_eq!(
+        s.client
+            .get(format!("{}/healthz", s.base))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        s.client
+            .get(format!("{}/readyz", s.base))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let (st, _, v) = s.get(&format!("{}/nope", s.base), None).await;
+    assert_eq!((st, v["errors"][0]["code"].as_i64()), (404, Some(7000)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_and_validation_errors_write_exactly_one_error_row() {
+    let s = start().await;
+    let (b, key_b) = s.tenant_with_key("beta", Limits::default()).await;
+    let (susp, key_s) = s.tenant_with_key("suspended", Limits::default()).await;
+    s.store()
+        .set_status(&susp.id, TenantStatus::Suspended)
+        .await
+        .unwrap();
+    let (_, revoked) = s.store().create_key(&s.tenant.id, "old").await.unwrap();
+    let revoked_id = revoked[4..20].to_string();
+    assert!(s.store().revoke_key(&revoked_id).await.unwrap());
+    let wrong = format!("{}{}", &s.key[..s.key.len() - 4], "0000");
+    let a = s.tenant.id.clone();
+    let ok = json!({"prompt": "hi", "max_tokens": 4});
+    let free_before = s.state.engine.stats();
+    assert_eq!(free_before.free_pages, free_before.capacity_pages);
+    // (account, key, body, status, Workers AI code, tenant of the row)
+    let cases: Vec<Case> = vec![
+        ("no key", a.clone(), None, ok.clone(), 401, 10000, ""),
+        (
+            "wrong key",
+            a.clone(),
+            Some(&wrong),
+            ok.clone(),
+            401,
+            10000,
+            "",
+        ),
+        (
+            "malformed key",
+            a.clone(),
+            Some("sk-not-a-tessera-key"),
+            ok.clone(),
+            401,
+            10000,
+            "",
+        ),
+        (
+            "revoked key",
+            a.clone(),
+            Some(&revoked),
+            ok.clone(),
+            401,
+            10000,
+            "",
+        ),
+        (
+            "A's key on B's path",
+            b.id.clone(),
+            Some(&s.key),
+            ok.clone(),
+            403,
+            10000,
+            &a,
+        ),
+        (
+            "suspended tenant",
+            susp.id.clone(),
+            Some(&key_s),
+            ok.clone(),
+            403,
+            10000,
+            &susp.id,
+        ),
+        (
+            "wrong type",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": 42}),
+            400,
+            3003,
+            &a,
+        ),
+        (
+            "negative max_tokens",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": "hi", "max_tokens": -3}),
+            400,
+            3003,
+            &a,
+        ),
+        (
+            "string max_tokens",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": "hi", "max_tokens": "3"}),
+            400,
+            3003,
+            &a,
+        ),
+        (
+            "huge max_tokens",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": "hi", "max_tokens": 1_000_000_000u64}),
+            400,
+            3006,
+            &a,
+        ),
+        (
+            "empty prompt",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": ""}),
+            400,
+            3003,
+            &a,
+        ),
+        (
+            "no prompt",
+            a.clone(),
+            Some(&s.key),
+            json!({}),
+            400,
+            3003,
+            &a,
+        ),
+        (
+            "bad temperature",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": "hi", "temperature": -1}),
+            400,
+            3003,
+            &a,
+        ),
+    ];
+    let mut rows = s.row_count().await;
+    for (name, account, key, body, status, code, row_tenant) in cases {
+        let (st, rid, v) = s.post(&s.run_url(&account), key, &body).await;
+        assert_eq!(st, status, "{name}: {v}");
+        assert_eq!(v["success"], false, "{name}");
+        assert_eq!(
+            v["errors"][0]["code"].as_i64().unwrap(),
+            code,
+            "{name}: {v}"
+        );
+        rows += 1;
+        assert_eq!(s.row_count().await, rows, "{name}: exactly one row");
+        let row = s.row(&rid).await;
+        assert_eq!(
+            (row.status, row.error_code as i64, row.finish.as_str()),
+            (status, code, "error"),
+            "{name}"
+        );
+        assert_eq!((row.input_tokens, row.output_tokens), (0, 0), "{name}");
+        assert_eq!(row.tenant_id, row_tenant, "{name}");
+    }
+    // Malformed JSON.
+    let resp = s
+        .client
+        .post(s.run_url(&a))
+        .bearer_auth(&s.key)
+        .body("{\"prompt\": ")
+        .send()
+        .await
+        .unwrap();
+    let (st, rid, v) = split(resp).await;
+    assert_eq!(
+        (st, v["errors"][0]["code"].as_i64()),
+        (400, Some(3003)),
+        "{v}"
+    );
+    assert_eq!(s.row(&rid).await.status, 400);
+    rows += 1;
+    assert_eq!(s.row_count().await, rows);
+    // Unknown model.
+    let url = format!(
+        "{}/client/v4/accounts/{a}/ai/run/@cf/meta/llama-9-999b",
+        s.base
+    );
+    let (st, rid, v) = s.post(&url, Some(&s.key), &ok).await;
+    assert_eq!(
+        (st, v["errors"][0]["code"].as_i64()),
+        (404, Some(5007)),
+        "{v}"
+    );
+    assert_eq!(s.row(&rid).await.model, "@cf/meta/llama-9-999b");
+    rows += 1;
+    assert_eq!(s.row_count().await, rows);
+    let (st, _, v) = s
+        .post(
+            &format!("{}/v1/chat/completions", s.base),
+            Some(&s.key),
+            &json!({"model": "gpt-7", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+    rows += 1;
+    assert_eq!(s.row_count().await, rows);
+    // 10 MB body.
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(10 << 20));
+    let resp = s
+        .client
+        .post(s.run_url(&a))
+        .bearer_auth(&s.key)
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    let (st, rid, v) = split(resp).await;
+    assert_eq!(
+        (st, v["errors"][0]["code"].as_i64()),
+        (413, Some(3006)),
+        "{v}"
+    );
+    assert_eq!(s.row(&rid).await.status, 413);
+    rows += 1;
+    assert_eq!(s.row_count().await, rows);
+    // OpenAI error objects.
+    let (st, _, v) = s
+        .post(&format!("{}/v1/chat/completions", s.base), Some(&s.key), &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}))
+        .await;
+    assert_eq!(st, 400);
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["param"], "max_tokens");
+    let (st, _, v) = s
+        .post(
+            &format!("{}/v1/chat/completions", s.base),
+            Some(&key_b),
+            &json!({"model": MODEL}),
+        )
+        .await;
+    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("messages")));
+    // Nothing reached the engine.
+    let after = s.state.engine.stats();
+    assert_eq!(after.free_pages, after.capacity_pages);
+    assert_eq!((after.running, after.waiting), (0, 0));
+    // Revoking the working key takes effect on the next request.
+    let key_id = &s.key[4..20];
+    let (st, _, _) = s.post(&s.run_url(&a), Some(&s.key), &ok).await;
+    assert_eq!(st, 200);
+    s.store().revoke_key(key_id).await.unwrap();
+    let (st, _, _) = s.post(&s.run_url(&a), Some(&s.key), &ok).await;
+    assert_eq!(st, 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_long_prompt_is_rejected_before_the_engine() {
+    let s = start().await;
+    let limits = s.state.engine.limits();
+    let before = s.state.engine.stats();
+    assert_eq!(before.free_pages, before.capacity_pages);
+    let long = "hello ".repeat(9000);
+    let (st, rid, v) = s
+        .post(
+            &s.run_url(&s.tenant.id),
+            Some(&s.key),
+            &json!({"prompt": long, "raw": true, "max_tokens": 10}),
+        )
+        .await;
+    assert_eq!(st, 400, "{v}");
+    let msg = v["errors"][0]["message"].as_str().unwrap();
+    let row = s.row(&rid).await;
+    assert_eq!(row.status, 400);
+    assert!(
+        msg.contains("max_tokens (10)") && msg.contains(&limits.context.to_string()),
+        "{msg}"
+    );
+    assert!(msg.contains(" tokens)"), "{msg}");
+    // Short prompt, max_tokens at the context window.
+    let (st, _, v) = s
+        .post(&format!("{}/v1/chat/completions", s.base), Some(&s.key), &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8192}))
+        .await;
+    assert_eq!(st, 400);
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("max_tokens (8192)") && msg.contains("8192 tokens"),
+        "{msg}"
+    );
+    let after = s.state.engine.stats();
+    assert_eq!(after, before, "the pool was not touched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_mid_stream_aborts_and_records_once() {
+    let s = start().await;
+    let body = json!({"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 400, "stream": true});
+    let mut resp = s
+        .client
+        .post(s.run_url(&s.tenant.id))
+        .bearer_auth(&s.key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let mut got = 0;
+    while got < 3 {
+        let chunk = resp.chunk().await.unwrap().expect("stream ended early");
+        got += String::from_utf8_lossy(&chunk).matches("data: ").count();
+    }
+    drop(resp);
+    let mut row = None;
+    for _ in 0..400 {
+        if let Some(r) = s.store().usage_row(&rid).await.unwrap() {
+            row = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let row = row.expect("usage row after disconnect");
+    assert_eq!(
+        (row.status, row.error_code, row.finish.as_str()),
+        (499, 3008, "aborted")
+    );
+    assert!(row.output_tokens >= 3 && row.output_tokens < 400, "{row:?}");
+    assert!(row.input_tokens > 0);
+    s.wait_idle().await;
+    // Exactly once.
+    let rows = s.store().usage_rows(Some(&s.tenant.id)).await.unwrap();
+    assert_eq!(rows.iter().filter(|r| r.request_id == rid).count(), 1);
+    assert_eq!(rows.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_api_matches_ledger_and_is_tenant_scoped() {
+    let s = start().await;
+    let (b, key_b) = s.tenant_with_key("beta", Limits::default()).await;
+    let a = s.tenant.id.clone();
+    let (_, key_a2) = s.store().create_key(&a, "second").await.unwrap();
+    for (key, body) in [
+        (&s.key, json!({"prompt": "One", "max_tokens": 3})),
+        (&key_a2, json!({"prompt": "Two", "max_tokens": 4})),
+        (&s.key, json!({"prompt": 5})),
+    ] {
+        s.post(&s.run_url(&a), Some(key), &body).await;
+    }
+    s.post(
+        &s.run_url(&b.id),
+        Some(&key_b),
+        &json!({"prompt": "Beta", "max_tokens": 5}),
+    )
+    .await;
+    s.settle().await;
+    let rows = s.store().usage_rows(Some(&a)).await.unwrap();
+    assert_eq!(rows.len(), 3);
+    let sum = |f: fn(&tessera_tenancy::UsageRecord) -> i64| rows.iter().map(f).sum::<i64>();
+    for g in ["model", "key", "hour", "day"] {
+        let (st, _, v) = s
+            .get(
+                &format!("{}/client/v4/accounts/{a}/ai/usage?group_by={g}", s.base),
+                Some(&s.key),
+            )
+            .await;
+        assert_eq!(st, 200, "{v}");
+        let t = &v["result"]["totals"];
+        assert_eq!(t["requests"], 3);
+        assert_eq!(t["input_tokens"].as_i64().unwrap(), sum(|r| r.input_tokens));
+        assert_eq!(
+            t["output_tokens"].as_i64().unwrap(),
+            sum(|r| r.output_tokens)
+        );
+        assert_eq!(t["errors"], 1);
+        let groups = v["result"]["groups"].as_array().unwrap();
+        let gsum: i64 = groups
+            .iter()
+            .map(|g| g["input_tokens"].as_i64().unwrap())
+            .sum();
+        assert_eq!(gsum, sum(|r| r.input_tokens));
+        if g == "key" {
+            assert_eq!(groups.len(), 2);
+            let k2 = groups.iter().find(|x| x["key"] == key_a2[4..20]).unwrap();
+            let r2 = rows.iter().find(|r| r.key_id == key_a2[4..20]).unwrap();
+            assert_eq!(
+                (k2["input_tokens"].as_i64(), k2["output_tokens"].as_i64()),
+                (Some(r2.input_tokens), Some(r2.output_tokens))
+            );
+        }
+        if g == "model" {
+            assert!(groups.iter().all(|x| x["key"] == MODEL || x["key"] == ""));
+        }
+    }
+    // Time range: nothing before 2000.
+    let (_, _, v) = s
+        .get(
+            &format!(
+                "{}/client/v4/accounts/{a}/ai/usage?until=2000-01-01",
+                s.base
+            ),
+            Some(&s.key),
+        )
+        .await;
+    assert_eq!(v["result"]["totals"]["requests"], 0);
+    let (st, _, _) = s
+        .get(
+            &format!("{}/client/v4/accounts/{a}/ai/usage?group_by=week", s.base),
+            Some(&s.key),
+        )
+        .await;
+    assert_eq!(st, 400);
+    // Isolation: A cannot read B's usage; B sees only its own.
+    let (st, _, _) = s
+        .get(
+            &format!("{}/client/v4/accounts/{}/ai/usage", s.base, b.id),
+            Some(&s.key),
+        )
+        .await;
+    assert_eq!(st, 403);
+    let (st, _, v) = s
+        .get(
+            &format!("{}/client/v4/accounts/{}/ai/usage", s.base, b.id),
+            Some(&key_b),
+        )
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(v["result"]["totals"]["requests"], 1);
+    let b_rows = s.store().usage_rows(Some(&b.id)).await.unwrap();
+    assert_eq!(
+        v["result"]["totals"]["output_tokens"].as_i64().unwrap(),
+        b_rows[0].output_tokens
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_return_429_and_spare_other_tenants() {
+    let s = start().await;
+    let (c, key_c) = s
+        .tenant_with_key(
+            "limited",
+            Limits {
+                requests_per_minute: 2,
+                ..Limits::default()
+            },
+        )
+        .await;
+    let body = json!({"prompt": "Hi", "max_tokens": 2});
+    for _ in 0..2 {
+        assert_eq!(s.post(&s.run_url(&c.id), Some(&key_c), &body).await.0, 200);
+    }
+    let resp = s
+        .client
+        .post(s.run_url(&c.id))
+        .bearer_auth(&key_c)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    let retry: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+    assert_eq!(resp.headers()["x-should-retry"], "true");
+    let (_, rid, v) = split(resp).await;
+    assert_eq!(v["errors"][0]["code"], 3040);
+    assert_eq!(s.row(&rid).await.status, 429);
+    // The unlimited tenant is unaffected.
+    for _ in 0..4 {
+        assert_eq!(
+            s.post(&s.run_url(&s.tenant.id), Some(&s.key), &body)
+                .await
+                .0,
+            200
+        );
+    }
+    // A request larger than the per-minute token limit can never succeed.
+    let (d, key_d) = s
+        .tenant_with_key(
+            "tiny",
+            Limits {
+                input_tokens_per_minute: 5,
+                ..Limits::default()
+            },
+        )
+        .await;
+    let resp = s
+        .client
+        .post(s.run_url(&d.id))
+        .bearer_auth(&key_d)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    // Concurrency: a second request while one streams gets 429; the slot comes
+    // back when the first client goes away (the permit is released on drop).
+    let (f, key_f) = s
+        .tenant_with_key(
+            "serial",
+            Limits {
+                max_concurrent: 1,
+                ..Limits::default()
+            },
+        )
+        .await;
+    let long = json!({"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 300, "stream": true});
+    let mut first = s
+        .client
+        .post(s.run_url(&f.id))
+        .bearer_auth(&key_f)
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 200);
+    first.chunk().await.unwrap().expect("first frame");
+    let resp = s
+        .client
+        .post(s.run_url(&f.id))
+        .bearer_auth(&key_f)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 429);
+    assert_eq!(resp.headers()["x-should-retry"], "true");
+    drop(first);
+    let mut ok = false;
+    for _ in 0..200 {
+        if s.post(&s.run_url(&f.id), Some(&key_f), &body).await.0 == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(ok, "concurrency slot not released after disconnect");
+    // Daily quota (OpenAI shape).
+    let (e, key_e) = s
+        .tenant_with_key(
+            "daily",
+            Limits {
+                daily_tokens: 1,
+                ..Limits::default()
+            },
+        )
+        .await;
+    let url = format!(
+        "{}/client/v4/accounts/{}/ai/v1/chat/completions",
+        s.base, e.id
+    );
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    assert_eq!(s.post(&url, Some(&key_e), &chat).await.0, 200);
+    let (st, _, v) = s.post(&url, Some(&key_e), &chat).await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (429, Some("insufficient_quota")),
+        "{v}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_manages_tenants_keys_and_limits() {
+    let s = start().await;
+    let admin = |r: reqwest::RequestBuilder| r.bearer_auth(ADMIN);
+    let resp = s
+        .client
+        .get(format!("{}/admin/v1/tenants", s.base))
+        .bearer_auth(&s.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    let (st, _, v) = split(
+        admin(s.client.post(format!("{}/admin/v1/tenants", s.base)))
+            .json(&json!({"name": "gamma", "create_key": true}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let id = v["result"]["tenant"]["id"].as_str().unwrap().to_string();
+    let key = v["result"]["key"]["secret"].as_str().unwrap().to_string();
+    let body = json!({"prompt": "Hi", "max_tokens": 2});
+    assert_eq!(s.post(&s.run_url(&id), Some(&key), &body).await.0, 200);
+    let (st, _, v) = split(
+        admin(s.client.get(format!("{}/admin/v1/tenants", s.base)))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(st, 200);
+    assert_eq!(v["result"].as_array().unwrap().len(), 2);
+    // Suspend / activate.
+    let st = admin(
+        s.client
+            .post(format!("{}/admin/v1/tenants/{id}/suspend", s.base)),
+    )
+    .send()
+    .await
+    .unwrap()
+    .status();
+    assert_eq!(st, 200);
+    assert_eq!(s.post(&s.run_url(&id), Some(&key), &body).await.0, 403);
+    admin(
+        s.client
+            .post(format!("{}/admin/v1/tenants/{id}/activate", s.base)),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(s.post(&s.run_url(&id), Some(&key), &body).await.0, 200);
+    // Limits.
+    let st = admin(
+        s.client
+            .put(format!("{}/admin/v1/tenants/{id}/limits", s.base)),
+    )
+    .json(&json!({"requests_per_minute": 1}))
+    .send()
+    .await
+    .unwrap()
+    .status();
+    assert_eq!(st, 200);
+    assert_eq!(s.post(&s.run_url(&id), Some(&key), &body).await.0, 200);
+    assert_eq!(s.post(&s.run_url(&id), Some(&key), &body).await.0, 429);
+    // Keys: create a second, revoke the first.
+    let (_, _, v) = split(
+        admin(
+            s.client
+                .post(format!("{}/admin/v1/tenants/{id}/keys", s.base)),
+        )
+        .json(&json!({"name": "ci"}))
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    let key2 = v["result"]["secret"].as_str().unwrap().to_string();
+    let key_id = &key[4..20];
+    let st = admin(
+        s.client
+            .post(format!("{}/admin/v1/keys/{key_id}/revoke", s.base)),
+    )
+    .send()
+    .await
+    .unwrap()
+    .status();
+    assert_eq!(st, 200);
+    let (st, _, _) = s
+        .get(
+            &format!("{}/client/v4/accounts/{id}/ai/usage", s.base),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(st, 401);
+    s.settle().await;
+    let (st, _, v) = s
+        .get(
+            &format!("{}/client/v4/accounts/{id}/ai/usage", s.base),
+            Some(&key2),
+        )
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(v["result"]["totals"]["requests"], 5);
+    let (_, _, v) = split(
+        admin(
+            s.client
+                .get(format!("{}/admin/v1/tenants/{id}/keys", s.base)),
+        )
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(v["result"].as_array().unwrap().len(), 2);
+    let (_, _, v) = split(
+        admin(s.client.get(format!(
+            "{}/admin/v1/tenants/{id}/usage?group_by=key",
+            s.base
+        )))
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(v["result"]["totals"]["requests"], 5);
+    // Prometheus metrics agree with the ledger.
+    assert_eq!(
+        s.client
+            .get(format!("{}/metrics", s.base))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    s.settle().await;
+    let m = admin(s.client.get(format!("{}/metrics", s.base)))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let rows = s.store().usage_rows(Some(&id)).await.unwrap();
+    let ok = rows.iter().filter(|r| r.status == 200).count();
+    assert!(
+        m.contains(&format!(
+            "tessera_requests_total{{endpoint=\"workers_ai.run\",status=\"200\"}} {ok}"
+        )),
+        "{m}"
+    );
+    assert!(
+        m.contains("tessera_requests_total{endpoint=\"workers_ai.run\",status=\"429\"} 1"),
+        "{m}"
+    );
+    let out: i64 = rows.iter().map(|r| r.output_tokens).sum();
+    assert!(
+        m.contains(&format!(
+            "tessera_tokens_total{{direction=\"output\"}} {out}"
+        )),
+        "{m}"
+    );
+    let cap = s.state.engine.stats().capacity_pages;
+    assert!(
+        m.contains(&format!("tessera_kv_capacity_pages {cap}")),
+        "{m}"
+    );
+    assert!(m.contains("tessera_request_duration_seconds_count "), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_end_to_end() {
+    let (_pg, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
+    let s = start_with_store(tessera_gateway::GatewayConfig::default(), Some(url)).await;
+    assert_eq!(s.store().backend(), "postgres");
+    let (st, rid, v) = s
+        .post(
+            &s.run_url(&s.tenant.id),
+            Some(&s.key),
+            &json!({"prompt": "Hi", "max_tokens": 3}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let row = s.row(&rid).await;
+    assert_eq!(
+        usage_of(&v["result"]["usage"]),
+        (row.input_tokens, row.output_tokens)
+    );
+    let (st, rid, _) = s
+        .post(
+            &s.run_url(&s.tenant.id),
+            Some(&s.key),
+            &json!({"prompt": ""}),
+        )
+        .await;
+    assert_eq!(st, 400);
+    assert_eq!(s.row(&rid).await.status, 400);
+    s.settle().await;
+    let (st, _, v) = s
+        .get(&s.account_url("usage?group_by=day"), Some(&s.key))
+        .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["result"]["totals"]["requests"], 2);
+    assert_eq!(v["result"]["totals"]["errors"], 1);
+    assert_eq!(
+        v["result"]["totals"]["output_tokens"].as_i64().unwrap(),
+        row.output_tokens
+    );
+    s.store().revoke_key(&s.key[4..20]).await.unwrap();
+    let (st, _, _) = s.get(&s.account_url("usage"), Some(&s.key)).await;
+    assert_eq!(st, 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_then_aborts_with_usage_rows() {
+    let cfg = tessera_gateway::GatewayConfig {
+        drain_timeout: Duration::from_millis(100),
+        ..tessera_gateway::GatewayConfig::default()
+    };
+    let mut s = start_with(cfg).await;
+    let long = json!({"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 2000, "stream": true});
+    let mut resp = s
+        .client
+        .post(s.run_url(&s.tenant.id))
+        .bearer_auth(&s.key)
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let mut body = String::from_utf8_lossy(&resp.chunk().await.unwrap().unwrap()).to_string();
+    s.shutdown.take().unwrap().send(()).unwrap();
+    while let Some(c) = resp.chunk().await.unwrap() {
+        body.push_str(&String::from_utf8_lossy(&c));
+    }
+    // The stream ends with an error frame, never `[DONE]` (I8).
+    assert!(!body.contains("[DONE]"), "{body}");
+    let last = body.trim_end().rsplit("\n\n").next().unwrap().to_string();
+    let v: Value = serde_json::from_str(last.strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(v["error"]["code"], 3040, "{v}");
+    let row = s.row(&rid).await;
+    assert_eq!(
+        (row.status, row.error_code, row.finish.as_str()),
+        (503, 3040, "aborted")
+    );
+    assert!(
+        row.output_tokens >= 1 && row.output_tokens < 2000,
+        "{row:?}"
+    );
+    tokio::time::timeout(Duration::from_secs(30), &mut s.task)
+        .await
+        .expect("server stopped")
+        .unwrap()
+        .unwrap();
+    assert_eq!(s.state.inflight(), 0);
+    s.wait_idle().await;
+    // No longer accepting.
+    assert!(s
+        .client
+        .get(format!("{}/healthz", s.base))
+        .send()
+        .await
+        .is_err());
+}

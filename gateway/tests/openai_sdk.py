@@ -1,0 +1,77 @@
+"""The official `openai` Python SDK against a live Tessera gateway.
+
+Environment: TESSERA_BASE (http://127.0.0.1:PORT), TESSERA_KEY, TESSERA_ACCOUNT, TESSERA_MODEL_ID.
+Prints one JSON object with what the SDK saw; the Rust test compares it with the ledger.
+"""
+import json
+import os
+
+import openai
+from openai import OpenAI
+
+base = os.environ["TESSERA_BASE"]
+key = os.environ["TESSERA_KEY"]
+account = os.environ["TESSERA_ACCOUNT"]
+model = os.environ["TESSERA_MODEL_ID"]
+msgs = [{"role": "user", "content": "What is the capital of France?"}]
+out = {"version": openai.__version__}
+
+client = OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+scoped = OpenAI(base_url=f"{base}/client/v4/accounts/{account}/ai/v1", api_key=key, max_retries=0)
+
+# Non-streaming, with the raw response for the request id header.
+raw = client.chat.completions.with_raw_response.create(model=model, messages=msgs, max_tokens=12)
+c = raw.parse()
+out["chat"] = {
+    "request_id": raw.headers.get("x-request-id"),
+    "id": c.id,
+    "content": c.choices[0].message.content,
+    "finish_reason": c.choices[0].finish_reason,
+    "usage": c.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}),
+}
+
+# Streaming without usage.
+text, ids, finish = "", set(), None
+for ch in client.chat.completions.create(model=model, messages=msgs, max_tokens=12, stream=True):
+    ids.add(ch.id)
+    if ch.choices:
+        text += ch.choices[0].delta.content or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert ch.usage is None
+out["stream"] = {"ids": sorted(ids), "content": text, "finish_reason": finish}
+
+# Streaming with include_usage, on the account-scoped path.
+text, ids, usage = "", set(), None
+for ch in scoped.chat.completions.create(
+    model=model, messages=msgs, max_tokens=12, stream=True, stream_options={"include_usage": True}
+):
+    ids.add(ch.id)
+    if ch.choices:
+        text += ch.choices[0].delta.content or ""
+    if ch.usage is not None:
+        usage = ch.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})
+out["stream_usage"] = {"ids": sorted(ids), "content": text, "usage": usage}
+
+# Text completions.
+comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4)
+out["completion"] = {"id": comp.id, "text": comp.choices[0].text, "usage": comp.usage.model_dump(include={"prompt_tokens", "completion_tokens"})}
+
+# Models.
+out["models"] = [m.id for m in client.models.list()]
+
+# Errors arrive as the SDK's typed exceptions.
+errors = {}
+try:
+    client.chat.completions.create(model=model, messages=msgs, max_tokens=100000)
+except openai.BadRequestError as e:
+    errors["context"] = {"status": e.status_code, "code": e.code, "message": e.message}
+try:
+    OpenAI(base_url=base + "/v1", api_key="tsk_bad", max_retries=0).models.list()
+except openai.AuthenticationError as e:
+    errors["auth"] = {"status": e.status_code, "code": e.code}
+try:
+    client.chat.completions.create(model="no-such-model", messages=msgs)
+except openai.NotFoundError as e:
+    errors["model"] = {"status": e.status_code, "code": e.code}
+out["errors"] = errors
+print(json.dumps(out))
