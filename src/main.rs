@@ -4,6 +4,8 @@
 mod bench;
 mod generate;
 mod model_fetch;
+mod serve;
+mod tenancy_cli;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -31,6 +33,29 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Measure engine throughput (prefill, decode at batch 1 and N) as JSON lines.
     Bench(bench::BenchArgs),
+    /// Serve the Workers AI and OpenAI-compatible API (gateway + engine + store).
+    Serve(serve::ServeArgs),
+    /// Manage tenants (accounts).
+    Tenant {
+        #[command(flatten)]
+        store: serve::StoreArgs,
+        #[command(subcommand)]
+        command: tenancy_cli::TenantCommand,
+    },
+    /// Manage API keys.
+    Key {
+        #[command(flatten)]
+        store: serve::StoreArgs,
+        #[command(subcommand)]
+        command: tenancy_cli::KeyCommand,
+    },
+    /// A tenant's usage from the ledger, grouped.
+    Usage {
+        #[command(flatten)]
+        store: serve::StoreArgs,
+        #[command(flatten)]
+        args: tenancy_cli::UsageArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -46,7 +71,18 @@ enum ModelCommand {
     },
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The cause chain, without a backtrace: these are user-facing errors.
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
@@ -62,5 +98,9 @@ fn main() -> Result<()> {
         }
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve::run(args),
+        Command::Tenant { store, command } => tenancy_cli::tenant(store, command),
+        Command::Key { store, command } => tenancy_cli::key(store, command),
+        Command::Usage { store, args } => tenancy_cli::usage(store, args),
     }
 }

@@ -1,0 +1,238 @@
+//! `tessera serve`: the gateway, the engine and the tenancy store in one process.
+//! On first start (an empty store) it creates a tenant and an API key and prints
+//! both with a ready-to-paste curl command.
+
+use crate::generate::model_path;
+use anyhow::{Context, Result};
+use clap::Args;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use tessera_backend::runtime::DEFAULT_MODEL_ID;
+use tessera_backend::{EngineConfig, EngineHandle, LoadedModel};
+use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
+use tessera_tenancy::{Limits, Store};
+
+/// Where the store lives: `--store URL`, or a SQLite file in `--data-dir`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct StoreArgs {
+    /// Store URL: sqlite://PATH or postgres://USER@HOST/DB (default: SQLite in --data-dir).
+    #[arg(long, env = "TESSERA_STORE", global = true)]
+    store: Option<String>,
+    /// Directory for the default SQLite store, the admin token and TLS files.
+    #[arg(
+        long,
+        env = "TESSERA_DATA_DIR",
+        default_value = ".tessera",
+        global = true
+    )]
+    data_dir: PathBuf,
+}
+
+impl StoreArgs {
+    pub(crate) async fn open(&self) -> Result<Store> {
+        let url = match &self.store {
+            Some(u) => u.clone(),
+            None => {
+                std::fs::create_dir_all(&self.data_dir)
+                    .with_context(|| format!("creating {}", self.data_dir.display()))?;
+                format!("sqlite://{}", self.data_dir.join("tessera.db").display())
+            }
+        };
+        Store::connect(&url)
+            .await
+            .with_context(|| format!("opening store {url}"))
+    }
+}
+
+/// Arguments of `tessera serve`.
+#[derive(Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on (plain HTTP only on loopback unless --allow-insecure-http).
+    #[arg(long, default_value = "127.0.0.1:8787")]
+    listen: SocketAddr,
+    #[command(flatten)]
+    store: StoreArgs,
+    /// GGUF model file (default: the fetched default model).
+    #[arg(long, env = "TESSERA_MODEL")]
+    model: Option<PathBuf>,
+    /// KV pool size in tokens.
+    #[arg(long, default_value_t = EngineConfig::default().kv_pool_tokens)]
+    kv_pool_tokens: usize,
+    /// TLS: `off`, or `self-signed` (a fresh certificate for localhost, written to
+    /// DATA_DIR/tls-cert.pem).
+    #[arg(long, default_value = "off")]
+    tls: String,
+    /// TLS certificate chain (PEM); with --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Allow plain HTTP on a non-loopback address.
+    #[arg(long)]
+    allow_insecure_http: bool,
+    /// Admin API token (default: DATA_DIR/admin-token, created on first start).
+    #[arg(long, env = "TESSERA_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Largest accepted request body in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// On Ctrl-C or SIGTERM: seconds running requests may finish before they are aborted.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout_secs: u64,
+}
+
+fn admin_token(dir: &Path) -> Result<(String, bool)> {
+    let p = dir.join("admin-token");
+    if let Ok(t) = std::fs::read_to_string(&p) {
+        return Ok((t.trim().to_string(), false));
+    }
+    std::fs::create_dir_all(dir)?;
+    let t = format!("tadm_{}", tessera_tenancy::random_hex(24));
+    std::fs::write(&p, format!("{t}\n")).with_context(|| format!("writing {}", p.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok((t, true))
+}
+
+/// `println!` that ignores a closed stdout (a supervisor or test that stopped
+/// reading the banner must not take the server down).
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, $($t)*);
+        let _ = out.flush();
+    }};
+}
+
+pub(crate) fn run(a: ServeArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(serve(a))
+}
+
+async fn serve(a: ServeArgs) -> Result<()> {
+    let path = model_path(a.model.clone())?;
+    let model = LoadedModel::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let engine = EngineHandle::spawn(
+        &model,
+        EngineConfig {
+            kv_pool_tokens: a.kv_pool_tokens,
+            ..EngineConfig::default()
+        },
+    );
+    let store = a.store.open().await?;
+    let data_dir = &a.store.data_dir;
+    let (admin, admin_new) = match &a.admin_token {
+        Some(t) => (t.clone(), false),
+        None => admin_token(data_dir)?,
+    };
+    let tls = match (a.tls.as_str(), &a.tls_cert, &a.tls_key) {
+        (_, Some(cert), Some(key)) => TlsMode::Files {
+            cert: cert.clone(),
+            key: key.clone(),
+        },
+        ("off", _, _) => TlsMode::Off,
+        ("self-signed", _, _) => {
+            std::fs::create_dir_all(data_dir)?;
+            TlsMode::SelfSigned(Some(data_dir.join("tls-cert.pem")))
+        }
+        (other, _, _) => anyhow::bail!("--tls must be `off` or `self-signed`. Given: {other}"),
+    };
+    let cfg = GatewayConfig {
+        listen: a.listen,
+        tls: tls.clone(),
+        allow_insecure_http: a.allow_insecure_http,
+        max_body_bytes: a.max_body_bytes,
+        admin_token: Some(admin),
+        drain_timeout: std::time::Duration::from_secs(a.drain_timeout_secs),
+    };
+    let state = AppState::new(store.clone(), model, engine.clone(), &cfg);
+    let server = Server::bind(&cfg, state).await?;
+    let addr = server.local_addr();
+    let base = format!("{}://{}", server.scheme(), addr);
+    let limits = engine.limits();
+    say!(
+        "tessera: serving {DEFAULT_MODEL_ID} (context {} tokens, KV pool {} tokens) from {}",
+        limits.context,
+        limits.pool_tokens,
+        path.display()
+    );
+    say!(
+        "tessera: store {} ({})",
+        store.backend(),
+        a.store.store.as_deref().unwrap_or("SQLite in data dir")
+    );
+    if admin_new {
+        say!(
+            "tessera: admin token written to {}",
+            data_dir.join("admin-token").display()
+        );
+    }
+    let tenants = store.list_tenants().await?;
+    let (account, key) = if tenants.is_empty() {
+        let t = store.create_tenant("default", Limits::default()).await?;
+        let (_, key) = store.create_key(&t.id, "default").await?;
+        say!("tessera: first start: created tenant `default`");
+        say!("  account id: {}", t.id);
+        say!("  API key:    {key}");
+        say!("  (the key is shown once; only its hash is stored)");
+        (t.id, key)
+    } else {
+        say!(
+            "tessera: {} tenant(s) in the store; create keys with `tessera key create --tenant ID`",
+            tenants.len()
+        );
+        (tenants[0].id.clone(), "$TESSERA_API_KEY".to_string())
+    };
+    let cacert = match &tls {
+        TlsMode::SelfSigned(Some(p)) => format!(" --cacert {}", p.display()),
+        _ => String::new(),
+    };
+    let host = if addr.ip().is_loopback() && matches!(tls, TlsMode::SelfSigned(_)) {
+        format!("https://localhost:{}", addr.port())
+    } else {
+        base.clone()
+    };
+    say!("tessera: listening on {base}");
+    say!("");
+    say!("Try it:");
+    say!(
+        "curl{cacert} {host}/client/v4/accounts/{account}/ai/run/{DEFAULT_MODEL_ID} \\\n  -H \"Authorization: Bearer {key}\" \\\n  -d '{{\"prompt\": \"What is a tessellation?\", \"max_tokens\": 64}}'"
+    );
+    say!("");
+    server
+        .run_until(async {
+            shutdown_signal().await;
+            eprintln!("tessera: shutting down (draining running requests)");
+        })
+        .await
+}
+
+/// Ctrl-C, or SIGTERM (what service managers and Kubernetes send).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
