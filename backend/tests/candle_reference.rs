@@ -19,8 +19,14 @@ fn check(name: &str, n: usize) {
         GgmlDType::Q8_0 => QMatrix::from_q8_0_bytes(&qt.data().unwrap(), rows, cols).unwrap(),
         other => panic!("{name}: unexpected {other:?}"),
     };
-    let dense = qt.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
-    let x: Vec<f32> = (0..n * cols).map(|i| ((i * 7919) % 201) as f32 / 100.0 - 1.0).collect();
+    let dense = qt
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let x: Vec<f32> = (0..n * cols)
+        .map(|i| ((i * 7919) % 201) as f32 / 100.0 - 1.0)
+        .collect();
 
     let mut got = vec![0f32; n * rows];
     ours.matmul(&Activations::new(&x, n, cols), &mut got);
@@ -43,8 +49,14 @@ fn check(name: &str, n: usize) {
             let (g, c) = (got[i * rows + j], want[i * rows + j]);
             // Both quantize activations to 8 bits the same way (measured: they agree
             // to ~5e-5 of the magnitude); each is within 1% of exact math.
-            assert!((g - exact).abs() <= 0.01 * mag, "{name}[{i},{j}] ours {g} exact {exact}");
-            assert!((g - c).abs() <= 1e-3 * mag, "{name}[{i},{j}] ours {g} candle {c}");
+            assert!(
+                (g - exact).abs() <= 0.01 * mag,
+                "{name}[{i},{j}] ours {g} exact {exact}"
+            );
+            assert!(
+                (g - c).abs() <= 1e-3 * mag,
+                "{name}[{i},{j}] ours {g} candle {c}"
+            );
             worst = worst.max((g - c).abs() / mag.max(1e-6));
         }
     }
