@@ -74,7 +74,7 @@ pub enum Rejection {
     #[error("`max_tokens` must be >= 1. Given: 0")]
     ZeroMaxTokens,
     /// Prompt plus `max_tokens` does not fit the context window.
-    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {} exceeds the model's context window of {context} tokens", prompt + max_tokens)]
+    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {} exceeds the model's context window of {context} tokens", prompt.saturating_add(*max_tokens))]
     ContextOverflow {
         /// Prompt tokens.
         prompt: usize,
@@ -415,7 +415,7 @@ impl Engine {
                 break;
             };
             let r = req.request();
-            let tokens = r.prompt.len() + r.max_tokens;
+            let tokens = r.prompt.len().saturating_add(r.max_tokens);
             if !self.kv.can_reserve(tokens) {
                 break; // FIFO: wait for pages rather than overtaking.
             }
@@ -531,7 +531,7 @@ fn check(
     if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(Rejection::BadToken { id, vocab });
     }
-    let total = req.prompt.len() + req.max_tokens;
+    let total = req.prompt.len().saturating_add(req.max_tokens);
     if total > context {
         return Err(Rejection::ContextOverflow {
             prompt: req.prompt.len(),

@@ -138,9 +138,14 @@ fn opt_uint(o: &Map<String, Value>, k: &str, min: u64) -> Result<Option<u64>, Ap
             } else {
                 let f = n.as_f64().unwrap_or(f64::NAN);
                 if f.fract() == 0.0 && f >= min as f64 {
-                    // An integral value too large for u64: saturate; the context
+                    // A whole number written as a float (`2.0`, `1e3`): take its
+                    // value; one too large for u64 saturates, and the context
                     // check rejects it with both numbers.
-                    Ok(Some(u64::MAX))
+                    Ok(Some(if f < u64::MAX as f64 {
+                        f as u64
+                    } else {
+                        u64::MAX
+                    }))
                 } else {
                     Err(bad(n.to_string()))
                 }

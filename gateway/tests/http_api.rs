@@ -170,10 +170,12 @@ async fn openai_shapes_over_http() {
         .post(
             &format!("{}/v1/completions", s.base),
             Some(&s.key),
-            &json!({"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 5}),
+            // A whole number written as a float is taken at its value.
+            &json!({"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 5.0}),
         )
         .await;
     assert_eq!(st, 200, "{v}");
+    assert!(usage_of(&v["usage"]).1 <= 5);
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["id"], format!("cmpl-{rid}"));
     assert!(v["choices"][0]["text"].is_string());
@@ -346,6 +348,25 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             a.clone(),
             Some(&s.key),
             json!({"prompt": "hi", "max_tokens": 1_000_000_000u64}),
+            400,
+            3006,
+            &a,
+        ),
+        (
+            // Once panicked on `prompt + max_tokens` overflow (found by QA).
+            "max_tokens at u64::MAX",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": "hi", "max_tokens": u64::MAX}),
+            400,
+            3006,
+            &a,
+        ),
+        (
+            "max_tokens as a float beyond u64",
+            a.clone(),
+            Some(&s.key),
+            json!({"prompt": "hi", "max_tokens": 1e20}),
             400,
             3006,
             &a,
