@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::io::{Read, Seek};
 use std::sync::Mutex;
 use tessera_kernels::ops::{rms_norm, swiglu, Rope};
-use tessera_kernels::{paged_attention, Activations, IntegrityError, KvLayout, QMatrix};
+use tessera_kernels::{paged_attention_block, Activations, IntegrityError, KvLayout, QMatrix};
 
 /// Errors loading a model.
 #[derive(Debug, thiserror::Error)]
@@ -150,6 +150,10 @@ pub struct Llama {
     layers: Vec<Layer>,
     rope: Rope,
 }
+
+/// Most query rows of one sequence attended together (bounds the score buffer to
+/// `ATTN_BLOCK * heads * context` floats).
+const ATTN_BLOCK: usize = 16;
 
 /// Base pointer of a row-major output shared by pool tasks that write disjoint rows.
 #[derive(Clone, Copy)]
@@ -351,29 +355,48 @@ impl Llama {
             }
 
             let (data, tags) = (kv.pool().data(), kv.pool().tags());
+            // Runs of consecutive rows of one sequence (a prefill chunk) are attended
+            // together in blocks, so each page is converted once per block.
+            let mut blocks: Vec<(usize, usize)> = Vec::new();
+            for (i, r) in rows.iter().enumerate() {
+                match blocks.last_mut() {
+                    Some((s, len))
+                        if rows[*s].seq == r.seq && *len < ATTN_BLOCK && *s + *len == i =>
+                    {
+                        *len += 1
+                    }
+                    _ => blocks.push((i, 1)),
+                }
+            }
             let errors: Vec<Mutex<Option<IntegrityError>>> =
-                (0..n).map(|_| Mutex::new(None)).collect();
+                blocks.iter().map(|_| Mutex::new(None)).collect();
             let out_ptr = RowsPtr(attn.as_mut_ptr());
-            tessera_kernels::pool::global().parallel_for(n, |i| {
-                let r = &rows[i];
-                // SAFETY: task i writes only row i of `attn`, which outlives the region.
-                let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(i * d), d) };
-                if failed.contains_key(&r.seq) {
+            tessera_kernels::pool::global().parallel_for(blocks.len(), |bi| {
+                let (start, len) = blocks[bi];
+                let seq = rows[start].seq;
+                // SAFETY: block bi writes only rows start..start+len of `attn`, which
+                // outlives the region; blocks are disjoint.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(out_ptr.get().add(start * d), len * d)
+                };
+                if failed.contains_key(&seq) {
                     out.fill(0.0);
                     return;
                 }
-                let table = kv.table(r.seq).unwrap_or(&[]);
-                let qr = &q[i * d..(i + 1) * d];
+                let table = kv.table(seq).unwrap_or(&[]);
+                let n_keys: Vec<usize> =
+                    rows[start..start + len].iter().map(|r| r.pos + 1).collect();
+                let qb = &q[start * d..(start + len) * d];
                 if let Err(e) =
-                    paged_attention(qr, nh, r.pos + 1, li, &layout, data, tags, table, out)
+                    paged_attention_block(qb, &n_keys, nh, li, &layout, data, tags, table, out)
                 {
-                    *errors[i].lock().unwrap() = Some(e);
+                    *errors[bi].lock().unwrap() = Some(e);
                 }
             });
             let results = errors
                 .into_iter()
                 .enumerate()
-                .map(|(i, e)| e.into_inner().unwrap().map(|e| (rows[i].seq, e)));
+                .map(|(bi, e)| e.into_inner().unwrap().map(|e| (rows[blocks[bi].0].seq, e)));
             for (seq, e) in results.flatten() {
                 failed.entry(seq).or_insert(e);
             }

@@ -14,5 +14,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 
-pub use attention::{paged_attention, BlockRef, IntegrityError, KvLayout, PageTag};
+pub use attention::{
+    paged_attention, paged_attention_block, BlockRef, IntegrityError, KvLayout, PageTag,
+};
 pub use matmul::{Activations, QMatrix, Weights};
