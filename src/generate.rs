@@ -80,13 +80,15 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
     let t_load = Instant::now();
     let m = LoadedModel::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-    let text = if a.chat {
-        m.chat
-            .render(&[ChatMessage::new("user", a.prompt.clone())], true)?
+    let prompt = if a.chat {
+        m.chat.encode(
+            &m.tokenizer,
+            &[ChatMessage::new("user", a.prompt.clone())],
+            true,
+        )?
     } else {
-        a.prompt.clone()
+        m.tokenizer.encode(&a.prompt, false)?
     };
-    let prompt = m.tokenizer.encode(&text, a.chat)?;
     let mut engine = Engine::new(
         m.llama.clone(),
         m.tokenizer.clone(),

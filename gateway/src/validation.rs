@@ -403,20 +403,22 @@ pub fn validate(
         e.param = Some("model".into());
         e
     })?;
-    let (text, special) = match &p.input {
-        Input::Prompt { text, chat: false } => (text.clone(), false),
-        Input::Prompt { text, chat: true } => (
-            render(model, &[ChatMessage::new("user", text.clone())])?,
-            true,
-        ),
-        Input::Messages(m) => (render(model, m)?, true),
+    // Chat input: control tokens only where the template put them (message
+    // contents are plain text, so they cannot open new turns).
+    let prompt = match &p.input {
+        Input::Prompt { text, chat: false } => {
+            model.tokenizer.encode(text, false).map_err(|e| {
+                ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("cannot tokenize the prompt: {e}"),
+                )
+            })?
+        }
+        Input::Prompt { text, chat: true } => {
+            encode_chat(model, &[ChatMessage::new("user", text.clone())])?
+        }
+        Input::Messages(m) => encode_chat(model, m)?,
     };
-    let prompt = model.tokenizer.encode(&text, special).map_err(|e| {
-        ApiError::new(
-            ErrorKind::BadRequest,
-            format!("cannot tokenize the prompt: {e}"),
-        )
-    })?;
     if prompt.is_empty() {
         return Err(ApiError::field(
             "prompt",
@@ -447,10 +449,10 @@ pub fn validate(
     })
 }
 
-fn render(model: &LoadedModel, messages: &[ChatMessage]) -> Result<String, ApiError> {
+fn encode_chat(model: &LoadedModel, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
     model
         .chat
-        .render(messages, true)
+        .encode(&model.tokenizer, messages, true)
         .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
 }
 
