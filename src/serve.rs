@@ -35,6 +35,16 @@ impl StoreArgs {
             None => {
                 std::fs::create_dir_all(&self.data_dir)
                     .with_context(|| format!("creating {}", self.data_dir.display()))?;
+                // The store holds key hashes and every tenant's usage: owner only.
+                #[cfg(unix)]
+                {
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(
+                        &self.data_dir,
+                        std::fs::Permissions::from_mode(0o700),
+                    )
+                    .with_context(|| format!("restricting {}", self.data_dir.display()))?;
+                }
                 format!("sqlite://{}", self.data_dir.join("tessera.db").display())
             }
         };

@@ -367,11 +367,10 @@ impl Engine {
             reason = Some(FinishReason::Stop);
             text = s.stop.finish();
         } else {
-            let mut piece = s.detok.push(tk, tok);
+            let piece = s.detok.push(tk, tok);
+            // At the length limit, bytes still pending are the start of a character
+            // the cut split: dropped, never emitted as U+FFFD.
             let at_limit = s.generated.len() >= s.max_tokens;
-            if at_limit {
-                piece.push_str(&s.detok.finish());
-            }
             match s.stop.push(&piece) {
                 StopOutcome::Stopped { text: t, .. } => {
                     text = t;

@@ -279,3 +279,38 @@ fn dropped_receiver_aborts_and_frees_pages() {
     assert!(!e.has_work());
     assert_eq!(e.kv().pool().free_pages(), free);
 }
+
+#[test]
+fn a_length_cut_never_emits_half_a_character() {
+    let m = load();
+    let prompt = chat_prompt(&m, "Répète exactement: 日本語 🎉👨‍👩‍👧‍👦 🇫🇷 ✨✨✨");
+    let full = solo(&m, greedy(prompt.clone(), 24));
+    // Cut after every possible token count: some cuts fall inside a character.
+    let mut cut_inside = 0;
+    for n in 1..=full.ids.len() {
+        let out = solo(&m, greedy(prompt.clone(), n));
+        assert!(
+            !out.text.contains('\u{FFFD}'),
+            "max_tokens {n}: {:?}",
+            out.text
+        );
+        assert!(
+            full.text.starts_with(&out.text),
+            "max_tokens {n}: {:?}",
+            out.text
+        );
+        let bytes: Vec<u8> = out
+            .ids
+            .iter()
+            .flat_map(|&i| m.tokenizer.token_bytes(i))
+            .collect();
+        if std::str::from_utf8(&bytes).is_err() {
+            cut_inside += 1;
+        }
+    }
+    assert!(
+        cut_inside > 0,
+        "the prompt must produce a cut inside a character: {:?}",
+        full.text
+    );
+}
