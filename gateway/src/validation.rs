@@ -245,7 +245,7 @@ fn messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
             return Err(ApiError::field(
                 "messages",
                 format!(
-                    "`messages[{i}].role` must be one of system, user, assistant. Given: {role}"
+                    "`messages[{i}].role` must be one of system, developer, user, assistant, tool. Given: {role}"
                 ),
             ));
         }
