@@ -68,6 +68,10 @@ pub(crate) struct ServeArgs {
     /// KV pool size in tokens.
     #[arg(long, default_value_t = EngineConfig::default().kv_pool_tokens)]
     kv_pool_tokens: usize,
+    /// Zero KV pages when they are freed (defence in depth; page tags already make
+    /// freed pages unreadable).
+    #[arg(long)]
+    kv_scrub: bool,
     /// TLS: `off`, or `self-signed` (a fresh certificate for localhost, written to
     /// DATA_DIR/tls-cert.pem).
     #[arg(long, default_value = "off")]
@@ -133,6 +137,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         &model,
         EngineConfig {
             kv_pool_tokens: a.kv_pool_tokens,
+            kv_scrub: a.kv_scrub,
             ..EngineConfig::default()
         },
     );
