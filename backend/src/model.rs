@@ -16,7 +16,9 @@ use std::collections::HashMap;
 use std::io::{Read, Seek};
 use std::sync::Mutex;
 use tessera_kernels::ops::{rms_norm, swiglu, Rope};
-use tessera_kernels::{paged_attention_block, Activations, IntegrityError, KvLayout, QMatrix};
+use tessera_kernels::{
+    paged_attention_block, Activations, IntegrityError, KvLayout, QMatrix, SeqKv,
+};
 
 /// Errors loading a model.
 #[derive(Debug, thiserror::Error)]
@@ -387,9 +389,19 @@ impl Llama {
                 let n_keys: Vec<usize> =
                     rows[start..start + len].iter().map(|r| r.pos + 1).collect();
                 let qb = &q[start * d..(start + len) * d];
-                if let Err(e) =
-                    paged_attention_block(qb, &n_keys, nh, li, &layout, data, tags, table, out)
-                {
+                if let Err(e) = paged_attention_block(
+                    qb,
+                    &n_keys,
+                    nh,
+                    SeqKv {
+                        layout: &layout,
+                        data,
+                        tags,
+                        table,
+                        layer: li,
+                    },
+                    out,
+                ) {
                     *errors[bi].lock().unwrap() = Some(e);
                 }
             });

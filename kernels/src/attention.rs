@@ -98,26 +98,36 @@ pub fn verify_tags(tags: &[PageTag], table: &[BlockRef]) -> Result<(), Integrity
     Ok(())
 }
 
+/// One sequence's view of the KV pool for one layer: where its pages are and
+/// the tags they must carry.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqKv<'a> {
+    /// Page shape.
+    pub layout: &'a KvLayout,
+    /// All page data of the pool.
+    pub data: &'a [f16],
+    /// The pool's tag array, indexed by physical page.
+    pub tags: &'a [PageTag],
+    /// The sequence's block table (must cover the keys read).
+    pub table: &'a [BlockRef],
+    /// Transformer layer to read.
+    pub layer: usize,
+}
+
 /// Causal attention of one query token over keys `0..n_keys` of one sequence.
 ///
 /// - `q`: `[n_heads * head_dim]` (RoPE already applied); `out`: same shape.
-/// - `data`, `tags`: the pool; `table`: the sequence's block table (must cover `n_keys`).
 /// - Grouped-query attention: query head `h` reads KV head `h / (n_heads / kv_heads)`.
 ///
 /// Softmax scale is `1/sqrt(head_dim)`. Every page is tag-checked before it is read.
-#[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],
     n_heads: usize,
     n_keys: usize,
-    layer: usize,
-    layout: &KvLayout,
-    data: &[f16],
-    tags: &[PageTag],
-    table: &[BlockRef],
+    kv: SeqKv,
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
-    paged_attention_block(q, &[n_keys], n_heads, layer, layout, data, tags, table, out)
+    paged_attention_block(q, &[n_keys], n_heads, kv, out)
 }
 
 /// [`paged_attention`] for `m` query tokens of one sequence at once (a prefill
@@ -125,59 +135,49 @@ pub fn paged_attention(
 /// `0..n_keys[i]`. Each page is tag-checked and converted from `f16` once for all
 /// `m` queries; each query's arithmetic is exactly that of a single-query call, so
 /// results do not depend on how queries are grouped.
-#[allow(clippy::too_many_arguments)]
 pub fn paged_attention_block(
     q: &[f32],
     n_keys: &[usize],
     n_heads: usize,
-    layer: usize,
-    layout: &KvLayout,
-    data: &[f16],
-    tags: &[PageTag],
-    table: &[BlockRef],
+    kv: SeqKv,
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
     #[cfg(target_arch = "x86_64")]
     if crate::dot::isa() != crate::dot::Isa::Scalar {
         // SAFETY: `isa()` verified avx2, fma and f16c.
-        return unsafe {
-            attention_avx2(q, n_keys, n_heads, layer, layout, data, tags, table, out)
-        };
+        return unsafe { attention_avx2(q, n_keys, n_heads, kv, out) };
     }
-    attention(q, n_keys, n_heads, layer, layout, data, tags, table, out)
+    attention(q, n_keys, n_heads, kv, out)
 }
 
 /// [`attention`] compiled for AVX2 + FMA, so its loops vectorize 8 wide.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn attention_avx2(
     q: &[f32],
     n_keys: &[usize],
     n_heads: usize,
-    layer: usize,
-    layout: &KvLayout,
-    data: &[f16],
-    tags: &[PageTag],
-    table: &[BlockRef],
+    kv: SeqKv,
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
-    attention(q, n_keys, n_heads, layer, layout, data, tags, table, out)
+    attention(q, n_keys, n_heads, kv, out)
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn attention(
     q: &[f32],
     n_keys: &[usize],
     n_heads: usize,
-    layer: usize,
-    layout: &KvLayout,
-    data: &[f16],
-    tags: &[PageTag],
-    table: &[BlockRef],
+    kv: SeqKv,
     out: &mut [f32],
 ) -> Result<(), IntegrityError> {
+    let SeqKv {
+        layout,
+        data,
+        tags,
+        table,
+        layer,
+    } = kv;
     let (hd, kvd, ps) = (layout.head_dim, layout.kv_dim(), layout.page_size);
     let group = n_heads / layout.kv_heads;
     let (m, row) = (n_keys.len(), n_heads * hd);
@@ -285,6 +285,22 @@ mod tests {
         }
     }
 
+    fn kv<'a>(
+        layout: &'a KvLayout,
+        data: &'a [f16],
+        tags: &'a [PageTag],
+        table: &'a [BlockRef],
+        layer: usize,
+    ) -> SeqKv<'a> {
+        SeqKv {
+            layout,
+            data,
+            tags,
+            table,
+            layer,
+        }
+    }
+
     fn tag(seq: u64, lb: u32) -> PageTag {
         PageTag {
             tenant: 9,
@@ -327,7 +343,7 @@ mod tests {
         }
         let q: Vec<f32> = (0..64).map(|i| (i % 5) as f32 * 0.2 - 0.3).collect();
         let mut out = vec![0f32; 64];
-        paged_attention(&q, 2, n_keys, 1, &l, &data, &tags, &table, &mut out).unwrap();
+        paged_attention(&q, 2, n_keys, kv(&l, &data, &tags, &table, 1), &mut out).unwrap();
         for h in 0..2 {
             let mut s: Vec<f32> = (0..n_keys)
                 .map(|t| {
@@ -367,18 +383,14 @@ mod tests {
             .map(|i| ((i * 13) % 17) as f32 / 8.0 - 1.0)
             .collect();
         let mut block = vec![0f32; q.len()];
-        paged_attention_block(&q, &n_keys, 2, 1, &l, &data, &tags, &table, &mut block).unwrap();
+        paged_attention_block(&q, &n_keys, 2, kv(&l, &data, &tags, &table, 1), &mut block).unwrap();
         for (i, &nk) in n_keys.iter().enumerate() {
             let mut one = vec![0f32; 64];
             paged_attention(
                 &q[i * 64..(i + 1) * 64],
                 2,
                 nk,
-                1,
-                &l,
-                &data,
-                &tags,
-                &table,
+                kv(&l, &data, &tags, &table, 1),
                 &mut one,
             )
             .unwrap();
@@ -402,8 +414,8 @@ mod tests {
             tag: tag(5, 0),
         }];
         let mut out = vec![0f32; 32];
-        let err =
-            paged_attention(&[0.0; 32], 1, 1, 0, &l, &data, &tags, &table, &mut out).unwrap_err();
+        let err = paged_attention(&[0.0; 32], 1, 1, kv(&l, &data, &tags, &table, 0), &mut out)
+            .unwrap_err();
         assert_eq!(err.page, 1);
         assert_eq!(err.found.seq, 6);
     }

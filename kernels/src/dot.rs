@@ -445,27 +445,17 @@ mod avx512 {
             }
             b += 2;
         }
-        if b < nb {
-            // SAFETY: the last block's 16 bytes.
-            let packed = unsafe { _mm_loadu_si128(w.qs.as_ptr().add(b * 16) as *const __m128i) };
-            let qw = _mm256_and_si256(
-                _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed),
-                _mm256_set1_epi8(0x0F),
-            );
-            let (dw, mw) = (w.d[b].to_f32(), w.m[b].to_f32());
-            for r in 0..R {
-                let x = &xs[r];
-                // SAFETY: the last block's 32 activation bytes.
-                let qx = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(b * QK) as *const __m256i) };
-                let isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), qw, qx);
-                let t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[b]));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(t));
-                offs[r] = _mm_add_ss(offs[r], _mm_set_ss(mw * x.s[b]));
-            }
-        }
+        // An odd last block goes through the AVX2 kernel (same exact block sum).
+        let tail = if b < nb {
+            let xt: [ActRow; R] = std::array::from_fn(|r| xs[r].from_block(b));
+            // SAFETY: avx2, fma and f16c are part of this function's features.
+            unsafe { avx2::dot_q4_1::<R>(w.from_block(b), xt) }
+        } else {
+            [0f32; R]
+        };
         let mut out = [0f32; R];
         for r in 0..R {
-            out[r] = _mm512_reduce_add_ps(acc[r]) + hsum128(offs[r]);
+            out[r] = _mm512_reduce_add_ps(acc[r]) + hsum128(offs[r]) + tail[r];
         }
         out
     }
@@ -503,24 +493,16 @@ mod avx512 {
             }
             b += 2;
         }
-        if b < nb {
-            // SAFETY: the last block's 32 bytes.
-            let qw = unsafe { _mm256_loadu_si256(w.qs.as_ptr().add(b * QK) as *const __m256i) };
-            let aw = _mm256_sign_epi8(qw, qw);
-            let dw = w.d[b].to_f32();
-            for r in 0..R {
-                let x = &xs[r];
-                // SAFETY: as above.
-                let qx = unsafe { _mm256_loadu_si256(x.qs.as_ptr().add(b * QK) as *const __m256i) };
-                let isum =
-                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(qx, qw));
-                let t = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[b]));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(t));
-            }
-        }
+        let tail = if b < nb {
+            let xt: [ActRow; R] = std::array::from_fn(|r| xs[r].from_block(b));
+            // SAFETY: avx2, fma and f16c are part of this function's features.
+            unsafe { avx2::dot_q8_0::<R>(w.from_block(b), xt) }
+        } else {
+            [0f32; R]
+        };
         let mut out = [0f32; R];
         for r in 0..R {
-            out[r] = _mm512_reduce_add_ps(acc[r]);
+            out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
         }
         out
     }

@@ -15,6 +15,6 @@ pub mod pool;
 pub mod quant;
 
 pub use attention::{
-    paged_attention, paged_attention_block, BlockRef, IntegrityError, KvLayout, PageTag,
+    paged_attention, paged_attention_block, BlockRef, IntegrityError, KvLayout, PageTag, SeqKv,
 };
 pub use matmul::{Activations, QMatrix, Weights};

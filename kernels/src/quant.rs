@@ -86,12 +86,40 @@ impl<'a> Q4_1Row<'a> {
     pub fn blocks(&self) -> usize {
         self.d.len()
     }
+
+    /// The row from block `b` on.
+    pub fn from_block(&self, b: usize) -> Self {
+        Self {
+            qs: &self.qs[b * QK / 2..],
+            d: &self.d[b..],
+            m: &self.m[b..],
+        }
+    }
 }
 
 impl<'a> Q8_0Row<'a> {
     /// Blocks in the row.
     pub fn blocks(&self) -> usize {
         self.d.len()
+    }
+
+    /// The row from block `b` on.
+    pub fn from_block(&self, b: usize) -> Self {
+        Self {
+            qs: &self.qs[b * QK..],
+            d: &self.d[b..],
+        }
+    }
+}
+
+impl<'a> ActRow<'a> {
+    /// The row from block `b` on.
+    pub fn from_block(&self, b: usize) -> Self {
+        Self {
+            qs: &self.qs[b * QK..],
+            d: &self.d[b..],
+            s: &self.s[b..],
+        }
     }
 }
 
