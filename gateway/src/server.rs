@@ -648,7 +648,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/client/v4/accounts/{account_id}/ai/usage",
             get(crate::usage_api::usage),
         )
-        .merge(crate::admin::routes())
+        .merge(crate::admin::routes(state.clone()))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(fallback)

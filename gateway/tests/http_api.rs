@@ -269,7 +269,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
     let free_before = s.state.engine.stats();
     assert_eq!(free_before.free_pages, free_before.capacity_pages);
     // (account, key, body, status, Workers AI code, tenant of the row)
-    let cases: Vec<Case> = vec![
+    let mut cases: Vec<Case> = vec![
         ("no key", a.clone(), None, ok.clone(), 401, 10000, ""),
         (
             "wrong key",
@@ -316,89 +316,55 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             10000,
             &susp.id,
         ),
-        (
-            "wrong type",
-            a.clone(),
-            Some(&s.key),
-            json!({"prompt": 42}),
-            400,
-            3003,
-            &a,
-        ),
+    ];
+    // Bad bodies on the caller's own account: 400 with a Workers AI code.
+    let invalid: Vec<(&str, Value, i64)> = vec![
+        ("wrong type", json!({"prompt": 42}), 3003),
         (
             "negative max_tokens",
-            a.clone(),
-            Some(&s.key),
             json!({"prompt": "hi", "max_tokens": -3}),
-            400,
             3003,
-            &a,
         ),
         (
             "string max_tokens",
-            a.clone(),
-            Some(&s.key),
             json!({"prompt": "hi", "max_tokens": "3"}),
-            400,
             3003,
-            &a,
         ),
         (
             "huge max_tokens",
-            a.clone(),
-            Some(&s.key),
             json!({"prompt": "hi", "max_tokens": 1_000_000_000u64}),
-            400,
             3006,
-            &a,
         ),
+        // Once panicked on `prompt + max_tokens` overflow (found by QA).
         (
-            // Once panicked on `prompt + max_tokens` overflow (found by QA).
             "max_tokens at u64::MAX",
-            a.clone(),
-            Some(&s.key),
             json!({"prompt": "hi", "max_tokens": u64::MAX}),
-            400,
             3006,
-            &a,
         ),
         (
             "max_tokens as a float beyond u64",
-            a.clone(),
-            Some(&s.key),
             json!({"prompt": "hi", "max_tokens": 1e20}),
-            400,
             3006,
-            &a,
         ),
-        (
-            "empty prompt",
-            a.clone(),
-            Some(&s.key),
-            json!({"prompt": ""}),
-            400,
-            3003,
-            &a,
-        ),
-        (
-            "no prompt",
-            a.clone(),
-            Some(&s.key),
-            json!({}),
-            400,
-            3003,
-            &a,
-        ),
+        ("empty prompt", json!({"prompt": ""}), 3003),
+        ("no prompt", json!({}), 3003),
         (
             "bad temperature",
-            a.clone(),
-            Some(&s.key),
             json!({"prompt": "hi", "temperature": -1}),
-            400,
             3003,
-            &a,
         ),
     ];
+    cases.extend(invalid.into_iter().map(|(name, body, code)| {
+        (
+            name,
+            a.clone(),
+            Some(s.key.as_str()),
+            body,
+            400,
+            code,
+            a.as_str(),
+        )
+    }));
     let mut rows = s.row_count().await;
     for (name, account, key, body, status, code, row_tenant) in cases {
         let (st, rid, v) = s.post(&s.run_url(&account), key, &body).await;
@@ -420,24 +386,31 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
         assert_eq!((row.input_tokens, row.output_tokens), (0, 0), "{name}");
         assert_eq!(row.tenant_id, row_tenant, "{name}");
     }
-    // Malformed JSON.
-    let resp = s
-        .client
-        .post(s.run_url(&a))
-        .bearer_auth(&s.key)
-        .body("{\"prompt\": ")
-        .send()
-        .await
-        .unwrap();
-    let (st, rid, v) = split(resp).await;
-    assert_eq!(
-        (st, v["errors"][0]["code"].as_i64()),
-        (400, Some(3003)),
-        "{v}"
-    );
-    assert_eq!(s.row(&rid).await.status, 400);
-    rows += 1;
-    assert_eq!(s.row_count().await, rows);
+    // Bodies that never parse: malformed JSON (400) and 10 MB (413).
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(10 << 20));
+    for (name, body, status, code) in [
+        ("malformed JSON", "{\"prompt\": ".to_string(), 400, 3003),
+        ("10 MB body", big, 413, 3006),
+    ] {
+        let resp = s
+            .client
+            .post(s.run_url(&a))
+            .bearer_auth(&s.key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let (st, rid, v) = split(resp).await;
+        assert_eq!(
+            (st, v["errors"][0]["code"].as_i64()),
+            (status, Some(code)),
+            "{name}: {v}"
+        );
+        assert_eq!(s.row(&rid).await.status, status, "{name}");
+        rows += 1;
+        assert_eq!(s.row_count().await, rows, "{name}: exactly one row");
+    }
     // Unknown model.
     let url = format!(
         "{}/client/v4/accounts/{a}/ai/run/@cf/meta/llama-9-999b",
@@ -463,26 +436,6 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
         (st, v["error"]["code"].as_str()),
         (404, Some("model_not_found"))
     );
-    rows += 1;
-    assert_eq!(s.row_count().await, rows);
-    // 10 MB body.
-    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(10 << 20));
-    let resp = s
-        .client
-        .post(s.run_url(&a))
-        .bearer_auth(&s.key)
-        .header("content-type", "application/json")
-        .body(big)
-        .send()
-        .await
-        .unwrap();
-    let (st, rid, v) = split(resp).await;
-    assert_eq!(
-        (st, v["errors"][0]["code"].as_i64()),
-        (413, Some(3006)),
-        "{v}"
-    );
-    assert_eq!(s.row(&rid).await.status, 413);
     rows += 1;
     assert_eq!(s.row_count().await, rows);
     // OpenAI error objects.
