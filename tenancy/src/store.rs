@@ -580,26 +580,38 @@ impl Store {
         Ok((info, key.expose()))
     }
 
+    /// `select` (no WHERE clause), restricted to `tenant_id` when given, then `order`.
+    async fn select_for_tenant(
+        &self,
+        select: &str,
+        order: &str,
+        tenant_id: Option<&str>,
+    ) -> Result<Vec<AnyRow>, StoreError> {
+        Ok(match tenant_id {
+            Some(t) => {
+                sqlx::query(&format!("{select} WHERE tenant_id = $1 {order}"))
+                    .bind(t)
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+            None => {
+                sqlx::query(&format!("{select} {order}"))
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+        })
+    }
+
     /// Keys, of one tenant or of all.
     pub async fn list_keys(&self, tenant_id: Option<&str>) -> Result<Vec<KeyInfo>, StoreError> {
         let cols = "key_id, tenant_id, name, created_ms, revoked_ms";
-        let rows = match tenant_id {
-            Some(t) => {
-                sqlx::query(&format!(
-                    "SELECT {cols} FROM api_keys WHERE tenant_id = $1 ORDER BY created_ms, key_id"
-                ))
-                .bind(t)
-                .fetch_all(&self.pool)
-                .await?
-            }
-            None => {
-                sqlx::query(&format!(
-                    "SELECT {cols} FROM api_keys ORDER BY created_ms, key_id"
-                ))
-                .fetch_all(&self.pool)
-                .await?
-            }
-        };
+        let rows = self
+            .select_for_tenant(
+                &format!("SELECT {cols} FROM api_keys"),
+                "ORDER BY created_ms, key_id",
+                tenant_id,
+            )
+            .await?;
         rows.iter().map(key_from_row).collect()
     }
 
@@ -692,21 +704,9 @@ impl Store {
         let base = "SELECT request_id, tenant_id, key_id, model, endpoint, status, error_code, \
                     finish, input_tokens, output_tokens, cached_tokens, ttft_us, duration_us, \
                     created_ms FROM usage_ledger";
-        let rows = match tenant_id {
-            Some(t) => {
-                sqlx::query(&format!(
-                    "{base} WHERE tenant_id = $1 ORDER BY created_ms, request_id"
-                ))
-                .bind(t)
-                .fetch_all(&self.pool)
-                .await?
-            }
-            None => {
-                sqlx::query(&format!("{base} ORDER BY created_ms, request_id"))
-                    .fetch_all(&self.pool)
-                    .await?
-            }
-        };
+        let rows = self
+            .select_for_tenant(base, "ORDER BY created_ms, request_id", tenant_id)
+            .await?;
         rows.iter().map(usage_from_row).collect()
     }
 
