@@ -10,14 +10,17 @@
 //! sequence plus prompt chunks of prefilling sequences up to `max_batch_tokens`.
 
 use crate::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
-use crate::kv::{KvManager, PagePool, SeqId};
+use crate::kv::{KvManager, PagePool, PoolError, SeqId};
 use crate::model::{BatchRow, Llama};
+use crate::pd::inproc::PageLanding;
+use crate::pd::transport::{DestPage, KvTransport, TransportError};
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::tokenizer::Tokenizer;
+use half::f16;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_kernels::IntegrityError;
+use tessera_kernels::{BlockRef, IntegrityError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// Engine sizing.
@@ -147,6 +150,13 @@ pub enum EngineError {
     /// The engine stopped before the request finished.
     #[error("engine shut down")]
     Shutdown,
+    /// A node refused the request at admission (I1): a client error, not a fault.
+    #[error("request rejected: {0}")]
+    Rejected(Rejection),
+    /// The KV transfer between prefill and decode failed (I4) or a node holding the
+    /// request was lost.
+    #[error("KV transfer failed: {0}")]
+    Transfer(String),
 }
 
 /// Token counts and timings of a finished request.
@@ -197,6 +207,83 @@ struct Seq {
     sink: UnboundedSender<Event>,
     submitted: Instant,
     first_token: Option<Instant>,
+    /// Prefill role: after the first token, move the pages out instead of decoding.
+    export: Option<ExportJob>,
+}
+
+/// What a prefill node does with a sequence once its prompt is computed: write the
+/// prompt's pages into the decode node's reserved pages and report the commit.
+pub struct ExportJob {
+    /// Transfer (request) id, unique per coordinator.
+    pub req: u64,
+    /// Destination pages from the decode node's descriptor, one per prompt page.
+    pub dest: Vec<DestPage>,
+    /// How bytes reach the decode node.
+    pub transport: Box<dyn KvTransport>,
+    /// Called once, on the engine thread, with the result (after the writes were
+    /// flushed and the source pages released: I5).
+    pub done: Box<dyn FnOnce(Result<Exported, ExportError>) + Send>,
+}
+
+impl std::fmt::Debug for ExportJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportJob")
+            .field("req", &self.req)
+            .field("dest", &self.dest.len())
+            .finish()
+    }
+}
+
+/// A completed export: what the prefill node puts in its `Commit`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exported {
+    /// Prompt tokens whose K/V the pages hold.
+    pub tokens: usize,
+    /// Each written destination page with the CRC-32C of the bytes written.
+    pub pages: Vec<(DestPage, u32)>,
+    /// The token sampled from the last prompt position.
+    pub first_token: u32,
+    /// Sampler RNG position after the first token ([`Sampler::rng_word_pos`]).
+    pub rng_word_pos: u128,
+}
+
+/// Why an export failed. The source pages are released either way.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ExportError {
+    /// A source page's tag did not match its block table (I3 at the transfer source).
+    #[error("KV integrity check failed at the transfer source: {0}")]
+    Integrity(#[from] IntegrityError),
+    /// The descriptor does not name one destination page per prompt page.
+    #[error("descriptor names {dest} destination pages but the prompt fills {pages}")]
+    DescriptorMismatch {
+        /// Destination pages in the descriptor.
+        dest: usize,
+        /// Pages the prompt fills.
+        pages: usize,
+    },
+    /// The transport failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+/// Why a page landing was dropped (decode side).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LandError {
+    /// The destination page is not held with the expected tag: a late or stray
+    /// write after the reservation ended (its epoch moved on) or a forged handle.
+    #[error("page {page} is not reserved with the tag this write names")]
+    NotReserved {
+        /// Physical page.
+        page: u32,
+    },
+    /// The payload is not exactly one page.
+    #[error("landing of {got} bytes, a page is {want}")]
+    WrongSize {
+        /// Bytes received.
+        got: usize,
+        /// Bytes per page.
+        want: usize,
+    },
 }
 
 /// The engine: one owner of the model's KV pool and the running batch.
@@ -205,7 +292,7 @@ pub struct Engine {
     tokenizer: Arc<Tokenizer>,
     cfg: EngineConfig,
     kv: KvManager,
-    waiting: VecDeque<(Admitted, UnboundedSender<Event>, Instant)>,
+    waiting: VecDeque<Waiting>,
     running: Vec<Seq>,
     stop_ids: Vec<u32>,
     next_seq: u64,
@@ -268,7 +355,163 @@ impl Engine {
         sink: UnboundedSender<Event>,
         submitted: Instant,
     ) {
-        self.waiting.push_back((req, sink, submitted));
+        self.waiting.push_back(Waiting {
+            req,
+            sink,
+            submitted,
+            export: None,
+        });
+    }
+
+    /// Prefill role: queues an admitted request whose prompt is computed here and
+    /// whose pages then go to a decode node as `job` says. Only the prompt's pages
+    /// are allocated on this node. The sampler's fallback seed is the transfer id,
+    /// so the decode node can continue the same RNG stream.
+    pub fn enqueue_export(&mut self, req: Admitted, job: ExportJob) {
+        // Nobody reads a prefill sequence's events; the first token goes in the
+        // commit.
+        let (sink, rx) = unbounded_channel();
+        std::mem::forget(rx);
+        self.waiting.push_back(Waiting {
+            req,
+            sink,
+            submitted: Instant::now(),
+            export: Some(job),
+        });
+    }
+
+    /// Prefill role: drops the export of transfer `req` wherever it is (queued or
+    /// computing) and frees its pages. Nothing of it is in flight afterwards: writes
+    /// are issued and flushed within one step. Returns whether it was found.
+    pub fn abort_export(&mut self, req: u64) -> bool {
+        if let Some(i) = self
+            .waiting
+            .iter()
+            .position(|w| w.export.as_ref().is_some_and(|j| j.req == req))
+        {
+            self.waiting.remove(i);
+            return true;
+        }
+        if let Some(i) = self
+            .running
+            .iter()
+            .position(|s| s.export.as_ref().is_some_and(|j| j.req == req))
+        {
+            let s = self.running.remove(i);
+            self.kv.release(s.id);
+            return true;
+        }
+        false
+    }
+
+    /// Decode role: reserves pages for `prompt_tokens + max_tokens` tokens of a
+    /// sequence whose prompt K/V will arrive by transfer, all or nothing. Returns the
+    /// new sequence and the destination pages of the prompt (one per prompt page, in
+    /// logical order) for the descriptor.
+    pub fn reserve_import(
+        &mut self,
+        tenant: u64,
+        prompt_tokens: usize,
+        max_tokens: usize,
+    ) -> Result<(SeqId, Vec<DestPage>), PoolError> {
+        let id = SeqId(self.next_seq);
+        self.kv
+            .reserve(id, tenant, prompt_tokens.saturating_add(max_tokens))?;
+        self.next_seq += 1;
+        let n = self.kv.pages_for(prompt_tokens);
+        let table = self.kv.table(id).expect("just reserved");
+        let dest = table[..n]
+            .iter()
+            .map(|r| DestPage {
+                page: r.page,
+                tag: r.tag,
+            })
+            .collect();
+        Ok((id, dest))
+    }
+
+    /// Decode role: writes one transferred page into the pool, if the page is still
+    /// reserved with the tag the write names (a late write after its reservation
+    /// ended is dropped: the epoch moved on).
+    pub fn land(&mut self, landing: &PageLanding) -> Result<(), LandError> {
+        let want = self.kv.layout().page_elems() * 2;
+        if landing.bytes.len() != want {
+            return Err(LandError::WrongSize {
+                got: landing.bytes.len(),
+                want,
+            });
+        }
+        let r = BlockRef {
+            page: landing.dest.page,
+            tag: landing.dest.tag,
+        };
+        let (pool, _) = self.kv.split_mut();
+        let dst = pool
+            .page_data_mut(r)
+            .ok_or(LandError::NotReserved { page: r.page })?;
+        for (d, b) in dst.iter_mut().zip(landing.bytes.chunks_exact(2)) {
+            *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+        }
+        Ok(())
+    }
+
+    /// Decode role: CRC-32C of the bytes now in `dest`, or `None` when the page is
+    /// not held with `dest.tag` (I4 commit verification).
+    pub fn landed_checksum(&self, dest: DestPage) -> Option<u32> {
+        let page = self.kv.pool().page_data(BlockRef {
+            page: dest.page,
+            tag: dest.tag,
+        })?;
+        Some(crc32c::crc32c(f16_bytes(page)))
+    }
+
+    /// Decode role: starts decoding a sequence whose prompt pages were transferred
+    /// and verified. Emits `first_token` (sampled by the prefill node) as the first
+    /// event, then decodes as usual. `seq` must come from [`Self::reserve_import`].
+    pub fn adopt(&mut self, seq: SeqId, import: Import) {
+        let Import {
+            req,
+            first_token,
+            seed_fallback,
+            rng_word_pos,
+            sink,
+            submitted,
+        } = import;
+        let Admitted(r) = req;
+        let mut s = Seq {
+            id: seq,
+            sampler: Sampler::resume(r.sampling.clone(), seed_fallback, rng_word_pos),
+            prefilled: r.prompt.len(),
+            prompt: r.prompt,
+            generated: Vec::new(),
+            max_tokens: r.max_tokens,
+            ignore_eos: r.ignore_eos,
+            detok: IncrementalDecoder::new(true),
+            stop: StopMatcher::new(r.stop),
+            sink,
+            submitted,
+            first_token: None,
+            export: None,
+        };
+        match Self::accept_token(&mut s, first_token, &self.tokenizer, &self.stop_ids) {
+            Accepted::Continue => self.running.push(s),
+            Accepted::Finished(ev) => {
+                self.kv.release(seq);
+                let _ = s.sink.send(ev);
+            }
+            Accepted::Disconnected => {
+                self.kv.release(seq);
+            }
+        }
+    }
+
+    /// Frees every page of `seq` (decode role: a reservation that will not be
+    /// adopted, after commit failure or acknowledged abort). Returns pages freed.
+    pub fn release_seq(&mut self, seq: SeqId) -> usize {
+        if let Some(i) = self.running.iter().position(|s| s.id == seq) {
+            self.running.remove(i);
+        }
+        self.kv.release(seq)
     }
 
     /// Requests waiting for admission to the running batch.
@@ -313,6 +556,7 @@ impl Engine {
         }
         let out = self.model.forward(&rows, &mut self.kv);
         let mut finished: Vec<(SeqId, Option<Event>)> = Vec::new();
+        let mut exports: Vec<(SeqId, u32)> = Vec::new();
         for (seq, err) in &out.failed {
             finished.push((*seq, Some(Event::Error(EngineError::Integrity(*err)))));
         }
@@ -330,6 +574,10 @@ impl Engine {
                 continue;
             };
             let tok = s.sampler.sample(&mut logits, &s.prompt, &s.generated);
+            if s.export.is_some() {
+                exports.push((seq, tok));
+                continue;
+            }
             match Self::accept_token(s, tok, &self.tokenizer, &self.stop_ids) {
                 Accepted::Continue => {}
                 Accepted::Finished(ev) => finished.push((seq, Some(ev))),
@@ -337,11 +585,30 @@ impl Engine {
                 Accepted::Disconnected => finished.push((seq, None)),
             }
         }
+        for (id, tok) in exports {
+            if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                let mut s = self.running.remove(i);
+                let mut job = s.export.take().expect("export sequence");
+                let result = export_pages(&self.kv, &s, &mut job).map(|pages| Exported {
+                    tokens: s.prompt.len(),
+                    pages,
+                    first_token: tok,
+                    rng_word_pos: s.sampler.rng_word_pos(),
+                });
+                // I5: the writes are flushed (or failed) before the source pages go.
+                self.kv.release(id);
+                (job.done)(result);
+            }
+        }
         for (id, ev) in finished {
             if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                let s = self.running.remove(i);
+                let mut s = self.running.remove(i);
                 self.kv.release(id);
-                if let Some(ev) = ev {
+                if let Some(job) = s.export.take() {
+                    if let Some(Event::Error(EngineError::Integrity(e))) = ev {
+                        (job.done)(Err(ExportError::Integrity(e)));
+                    }
+                } else if let Some(ev) = ev {
                     let _ = s.sink.send(ev);
                 }
             }
@@ -410,23 +677,35 @@ impl Engine {
 
     fn admit_waiting(&mut self) {
         while self.running.len() < self.cfg.max_running {
-            let Some((req, _, _)) = self.waiting.front() else {
+            let Some(w) = self.waiting.front() else {
                 break;
             };
-            let r = req.request();
-            let tokens = r.prompt.len().saturating_add(r.max_tokens);
+            let r = w.req.request();
+            // A prefill-only sequence needs its prompt's pages; its output pages are
+            // reserved on the decode node.
+            let tokens = if w.export.is_some() {
+                r.prompt.len()
+            } else {
+                r.prompt.len().saturating_add(r.max_tokens)
+            };
             if !self.kv.can_reserve(tokens) {
                 break; // FIFO: wait for pages rather than overtaking.
             }
-            let (Admitted(r), sink, submitted) = self.waiting.pop_front().unwrap();
+            let Waiting {
+                req: Admitted(r),
+                sink,
+                submitted,
+                export,
+            } = self.waiting.pop_front().unwrap();
             let id = SeqId(self.next_seq);
+            let seed_fallback = export.as_ref().map_or(id.0, |j| j.req);
             self.next_seq += 1;
             self.kv
                 .reserve(id, r.tenant, tokens)
                 .expect("can_reserve checked; the engine is the pool's only user");
             self.running.push(Seq {
                 id,
-                sampler: Sampler::new(r.sampling.clone(), id.0),
+                sampler: Sampler::new(r.sampling.clone(), seed_fallback),
                 prompt: r.prompt,
                 generated: Vec::new(),
                 max_tokens: r.max_tokens,
@@ -437,6 +716,7 @@ impl Engine {
                 sink,
                 submitted,
                 first_token: None,
+                export,
             });
         }
     }
@@ -478,6 +758,86 @@ impl Engine {
         }
         rows
     }
+}
+
+/// A queued request (co-located, or a prefill node's export).
+struct Waiting {
+    req: Admitted,
+    sink: UnboundedSender<Event>,
+    submitted: Instant,
+    export: Option<ExportJob>,
+}
+
+/// A transferred sequence the decode node starts decoding ([`Engine::adopt`]).
+#[derive(Debug)]
+pub struct Import {
+    /// The admitted request (prompt ids, sampling, stops).
+    pub req: Admitted,
+    /// The prefill node's first token.
+    pub first_token: u32,
+    /// Sampler fallback seed both nodes use (the transfer id).
+    pub seed_fallback: u64,
+    /// Sampler RNG position after the first token.
+    pub rng_word_pos: u128,
+    /// Where the sequence's events go.
+    pub sink: UnboundedSender<Event>,
+    /// When the client's request arrived (TTFT).
+    pub submitted: Instant,
+}
+
+/// Raw little-endian bytes of f16 values (the transfer format of a page).
+pub fn f16_bytes(v: &[f16]) -> &[u8] {
+    // SAFETY: f16 is a plain 2-byte value (repr(transparent) over u16) with no
+    // padding; u8 has alignment 1; the length is exactly the same memory.
+    // Little-endian is the byte order of every target we build for (x86-64).
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Writes a prefill sequence's prompt pages into the destination pages: checks each
+/// source page's tag first (I3), zeroes slots past the prompt in the last page (no
+/// stale bytes leave the node), checksums what is sent, then flushes.
+fn export_pages(
+    kv: &KvManager,
+    s: &Seq,
+    job: &mut ExportJob,
+) -> Result<Vec<(DestPage, u32)>, ExportError> {
+    let table = kv.table(s.id).unwrap_or(&[]);
+    let n = kv.pages_for(s.prompt.len());
+    if job.dest.len() != n || table.len() < n {
+        return Err(ExportError::DescriptorMismatch {
+            dest: job.dest.len(),
+            pages: n,
+        });
+    }
+    tessera_kernels::attention::verify_tags(kv.pool().tags(), &table[..n])?;
+    let layout = *kv.layout();
+    let used_in_last = s.prompt.len() - (n - 1) * layout.page_size;
+    let mut scratch: Vec<f16> = Vec::new();
+    let mut pages = Vec::with_capacity(n);
+    for (i, (r, dest)) in table[..n].iter().zip(&job.dest).enumerate() {
+        let data = kv.pool().page_data(*r).ok_or(IntegrityError {
+            page: r.page,
+            logical_block: i as u32,
+            expected: r.tag,
+            found: kv.pool().tags()[r.page as usize],
+        })?;
+        let data = if i + 1 == n && used_in_last < layout.page_size {
+            scratch.clear();
+            scratch.extend_from_slice(data);
+            let kv_dim = layout.kv_dim();
+            for part in scratch.chunks_exact_mut(layout.page_size * kv_dim) {
+                part[used_in_last * kv_dim..].fill(f16::ZERO);
+            }
+            &scratch[..]
+        } else {
+            data
+        };
+        let bytes = f16_bytes(data);
+        job.transport.put(job.req, *dest, bytes)?;
+        pages.push((*dest, crc32c::crc32c(bytes)));
+    }
+    job.transport.flush()?;
+    Ok(pages)
 }
 
 enum Accepted {

@@ -26,8 +26,9 @@ pub struct EngineStats {
     pub waiting: usize,
 }
 
+/// Counters an engine thread publishes for lock-free readers.
 #[derive(Default)]
-struct Shared {
+pub(crate) struct Shared {
     free_pages: AtomicUsize,
     capacity_pages: AtomicUsize,
     running: AtomicUsize,
@@ -95,7 +96,7 @@ impl EngineHandle {
     }
 }
 
-fn publish(e: &Engine, sh: &Shared) {
+pub(crate) fn publish(e: &Engine, sh: &Shared) {
     sh.free_pages
         .store(e.kv().pool().free_pages(), Ordering::Release);
     sh.capacity_pages
@@ -104,21 +105,54 @@ fn publish(e: &Engine, sh: &Shared) {
     sh.waiting.store(e.waiting_len(), Ordering::Release);
 }
 
-fn run(mut engine: Engine, rx: mpsc::Receiver<Submit>, sh: Arc<Shared>) {
+fn run(engine: Engine, rx: mpsc::Receiver<Submit>, sh: Arc<Shared>) {
+    struct Colocated;
+    impl NodeLoop for Colocated {
+        type Cmd = Submit;
+        fn on_cmd(&mut self, engine: &mut Engine, s: Submit) {
+            engine.enqueue_with_sink(s.req, s.sink, s.at);
+        }
+    }
+    run_node(engine, Colocated, rx, &sh);
+}
+
+/// What runs on an engine thread besides the engine: how commands are applied.
+pub(crate) trait NodeLoop {
+    /// Commands the thread receives.
+    type Cmd: Send;
+    /// Applies one command (between engine steps).
+    fn on_cmd(&mut self, engine: &mut Engine, cmd: Self::Cmd);
+    /// Whether the node has protocol work pending besides the engine's (keeps the
+    /// loop from blocking).
+    fn busy(&self) -> bool {
+        false
+    }
+    /// Called after every step and command batch.
+    fn after_step(&mut self, _engine: &mut Engine) {}
+}
+
+/// The engine thread's loop: apply queued commands, step, publish counters. Blocks
+/// on the queue when idle; exits once every sender is gone and nothing runs.
+pub(crate) fn run_node<N: NodeLoop>(
+    mut engine: Engine,
+    mut node: N,
+    rx: mpsc::Receiver<N::Cmd>,
+    sh: &Shared,
+) {
     let mut open = true;
     loop {
-        if !engine.has_work() {
+        if !engine.has_work() && !node.busy() {
             if !open {
                 return;
             }
             match rx.recv() {
-                Ok(s) => engine.enqueue_with_sink(s.req, s.sink, s.at),
+                Ok(c) => node.on_cmd(&mut engine, c),
                 Err(_) => return,
             }
         }
         loop {
             match rx.try_recv() {
-                Ok(s) => engine.enqueue_with_sink(s.req, s.sink, s.at),
+                Ok(c) => node.on_cmd(&mut engine, c),
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => {
                     open = false;
@@ -127,6 +161,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Submit>, sh: Arc<Shared>) {
             }
         }
         engine.step();
-        publish(&engine, &sh);
+        node.after_step(&mut engine);
+        publish(&engine, sh);
     }
 }

@@ -172,6 +172,19 @@ impl Sampler {
         }
     }
 
+    /// Where the RNG stream stands (ChaCha20 word position). A sequence that moves
+    /// to another node carries it, so its samples there continue the same stream.
+    pub fn rng_word_pos(&self) -> u128 {
+        self.rng.get_word_pos()
+    }
+
+    /// A sampler that continues a stream at `word_pos` (see [`Self::rng_word_pos`]).
+    pub fn resume(params: SamplingParams, request_seed_fallback: u64, word_pos: u128) -> Self {
+        let mut s = Self::new(params, request_seed_fallback);
+        s.rng.set_word_pos(word_pos);
+        s
+    }
+
     /// The parameters this sampler uses.
     pub fn params(&self) -> &SamplingParams {
         &self.params

@@ -14,7 +14,9 @@ use half::slice::HalfFloatSliceExt;
 /// Owner tag of one physical KV page. Written when the page is filled, checked at
 /// every read. `epoch` changes every time the page is freed, so a tag taken before a
 /// free never validates after it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[repr(C)]
 pub struct PageTag {
     /// Tenant (account) that owns the data.

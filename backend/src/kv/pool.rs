@@ -168,6 +168,30 @@ impl PagePool {
     pub fn data_and_tags_mut(&mut self) -> (&mut [f16], &[PageTag]) {
         (&mut self.data, &self.tags)
     }
+
+    /// Whether page `r.page` is allocated and carries exactly `r.tag` (a reference
+    /// taken before a free never does: the epoch moved on).
+    pub fn holds(&self, r: BlockRef) -> bool {
+        let p = r.page as usize;
+        p < self.tags.len() && self.held[p] && self.tags[p] == r.tag
+    }
+
+    /// The `layout.page_elems()` values of `page`, if it holds `r`'s tag.
+    pub fn page_data(&self, r: BlockRef) -> Option<&[f16]> {
+        let n = self.layout.page_elems();
+        let p = r.page as usize;
+        self.holds(r).then(|| &self.data[p * n..(p + 1) * n])
+    }
+
+    /// Mutable values of `page`, if it holds `r`'s tag.
+    pub fn page_data_mut(&mut self, r: BlockRef) -> Option<&mut [f16]> {
+        let n = self.layout.page_elems();
+        let p = r.page as usize;
+        if !self.holds(r) {
+            return None;
+        }
+        Some(&mut self.data[p * n..(p + 1) * n])
+    }
 }
 
 #[cfg(test)]
