@@ -1,1 +1,12 @@
-//! placeholder
+//! Tessera operations tooling.
+//!
+//! - [`check_config`]: `tessera ops check-config FILE [--json]`, the offline verdict on a
+//!   deployment file (structure and I2: every pool holds a full context window of every
+//!   model it serves), as a human report or JSON.
+//!
+//! The deployment-file types and checks live in `tessera_backend::config`, so nodes
+//! check their own configuration at startup with the same code.
+
+pub mod check_config;
+
+pub use check_config::{check_config, check_config_command, CheckConfigError, Checked, Report};
