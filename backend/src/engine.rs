@@ -150,9 +150,10 @@ pub enum EngineError {
     /// The engine stopped before the request finished.
     #[error("engine shut down")]
     Shutdown,
-    /// A node refused the request at admission (I1): a client error, not a fault.
-    #[error("request rejected: {0}")]
-    Rejected(Rejection),
+    /// A node refused the request at admission (I1): a client error (or, for
+    /// [`RefusalKind::Busy`](crate::pd::protocol::RefusalKind::Busy), a retryable one), not a fault.
+    #[error("request refused: {0}")]
+    Refused(crate::pd::protocol::Refusal),
     /// The KV transfer between prefill and decode failed (I4) or a node holding the
     /// request was lost.
     #[error("KV transfer failed: {0}")]
@@ -296,6 +297,9 @@ pub struct Engine {
     running: Vec<Seq>,
     stop_ids: Vec<u32>,
     next_seq: u64,
+    /// Decode role: sequences that left the running batch, and why (`None`: finished
+    /// normally or the client went away; `Some`: an error). `None` when not tracked.
+    ended: Option<Vec<(SeqId, Option<String>)>>,
 }
 
 impl Engine {
@@ -322,6 +326,25 @@ impl Engine {
             running: Vec::new(),
             stop_ids,
             next_seq: 1,
+            ended: None,
+        }
+    }
+
+    /// Starts recording which sequences leave the running batch (decode role: the
+    /// protocol must learn when a decode ended). Drain with [`Self::take_ended`].
+    pub fn track_ended(&mut self) {
+        self.ended.get_or_insert_with(Vec::new);
+    }
+
+    /// Sequences that left the running batch since the last call, with the error that
+    /// ended them, if any.
+    pub fn take_ended(&mut self) -> Vec<(SeqId, Option<String>)> {
+        self.ended.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn record_end(&mut self, seq: SeqId, error: Option<String>) {
+        if let Some(log) = &mut self.ended {
+            log.push((seq, error));
         }
     }
 
@@ -497,10 +520,12 @@ impl Engine {
             Accepted::Continue => self.running.push(s),
             Accepted::Finished(ev) => {
                 self.kv.release(seq);
+                self.record_end(seq, None);
                 let _ = s.sink.send(ev);
             }
             Accepted::Disconnected => {
                 self.kv.release(seq);
+                self.record_end(seq, None);
             }
         }
     }
@@ -608,8 +633,15 @@ impl Engine {
                     if let Some(Event::Error(EngineError::Integrity(e))) = ev {
                         (job.done)(Err(ExportError::Integrity(e)));
                     }
-                } else if let Some(ev) = ev {
-                    let _ = s.sink.send(ev);
+                } else {
+                    let error = match &ev {
+                        Some(Event::Error(e)) => Some(e.to_string()),
+                        _ => None,
+                    };
+                    self.record_end(id, error);
+                    if let Some(ev) = ev {
+                        let _ = s.sink.send(ev);
+                    }
                 }
             }
         }
@@ -848,7 +880,7 @@ enum Accepted {
 
 /// What admission checks a request against: the model's context window and the
 /// node's pool. Copyable, so any thread can admit without touching the engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AdmissionLimits {
     /// Model context window (tokens).
     pub context: usize,

@@ -6,6 +6,7 @@
 //! Dropping a request's receiver aborts it at the next step and frees its pages.
 
 use crate::engine::{AdmissionLimits, Engine, EngineConfig, Event, GenerateRequest, Rejection};
+use crate::pd::cluster::PdCluster;
 use crate::runtime::LoadedModel;
 use crate::Admitted;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -41,12 +42,22 @@ struct Submit {
     at: Instant,
 }
 
-/// A cloneable handle to an engine running on a dedicated thread.
+/// A cloneable handle to the serving engines: one co-located engine on a dedicated
+/// thread, or a prefill and a decode engine joined by the KV transfer protocol
+/// ([`PdCluster`]). Callers see the same `submit`, `limits` and `stats` either way.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Submit>,
-    limits: AdmissionLimits,
-    shared: Arc<Shared>,
+    inner: Inner,
+}
+
+#[derive(Clone)]
+enum Inner {
+    Colocated {
+        tx: mpsc::Sender<Submit>,
+        limits: AdmissionLimits,
+        shared: Arc<Shared>,
+    },
+    Disaggregated(Arc<PdCluster>),
 }
 
 impl EngineHandle {
@@ -63,16 +74,41 @@ impl EngineHandle {
             .name("tessera-engine".into())
             .spawn(move || run(engine, rx, sh))
             .expect("spawn engine thread");
-        Self { tx, limits, shared }
+        Self {
+            inner: Inner::Colocated { tx, limits, shared },
+        }
+    }
+
+    /// Starts prefill and decode engines in this process ([`PdCluster::spawn`]).
+    pub fn spawn_disaggregated(
+        model: &LoadedModel,
+        prefill: &[EngineConfig],
+        decode: &[EngineConfig],
+    ) -> Self {
+        Self {
+            inner: Inner::Disaggregated(Arc::new(PdCluster::spawn(model, prefill, decode))),
+        }
+    }
+
+    /// The prefill/decode cluster behind this handle, if disaggregated.
+    pub fn cluster(&self) -> Option<&PdCluster> {
+        match &self.inner {
+            Inner::Disaggregated(c) => Some(c),
+            Inner::Colocated { .. } => None,
+        }
     }
 
     /// Admits `req` (I1) and queues it; events arrive on the returned receiver.
     /// Drop the receiver to abort.
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>, Rejection> {
-        let req = self.limits.admit(req)?;
+        let (tx, limits) = match &self.inner {
+            Inner::Colocated { tx, limits, .. } => (tx, limits),
+            Inner::Disaggregated(c) => return c.submit(req),
+        };
+        let req = limits.admit(req)?;
         let (sink, rx) = unbounded_channel();
         let at = Instant::now();
-        if let Err(mpsc::SendError(s)) = self.tx.send(Submit { req, sink, at }) {
+        if let Err(mpsc::SendError(s)) = tx.send(Submit { req, sink, at }) {
             let _ = s
                 .sink
                 .send(Event::Error(crate::engine::EngineError::Shutdown));
@@ -82,16 +118,28 @@ impl EngineHandle {
 
     /// The limits admission checks against.
     pub fn limits(&self) -> AdmissionLimits {
-        self.limits
+        match &self.inner {
+            Inner::Colocated { limits, .. } => *limits,
+            Inner::Disaggregated(c) => c.limits(),
+        }
     }
 
-    /// Current counters.
+    /// Current counters (summed over nodes when disaggregated).
     pub fn stats(&self) -> EngineStats {
+        match &self.inner {
+            Inner::Colocated { shared, .. } => shared.snapshot(),
+            Inner::Disaggregated(c) => c.stats(),
+        }
+    }
+}
+
+impl Shared {
+    pub(crate) fn snapshot(&self) -> EngineStats {
         EngineStats {
-            free_pages: self.shared.free_pages.load(Ordering::Acquire),
-            capacity_pages: self.shared.capacity_pages.load(Ordering::Acquire),
-            running: self.shared.running.load(Ordering::Acquire),
-            waiting: self.shared.waiting.load(Ordering::Acquire),
+            free_pages: self.free_pages.load(Ordering::Acquire),
+            capacity_pages: self.capacity_pages.load(Ordering::Acquire),
+            running: self.running.load(Ordering::Acquire),
+            waiting: self.waiting.load(Ordering::Acquire),
         }
     }
 }
@@ -129,6 +177,10 @@ pub(crate) trait NodeLoop {
     }
     /// Called after every step and command batch.
     fn after_step(&mut self, _engine: &mut Engine) {}
+    /// Whether the thread must exit now (dropping the engine and everything it holds).
+    fn stop(&self) -> bool {
+        false
+    }
 }
 
 /// The engine thread's loop: apply queued commands, step, publish counters. Blocks
@@ -151,6 +203,9 @@ pub(crate) fn run_node<N: NodeLoop>(
             }
         }
         loop {
+            if node.stop() {
+                return;
+            }
             match rx.try_recv() {
                 Ok(c) => node.on_cmd(&mut engine, c),
                 Err(mpsc::TryRecvError::Empty) => break,
@@ -159,6 +214,9 @@ pub(crate) fn run_node<N: NodeLoop>(
                     break;
                 }
             }
+        }
+        if node.stop() {
+            return;
         }
         engine.step();
         node.after_step(&mut engine);
