@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use tessera_backend::config::{check_pool_fits, Role};
 use tessera_backend::runtime::DEFAULT_MODEL_ID;
 use tessera_backend::{EngineConfig, EngineHandle, LoadedModel};
 use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
@@ -65,9 +66,20 @@ pub(crate) struct ServeArgs {
     /// GGUF model file (default: the fetched default model).
     #[arg(long, env = "TESSERA_MODEL")]
     model: Option<PathBuf>,
-    /// KV pool size in tokens.
+    /// Run one prefill and one decode engine joined by the KV transfer protocol over
+    /// the in-process transport (the default).
+    #[arg(long, conflicts_with = "colocated")]
+    disaggregated: bool,
+    /// Run one engine that does prefill and decode itself (no transfer).
+    #[arg(long)]
+    colocated: bool,
+    /// KV pool size in tokens (the decode engine's, or the co-located engine's).
     #[arg(long, default_value_t = EngineConfig::default().kv_pool_tokens)]
     kv_pool_tokens: usize,
+    /// The prefill engine's KV pool size in tokens (disaggregated mode; it holds
+    /// prompts only, and at least one full context window, I2).
+    #[arg(long, default_value_t = 8192)]
+    prefill_kv_pool_tokens: usize,
     /// Zero KV pages when they are freed (defence in depth; page tags already make
     /// freed pages unreadable).
     #[arg(long)]
@@ -133,14 +145,35 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
 async fn serve(a: ServeArgs) -> Result<()> {
     let path = model_path(a.model.clone())?;
     let model = LoadedModel::load(&path).with_context(|| format!("loading {}", path.display()))?;
-    let engine = EngineHandle::spawn(
-        &model,
-        EngineConfig {
-            kv_pool_tokens: a.kv_pool_tokens,
-            kv_scrub: a.kv_scrub,
-            ..EngineConfig::default()
-        },
-    );
+    let engine_cfg = |tokens: usize| EngineConfig {
+        kv_pool_tokens: tokens,
+        kv_scrub: a.kv_scrub,
+        ..EngineConfig::default()
+    };
+    let context = model.llama.config().context;
+    // I2: refuse to start with a pool that cannot hold one full context window.
+    let pools: &[(Role, &str, usize)] = if a.colocated {
+        &[(Role::Colocated, "colocated", a.kv_pool_tokens)]
+    } else {
+        &[
+            (Role::Prefill, "prefill", a.prefill_kv_pool_tokens),
+            (Role::Decode, "decode", a.kv_pool_tokens),
+        ]
+    };
+    for &(role, name, tokens) in pools {
+        let page = EngineConfig::default().page_size;
+        check_pool_fits(DEFAULT_MODEL_ID, context, role, name, tokens / page * page)
+            .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+    }
+    let engine = if a.colocated {
+        EngineHandle::spawn(&model, engine_cfg(a.kv_pool_tokens))
+    } else {
+        EngineHandle::spawn_disaggregated(
+            &model,
+            &[engine_cfg(a.prefill_kv_pool_tokens)],
+            &[engine_cfg(a.kv_pool_tokens)],
+        )
+    };
     let store = a.store.open().await?;
     let data_dir = &a.store.data_dir;
     let (admin, admin_new) = match &a.admin_token {
@@ -172,10 +205,17 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let addr = server.local_addr();
     let base = format!("{}://{}", server.scheme(), addr);
     let limits = engine.limits();
+    let mode = match engine.cluster() {
+        Some(c) => format!(
+            "disaggregated: prefill KV pool {} tokens, decode KV pool {} tokens, in-process transfer",
+            c.prefill_pool_tokens(),
+            limits.pool_tokens
+        ),
+        None => format!("co-located: KV pool {} tokens", limits.pool_tokens),
+    };
     say!(
-        "tessera: serving {DEFAULT_MODEL_ID} (context {} tokens, KV pool {} tokens) from {}",
+        "tessera: serving {DEFAULT_MODEL_ID} (context {} tokens; {mode}) from {}",
         limits.context,
-        limits.pool_tokens,
         path.display()
     );
     say!(

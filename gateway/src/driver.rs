@@ -8,6 +8,8 @@
 use crate::error::{ApiError, ErrorKind};
 use crate::server::{AppState, Ctx};
 use std::sync::Arc;
+use tessera_backend::engine::EngineError;
+use tessera_backend::pd::protocol::RefusalKind;
 use tessera_backend::{Event, FinishReason};
 use tessera_tenancy::Permit;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -54,7 +56,7 @@ pub(crate) fn spawn(
         let mut ttft = None;
         enum End {
             Done(FinishReason, tessera_backend::engine::Usage),
-            Error(String),
+            Error(EngineError),
             Aborted,
             Shutdown,
         }
@@ -72,8 +74,8 @@ pub(crate) fn spawn(
                         }
                     }
                     Some(Event::Done { reason, usage }) => break End::Done(reason, usage),
-                    Some(Event::Error(e)) => break End::Error(e.to_string()),
-                    None => break End::Error("engine stopped".into()),
+                    Some(Event::Error(e)) => break End::Error(e),
+                    None => break End::Error(EngineError::Shutdown),
                 },
             }
         };
@@ -107,11 +109,26 @@ pub(crate) fn spawn(
                 }),
             ),
             End::Error(e) => {
-                tracing::error!(request_id = %ctx.rid, error = %e, "generation failed");
-                let err = ApiError::new(ErrorKind::Internal, format!("generation failed: {e}"));
+                let err = match &e {
+                    // A node's own admission check (I1) refused it: the client's
+                    // error, not ours.
+                    EngineError::Refused(r) => {
+                        tracing::info!(request_id = %ctx.rid, error = %e, "refused by a node");
+                        let kind = match r.kind {
+                            RefusalKind::TooLarge => ErrorKind::ContextOverflow,
+                            RefusalKind::Invalid => ErrorKind::BadRequest,
+                            RefusalKind::Busy => ErrorKind::Unavailable,
+                        };
+                        ApiError::new(kind, r.message.clone())
+                    }
+                    _ => {
+                        tracing::error!(request_id = %ctx.rid, error = %e, "generation failed");
+                        ApiError::new(ErrorKind::Internal, format!("generation failed: {e}"))
+                    }
+                };
                 (
                     ctx.usage(
-                        500,
+                        err.kind.status().as_u16(),
                         err.kind.workers_code(),
                         "error",
                         prompt_tokens,
