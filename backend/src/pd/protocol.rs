@@ -38,12 +38,34 @@
 //! ```
 //!
 //! Control messages may be lost, duplicated and reordered: the coordinator
-//! retransmits its last request on timeout ([`Coordinator::on_timeout`]) and every
-//! node answers a duplicate by re-sending its latest reply for that request, never by
-//! acting twice. Nodes keep a record per request (a *tombstone* once the request
-//! ended) so that a late or duplicated `Prealloc`, `Prefill` or `Commit` cannot
-//! allocate, write or admit again; [`DecodeNode::forget`] / [`PrefillNode::forget`]
-//! drop a record once no copy of a message for it can still arrive.
+//! retransmits its last request on timeout ([`Coordinator::on_timeout`]: `Prealloc`,
+//! `Prefill`, `Poll` while decoding, `Abort`) and every node answers a duplicate by
+//! re-sending its latest reply for that request, never by acting twice (a duplicated
+//! `Prefill` re-sends the `Commit`, a duplicated `Commit` re-sends `Committed` or
+//! `Finished`). `Finished` also stands for a lost `Committed` (decode sends it only for
+//! a sequence it admitted on a verified commit). Nodes keep a record per request (a
+//! *tombstone* once the request ended) so that a late or duplicated `Prealloc`,
+//! `Prefill` or `Commit` cannot allocate, write or admit again;
+//! [`DecodeNode::forget`] / [`PrefillNode::forget`] drop a record once no copy of a
+//! message for it can still arrive.
+//!
+//! # Driver contract
+//!
+//! - Each state machine has one owner; calls into it never interleave.
+//! - After each call, execute the [`Output`]s in order: `Send` transmits (a node's
+//!   `Send { to: Coordinator }` goes to the coordinator of `msg.req()`); `Outcome`
+//!   answers the client (exactly once); `Released` records usage and releases limits.
+//! - Environment calls ([`DecodeEnv`], [`PrefillEnv`]) are synchronous and made in the
+//!   order the protocol needs (e.g. `release` before the `Commit` is queued).
+//!   Asynchronous completions come back as calls: [`PrefillNode::on_computed`] /
+//!   [`PrefillNode::on_compute_failed`] from the prefill engine,
+//!   [`PrefillNode::on_drained`] from the transport flush,
+//!   [`DecodeNode::on_decode_finished`] from the decode engine.
+//! - [`Coordinator::on_timeout`] on a retransmission timer; [`Coordinator::on_node_down`]
+//!   from the failure detector, and only once the transport connection to that node is
+//!   torn down (nothing it issued can still land: a dead node writes nothing). A
+//!   restarted node is a new node: it never sees messages for requests of its past
+//!   incarnation.
 //!
 //! # Why each safety property holds
 //!
@@ -60,8 +82,9 @@
 //!   every role: the coordinator stops at `Rejected`, the nodes keep a refused record
 //!   that answers duplicates with `Rejected` again.
 //! - **S4** (exactly one terminal outcome; 200 only on success): the coordinator
-//!   reports its [`Outcome`] once ([`Output::Outcome`]); `Succeeded` only after
-//!   `Committed` and `Finished(Completed)`.
+//!   reports its [`Outcome`] once ([`Output::Outcome`]); `Succeeded` only on
+//!   `Finished(Completed)`, which decode sends only for a sequence it admitted on a
+//!   verified commit and ran to completion.
 //! - **S5** (no leak at quiescence): every path that ends a request frees its pages on
 //!   each live node: commit failure, finish, abort (with tombstones against late
 //!   messages).
@@ -342,8 +365,8 @@ pub enum Failure {
 /// A request's terminal outcome at the coordinator: exactly one per request (S4).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {
-    /// Complete answer (HTTP 200 / a complete stream): only after `Committed` and
-    /// `Finished(Completed)`.
+    /// Complete answer (HTTP 200 / a complete stream): only on `Finished(Completed)`
+    /// (decode admitted the sequence on a verified commit and completed it).
     Succeeded,
     /// Admission refused (4xx or 429/503 by [`RefusalKind`]), I1.
     Rejected(Refusal),
@@ -596,7 +619,12 @@ impl Coordinator {
                 self.decide(Outcome::Rejected(reason), out);
                 self.abort_decode(out);
             }
-            (CoordPhase::Decoding, Msg::Finished { outcome, .. }) => {
+            // Decode sends `Finished` only for a sequence it admitted on a verified
+            // commit, so it also stands for a `Committed` that was lost.
+            (
+                CoordPhase::Transferring { .. } | CoordPhase::Decoding,
+                Msg::Finished { outcome, .. },
+            ) => {
                 let o = match outcome {
                     DecodeOutcome::Completed => Outcome::Succeeded,
                     DecodeOutcome::Failed { reason } => Outcome::Failed(Failure::Decode(reason)),
@@ -723,7 +751,8 @@ pub trait DecodeEnv {
     fn landed_checksum(&self, req: ReqId, dest: DestPage) -> Option<u32>;
 
     /// Adds the verified sequence to the running batch: `tokens` prompt tokens of KV in
-    /// `pages`, next input `first_token`. Report its end with
+    /// `pages` (the reservation's transfer pages, exactly as the descriptor named
+    /// them), next input `first_token`. Report its end with
     /// [`DecodeNode::on_decode_finished`].
     fn start_decode(&mut self, req: ReqId, tokens: u32, first_token: u32, pages: &[DestPage]);
 
@@ -910,21 +939,23 @@ impl DecodeNode {
             );
             return Err(CommitError::UnknownRequest);
         };
-        let verdict = match state {
+        // The block table decode will read: its own reservation, never the commit's list.
+        let (verdict, table, table_tokens) = match state {
             DecodeState::Reserved {
                 tokens: reserved,
                 dest,
             } => {
-                if self.flaws.decode_skips_commit_checks {
+                let verdict = if self.flaws.decode_skips_commit_checks {
                     Ok(())
                 } else {
                     verify_commit(req, *reserved, dest, tokens, pages, env)
-                }
+                };
+                (verdict, dest.clone(), *reserved)
             }
             DecodeState::Running | DecodeState::Finished(_)
                 if self.flaws.decode_accepts_duplicate_commit =>
             {
-                Ok(())
+                (Ok(()), pages.iter().map(|p| p.dest).collect(), tokens)
             }
             _ => {
                 self.resend(req, out);
@@ -933,8 +964,7 @@ impl DecodeNode {
         };
         match &verdict {
             Ok(()) => {
-                let admitted: Vec<DestPage> = pages.iter().map(|p| p.dest).collect();
-                env.start_decode(req, tokens, first_token, &admitted);
+                env.start_decode(req, table_tokens, first_token, &table);
                 self.reqs.insert(req, DecodeState::Running);
             }
             Err(e) => {
@@ -1998,6 +2028,80 @@ mod tests {
             &mut out,
         );
         assert_eq!(out, [Output::Released]);
+    }
+
+    #[test]
+    fn coordinator_recovers_lost_replies() {
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        c.on_msg(
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            &mut out,
+        );
+        // `Committed` was lost: the timeout re-sends `Prefill` (prefill re-sends its
+        // commit, decode its latest reply), and `Finished` alone completes the request.
+        out.clear();
+        c.on_timeout(&mut out);
+        assert!(matches!(
+            sends(&out)[..],
+            [(Role::Prefill, Msg::Prefill { .. })]
+        ));
+        out.clear();
+        c.on_msg(
+            Msg::Finished {
+                req: R,
+                outcome: DecodeOutcome::Completed,
+            },
+            &mut out,
+        );
+        assert_eq!(out, [Output::Outcome(Outcome::Succeeded), Output::Released]);
+    }
+
+    #[test]
+    fn coordinator_treats_a_dead_node_as_acked() {
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        c.on_msg(
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            &mut out,
+        );
+        out.clear();
+        // Decode died mid-transfer: stop the prefill first, then nothing is left.
+        c.on_node_down(Role::Decode, &mut out);
+        assert_eq!(
+            out[0],
+            Output::Outcome(Outcome::Failed(Failure::NodeDown(Role::Decode)))
+        );
+        assert_eq!(sends(&out), [(Role::Prefill, Msg::Abort { req: R })]);
+        out.clear();
+        c.on_msg(
+            Msg::AbortAck {
+                req: R,
+                from: Role::Prefill,
+            },
+            &mut out,
+        );
+        assert_eq!(out, [Output::Released]);
+
+        // Prefill died mid-transfer: free the decode reservation at once.
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        c.on_msg(
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            &mut out,
+        );
+        out.clear();
+        c.on_node_down(Role::Prefill, &mut out);
+        assert_eq!(sends(&out), [(Role::Decode, Msg::Abort { req: R })]);
     }
 
     #[test]
