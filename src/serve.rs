@@ -58,9 +58,14 @@ impl StoreArgs {
 /// Arguments of `tessera serve`.
 #[derive(Args, Debug)]
 pub(crate) struct ServeArgs {
-    /// Address to listen on (plain HTTP only on loopback unless --allow-insecure-http).
-    #[arg(long, default_value = "127.0.0.1:8787")]
-    listen: SocketAddr,
+    /// Address to listen on (plain HTTP only on loopback unless --allow-insecure-http;
+    /// default 127.0.0.1:8787, or the deployment file's `[gateway] listen`).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Deployment file: serve through the prefill and decode nodes it lists
+    /// (`tessera node` processes) instead of engines in this process.
+    #[arg(long, conflicts_with_all = ["colocated", "disaggregated"])]
+    config: Option<PathBuf>,
     #[command(flatten)]
     store: StoreArgs,
     /// GGUF model file (default: the fetched default model).
@@ -143,8 +148,19 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
-    let path = model_path(a.model.clone())?;
+    let remote = match &a.config {
+        Some(f) => Some(crate::node::remote_deployment(f)?),
+        None => None,
+    };
+    let path = match &remote {
+        Some((entry, _, _)) if a.model.is_none() => entry.path.clone(),
+        _ => model_path(a.model.clone())?,
+    };
     let model = LoadedModel::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let listen = a
+        .listen
+        .or(remote.as_ref().map(|(_, _, cfg)| cfg.gateway.listen))
+        .unwrap_or_else(|| "127.0.0.1:8787".parse().expect("valid address"));
     let engine_cfg = |tokens: usize| EngineConfig {
         kv_pool_tokens: tokens,
         kv_scrub: a.kv_scrub,
@@ -152,7 +168,9 @@ async fn serve(a: ServeArgs) -> Result<()> {
     };
     let context = model.llama.config().context;
     // I2: refuse to start with a pool that cannot hold one full context window.
-    let pools: &[(Role, &str, usize)] = if a.colocated {
+    let pools: &[(Role, &str, usize)] = if remote.is_some() {
+        &[] // the nodes check their own pools; the file was checked above
+    } else if a.colocated {
         &[(Role::Colocated, "colocated", a.kv_pool_tokens)]
     } else {
         &[
@@ -165,7 +183,9 @@ async fn serve(a: ServeArgs) -> Result<()> {
         check_pool_fits(DEFAULT_MODEL_ID, context, role, name, tokens / page * page)
             .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
     }
-    let engine = if a.colocated {
+    let engine = if let Some((_, nodes, _)) = remote {
+        EngineHandle::connect_remote(&model, nodes)
+    } else if a.colocated {
         EngineHandle::spawn(&model, engine_cfg(a.kv_pool_tokens))
     } else {
         EngineHandle::spawn_disaggregated(
@@ -193,7 +213,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         (other, _, _) => anyhow::bail!("--tls must be `off` or `self-signed`. Given: {other}"),
     };
     let cfg = GatewayConfig {
-        listen: a.listen,
+        listen,
         tls: tls.clone(),
         allow_insecure_http: a.allow_insecure_http,
         max_body_bytes: a.max_body_bytes,
@@ -206,6 +226,11 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let base = format!("{}://{}", server.scheme(), addr);
     let limits = engine.limits();
     let mode = match engine.cluster() {
+        None if engine.remote().is_some() => format!(
+            "remote prefill/decode nodes from {}, decode KV pool {} tokens",
+            a.config.as_deref().unwrap_or(Path::new("")).display(),
+            limits.pool_tokens
+        ),
         Some(c) => format!(
             "disaggregated: prefill KV pool {} tokens, decode KV pool {} tokens, in-process transfer",
             c.prefill_pool_tokens(),

@@ -51,7 +51,7 @@ impl Default for EngineConfig {
 }
 
 /// A generation request as the engine sees it (token ids, not text).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     /// Owner of the request's KV pages.
     pub tenant: u64,
@@ -158,6 +158,9 @@ pub enum EngineError {
     /// request was lost.
     #[error("KV transfer failed: {0}")]
     Transfer(String),
+    /// A remote node failed the request after admission (its message).
+    #[error("node error: {0}")]
+    Node(String),
 }
 
 /// Token counts and timings of a finished request.

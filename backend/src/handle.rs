@@ -7,6 +7,7 @@
 
 use crate::engine::{AdmissionLimits, Engine, EngineConfig, Event, GenerateRequest, Rejection};
 use crate::pd::cluster::PdCluster;
+use crate::pd::remote::{RemoteCluster, RemoteNodes};
 use crate::runtime::LoadedModel;
 use crate::Admitted;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -58,6 +59,7 @@ enum Inner {
         shared: Arc<Shared>,
     },
     Disaggregated(Arc<PdCluster>),
+    Remote(Arc<RemoteCluster>),
 }
 
 impl EngineHandle {
@@ -90,11 +92,26 @@ impl EngineHandle {
         }
     }
 
-    /// The prefill/decode cluster behind this handle, if disaggregated.
+    /// Coordinates remote prefill and decode nodes ([`RemoteCluster::connect`]).
+    pub fn connect_remote(model: &LoadedModel, nodes: RemoteNodes) -> Self {
+        Self {
+            inner: Inner::Remote(Arc::new(RemoteCluster::connect(model, nodes))),
+        }
+    }
+
+    /// The in-process prefill/decode cluster behind this handle, if any.
     pub fn cluster(&self) -> Option<&PdCluster> {
         match &self.inner {
             Inner::Disaggregated(c) => Some(c),
-            Inner::Colocated { .. } => None,
+            _ => None,
+        }
+    }
+
+    /// The remote nodes behind this handle, if any.
+    pub fn remote(&self) -> Option<&RemoteCluster> {
+        match &self.inner {
+            Inner::Remote(c) => Some(c),
+            _ => None,
         }
     }
 
@@ -104,6 +121,7 @@ impl EngineHandle {
         let (tx, limits) = match &self.inner {
             Inner::Colocated { tx, limits, .. } => (tx, limits),
             Inner::Disaggregated(c) => return c.submit(req),
+            Inner::Remote(c) => return c.submit(req),
         };
         let req = limits.admit(req)?;
         let (sink, rx) = unbounded_channel();
@@ -121,6 +139,7 @@ impl EngineHandle {
         match &self.inner {
             Inner::Colocated { limits, .. } => *limits,
             Inner::Disaggregated(c) => c.limits(),
+            Inner::Remote(c) => c.limits(),
         }
     }
 
@@ -129,6 +148,7 @@ impl EngineHandle {
         match &self.inner {
             Inner::Colocated { shared, .. } => shared.snapshot(),
             Inner::Disaggregated(c) => c.stats(),
+            Inner::Remote(c) => c.stats(),
         }
     }
 }

@@ -14,7 +14,7 @@ use super::protocol::{
     Coordinator, DecodeEnv, DecodeNode, DecodeOutcome, Failure, Msg, Outcome, Output, PrefillEnv,
     PrefillNode, Refusal, RefusalKind, ReqId, Role,
 };
-use super::transport::DestPage;
+use super::transport::{DestPage, KvTransport};
 use crate::engine::{
     AdmissionLimits, Engine, EngineConfig, EngineError, Event, ExportError, ExportJob, Exported,
     GenerateRequest, Import, Rejection,
@@ -32,7 +32,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 /// What travels with a protocol message inside this process: the request body
 /// (prompt ids, sampling) that the protocol itself leaves out, the client's event
 /// sink, and the sampler position that continues on the decode node.
-enum Extra {
+pub(crate) enum Extra {
     None,
     /// With `Prealloc`: the request and where its events go.
     Decode {
@@ -49,19 +49,21 @@ enum Extra {
     RngPos(u128),
 }
 
-enum DecodeCmd {
+pub(crate) enum DecodeCmd {
     Control(Msg, Extra),
     Land(PageLanding),
+    /// Runs once every earlier command was applied (remote flush acknowledgements).
+    AfterEarlier(Box<dyn FnOnce() + Send>),
     Crash,
 }
 
-enum PrefillCmd {
+pub(crate) enum PrefillCmd {
     Control(Msg, Extra),
     Exported(ReqId, Result<Exported, ExportError>),
     Crash,
 }
 
-enum CoordCmd {
+pub(crate) enum CoordCmd {
     Start {
         req: ReqId,
         body: GenerateRequest,
@@ -105,6 +107,8 @@ struct Nodes {
     coord: Mutex<mpsc::Sender<CoordCmd>>,
     counters: PdCounters,
     faults: Faults,
+    /// The `Arc` this lives in (transports outlive the call that made them).
+    self_ref: Mutex<std::sync::Weak<Nodes>>,
 }
 
 /// Protocol-level error counters (all nodes of the cluster).
@@ -144,9 +148,121 @@ impl Faults {
     }
 }
 
-impl Nodes {
+/// How a node's protocol loop reaches the rest of the deployment: the coordinator
+/// of each request, the decode nodes (commits) and their memory (page writes).
+pub(crate) trait NodeLinks: Send + Sync {
+    /// Sends `msg` to the coordinator of `msg.req()`.
+    fn to_coordinator(&self, msg: Msg);
+    /// Sends a control message (a `Commit`, with the sampler position) to decode
+    /// node `decode`. Returns `false` when it is unreachable.
+    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool;
+    /// A transport that writes pages into decode node `decode`'s reserved pages.
+    fn transport(
+        &self,
+        decode: usize,
+        fault: Option<TransferFault>,
+        dest: &[DestPage],
+    ) -> Box<dyn KvTransport>;
+    /// Error counters.
+    fn counters(&self) -> &PdCounters;
+    /// The fault the next transfer suffers (fault-injection tests only).
+    fn take_fault(&self) -> Option<TransferFault> {
+        None
+    }
+    /// Forwards what the engine streamed since the last call (remote decode nodes);
+    /// called after every step, before the protocol hears which decodes ended.
+    fn pump(&self) {}
+}
+
+/// How the coordinator reaches the nodes.
+pub(crate) trait CoordLinks: Send + Sync {
+    /// Sends to decode node `index`; `false` when unreachable.
+    fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool;
+    /// Sends to prefill node `index`; `false` when unreachable.
+    fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool;
+    /// Whether the node is known dead (its thread exited, its connection closed).
+    fn is_down(&self, role: Role, index: usize) -> bool;
+    /// Error counters.
+    fn counters(&self) -> &PdCounters;
+    /// The request is over everywhere (every node acknowledged or is down).
+    fn released(&self, _req: ReqId) {}
+}
+
+impl NodeLinks for Nodes {
     fn to_coordinator(&self, msg: Msg) {
         let _ = self.coord.lock().unwrap().send(CoordCmd::FromNode(msg));
+    }
+
+    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
+        self.decode
+            .get(decode)
+            .is_some_and(|d| d.send(DecodeCmd::Control(msg, Extra::RngPos(rng_pos))))
+    }
+
+    fn transport(
+        &self,
+        decode: usize,
+        fault: Option<TransferFault>,
+        dest: &[DestPage],
+    ) -> Box<dyn KvTransport> {
+        let nodes = self
+            .self_ref
+            .lock()
+            .unwrap()
+            .upgrade()
+            .expect("cluster alive");
+        let last_page = dest.last().map(|d| d.page);
+        Box::new(InprocTransport::new(Box::new(move |mut l| {
+            match fault {
+                Some(TransferFault::DropLastWrite) if Some(l.dest.page) == last_page => {
+                    return true;
+                }
+                Some(TransferFault::CorruptByte) if l.bytes.len() > 100 => {
+                    l.bytes[100] ^= 0x01;
+                }
+                _ => {}
+            }
+            if let Some(tap) = nodes.faults.tap.lock().unwrap().as_mut() {
+                tap.push(PageLanding {
+                    req: l.req,
+                    dest: l.dest,
+                    bytes: l.bytes.clone(),
+                });
+            }
+            nodes
+                .decode
+                .get(decode)
+                .is_some_and(|d| !d.is_down() && d.send(DecodeCmd::Land(l)))
+        })))
+    }
+
+    fn counters(&self) -> &PdCounters {
+        &self.counters
+    }
+
+    fn take_fault(&self) -> Option<TransferFault> {
+        self.faults.take()
+    }
+}
+
+impl CoordLinks for Nodes {
+    fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool {
+        self.decode[index].send(DecodeCmd::Control(msg, extra))
+    }
+
+    fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
+        self.prefill[index].send(PrefillCmd::Control(msg, extra))
+    }
+
+    fn is_down(&self, role: Role, index: usize) -> bool {
+        match role {
+            Role::Prefill => self.prefill[index].is_down(),
+            _ => self.decode[index].is_down(),
+        }
+    }
+
+    fn counters(&self) -> &PdCounters {
+        &self.counters
     }
 }
 
@@ -203,6 +319,7 @@ impl PdCluster {
             coord: Mutex::new(coord_tx),
             counters: PdCounters::default(),
             faults: Faults::default(),
+            self_ref: Mutex::new(std::sync::Weak::new()),
         };
         for (slot, (e, _)) in nodes.decode.iter_mut().zip(&decode_rxs) {
             slot.limits = e.limits();
@@ -213,21 +330,14 @@ impl PdCluster {
             publish(e, &slot.shared);
         }
         let nodes = Arc::new(nodes);
+        *nodes.self_ref.lock().unwrap() = Arc::downgrade(&nodes);
         for (i, (mut engine, rx)) in decode_rxs.into_iter().enumerate() {
             engine.track_ended();
             let n = nodes.clone();
             let t = std::thread::Builder::new()
                 .name(format!("tessera-decode-{i}"))
                 .spawn(move || {
-                    let node = DecodeLoop {
-                        proto: DecodeNode::new(),
-                        nodes: n.clone(),
-                        seqs: HashMap::new(),
-                        by_seq: HashMap::new(),
-                        deferred: VecDeque::new(),
-                        crashed: false,
-                        tombstones: Tombstones::default(),
-                    };
+                    let node = DecodeLoop::new(n.clone());
                     run_node(engine, node, rx, &n.decode[i].shared);
                 })
                 .expect("spawn decode engine thread");
@@ -238,16 +348,7 @@ impl PdCluster {
             let t = std::thread::Builder::new()
                 .name(format!("tessera-prefill-{i}"))
                 .spawn(move || {
-                    let node = PrefillLoop {
-                        proto: PrefillNode::new(),
-                        nodes: n.clone(),
-                        self_tx,
-                        reqs: HashMap::new(),
-                        drained: Vec::new(),
-                        crashed: false,
-                        tombstones: Tombstones::default(),
-                        duplicate_commit: None,
-                    };
+                    let node = PrefillLoop::new(n.clone(), self_tx);
                     run_node(engine, node, rx, &n.prefill[i].shared);
                 })
                 .expect("spawn prefill engine thread");
@@ -461,15 +562,30 @@ struct DecodeSeq {
     watch: UnboundedSender<Event>,
 }
 
-struct DecodeLoop {
+pub(crate) struct DecodeLoop {
     proto: DecodeNode,
-    nodes: Arc<Nodes>,
+    links: Arc<dyn NodeLinks>,
     seqs: HashMap<ReqId, DecodeSeq>,
     by_seq: HashMap<SeqId, ReqId>,
     /// `Prealloc`s that passed admission but wait for free pages (FIFO).
     deferred: VecDeque<(Msg, Extra)>,
     crashed: bool,
     tombstones: Tombstones,
+}
+
+impl DecodeLoop {
+    /// A decode node's protocol loop reaching the deployment through `links`.
+    pub(crate) fn new(links: Arc<dyn NodeLinks>) -> Self {
+        Self {
+            proto: DecodeNode::new(),
+            links,
+            seqs: HashMap::new(),
+            by_seq: HashMap::new(),
+            deferred: VecDeque::new(),
+            crashed: false,
+            tombstones: Tombstones::default(),
+        }
+    }
 }
 
 /// The decode node's [`DecodeEnv`] over its engine.
@@ -571,7 +687,7 @@ impl DecodeLoop {
         for o in out {
             if let Output::Send { to, msg } = o {
                 debug_assert_eq!(to, Role::Coordinator);
-                self.nodes.to_coordinator(msg);
+                self.links.to_coordinator(msg);
             }
         }
     }
@@ -629,8 +745,8 @@ impl DecodeLoop {
                     self.proto
                         .on_commit(req, tokens, &pages, first_token, &mut env, &mut out)
                 {
-                    self.nodes
-                        .counters
+                    self.links
+                        .counters()
                         .commits_rejected
                         .fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(?req, error = %e, "refused a KV transfer commit");
@@ -686,13 +802,14 @@ impl NodeLoop for DecodeLoop {
             DecodeCmd::Control(msg, extra) => self.control(engine, msg, extra),
             DecodeCmd::Land(l) => {
                 if let Err(e) = engine.land(&l) {
-                    self.nodes
-                        .counters
+                    self.links
+                        .counters()
                         .writes_dropped
                         .fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(req = l.req, error = %e, "dropped a KV page write");
                 }
             }
+            DecodeCmd::AfterEarlier(f) => f(),
             DecodeCmd::Crash => self.crashed = true,
         }
     }
@@ -702,6 +819,7 @@ impl NodeLoop for DecodeLoop {
     }
 
     fn after_step(&mut self, engine: &mut Engine) {
+        self.links.pump();
         for (seq, error) in engine.take_ended() {
             let Some(req) = self.by_seq.get(&seq).copied() else {
                 continue;
@@ -739,9 +857,9 @@ struct PrefillReq {
     rng_pos: u128,
 }
 
-struct PrefillLoop {
+pub(crate) struct PrefillLoop {
     proto: PrefillNode,
-    nodes: Arc<Nodes>,
+    links: Arc<dyn NodeLinks>,
     self_tx: mpsc::Sender<PrefillCmd>,
     reqs: HashMap<ReqId, PrefillReq>,
     /// Requests whose writes the engine already flushed (it flushes inside the step
@@ -753,9 +871,26 @@ struct PrefillLoop {
     duplicate_commit: Option<ReqId>,
 }
 
+impl PrefillLoop {
+    /// A prefill node's protocol loop; `self_tx` is its own command queue (export
+    /// results come back through it).
+    pub(crate) fn new(links: Arc<dyn NodeLinks>, self_tx: mpsc::Sender<PrefillCmd>) -> Self {
+        Self {
+            proto: PrefillNode::new(),
+            links,
+            self_tx,
+            reqs: HashMap::new(),
+            drained: Vec::new(),
+            crashed: false,
+            tombstones: Tombstones::default(),
+            duplicate_commit: None,
+        }
+    }
+}
+
 struct PrefillEngineEnv<'a> {
     engine: &'a mut Engine,
-    nodes: &'a Arc<Nodes>,
+    links: &'a Arc<dyn NodeLinks>,
     self_tx: &'a mpsc::Sender<PrefillCmd>,
     reqs: &'a HashMap<ReqId, PrefillReq>,
     drained: &'a mut Vec<(ReqId, Result<(), String>)>,
@@ -809,42 +944,19 @@ impl PrefillEnv for PrefillEngineEnv<'_> {
         let Ok(admitted) = self.engine.limits().admit(body) else {
             return; // admit_and_alloc ran the same check
         };
-        let nodes = self.nodes.clone();
         let to = r.decode;
-        let fault = self.nodes.faults.take();
+        let fault = self.links.take_fault();
         if fault == Some(TransferFault::DuplicateCommit) {
             *self.duplicate_commit = Some(req);
         }
-        let last_page = dest.last().map(|d| d.page);
-        let transport = InprocTransport::new(Box::new(move |mut l| {
-            match fault {
-                Some(TransferFault::DropLastWrite) if Some(l.dest.page) == last_page => {
-                    return true;
-                }
-                Some(TransferFault::CorruptByte) if l.bytes.len() > 100 => {
-                    l.bytes[100] ^= 0x01;
-                }
-                _ => {}
-            }
-            if let Some(tap) = nodes.faults.tap.lock().unwrap().as_mut() {
-                tap.push(PageLanding {
-                    req: l.req,
-                    dest: l.dest,
-                    bytes: l.bytes.clone(),
-                });
-            }
-            nodes
-                .decode
-                .get(to)
-                .is_some_and(|d| !d.is_down() && d.send(DecodeCmd::Land(l)))
-        }));
+        let transport = self.links.transport(to, fault, dest);
         let tx = self.self_tx.clone();
         self.engine.enqueue_export(
             admitted,
             ExportJob {
                 req: req.0,
                 dest: dest.to_vec(),
-                transport: Box::new(transport),
+                transport,
                 done: Box::new(move |r| {
                     let _ = tx.send(PrefillCmd::Exported(req, r));
                 }),
@@ -878,16 +990,13 @@ impl PrefillLoop {
                     let Some(r) = self.reqs.get(&req) else {
                         continue;
                     };
-                    let Some(d) = self.nodes.decode.get(r.decode) else {
-                        continue;
-                    };
                     if self.duplicate_commit == Some(req) && matches!(msg, Msg::Commit { .. }) {
                         self.duplicate_commit = None;
-                        d.send(DecodeCmd::Control(msg.clone(), Extra::RngPos(r.rng_pos)));
+                        self.links.to_decode(r.decode, msg.clone(), r.rng_pos);
                     }
-                    d.send(DecodeCmd::Control(msg, Extra::RngPos(r.rng_pos)));
+                    self.links.to_decode(r.decode, msg, r.rng_pos);
                 }
-                _ => self.nodes.to_coordinator(msg),
+                _ => self.links.to_coordinator(msg),
             }
         }
     }
@@ -901,7 +1010,7 @@ impl PrefillLoop {
         let mut out = Vec::new();
         let mut env = PrefillEngineEnv {
             engine,
-            nodes: &self.nodes,
+            links: &self.links,
             self_tx: &self.self_tx,
             reqs: &self.reqs,
             drained: &mut self.drained,
@@ -917,7 +1026,7 @@ impl PrefillLoop {
                 let mut out = Vec::new();
                 let mut env = PrefillEngineEnv {
                     engine,
-                    nodes: &self.nodes,
+                    links: &self.links,
                     self_tx: &self.self_tx,
                     reqs: &self.reqs,
                     drained: &mut self.drained,
@@ -1043,7 +1152,7 @@ struct CoordReq {
 /// How often the coordinator looks for clients that went away and dead nodes.
 const WATCH_INTERVAL: Duration = Duration::from_millis(5);
 
-fn coordinate(nodes: Arc<Nodes>, rx: mpsc::Receiver<CoordCmd>) {
+pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd>) {
     let mut reqs: HashMap<ReqId, CoordReq> = HashMap::new();
     loop {
         let cmd = if reqs.is_empty() {
@@ -1087,7 +1196,7 @@ fn coordinate(nodes: Arc<Nodes>, rx: mpsc::Receiver<CoordCmd>) {
                         decode_down: false,
                     },
                 );
-                execute(&nodes, &mut reqs, req, out);
+                execute(&*nodes, &mut reqs, req, out);
             }
             Some(CoordCmd::FromNode(msg)) => {
                 let req = msg.req();
@@ -1096,7 +1205,7 @@ fn coordinate(nodes: Arc<Nodes>, rx: mpsc::Receiver<CoordCmd>) {
                 };
                 let mut out = Vec::new();
                 r.proto.on_msg(msg, &mut out);
-                execute(&nodes, &mut reqs, req, out);
+                execute(&*nodes, &mut reqs, req, out);
             }
             Some(CoordCmd::Stop) => return,
             None => {}
@@ -1108,11 +1217,11 @@ fn coordinate(nodes: Arc<Nodes>, rx: mpsc::Receiver<CoordCmd>) {
                 continue;
             };
             let mut out = Vec::new();
-            if !r.prefill_down && nodes.prefill[r.prefill].is_down() {
+            if !r.prefill_down && nodes.is_down(Role::Prefill, r.prefill) {
                 r.prefill_down = true;
                 r.proto.on_node_down(Role::Prefill, &mut out);
             }
-            if !r.decode_down && nodes.decode[r.decode].is_down() {
+            if !r.decode_down && nodes.is_down(Role::Decode, r.decode) {
                 r.decode_down = true;
                 r.proto.on_node_down(Role::Decode, &mut out);
             }
@@ -1120,14 +1229,19 @@ fn coordinate(nodes: Arc<Nodes>, rx: mpsc::Receiver<CoordCmd>) {
                 r.proto.on_client_gone(&mut out);
             }
             if !out.is_empty() {
-                execute(&nodes, &mut reqs, req, out);
+                execute(&*nodes, &mut reqs, req, out);
             }
         }
     }
 }
 
 /// Carries out a coordinator's outputs for `req`, in order.
-fn execute(nodes: &Nodes, reqs: &mut HashMap<ReqId, CoordReq>, req: ReqId, out: Vec<Output>) {
+fn execute(
+    nodes: &dyn CoordLinks,
+    reqs: &mut HashMap<ReqId, CoordReq>,
+    req: ReqId,
+    out: Vec<Output>,
+) {
     for o in out {
         let Some(r) = reqs.get_mut(&req) else {
             return;
@@ -1145,7 +1259,7 @@ fn execute(nodes: &Nodes, reqs: &mut HashMap<ReqId, CoordReq>, req: ReqId, out: 
                     },
                     _ => Extra::None,
                 };
-                if !nodes.decode[r.decode].send(DecodeCmd::Control(msg, extra)) {
+                if !nodes.to_decode(r.decode, msg, extra) {
                     tracing::debug!(?req, "decode node gone; the watcher reports it");
                 }
             }
@@ -1160,7 +1274,7 @@ fn execute(nodes: &Nodes, reqs: &mut HashMap<ReqId, CoordReq>, req: ReqId, out: 
                     },
                     _ => Extra::None,
                 };
-                if !nodes.prefill[r.prefill].send(PrefillCmd::Control(msg, extra)) {
+                if !nodes.to_prefill(r.prefill, msg, extra) {
                     tracing::debug!(?req, "prefill node gone; the watcher reports it");
                 }
             }
@@ -1181,7 +1295,8 @@ fn execute(nodes: &Nodes, reqs: &mut HashMap<ReqId, CoordReq>, req: ReqId, out: 
                 }
             }
             Output::Released => {
-                nodes.counters.released.fetch_add(1, Ordering::Relaxed);
+                nodes.counters().released.fetch_add(1, Ordering::Relaxed);
+                nodes.released(req);
                 reqs.remove(&req);
             }
         }

@@ -6,5 +6,6 @@
 pub mod cluster;
 pub mod inproc;
 pub mod protocol;
+pub mod remote;
 pub mod transport;
 pub mod ucx;
