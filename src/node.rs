@@ -5,7 +5,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use std::path::{Path, PathBuf};
 use tessera_backend::config::{DeploymentConfig, ModelEntry, PoolConfig, Role};
-use tessera_backend::pd::remote::{run_node_process, NodeOptions, NodeRole, RemoteNodes};
+use tessera_backend::pd::remote::{
+    run_node_process, NodeOptions, NodeRole, RemoteNodes, TransportKind,
+};
 use tessera_backend::LoadedModel;
 
 /// A node's role on the command line.
@@ -33,6 +35,21 @@ pub(crate) struct NodeArgs {
     /// Zero KV pages when they are freed.
     #[arg(long)]
     kv_scrub: bool,
+    /// How KV pages move from prefill to decode nodes: `tcp` (frames on the control
+    /// connection) or `ucx` (one-sided puts into the decode pool; needs libucx,
+    /// Debian: apt-get install libucx0). Prefill and decode nodes must agree; a
+    /// prefill node falls back to TCP frames when a decode node offers no UCX region.
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportArg,
+}
+
+/// `--transport`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(crate) enum TransportArg {
+    /// Frames on the TCP control connection.
+    Tcp,
+    /// UCX one-sided puts (shared memory, TCP or RDMA verbs, as UCX picks).
+    Ucx,
 }
 
 fn load_config(path: &Path) -> Result<DeploymentConfig> {
@@ -101,12 +118,17 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         listen,
         decode_peers: decode_nodes(&cfg),
         engine,
+        transport: match a.transport {
+            TransportArg::Tcp => TransportKind::Tcp,
+            TransportArg::Ucx => TransportKind::Ucx,
+        },
     };
     let pool_name = pool.name.clone();
     let usable = pool.usable_tokens();
+    let transport = opts.transport;
     run_node_process(&model, opts, |addr| {
         println!(
-            "tessera node: {role} pool \"{pool_name}\" ({usable} KV tokens), model {}, listening on {addr}",
+            "tessera node: {role} pool \"{pool_name}\" ({usable} KV tokens), model {}, {transport:?} page transport, listening on {addr}",
             entry.id
         );
     })

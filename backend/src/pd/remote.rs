@@ -22,6 +22,7 @@ use super::cluster::{
 use super::inproc::PageLanding;
 use super::protocol::{Msg, Refusal, RefusalKind, ReqId, Role};
 use super::transport::{DestPage, KvTransport, TransportError};
+use super::ucx::{UcxContext, UcxRegionDescriptor, UcxSink, UcxSource, UcxSourceConfig};
 use crate::engine::{
     AdmissionLimits, Engine, EngineConfig, EngineError, Event, FinishReason, GenerateRequest,
     Rejection, Usage,
@@ -71,6 +72,9 @@ enum Frame {
     FlushAck { id: u64 },
     /// Decode node -> gateway: one event of a request's stream.
     Event { req: ReqId, event: WireEvent },
+    /// Decode node -> prefill node, answering its `Hello`: where UCX puts go, when
+    /// the decode node registered its pool with UCX (`None`: TCP frames only).
+    Region { ucx: Option<UcxRegionDescriptor> },
 }
 
 /// [`Event`] on the wire.
@@ -251,9 +255,22 @@ pub enum NodeRole {
     Decode,
 }
 
+/// How page bytes move from prefill to decode nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// `Land` frames on the TCP control connection, flush acknowledged.
+    Tcp,
+    /// UCX one-sided puts into the decode pool, registered with UCX (UCX picks
+    /// shared memory, TCP or RDMA verbs; `UCX_TLS` narrows the choice).
+    Ucx,
+}
+
 /// What `tessera node` runs.
 #[derive(Clone, Debug)]
 pub struct NodeOptions {
+    /// Page transport: a decode node registers its pool for UCX when `Ucx`; a
+    /// prefill node uses UCX puts when `Ucx` and the decode node offers a region.
+    pub transport: TransportKind,
     /// This node's role.
     pub role: NodeRole,
     /// Control address to listen on.
@@ -280,12 +297,25 @@ pub fn run_node_process(
         model.tokenizer.clone(),
         opts.engine.clone(),
     );
+    let ucx = match opts.transport {
+        TransportKind::Ucx => Some(
+            UcxContext::new()
+                .map_err(|e| io::Error::other(format!("UCX transport unavailable: {e}")))?,
+        ),
+        TransportKind::Tcp => None,
+    };
+    let region = match (&ucx, opts.role) {
+        (Some(ctx), NodeRole::Decode) => Some(register_pool(ctx, &engine)?),
+        _ => None,
+    };
     let links = Arc::new(RemoteNodeLinks {
         counters: PdCounters::default(),
         owners: Mutex::new(HashMap::new()),
         streams: Mutex::new(HashMap::new()),
         peers: opts.decode_peers.clone(),
         peer_conns: Mutex::new(HashMap::new()),
+        ucx,
+        region,
     });
     let shared = Arc::new(Shared::default());
     let cmds: NodeCmds = match opts.role {
@@ -325,6 +355,35 @@ pub fn run_node_process(
     Ok(())
 }
 
+/// Registers the decode engine's page memory with UCX and keeps a thread
+/// progressing the worker (over TCP, and while endpoints connect, bytes land only
+/// while it is progressed). Returns what prefill nodes need to put into it.
+fn register_pool(ctx: &UcxContext, engine: &Engine) -> io::Result<UcxRegionDescriptor> {
+    let pool = engine.kv().pool();
+    let data = pool.data();
+    let page_bytes = pool.layout().page_elems() * 2;
+    let base = std::ptr::NonNull::new(data.as_ptr() as *mut u8)
+        .ok_or_else(|| io::Error::other("empty KV pool"))?;
+    // SAFETY: the pool's page memory is allocated once and never moves or shrinks
+    // (PagePool::new); the engine owns it until the process exits, and the sink
+    // lives in a thread that runs until then too. Remote puts land only in pages
+    // the decode node reserved for the writer, and the node reads them only after
+    // the writer's flush and a verified commit (the protocol's S2 and I4): the same
+    // contract as any DMA into host memory.
+    let sink = unsafe { UcxSink::register(ctx, base, std::mem::size_of_val(data), page_bytes) }
+        .map_err(|e| io::Error::other(format!("registering the KV pool with UCX: {e}")))?;
+    let desc = sink.descriptor().clone();
+    std::thread::Builder::new()
+        .name("tessera-ucx-progress".into())
+        .spawn(move || loop {
+            if let Err(e) = sink.progress_wait(Duration::from_millis(100)) {
+                tracing::warn!(error = %e, "UCX progress failed");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })?;
+    Ok(desc)
+}
+
 enum NodeCmds {
     Decode(Mutex<mpsc::Sender<DecodeCmd>>),
     Prefill(Mutex<mpsc::Sender<PrefillCmd>>),
@@ -336,6 +395,14 @@ fn serve_connection(stream: TcpStream, cmds: &NodeCmds, links: &RemoteNodeLinks)
     let (Frame::Hello { from }, _) = read_frame(&mut r)? else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "expected hello"));
     };
+    if from == Role::Prefill && matches!(cmds, NodeCmds::Decode(_)) {
+        conn.send(
+            &Frame::Region {
+                ucx: links.region.clone(),
+            },
+            &[],
+        );
+    }
     let mut owned: Vec<ReqId> = Vec::new();
     let result = loop {
         let (frame, payload) = match read_frame(&mut r) {
@@ -445,6 +512,8 @@ struct Peer {
     conn: Arc<Conn>,
     acks: Mutex<HashMap<u64, mpsc::Sender<()>>>,
     next_flush: AtomicU64,
+    /// UCX endpoint into the decode node's registered pool, when both use UCX.
+    ucx: Option<Mutex<UcxSource>>,
 }
 
 struct RemoteNodeLinks {
@@ -455,6 +524,10 @@ struct RemoteNodeLinks {
     streams: Mutex<HashMap<ReqId, (UnboundedReceiver<Event>, Arc<Conn>)>>,
     peers: Vec<String>,
     peer_conns: Mutex<HashMap<usize, Arc<Peer>>>,
+    /// This node's UCX context (`--transport ucx`).
+    ucx: Option<UcxContext>,
+    /// Decode node: its pool's UCX region, offered to prefill nodes.
+    region: Option<UcxRegionDescriptor>,
 }
 
 impl RemoteNodeLinks {
@@ -486,10 +559,36 @@ impl RemoteNodeLinks {
         ) {
             return None;
         }
+        let region = match read_frame(&mut r) {
+            Ok((Frame::Region { ucx }, _)) => ucx,
+            _ => {
+                tracing::warn!(addr, "decode node did not answer hello");
+                conn.close();
+                return None;
+            }
+        };
+        let ucx = match (&self.ucx, region) {
+            (Some(ctx), Some(desc)) => {
+                match UcxSource::connect(ctx, &desc, UcxSourceConfig::default()) {
+                    Ok(src) => Some(Mutex::new(src)),
+                    Err(e) => {
+                        tracing::warn!(addr, error = %e, "UCX connect failed");
+                        conn.close();
+                        return None;
+                    }
+                }
+            }
+            (Some(_), None) => {
+                tracing::warn!(addr, "decode node offers no UCX region; using TCP frames");
+                None
+            }
+            _ => None,
+        };
         let peer = Arc::new(Peer {
             conn,
             acks: Mutex::new(HashMap::new()),
             next_flush: AtomicU64::new(1),
+            ucx,
         });
         let p = peer.clone();
         std::thread::spawn(move || {
@@ -583,11 +682,22 @@ impl NodeLinks for RemoteNodeLinks {
     }
 }
 
-/// [`KvTransport`] over the prefill node's TCP connection to a decode node: each
-/// put is a `Land` frame; `flush` waits for the decode node's `FlushAck`, which it
-/// sends after applying every earlier frame (so the writes have landed).
+/// [`KvTransport`] from a prefill node into one decode node: UCX one-sided puts
+/// and a UCX flush (remote completion) when both nodes run `--transport ucx`;
+/// otherwise each put is a `Land` frame on the TCP connection and `flush` waits for
+/// the decode node's `FlushAck`, which it sends after applying every earlier frame
+/// (so the writes have landed).
 struct TcpTransport {
     peer: Option<Arc<Peer>>,
+}
+
+impl TcpTransport {
+    /// A failed UCX endpoint is unusable: drop the connection so the next transfer
+    /// opens a fresh one.
+    fn fail(p: &Peer, e: TransportError) -> TransportError {
+        p.conn.close();
+        e
+    }
 }
 
 impl KvTransport for TcpTransport {
@@ -596,6 +706,13 @@ impl KvTransport for TcpTransport {
             .peer
             .as_ref()
             .ok_or_else(|| TransportError::PeerGone("decode node unreachable".into()))?;
+        if let Some(ucx) = &p.ucx {
+            return ucx
+                .lock()
+                .unwrap()
+                .put(req, dest, bytes)
+                .map_err(|e| Self::fail(p, e));
+        }
         if p.conn.send(&Frame::Land { req, dest }, bytes) {
             Ok(())
         } else {
@@ -610,6 +727,9 @@ impl KvTransport for TcpTransport {
             .peer
             .as_ref()
             .ok_or_else(|| TransportError::PeerGone("decode node unreachable".into()))?;
+        if let Some(ucx) = &p.ucx {
+            return ucx.lock().unwrap().flush().map_err(|e| Self::fail(p, e));
+        }
         let id = p.next_flush.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
         p.acks.lock().unwrap().insert(id, tx);
