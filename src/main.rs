@@ -4,6 +4,7 @@
 mod bench;
 mod generate;
 mod model_fetch;
+mod node;
 mod serve;
 mod tenancy_cli;
 
@@ -35,6 +36,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Serve the Workers AI and OpenAI-compatible API (gateway + engine + store).
     Serve(serve::ServeArgs),
+    /// Run one prefill or decode node of a deployment as its own process.
+    Node(node::NodeArgs),
     /// Manage tenants (accounts).
     Tenant {
         #[command(flatten)]
@@ -55,6 +58,28 @@ enum Command {
         store: serve::StoreArgs,
         #[command(flatten)]
         args: tenancy_cli::UsageArgs,
+    },
+    /// Load test and isolation harness against a running server (canaries,
+    /// solo-equality, over-long prompts, usage; JSON + HTML report).
+    Loadtest(tessera_loadtest::LoadtestArgs),
+    /// Operations tools (deployment-file checks).
+    Ops {
+        #[command(subcommand)]
+        command: OpsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum OpsCommand {
+    /// Check a deployment file (tessera.toml): structure and I2 (every pool holds a
+    /// full context window of every model it serves). Prints the full report; exits
+    /// non-zero on any violation.
+    CheckConfig {
+        /// The deployment file.
+        file: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -99,8 +124,17 @@ fn run() -> Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Node(args) => node::run(args),
         Command::Tenant { store, command } => tenancy_cli::tenant(store, command),
         Command::Key { store, command } => tenancy_cli::key(store, command),
         Command::Usage { store, args } => tenancy_cli::usage(store, args),
+        Command::Loadtest(args) => tessera_loadtest::main(args),
+        Command::Ops {
+            command: OpsCommand::CheckConfig { file, json },
+        } => Ok(tessera_ops::check_config_command(
+            &file,
+            json,
+            &mut std::io::stdout().lock(),
+        )?),
     }
 }

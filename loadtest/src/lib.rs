@@ -1,1 +1,58 @@
-//! placeholder
+//! Tessera's load test and isolation harness (`tessera loadtest`).
+//!
+//! It talks HTTP only, to a Tessera gateway (Workers AI or OpenAI routes) or to any
+//! OpenAI-compatible server, and runs:
+//!
+//! 1. **tenants**: created through the admin API (`--admin-token`), read from a
+//!    keys file, or virtual (one shared key);
+//! 2. **solo phase**: every distinct prompt alone, greedy (`temperature` 0);
+//! 3. **load phase**: a seeded request sequence, open loop (Poisson arrivals at
+//!    `--rate`) or closed loop (`--concurrency` clients), with streaming,
+//!    over-long prompts and client disconnects mixed in, and optionally a node
+//!    killed and restarted by operator commands ([`fault`]);
+//! 4. **checks** ([`checks`]): no response carries another tenant's canary; each
+//!    completed response equals its solo answer; over-long prompts get a 4xx; the
+//!    usage API's totals equal what the clients counted, per tenant;
+//! 5. **report** ([`report`]): `report.json`, `report.html` (plots inline),
+//!    `requests.jsonl`, and a summary; with `--compare URL` the same workload runs
+//!    against a second server and both are shown side by side.
+//!
+//! Entry points: [`run`] (async, returns the [`Report`]) and [`main`] (the CLI:
+//! its own runtime, prints the summary, fails when a check fails).
+
+pub mod args;
+pub mod checks;
+pub mod client;
+pub mod fault;
+pub mod metrics;
+pub mod report;
+mod runner;
+pub mod tenants;
+pub mod workload;
+
+pub use args::{Api, LenDist, LoadtestArgs, Mode};
+pub use report::Report;
+pub use runner::run;
+
+/// `tessera loadtest`: runs [`run`] on a new multi-threaded runtime, prints the
+/// summary (unless `--quiet`).
+///
+/// # Errors
+/// What [`run`] returns, and an error listing the failures when any check failed
+/// (so the process exits non-zero).
+pub fn main(args: LoadtestArgs) -> anyhow::Result<()> {
+    let quiet = args.quiet;
+    let out = args.out.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let report = rt.block_on(run(args))?;
+    if !quiet {
+        print!("{}", report::summary(&report));
+        println!("report: {}", out.join("report.html").display());
+    }
+    if !report.passed {
+        anyhow::bail!("load test failed: {}", report.failures.join("; "));
+    }
+    Ok(())
+}
