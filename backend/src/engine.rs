@@ -488,7 +488,7 @@ impl Engine {
             page: dest.page,
             tag: dest.tag,
         })?;
-        Some(crc32c::crc32c(f16_bytes(page)))
+        Some(page_checksum(f16_bytes(page)))
     }
 
     /// Decode role: starts decoding a sequence whose prompt pages were transferred
@@ -820,6 +820,17 @@ pub struct Import {
     pub submitted: Instant,
 }
 
+/// CRC-32C (Castagnoli) of a page's transfer bytes, the checksum both sides of a
+/// KV transfer compute (I4). 0 when the integrity-overhead benchmark turned checks
+/// off.
+pub fn page_checksum(bytes: &[u8]) -> u32 {
+    if tessera_kernels::attention::integrity_checks() {
+        crc32c::crc32c(bytes)
+    } else {
+        0
+    }
+}
+
 /// Raw little-endian bytes of f16 values (the transfer format of a page).
 pub fn f16_bytes(v: &[f16]) -> &[u8] {
     // SAFETY: f16 is a plain 2-byte value (repr(transparent) over u16) with no
@@ -869,7 +880,7 @@ fn export_pages(
         };
         let bytes = f16_bytes(data);
         job.transport.put(job.req, *dest, bytes)?;
-        pages.push((*dest, crc32c::crc32c(bytes)));
+        pages.push((*dest, page_checksum(bytes)));
     }
     job.transport.flush()?;
     Ok(pages)

@@ -84,8 +84,28 @@ pub struct IntegrityError {
     pub found: PageTag,
 }
 
+/// Whether tag checks (and the transfer's page checksums) run. Always on; only
+/// the integrity-overhead benchmark turns them off, to measure what they cost.
+static INTEGRITY_CHECKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns tag checks and transfer checksums off or on for the whole process.
+/// Benchmarks only (`backend/examples/integrity_overhead.rs`); nothing in a
+/// server calls it, and with checks off I3/I4 do not hold.
+#[doc(hidden)]
+pub fn set_integrity_checks_for_benchmark(on: bool) {
+    INTEGRITY_CHECKS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether integrity checks run (see [`set_integrity_checks_for_benchmark`]).
+pub fn integrity_checks() -> bool {
+    INTEGRITY_CHECKS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Checks every block-table entry against the pool's tags.
 pub fn verify_tags(tags: &[PageTag], table: &[BlockRef]) -> Result<(), IntegrityError> {
+    if !integrity_checks() {
+        return Ok(());
+    }
     for (i, e) in table.iter().enumerate() {
         let found = tags.get(e.page as usize).copied().unwrap_or_default();
         if found != e.tag || e.tag.logical_block as usize != i {
