@@ -507,6 +507,9 @@ fn serve_connection(stream: TcpStream, cmds: &NodeCmds, links: &RemoteNodeLinks)
     result
 }
 
+/// A request's events on the decode node and the gateway connection they go to.
+type EventStream = (UnboundedReceiver<Event>, Arc<Conn>);
+
 /// A prefill node's connection to one decode node.
 struct Peer {
     conn: Arc<Conn>,
@@ -521,7 +524,7 @@ struct RemoteNodeLinks {
     /// The gateway connection each request came from.
     owners: Mutex<HashMap<ReqId, Arc<Conn>>>,
     /// Decode node: each request's event stream and where it goes.
-    streams: Mutex<HashMap<ReqId, (UnboundedReceiver<Event>, Arc<Conn>)>>,
+    streams: Mutex<HashMap<ReqId, EventStream>>,
     peers: Vec<String>,
     peer_conns: Mutex<HashMap<usize, Arc<Peer>>>,
     /// This node's UCX context (`--transport ucx`).
