@@ -233,7 +233,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         ),
         Some(c) => format!(
             "disaggregated: prefill KV pool {} tokens, decode KV pool {} tokens, in-process transfer",
-            c.prefill_pool_tokens(),
+            c.admission().prefill_pool_tokens,
             limits.pool_tokens
         ),
         None => format!("co-located: KV pool {} tokens", limits.pool_tokens),

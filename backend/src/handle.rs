@@ -138,8 +138,8 @@ impl EngineHandle {
     pub fn limits(&self) -> AdmissionLimits {
         match &self.inner {
             Inner::Colocated { limits, .. } => *limits,
-            Inner::Disaggregated(c) => c.limits(),
-            Inner::Remote(c) => c.limits(),
+            Inner::Disaggregated(c) => c.admission().limits,
+            Inner::Remote(c) => c.admission().limits,
         }
     }
 

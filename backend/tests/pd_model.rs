@@ -872,7 +872,7 @@ impl Model for PdModel {
                 "a commit fails verification",
                 |_, st: &PdState| {
                     st.decode.as_ref().is_some_and(|(d, _)| {
-                        d.states().any(|(_, s)| {
+                        d.records().states().any(|(_, s)| {
                             matches!(
                                 s,
                                 tessera_backend::pd::protocol::DecodeState::CommitFailed(_)

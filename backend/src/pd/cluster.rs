@@ -266,13 +266,43 @@ impl CoordLinks for Nodes {
     }
 }
 
+/// Admission (I1) for a disaggregated deployment, run before any node is asked for
+/// anything: prompt + `max_tokens` against the context window and the decode pools,
+/// the prompt against the prefill pools (whole pages; smallest node of each role).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PdAdmission {
+    /// Context window, decode pool capacity (tokens), page size, vocabulary.
+    pub limits: AdmissionLimits,
+    /// Prefill pool capacity in tokens.
+    pub prefill_pool_tokens: usize,
+}
+
+impl PdAdmission {
+    /// The I1 checks: pure, no allocation. Returns the validated request body.
+    ///
+    /// Errors: every [`Rejection`] of [`AdmissionLimits::admit`], and
+    /// [`Rejection::PoolTooSmall`] with the prefill pool's capacity when the prompt
+    /// alone does not fit it.
+    pub fn admit(&self, req: GenerateRequest) -> Result<GenerateRequest, Rejection> {
+        let body = self.limits.admit(req)?.request().clone();
+        let page = self.limits.page_size;
+        let needed = body.prompt.len().div_ceil(page) * page;
+        if needed > self.prefill_pool_tokens {
+            return Err(Rejection::PoolTooSmall {
+                needed,
+                capacity: self.prefill_pool_tokens,
+            });
+        }
+        Ok(body)
+    }
+}
+
 /// One prefill pool and one decode pool in this process, each with one or more
 /// engines, behind the same `submit` as a co-located engine.
 pub struct PdCluster {
     nodes: Arc<Nodes>,
     next_req: AtomicU64,
-    limits: AdmissionLimits,
-    prefill_pool_tokens: usize,
+    admission: PdAdmission,
 }
 
 impl PdCluster {
@@ -377,8 +407,10 @@ impl PdCluster {
         Self {
             nodes,
             next_req: AtomicU64::new(1),
-            limits,
-            prefill_pool_tokens,
+            admission: PdAdmission {
+                limits,
+                prefill_pool_tokens,
+            },
         }
     }
 
@@ -388,16 +420,7 @@ impl PdCluster {
     /// to abort (the abort reaches both nodes and is acknowledged before any page is
     /// freed, I6).
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>, Rejection> {
-        let admitted = self.limits.admit(req)?;
-        let body = admitted.request().clone();
-        let prompt_pages =
-            body.prompt.len().div_ceil(self.limits.page_size) * self.limits.page_size;
-        if prompt_pages > self.prefill_pool_tokens {
-            return Err(Rejection::PoolTooSmall {
-                needed: prompt_pages,
-                capacity: self.prefill_pool_tokens,
-            });
-        }
+        let body = self.admission.admit(req)?;
         let prefill = least_loaded(&self.nodes.prefill);
         let decode = least_loaded(&self.nodes.decode);
         let (sink, rx) = unbounded_channel();
@@ -417,15 +440,9 @@ impl PdCluster {
         Ok(rx)
     }
 
-    /// The limits the gateway admits against: the decode pools' (smallest) capacity
-    /// for prompt + `max_tokens`.
-    pub fn limits(&self) -> AdmissionLimits {
-        self.limits
-    }
-
-    /// Prefill pool capacity in tokens (smallest node).
-    pub fn prefill_pool_tokens(&self) -> usize {
-        self.prefill_pool_tokens
+    /// What [`Self::submit`] admits against.
+    pub fn admission(&self) -> PdAdmission {
+        self.admission
     }
 
     /// Counters summed over every node.
@@ -708,7 +725,7 @@ impl DecodeLoop {
                     Extra::Decode { req, .. } => engine.admit(req.clone()).is_ok(),
                     _ => false,
                 };
-                if admissible && !fits_now && self.proto.state(msg.req()).is_none() {
+                if admissible && !fits_now && self.proto.records().state(msg.req()).is_none() {
                     if !self.deferred.iter().any(|(m, _)| m.req() == msg.req()) {
                         self.deferred.push_back((msg, extra));
                     }
@@ -841,8 +858,8 @@ impl NodeLoop for DecodeLoop {
         self.admit_deferred(engine);
         let proto = &mut self.proto;
         self.tombstones
-            .sweep(proto.states().map(|(r, _)| r).collect(), |r| {
-                proto.forget(r)
+            .sweep(proto.records().states().map(|(r, _)| r).collect(), |r| {
+                proto.records_mut().forget(r)
             });
     }
 }
@@ -1086,8 +1103,8 @@ impl NodeLoop for PrefillLoop {
     fn after_step(&mut self, _engine: &mut Engine) {
         let (proto, reqs) = (&mut self.proto, &mut self.reqs);
         self.tombstones
-            .sweep(proto.states().map(|(r, _)| r).collect(), |r| {
-                let gone = proto.forget(r);
+            .sweep(proto.records().states().map(|(r, _)| r).collect(), |r| {
+                let gone = proto.records_mut().forget(r);
                 if gone {
                     reqs.remove(&r);
                 }

@@ -46,7 +46,7 @@
 //! a sequence it admitted on a verified commit). Nodes keep a record per request (a
 //! *tombstone* once the request ended) so that a late or duplicated `Prealloc`,
 //! `Prefill` or `Commit` cannot allocate, write or admit again;
-//! [`DecodeNode::forget`] / [`PrefillNode::forget`] drop a record once no copy of a
+//! [`Records::forget`] (through `records_mut()` of either node) drops a record once no copy of a
 //! message for it can still arrive.
 //!
 //! # Driver contract
@@ -782,41 +782,42 @@ pub enum DecodeState {
     Aborted,
 }
 
-impl DecodeState {
+impl RequestState for DecodeState {
     fn is_terminal(&self) -> bool {
         !matches!(self, DecodeState::Reserved { .. } | DecodeState::Running)
     }
 }
 
-/// The decode side of the protocol for every request on one decode node.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct DecodeNode {
-    reqs: BTreeMap<ReqId, DecodeState>,
-    flaws: Flaws,
+/// A node's per-request records: the live state machine of each request, then its
+/// tombstone once terminal (what stops a late `Prealloc`, `Prefill` or `Commit` from
+/// acting again).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Records<S> {
+    reqs: BTreeMap<ReqId, S>,
 }
 
-impl DecodeNode {
-    /// An empty node.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// A node with deliberate flaws (model checker tests only).
-    #[doc(hidden)]
-    pub fn with_flaws(flaws: Flaws) -> Self {
+impl<S> Default for Records<S> {
+    fn default() -> Self {
         Self {
             reqs: BTreeMap::new(),
-            flaws,
         }
     }
+}
 
+/// A per-request state that can end.
+pub trait RequestState {
+    /// Whether the request is over on this node (nothing held, nothing to do).
+    fn is_terminal(&self) -> bool;
+}
+
+impl<S: RequestState> Records<S> {
     /// The state of `req`, if the node has a record of it.
-    pub fn state(&self, req: ReqId) -> Option<&DecodeState> {
+    pub fn state(&self, req: ReqId) -> Option<&S> {
         self.reqs.get(&req)
     }
 
     /// Every request with a record, and its state.
-    pub fn states(&self) -> impl Iterator<Item = (ReqId, &DecodeState)> {
+    pub fn states(&self) -> impl Iterator<Item = (ReqId, &S)> {
         self.reqs.iter().map(|(r, s)| (*r, s))
     }
 
@@ -831,6 +832,51 @@ impl DecodeNode {
             }
             _ => false,
         }
+    }
+
+    fn get(&self, req: &ReqId) -> Option<&S> {
+        self.reqs.get(req)
+    }
+
+    fn insert(&mut self, req: ReqId, state: S) {
+        self.reqs.insert(req, state);
+    }
+
+    fn remove(&mut self, req: &ReqId) {
+        self.reqs.remove(req);
+    }
+}
+
+/// The decode side of the protocol for every request on one decode node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DecodeNode {
+    reqs: Records<DecodeState>,
+    flaws: Flaws,
+}
+
+impl DecodeNode {
+    /// An empty node.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A node with deliberate flaws (model checker tests only).
+    #[doc(hidden)]
+    pub fn with_flaws(flaws: Flaws) -> Self {
+        Self {
+            reqs: Records::default(),
+            flaws,
+        }
+    }
+
+    /// Every request's record (state machine, then tombstone).
+    pub fn records(&self) -> &Records<DecodeState> {
+        &self.reqs
+    }
+
+    /// Mutable records, to [`Records::forget`] tombstones.
+    pub fn records_mut(&mut self) -> &mut Records<DecodeState> {
+        &mut self.reqs
     }
 
     /// Dispatches a message addressed to the decode node.
@@ -1138,7 +1184,7 @@ pub enum PrefillState {
     Aborted,
 }
 
-impl PrefillState {
+impl RequestState for PrefillState {
     fn is_terminal(&self) -> bool {
         !matches!(
             self,
@@ -1150,7 +1196,7 @@ impl PrefillState {
 /// The prefill side of the protocol for every request on one prefill node.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PrefillNode {
-    reqs: BTreeMap<ReqId, PrefillState>,
+    reqs: Records<PrefillState>,
     flaws: Flaws,
 }
 
@@ -1164,30 +1210,19 @@ impl PrefillNode {
     #[doc(hidden)]
     pub fn with_flaws(flaws: Flaws) -> Self {
         Self {
-            reqs: BTreeMap::new(),
+            reqs: Records::default(),
             flaws,
         }
     }
 
-    /// The state of `req`, if the node has a record of it.
-    pub fn state(&self, req: ReqId) -> Option<&PrefillState> {
-        self.reqs.get(&req)
+    /// Every request's record (state machine, then tombstone).
+    pub fn records(&self) -> &Records<PrefillState> {
+        &self.reqs
     }
 
-    /// Every request with a record, and its state.
-    pub fn states(&self) -> impl Iterator<Item = (ReqId, &PrefillState)> {
-        self.reqs.iter().map(|(r, s)| (*r, s))
-    }
-
-    /// Drops the record of a terminal request (see [`DecodeNode::forget`]).
-    pub fn forget(&mut self, req: ReqId) -> bool {
-        match self.reqs.get(&req) {
-            Some(s) if s.is_terminal() => {
-                self.reqs.remove(&req);
-                true
-            }
-            _ => false,
-        }
+    /// Mutable records, to [`Records::forget`] tombstones.
+    pub fn records_mut(&mut self) -> &mut Records<PrefillState> {
+        &mut self.reqs
     }
 
     /// Dispatches a message addressed to the prefill node.
@@ -1609,7 +1644,7 @@ mod tests {
         assert_eq!(r, Ok(()));
         assert_eq!(reply(&out), &Msg::Committed { req: R });
         assert_eq!(env.running, vec![(R, 20, pages.clone())]);
-        assert_eq!(node.state(R), Some(&DecodeState::Running));
+        assert_eq!(node.records().state(R), Some(&DecodeState::Running));
 
         // A duplicate is not admitted again; the reply is re-sent.
         let (r, out) = commit(&mut node, &mut env, 20, &good(&pages));
@@ -1652,7 +1687,10 @@ mod tests {
         );
         assert!(env.running.is_empty(), "nothing admitted");
         assert_eq!(env.released, vec![R], "reserved pages freed");
-        assert_eq!(node.state(R), Some(&DecodeState::CommitFailed(want)));
+        assert_eq!(
+            node.records().state(R),
+            Some(&DecodeState::CommitFailed(want))
+        );
     }
 
     #[test]
@@ -1732,7 +1770,7 @@ mod tests {
                 reason: CommitError::UnknownRequest
             }
         );
-        assert_eq!(node.state(R), None);
+        assert_eq!(node.records().state(R), None);
         assert!(env.released.is_empty() && env.running.is_empty());
     }
 

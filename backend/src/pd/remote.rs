@@ -16,8 +16,8 @@
 //! background, so a restarted node serves new requests.
 
 use super::cluster::{
-    coordinate, CoordCmd, CoordLinks, DecodeCmd, DecodeLoop, Extra, NodeLinks, PdCounters,
-    PrefillCmd, PrefillLoop, TransferFault,
+    coordinate, CoordCmd, CoordLinks, DecodeCmd, DecodeLoop, Extra, NodeLinks, PdAdmission,
+    PdCounters, PrefillCmd, PrefillLoop, TransferFault,
 };
 use super::inproc::PageLanding;
 use super::protocol::{Msg, Refusal, RefusalKind, ReqId, Role};
@@ -884,8 +884,7 @@ impl CoordLinks for RemoteCoordLinks {
 /// deployment's pools, pair choice by load, and the coordinator.
 pub struct RemoteCluster {
     links: Arc<RemoteCoordLinks>,
-    limits: AdmissionLimits,
-    prefill_pool_tokens: usize,
+    admission: PdAdmission,
     next_req: AtomicU64,
 }
 
@@ -956,13 +955,15 @@ impl RemoteCluster {
         let cfg = model.llama.config();
         Self {
             links,
-            limits: AdmissionLimits {
-                context: cfg.context,
-                pool_tokens: nodes.decode_pool_tokens,
-                page_size: nodes.page_size,
-                vocab: cfg.vocab,
+            admission: PdAdmission {
+                limits: AdmissionLimits {
+                    context: cfg.context,
+                    pool_tokens: nodes.decode_pool_tokens,
+                    page_size: nodes.page_size,
+                    vocab: cfg.vocab,
+                },
+                prefill_pool_tokens: nodes.prefill_pool_tokens,
             },
-            prefill_pool_tokens: nodes.prefill_pool_tokens,
             next_req: AtomicU64::new(1),
         }
     }
@@ -970,15 +971,7 @@ impl RemoteCluster {
     /// Like [`super::cluster::PdCluster::submit`], over the network. When no node of
     /// a role is reachable the request ends at once with a retryable refusal (503).
     pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>, Rejection> {
-        let admitted = self.limits.admit(req)?;
-        let body = admitted.request().clone();
-        let prompt = body.prompt.len().div_ceil(self.limits.page_size) * self.limits.page_size;
-        if prompt > self.prefill_pool_tokens {
-            return Err(Rejection::PoolTooSmall {
-                needed: prompt,
-                capacity: self.prefill_pool_tokens,
-            });
-        }
+        let body = self.admission.admit(req)?;
         let (sink, rx) = unbounded_channel();
         let pick = |nodes: &[NodeLink]| {
             (0..nodes.len())
@@ -1015,14 +1008,9 @@ impl RemoteCluster {
         Ok(rx)
     }
 
-    /// The limits the gateway admits against (decode pool for prompt + output).
-    pub fn limits(&self) -> AdmissionLimits {
-        self.limits
-    }
-
-    /// Prefill pool capacity in tokens (smallest node).
-    pub fn prefill_pool_tokens(&self) -> usize {
-        self.prefill_pool_tokens
+    /// What [`Self::submit`] admits against (from the deployment file's pools).
+    pub fn admission(&self) -> PdAdmission {
+        self.admission
     }
 
     /// Requests in flight across the nodes (pool counters live on the nodes).
