@@ -406,7 +406,7 @@ impl PdCluster {
             .unwrap();
         Self {
             nodes,
-            next_req: AtomicU64::new(1),
+            next_req: AtomicU64::new(first_req_id()),
             admission: PdAdmission {
                 limits,
                 prefill_pool_tokens,
@@ -545,6 +545,14 @@ impl Drop for PdCluster {
             d.send(DecodeCmd::Crash);
         }
     }
+}
+
+/// The first request id of a coordinator: a random 32-bit coordinator id in the
+/// high bits, a counter in the low bits, so ids from two gateways (or one gateway
+/// before and after a restart) never meet on a node, where a reused id would
+/// address another request's records and pages.
+pub(crate) fn first_req_id() -> u64 {
+    (u64::from(rand::random::<u32>()) << 32) | 1
 }
 
 fn least_loaded<C>(slots: &[NodeSlot<C>]) -> usize {
@@ -1164,13 +1172,19 @@ struct CoordReq {
     decode: usize,
     prefill_down: bool,
     decode_down: bool,
+    /// Last message from a node about this request (or its start).
+    last_heard: Instant,
 }
 
 /// How often the coordinator looks for clients that went away and dead nodes.
 const WATCH_INTERVAL: Duration = Duration::from_millis(5);
+/// Silence after which the coordinator re-sends what its phase waits on (a lost
+/// message; nodes answer duplicates from their records, never by acting twice).
+const RETRANSMIT_AFTER: Duration = Duration::from_secs(5);
 
 pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd>) {
     let mut reqs: HashMap<ReqId, CoordReq> = HashMap::new();
+    let mut last_watch = Instant::now();
     loop {
         let cmd = if reqs.is_empty() {
             match rx.recv() {
@@ -1211,6 +1225,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         decode,
                         prefill_down: false,
                         decode_down: false,
+                        last_heard: Instant::now(),
                     },
                 );
                 execute(&*nodes, &mut reqs, req, out);
@@ -1220,6 +1235,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                 let Some(r) = reqs.get_mut(&req) else {
                     continue; // late duplicate for a request that is gone
                 };
+                r.last_heard = Instant::now();
                 let mut out = Vec::new();
                 r.proto.on_msg(msg, &mut out);
                 execute(&*nodes, &mut reqs, req, out);
@@ -1227,7 +1243,11 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
             Some(CoordCmd::Stop) => return,
             None => {}
         }
-        // Watch: clients that went away, nodes that died.
+        // Watch: clients that went away, nodes that died, messages lost.
+        if last_watch.elapsed() < WATCH_INTERVAL {
+            continue;
+        }
+        last_watch = Instant::now();
         let ids: Vec<ReqId> = reqs.keys().copied().collect();
         for req in ids {
             let Some(r) = reqs.get_mut(&req) else {
@@ -1244,6 +1264,10 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
             }
             if r.sink.is_closed() && r.proto.outcome().is_none() {
                 r.proto.on_client_gone(&mut out);
+            }
+            if out.is_empty() && r.last_heard.elapsed() > RETRANSMIT_AFTER {
+                r.last_heard = Instant::now();
+                r.proto.on_timeout(&mut out);
             }
             if !out.is_empty() {
                 execute(&*nodes, &mut reqs, req, out);

@@ -16,8 +16,8 @@
 //! background, so a restarted node serves new requests.
 
 use super::cluster::{
-    coordinate, CoordCmd, CoordLinks, DecodeCmd, DecodeLoop, Extra, NodeLinks, PdAdmission,
-    PdCounters, PrefillCmd, PrefillLoop, TransferFault,
+    coordinate, first_req_id, CoordCmd, CoordLinks, DecodeCmd, DecodeLoop, Extra, NodeLinks,
+    PdAdmission, PdCounters, PrefillCmd, PrefillLoop, TransferFault,
 };
 use super::inproc::PageLanding;
 use super::protocol::{Msg, Refusal, RefusalKind, ReqId, Role};
@@ -642,13 +642,32 @@ impl NodeLinks for RemoteNodeLinks {
         let req = msg.req();
         // Events the engine already produced go first (S4: `Finished` after `Done`).
         self.forward(req);
-        let conn = self.owners.lock().unwrap().get(&req).cloned();
+        // The last message a node sends for a request ends its ownership (a later
+        // abort or poll from the gateway re-establishes it).
+        let last = matches!(
+            msg,
+            Msg::Finished { .. }
+                | Msg::CommitFailed { .. }
+                | Msg::Rejected { .. }
+                | Msg::AbortAck { .. }
+                | Msg::PrefillFailed { .. }
+        );
+        let conn = {
+            let mut owners = self.owners.lock().unwrap();
+            if last {
+                owners.remove(&req)
+            } else {
+                owners.get(&req).cloned()
+            }
+        };
         if let Some(c) = conn {
             c.control(msg);
         }
     }
 
     fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
+        // A commit is the prefill node's last word on a request.
+        self.owners.lock().unwrap().remove(&msg.req());
         self.peer(decode).is_some_and(|p| {
             p.conn.send(
                 &Frame::Control {
@@ -964,7 +983,7 @@ impl RemoteCluster {
                 },
                 prefill_pool_tokens: nodes.prefill_pool_tokens,
             },
-            next_req: AtomicU64::new(1),
+            next_req: AtomicU64::new(first_req_id()),
         }
     }
 

@@ -1,0 +1,690 @@
+//! Prefill/decode disaggregation as real processes: a decode node, a prefill node
+//! (`tessera node`) and a gateway (`tessera serve --config`) on free loopback ports.
+//! Solo equality across deployment shapes, node deaths mid-stream and mid-prefill,
+//! restarts, I2 at node start, client disconnects, and a pool-full probe that is
+//! admitted only when every decode page is free (no leak after a failure).
+//!
+//! Every wait is bounded by a deadline; nothing asserts how fast anything runs.
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tessera");
+const MODEL_ID: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+/// The default model's context window; both pools hold exactly one (I2).
+const CONTEXT: usize = 8192;
+/// Deadline for a process to print its ready line.
+const START: Duration = Duration::from_secs(60);
+/// Deadline for a request that must finish (generous: 2 cores, parallel tests).
+const REQUEST: Duration = Duration::from_secs(90);
+
+fn model_path() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run `tessera model fetch`",
+        p.display()
+    );
+    p
+}
+
+/// A loopback port nobody listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn write_config(
+    dir: &Path,
+    gateway: u16,
+    prefill: u16,
+    decode: u16,
+    pools: (usize, usize),
+) -> PathBuf {
+    let text = format!(
+        r#"[gateway]
+listen = "127.0.0.1:{gateway}"
+
+[[models]]
+id = "{MODEL_ID}"
+path = "{model}"
+
+[[pools]]
+name = "prefill"
+role = "prefill"
+page_size = 16
+kv_pool_tokens = {p}
+nodes = ["127.0.0.1:{prefill}"]
+
+[[pools]]
+name = "decode"
+role = "decode"
+page_size = 16
+kv_pool_tokens = {d}
+nodes = ["127.0.0.1:{decode}"]
+"#,
+        model = model_path().display(),
+        p = pools.0,
+        d = pools.1,
+    );
+    let path = dir.join("tessera.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Spawns `tessera ARGS` (stdout piped, stderr to `log`) and reads stdout until a
+/// line satisfies `done`. Returns the child and the lines read; stdout keeps being
+/// drained afterwards. Panics (with the log) when the process exits first or the
+/// deadline passes.
+async fn spawn_until(
+    args: &[&str],
+    log: &Path,
+    done: impl Fn(&str) -> bool,
+) -> (Child, Vec<String>) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env_remove("TESSERA_STORE")
+        .env_remove("TESSERA_ADMIN_TOKEN")
+        .env_remove("TESSERA_MODEL")
+        .env_remove("TESSERA_DATA_DIR")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut out = Vec::new();
+    let read = async {
+        while let Some(l) = lines.next_line().await.unwrap() {
+            let d = done(&l);
+            out.push(l);
+            if d {
+                return true;
+            }
+        }
+        false
+    };
+    let ok = matches!(tokio::time::timeout(START, read).await, Ok(true));
+    if !ok {
+        let _ = child.start_kill();
+        panic!(
+            "tessera {args:?} did not start; stdout: {out:?}; stderr: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, out)
+}
+
+/// A gateway's address and credentials, read from its first-start banner.
+struct Gateway {
+    _child: Child,
+    base: String,
+    account: String,
+    key: String,
+}
+
+async fn start_gateway(args: &[&str], log: &Path) -> Gateway {
+    let (child, banner) = spawn_until(args, log, |l| l.trim_start().starts_with("-d ")).await;
+    let find = |prefix: &str| {
+        banner
+            .iter()
+            .find_map(|l| {
+                l.trim_start()
+                    .strip_prefix(prefix)
+                    .map(|s| s.trim().to_string())
+            })
+            .unwrap_or_else(|| panic!("no `{prefix}` in banner {banner:?}"))
+    };
+    Gateway {
+        _child: child,
+        base: find("tessera: listening on "),
+        account: find("account id:"),
+        key: find("API key:"),
+    }
+}
+
+impl Gateway {
+    fn url(&self) -> String {
+        format!(
+            "{}/client/v4/accounts/{}/ai/run/{MODEL_ID}",
+            self.base, self.account
+        )
+    }
+
+    /// Non-streaming Workers AI request: (status, body).
+    async fn run(&self, body: &Value) -> (u16, Value) {
+        let resp = reqwest::Client::new()
+            .post(self.url())
+            .bearer_auth(&self.key)
+            .json(body)
+            .timeout(REQUEST)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("request {body} failed: {e}"));
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Starts a streaming request; panics unless the response head arrives in time.
+    async fn stream(&self, body: &Value) -> Sse {
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        let resp = tokio::time::timeout(
+            REQUEST,
+            reqwest::Client::new()
+                .post(self.url())
+                .bearer_auth(&self.key)
+                .json(&body)
+                .send(),
+        )
+        .await
+        .expect("stream response head")
+        .unwrap();
+        Sse {
+            status: resp.status().as_u16(),
+            resp,
+            buf: String::new(),
+            events: Vec::new(),
+            ended: false,
+        }
+    }
+
+    /// Retries `body` while the gateway answers 503 (a node it lost is not
+    /// reconnected yet) until it succeeds or the deadline passes.
+    async fn run_when_up(&self, body: &Value) -> Value {
+        let deadline = Instant::now() + REQUEST;
+        loop {
+            let (status, v) = self.run(body).await;
+            if status == 200 {
+                assert_eq!(v["success"], true, "{v}");
+                return v;
+            }
+            assert!(
+                status == 503 && Instant::now() < deadline,
+                "request {body} never succeeded: {status} {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// One SSE event of a Workers AI stream.
+#[derive(Debug, Clone, PartialEq)]
+enum Ev {
+    Text(String),
+    Usage(Value),
+    Error(Value),
+    Done,
+}
+
+struct Sse {
+    status: u16,
+    resp: reqwest::Response,
+    buf: String,
+    events: Vec<Ev>,
+    /// The body ended (cleanly or not).
+    ended: bool,
+}
+
+impl Sse {
+    /// Reads until `stop` holds for the events so far, the body ends, or the
+    /// deadline passes. A body that breaks off counts as ended.
+    async fn read_until(&mut self, wait: Duration, stop: impl Fn(&[Ev]) -> bool) {
+        let deadline = Instant::now() + wait;
+        while !self.ended && !stop(&self.events) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.resp.chunk()).await {
+                Err(_) => return,
+                Ok(Ok(Some(bytes))) => {
+                    self.buf.push_str(&String::from_utf8_lossy(&bytes));
+                    while let Some(i) = self.buf.find("\n\n") {
+                        let frame: String = self.buf.drain(..i + 2).collect();
+                        for line in frame.lines() {
+                            if let Some(data) = line.strip_prefix("data: ") {
+                                self.events.push(parse_event(data));
+                            }
+                        }
+                    }
+                }
+                Ok(Ok(None)) | Ok(Err(_)) => self.ended = true,
+            }
+        }
+    }
+
+    fn text(&self) -> String {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                Ev::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn tokens(&self) -> usize {
+        self.events
+            .iter()
+            .filter(|e| matches!(e, Ev::Text(t) if !t.is_empty()))
+            .count()
+    }
+
+    fn has_error(&self) -> bool {
+        self.events.iter().any(|e| matches!(e, Ev::Error(_)))
+    }
+
+    fn has_done(&self) -> bool {
+        self.events.contains(&Ev::Done)
+    }
+}
+
+fn parse_event(data: &str) -> Ev {
+    if data.trim() == "[DONE]" {
+        return Ev::Done;
+    }
+    let v: Value =
+        serde_json::from_str(data).unwrap_or_else(|e| panic!("bad SSE data {data:?}: {e}"));
+    if !v["error"].is_null() || !v["errors"].is_null() {
+        Ev::Error(v)
+    } else if !v["usage"].is_null() {
+        Ev::Usage(v["usage"].clone())
+    } else {
+        Ev::Text(v["response"].as_str().unwrap_or_default().to_string())
+    }
+}
+
+/// A decode node, a prefill node and a gateway in front of them, each its own
+/// process; all killed on drop.
+struct Deployment {
+    dir: tempfile::TempDir,
+    config: PathBuf,
+    prefill_addr: String,
+    decode_addr: String,
+    prefill: Option<Child>,
+    decode: Option<Child>,
+    gateway: Gateway,
+}
+
+impl Deployment {
+    async fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, d) = (free_port(), free_port());
+        let config = write_config(dir.path(), free_port(), p, d, (CONTEXT, CONTEXT));
+        let mut dep_nodes = (None, None);
+        dep_nodes.1 = Some(start_node(dir.path(), &config, "decode", d).await);
+        dep_nodes.0 = Some(start_node(dir.path(), &config, "prefill", p).await);
+        let data = dir.path().join("data");
+        let gateway = start_gateway(
+            &[
+                "serve",
+                "--config",
+                config.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                data.to_str().unwrap(),
+            ],
+            &dir.path().join("gateway.log"),
+        )
+        .await;
+        Self {
+            prefill_addr: format!("127.0.0.1:{p}"),
+            decode_addr: format!("127.0.0.1:{d}"),
+            dir,
+            config,
+            prefill: dep_nodes.0,
+            decode: dep_nodes.1,
+            gateway,
+        }
+    }
+
+    fn port(addr: &str) -> u16 {
+        addr.rsplit(':').next().unwrap().parse().unwrap()
+    }
+
+    /// SIGKILLs a node and waits until it is gone.
+    async fn kill(&mut self, role: &str) {
+        let child = match role {
+            "prefill" => self.prefill.as_mut(),
+            _ => self.decode.as_mut(),
+        }
+        .expect("node running");
+        child.start_kill().unwrap();
+        tokio::time::timeout(START, child.wait())
+            .await
+            .expect("killed node exits")
+            .unwrap();
+    }
+
+    /// Starts a node of `role` again on its old address.
+    async fn restart(&mut self, role: &str) {
+        let addr = match role {
+            "prefill" => &self.prefill_addr,
+            _ => &self.decode_addr,
+        };
+        let child = start_node(self.dir.path(), &self.config, role, Self::port(addr)).await;
+        match role {
+            "prefill" => self.prefill = Some(child),
+            _ => self.decode = Some(child),
+        }
+    }
+
+    fn logs(&self) -> String {
+        ["gateway", "prefill", "decode"]
+            .iter()
+            .map(|n| {
+                let t = std::fs::read_to_string(self.dir.path().join(format!("{n}.log")))
+                    .unwrap_or_default();
+                let tail: Vec<&str> = t.lines().rev().take(20).collect();
+                format!(
+                    "--- {n}.log (last lines, newest first)\n{}",
+                    tail.join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The pool-full probe: a request whose prompt + max_tokens needs every page of
+    /// the decode pool, so it is admitted only once no page is held (leaked) by an
+    /// earlier request. It must complete with 200 within the deadline.
+    async fn pool_is_free(&self) {
+        let body = |max: usize| json!({"prompt": "What is 2+2? Answer with one number.", "max_tokens": max, "temperature": 0});
+        let probe = self.gateway.run_when_up(&body(1)).await;
+        let prompt = probe["result"]["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        let max = CONTEXT - prompt;
+        let (status, v) = self.gateway.run(&body(max)).await;
+        assert_eq!(
+            status,
+            200,
+            "the pool-full request ({prompt} + {max} tokens) failed: {v}\n{}",
+            self.logs()
+        );
+        assert_eq!(v["success"], true, "{v}");
+        assert_eq!(v["result"]["usage"]["prompt_tokens"], prompt, "{v}");
+    }
+}
+
+/// The page transport the nodes use: `TESSERA_PD_TRANSPORT` (`tcp` by default;
+/// `.ci/run` runs this file again with `ucx` over shared memory and over TCP).
+fn transport() -> String {
+    std::env::var("TESSERA_PD_TRANSPORT").unwrap_or_else(|_| "tcp".into())
+}
+
+async fn start_node(dir: &Path, config: &Path, role: &str, port: u16) -> Child {
+    let listen = format!("127.0.0.1:{port}");
+    let transport = transport();
+    spawn_until(
+        &[
+            "node",
+            "--role",
+            role,
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            &listen,
+            "--transport",
+            &transport,
+        ],
+        &dir.join(format!("{role}.log")),
+        |l| l.contains("listening on"),
+    )
+    .await
+    .0
+}
+
+/// A greedy chat request with a short answer.
+fn greedy(max_tokens: usize) -> Value {
+    json!({"prompt": "What is a tessellation? Explain briefly.", "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// A raw prompt the model keeps continuing (counting) until max_tokens.
+fn endless(max_tokens: usize) -> Value {
+    let numbers: Vec<String> = (1..=20).map(|i| i.to_string()).collect();
+    json!({"prompt": numbers.join(", ") + ",", "raw": true, "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// A chat prompt of about 3000 tokens, so prefill takes a while.
+fn long_prompt(max_tokens: usize) -> Value {
+    let words: Vec<&str> = std::iter::repeat_n("apple", 3000).collect();
+    json!({"prompt": words.join(" "), "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// (a) A greedy request through the nodes returns what the same request returns
+/// from the in-process default (`tessera serve`, PD over the in-process transport):
+/// text and token counts, non-streaming and streaming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_output_through_nodes_equals_in_process_serve() {
+    let dep = Deployment::start().await;
+    let body = greedy(48);
+    let (status, remote) = dep.gateway.run(&body).await;
+    assert_eq!(status, 200, "{remote}\n{}", dep.logs());
+    let text = remote["result"]["response"].as_str().unwrap().to_string();
+    assert!(!text.is_empty(), "{remote}");
+
+    let mut s = dep.gateway.stream(&body).await;
+    assert_eq!(s.status, 200);
+    s.read_until(REQUEST, |e| e.contains(&Ev::Done)).await;
+    assert!(s.has_done() && !s.has_error(), "{:?}", s.events);
+    assert_eq!(s.text(), text, "streamed text differs from non-streamed");
+
+    let local_dir = tempfile::tempdir().unwrap();
+    let data = local_dir.path().join("data");
+    let local = start_gateway(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            model_path().to_str().unwrap(),
+            "--kv-pool-tokens",
+            "8192",
+            "--prefill-kv-pool-tokens",
+            "8192",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &local_dir.path().join("serve.log"),
+    )
+    .await;
+    let (status, solo) = local.run(&body).await;
+    assert_eq!(status, 200, "{solo}");
+    assert_eq!(
+        solo["result"], remote["result"],
+        "in-process serve and nodes disagree"
+    );
+}
+
+/// (b) The decode node dies (SIGKILL) mid-stream: the client gets an error event,
+/// never `[DONE]`; a restarted decode node serves new requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_node_killed_mid_stream_errors_then_restart_serves() {
+    let mut dep = Deployment::start().await;
+    let mut s = dep.gateway.stream(&endless(2000)).await;
+    assert_eq!(s.status, 200);
+    s.read_until(REQUEST, |e| {
+        e.iter().filter(|e| matches!(e, Ev::Text(_))).count() >= 5
+    })
+    .await;
+    assert!(
+        s.tokens() >= 5 && !s.has_done(),
+        "stream did not get going: {:?}\n{}",
+        s.events,
+        dep.logs()
+    );
+    dep.kill("decode").await;
+    s.read_until(REQUEST, |e| {
+        e.iter().any(|e| matches!(e, Ev::Error(_) | Ev::Done))
+    })
+    .await;
+    assert!(
+        !s.has_done(),
+        "a stream cut by a dead decode node ended with [DONE]: {:?}",
+        s.events.last()
+    );
+    assert!(
+        s.has_error(),
+        "no error event after the decode node died (ended: {}): {:?}\n{}",
+        s.ended,
+        &s.events[s.events.len().saturating_sub(3)..],
+        dep.logs()
+    );
+    assert!(s.tokens() < 2000);
+
+    // While it is down, requests fail (not hang, not 200).
+    let (status, v) = dep.gateway.run(&greedy(8)).await;
+    assert_ne!(
+        status, 200,
+        "a request succeeded with the decode node down: {v}"
+    );
+
+    dep.restart("decode").await;
+    let v = dep.gateway.run_when_up(&greedy(8)).await;
+    assert!(!v["result"]["response"].as_str().unwrap().is_empty(), "{v}");
+    dep.pool_is_free().await;
+}
+
+/// (c) The prefill node dies mid-prefill: the client gets an error; after a restart
+/// the decode pool has no leaked pages (the pool-full probe is admitted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_node_killed_mid_prefill_errors_and_leaks_nothing() {
+    let mut dep = Deployment::start().await;
+    let mut s = dep.gateway.stream(&long_prompt(64)).await;
+    // The stream's head comes before any token; give prefill a moment to start.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    dep.kill("prefill").await;
+    s.read_until(REQUEST, |e| {
+        e.iter().any(|e| matches!(e, Ev::Error(_) | Ev::Done))
+    })
+    .await;
+    if s.status == 200 {
+        assert!(!s.has_done(), "{:?}", s.events);
+        assert!(
+            s.has_error(),
+            "no error event after the prefill node died (ended: {}): {:?}\n{}",
+            s.ended,
+            s.events,
+            dep.logs()
+        );
+        assert_eq!(
+            s.tokens(),
+            0,
+            "tokens before prefill finished: {:?}",
+            s.events
+        );
+    } else {
+        assert!(s.status >= 500, "status {}", s.status);
+    }
+    dep.restart("prefill").await;
+    dep.pool_is_free().await;
+}
+
+/// (d) I2 at node start: a node whose pool is smaller than the model's context
+/// window refuses to start, naming the model, the role and both numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_with_pool_below_context_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    for (role, pools) in [("decode", (CONTEXT, 4096)), ("prefill", (4100, CONTEXT))] {
+        let (p, d) = (free_port(), free_port());
+        let config = write_config(dir.path(), free_port(), p, d, pools);
+        let port = if role == "decode" { d } else { p };
+        let out = tokio::time::timeout(
+            START,
+            Command::new(BIN)
+                .args(["node", "--role", role, "--config"])
+                .arg(&config)
+                .args(["--listen", &format!("127.0.0.1:{port}")])
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("the node exits")
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{role} node started: {err}");
+        // 4100 tokens are 256 whole pages of 16: 4096 usable.
+        for needle in [MODEL_ID, role, "4096", "8192"] {
+            assert!(err.contains(needle), "{role}: no `{needle}` in: {err}");
+        }
+        // It never listened.
+        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
+    }
+}
+
+/// (e) Clients that disconnect mid-stream (during prefill, after a few tokens, and
+/// several at once) leave no pages behind on the nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnects_through_nodes_leak_nothing() {
+    let dep = Deployment::start().await;
+    // One dropped during its (long) prefill, two dropped after a few tokens; their
+    // reservations together hold most of the decode pool.
+    let mut a = dep.gateway.stream(&endless(1500)).await;
+    let mut b = dep.gateway.stream(&endless(1500)).await;
+    for s in [&mut a, &mut b] {
+        assert_eq!(s.status, 200);
+        s.read_until(REQUEST, |e| {
+            e.iter().filter(|e| matches!(e, Ev::Text(_))).count() >= 3
+        })
+        .await;
+        assert!(
+            s.tokens() >= 3 && !s.has_error(),
+            "{:?}\n{}",
+            s.events,
+            dep.logs()
+        );
+    }
+    let early = dep.gateway.stream(&long_prompt(1000)).await;
+    assert_eq!(early.status, 200);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    drop(early);
+    drop(a);
+    drop(b);
+    dep.pool_is_free().await;
+    // And the deployment still serves ordinary requests afterwards.
+    let v = dep.gateway.run_when_up(&greedy(8)).await;
+    assert!(!v["result"]["response"].as_str().unwrap().is_empty(), "{v}");
+}
+
+/// A second gateway in front of the same nodes (a restarted gateway, or a fleet of
+/// gateways) gets its answers. Request ids must be unique across every coordinator
+/// that talks to a node (protocol.rs `ReqId`); each gateway numbering from 1 makes
+/// the second gateway's first request collide with the first one's tombstone on the
+/// nodes, and it hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_gateway_on_the_same_nodes_is_served() {
+    let dep = Deployment::start().await;
+    let (status, first) = dep.gateway.run(&greedy(8)).await;
+    assert_eq!(status, 200, "{first}");
+    let data = dep.dir.path().join("data2");
+    let second = start_gateway(
+        &[
+            "serve",
+            "--config",
+            dep.config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dep.dir.path().join("gateway2.log"),
+    )
+    .await;
+    let resp = reqwest::Client::new()
+        .post(second.url())
+        .bearer_auth(&second.key)
+        .json(&greedy(8))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await;
+    let resp = resp.unwrap_or_else(|e| panic!("the second gateway's request hung: {e}"));
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["result"], first["result"], "{v}");
+}
