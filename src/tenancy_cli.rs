@@ -94,7 +94,8 @@ pub(crate) enum KeyCommand {
         #[arg(long)]
         tenant: Option<String>,
     },
-    /// Revoke a key by its id (the part after `tsk_`); effective on the next request.
+    /// Revoke a key by its id (the middle part of `tsk_<key_id>_<secret>`, as
+    /// `tessera key list` shows it); effective on the next request.
     Revoke {
         /// Key id.
         key_id: String,

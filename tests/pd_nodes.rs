@@ -688,3 +688,47 @@ async fn second_gateway_on_the_same_nodes_is_served() {
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["result"], first["result"], "{v}");
 }
+
+/// While every decode node is down the gateway is not ready (`/readyz` 503, so a
+/// load balancer stops sending) and a request, streaming or not, is refused with
+/// 503 before any byte of a stream (never a 200 that then fails); once the node is
+/// back, both recover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_without_a_decode_node_is_unready_and_refuses_with_503() {
+    let mut dep = Deployment::start().await;
+    let readyz = |base: String| async move {
+        reqwest::get(format!("{base}/readyz"))
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    assert_eq!(readyz(dep.gateway.base.clone()).await, 200);
+    dep.kill("decode").await;
+    let deadline = Instant::now() + START;
+    while readyz(dep.gateway.base.clone()).await != 503 {
+        assert!(
+            Instant::now() < deadline,
+            "gateway still ready without a decode node"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sse = dep.gateway.stream(&greedy(8)).await;
+    assert_eq!(
+        sse.status, 503,
+        "a stream must not start without a decode node"
+    );
+    let (status, v) = dep.gateway.run(&greedy(8)).await;
+    assert_eq!(status, 503, "{v}");
+    assert!(v.to_string().contains("no prefill or decode node"), "{v}");
+    dep.restart("decode").await;
+    let deadline = Instant::now() + START;
+    while readyz(dep.gateway.base.clone()).await != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "gateway not ready after the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let v = dep.gateway.run_when_up(&greedy(8)).await;
+    assert!(!v["result"]["response"].as_str().unwrap().is_empty(), "{v}");
+}

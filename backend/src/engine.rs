@@ -105,6 +105,10 @@ pub enum Rejection {
     /// Invalid sampling parameters.
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// No node can take the request now (every node of a role is unreachable);
+    /// retryable.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl Rejection {
@@ -117,6 +121,7 @@ impl Rejection {
             Self::PoolTooSmall { .. } => "pool_too_small",
             Self::BadToken { .. } => "bad_token",
             Self::Sampling(_) => "bad_sampling",
+            Self::Unavailable(_) => "unavailable",
         }
     }
 }

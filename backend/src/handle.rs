@@ -99,6 +99,15 @@ impl EngineHandle {
         }
     }
 
+    /// Whether requests can be served now: a remote deployment needs at least one
+    /// reachable prefill and one reachable decode node; in-process engines always can.
+    pub fn ready(&self) -> bool {
+        match &self.inner {
+            Inner::Remote(c) => c.ready(),
+            _ => true,
+        }
+    }
+
     /// The in-process prefill/decode cluster behind this handle, if any.
     pub fn cluster(&self) -> Option<&PdCluster> {
         match &self.inner {

@@ -598,10 +598,16 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    if state.store.ping().await {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
+    if !state.store.ping().await {
         (StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n").into_response()
+    } else if !state.engine.ready() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no prefill or decode node reachable\n",
+        )
+            .into_response()
+    } else {
+        (StatusCode::OK, "ready\n").into_response()
     }
 }
 

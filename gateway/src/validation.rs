@@ -386,6 +386,11 @@ pub fn rejection(r: &Rejection) -> ApiError {
         Rejection::ZeroMaxTokens => ApiError::field("max_tokens", r.to_string()),
         Rejection::EmptyPrompt => ApiError::field("prompt", r.to_string()),
         Rejection::BadToken { .. } => ApiError::new(ErrorKind::BadRequest, r.to_string()),
+        Rejection::Unavailable(_) => {
+            let mut e = ApiError::new(ErrorKind::Unavailable, r.to_string());
+            e.retryable = true;
+            e
+        }
     }
 }
 

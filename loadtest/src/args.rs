@@ -207,7 +207,7 @@ pub struct LoadtestArgs {
     pub fault_kill_cmd: Option<String>,
     /// Fault mix: shell command that restarts it, run `--fault-downtime-secs`
     /// after the kill; it must return (start servers in the background). The
-    /// outage ends when `GET URL/healthz` answers 200.
+    /// outage ends when `GET URL/readyz` answers 200.
     #[arg(long, requires = "fault_kill_cmd")]
     pub fault_restart_cmd: Option<String>,
     /// Seconds into the load phase when the kill command runs.

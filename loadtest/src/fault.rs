@@ -3,7 +3,8 @@
 //!
 //! During the load phase: at `at` the kill command runs; `downtime` later the
 //! restart command runs (it must return: start servers in the background); the
-//! outage ends when `GET {base}/healthz` answers 200. Requests that overlap the
+//! outage ends when `GET {base}/readyz` answers 200 (the gateway is up and reaches
+//! its engines or nodes). Requests that overlap the
 //! outage are counted apart in the report.
 
 use crate::client::Outcome;
@@ -125,7 +126,19 @@ pub fn is_outage_error(o: &Outcome) -> bool {
     use crate::client::End;
     match o.end {
         End::Cut | End::Transport => true,
-        End::HttpError | End::StreamError => o.status.is_some_and(|s| s >= 500),
+        End::HttpError => o.status.is_some_and(|s| s >= 500),
+        // A stream that began (HTTP 200) and then failed on the server's side:
+        // unavailable (3040) or internal (3043) in Workers AI codes, or an OpenAI
+        // server error.
+        End::StreamError => {
+            o.status.is_some_and(|s| s >= 500)
+                || o.error.as_deref().is_some_and(|e| {
+                    matches!(
+                        e,
+                        "3040" | "3043" | "server_error" | "engine_unavailable" | "internal_error"
+                    )
+                })
+        }
         End::Complete | End::Disconnected => false,
     }
 }
@@ -188,7 +201,7 @@ mod tests {
             restart_cmd: Some(format!("touch {}", flag.display())),
             at: Duration::from_millis(100),
             downtime: Duration::from_millis(200),
-            health_url: format!("http://{addr}/healthz"),
+            health_url: format!("http://{addr}/readyz"),
             health_timeout: Duration::from_secs(20),
         };
         let start = Instant::now();

@@ -295,10 +295,11 @@ async fn run_load(
                         start,
                     )
                     .await;
-                    let refused = o.end == End::Transport;
+                    // A client backs off briefly when it cannot connect or the server
+                    // says it cannot serve now (so an outage does not burn the run).
+                    let back_off = crate::fault::is_outage_error(&o);
                     record(o);
-                    if refused {
-                        // A client backs off briefly when it cannot connect.
+                    if back_off {
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 }
@@ -422,7 +423,7 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
         restart_cmd: args.fault_restart_cmd.clone(),
         at: Duration::from_secs_f64(args.fault_at_secs.max(0.0)),
         downtime: Duration::from_secs_f64(args.fault_downtime_secs.max(0.0)),
-        health_url: format!("{base}/healthz"),
+        health_url: format!("{base}/readyz"),
         health_timeout: Duration::from_secs(300),
     });
     let phase = Arc::new(Phase {

@@ -20,7 +20,7 @@ use super::cluster::{
     PdAdmission, PdCounters, PrefillCmd, PrefillLoop, TransferFault,
 };
 use super::inproc::PageLanding;
-use super::protocol::{Msg, Refusal, RefusalKind, ReqId, Role};
+use super::protocol::{Msg, Refusal, ReqId, Role};
 use super::transport::{DestPage, KvTransport, TransportError};
 use super::ucx::{UcxContext, UcxRegionDescriptor, UcxSink, UcxSource, UcxSourceConfig};
 use crate::engine::{
@@ -961,7 +961,7 @@ impl RemoteCluster {
                 for &(role, i) in &all {
                     let node = l.node(role, i);
                     if node.down.load(Ordering::Acquire) && l.open(role, i).is_ok() {
-                        tracing::info!(addr = %node.addr, ?role, "node reachable");
+                        tracing::warn!(addr = %node.addr, ?role, "node reachable");
                     }
                 }
             })
@@ -999,11 +999,9 @@ impl RemoteCluster {
         };
         let (Some(prefill), Some(decode)) = (pick(&self.links.prefill), pick(&self.links.decode))
         else {
-            let _ = sink.send(Event::Error(EngineError::Refused(Refusal {
-                kind: RefusalKind::Busy,
-                message: "no prefill or decode node is reachable; retry later".into(),
-            })));
-            return Ok(rx);
+            return Err(Rejection::Unavailable(
+                "no prefill or decode node is reachable; retry later".into(),
+            ));
         };
         let req = ReqId(self.next_req.fetch_add(1, Ordering::Relaxed));
         self.links.prefill[prefill]
@@ -1043,6 +1041,12 @@ impl RemoteCluster {
                 .sum(),
             ..EngineStats::default()
         }
+    }
+
+    /// Whether at least one prefill and one decode node are connected.
+    pub fn ready(&self) -> bool {
+        let up = |nodes: &[NodeLink]| nodes.iter().any(|n| !n.down.load(Ordering::Acquire));
+        up(&self.links.prefill) && up(&self.links.decode)
     }
 
     /// Whether the node at `index` of `role` is connected.
