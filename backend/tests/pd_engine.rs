@@ -57,6 +57,38 @@ fn pd_pair(m: &LoadedModel) -> (Engine, Engine) {
     )
 }
 
+/// Applies the landings on the decode engine, checks every page's checksum against
+/// the export, adopts the sequence and decodes it to the end.
+fn land_and_decode(
+    d: &mut Engine,
+    seq: tessera_backend::kv::SeqId,
+    req: &GenerateRequest,
+    exported: &Exported,
+    landings: &Landings,
+    transfer: u64,
+) -> Outcome {
+    for l in landings.lock().unwrap().iter() {
+        d.land(l).unwrap();
+    }
+    for (dest, crc) in &exported.pages {
+        assert_eq!(d.landed_checksum(*dest), Some(*crc), "page {dest:?}");
+    }
+    let (sink, mut rx) = unbounded_channel();
+    d.adopt(
+        seq,
+        Import {
+            req: d.admit(req.clone()).unwrap(),
+            first_token: exported.first_token,
+            seed_fallback: transfer,
+            rng_word_pos: exported.rng_word_pos,
+            sink,
+            submitted: std::time::Instant::now(),
+        },
+    );
+    d.run_to_completion();
+    drain(&mut rx)
+}
+
 #[test]
 fn transferred_sequence_decodes_exactly_like_its_colocated_solo_run() {
     let m = load();
@@ -80,26 +112,8 @@ fn transferred_sequence_decodes_exactly_like_its_colocated_solo_run() {
         let exported = exported.unwrap();
         assert_eq!(exported.tokens, req.prompt.len());
         assert_eq!(exported.pages.len(), req.prompt.len().div_ceil(16));
-        for l in landings.lock().unwrap().iter() {
-            d.land(l).unwrap();
-        }
-        for (dest, crc) in &exported.pages {
-            assert_eq!(d.landed_checksum(*dest), Some(*crc), "page {dest:?}");
-        }
-        let (sink, mut rx) = unbounded_channel();
-        d.adopt(
-            seq,
-            Import {
-                req: d.admit(req.clone()).unwrap(),
-                first_token: exported.first_token,
-                seed_fallback: 100 + i as u64,
-                rng_word_pos: exported.rng_word_pos,
-                sink,
-                submitted: std::time::Instant::now(),
-            },
-        );
-        d.run_to_completion();
-        assert_eq!(drain(&mut rx), alone, "prompt {text:?}");
+        let out = land_and_decode(&mut d, seq, &req, &exported, &landings, 100 + i as u64);
+        assert_eq!(out, alone, "prompt {text:?}");
         assert_eq!(d.kv().pool().free_pages(), d.kv().pool().capacity());
     }
 }
@@ -113,24 +127,8 @@ fn seeded_sampling_continues_the_same_stream_across_the_transfer() {
     req.sampling.seed = Some(7);
     let alone = solo(&m, req.clone());
     let (seq, exported, landings) = prefill_and_export(&mut p, &mut d, &req, 5);
-    let exported = exported.unwrap();
-    for l in landings.lock().unwrap().iter() {
-        d.land(l).unwrap();
-    }
-    let (sink, mut rx) = unbounded_channel();
-    d.adopt(
-        seq,
-        Import {
-            req: d.admit(req.clone()).unwrap(),
-            first_token: exported.first_token,
-            seed_fallback: 5,
-            rng_word_pos: exported.rng_word_pos,
-            sink,
-            submitted: std::time::Instant::now(),
-        },
-    );
-    d.run_to_completion();
-    assert_eq!(drain(&mut rx), alone);
+    let out = land_and_decode(&mut d, seq, &req, &exported.unwrap(), &landings, 5);
+    assert_eq!(out, alone);
 }
 
 #[test]

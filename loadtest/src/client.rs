@@ -86,6 +86,30 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// A request that has not got anywhere yet: nothing received, ended by a
+    /// transport failure until something better is known.
+    pub fn pending(index: usize, tenant: usize, prompt: usize, stream: bool, start_s: f64) -> Self {
+        Self {
+            index,
+            tenant,
+            prompt,
+            stream,
+            end: End::Transport,
+            status: None,
+            error: None,
+            error_detail: None,
+            request_id: None,
+            text: String::new(),
+            prompt_tokens: None,
+            completion_tokens: None,
+            text_events: 0,
+            start_s,
+            ttft_s: None,
+            e2e_s: 0.0,
+            event_times_s: Vec::new(),
+        }
+    }
+
     /// Generated tokens as the client counts them: the server's
     /// `completion_tokens` when it sent one, else the text events (for
     /// Tessera one event carries one token, except tokens that end inside a
@@ -225,25 +249,13 @@ impl Target {
         phase_start: Instant,
     ) -> Outcome {
         let t0 = Instant::now();
-        let mut out = Outcome {
-            index: call.index,
-            tenant: call.tenant_index,
-            prompt: call.prompt_id,
-            stream: call.stream,
-            end: End::Transport,
-            status: None,
-            error: None,
-            error_detail: None,
-            request_id: None,
-            text: String::new(),
-            prompt_tokens: None,
-            completion_tokens: None,
-            text_events: 0,
-            start_s: t0.duration_since(phase_start).as_secs_f64(),
-            ttft_s: None,
-            e2e_s: 0.0,
-            event_times_s: Vec::new(),
-        };
+        let mut out = Outcome::pending(
+            call.index,
+            call.tenant_index,
+            call.prompt_id,
+            call.stream,
+            t0.duration_since(phase_start).as_secs_f64(),
+        );
         let (url, body) = match self.request(&call) {
             Ok(x) => x,
             Err(e) => {
@@ -452,25 +464,7 @@ mod tests {
     use super::*;
 
     fn blank() -> Outcome {
-        Outcome {
-            index: 0,
-            tenant: 0,
-            prompt: 0,
-            stream: true,
-            end: End::Transport,
-            status: None,
-            error: None,
-            error_detail: None,
-            request_id: None,
-            text: String::new(),
-            prompt_tokens: None,
-            completion_tokens: None,
-            text_events: 0,
-            start_s: 0.0,
-            ttft_s: None,
-            e2e_s: 0.0,
-            event_times_s: vec![],
-        }
+        Outcome::pending(0, 0, 0, true, 0.0)
     }
 
     #[test]

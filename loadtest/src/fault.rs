@@ -213,23 +213,9 @@ mod tests {
         assert!(r >= t.kill_at_s + 0.2);
         assert!(t.ready_at_s.unwrap() >= r);
         let o = |start_s: f64, e2e_s: f64, end| Outcome {
-            index: 0,
-            tenant: 0,
-            prompt: 0,
-            stream: true,
             end,
-            status: None,
-            error: None,
-            error_detail: None,
-            request_id: None,
-            text: String::new(),
-            prompt_tokens: None,
-            completion_tokens: None,
-            text_events: 0,
-            start_s,
-            ttft_s: None,
             e2e_s,
-            event_times_s: vec![],
+            ..Outcome::pending(0, 0, 0, true, start_s)
         };
         use crate::client::End;
         let outs = vec![

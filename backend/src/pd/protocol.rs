@@ -1860,6 +1860,20 @@ mod tests {
         }
     }
 
+    /// A coordinator that has its descriptor (two pages) and sent `Prefill`.
+    fn transferring() -> (Coordinator, Vec<Output>) {
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        c.on_msg(
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            &mut out,
+        );
+        (c, out)
+    }
+
     fn dests(n: u32) -> Vec<DestPage> {
         (0..n)
             .map(|b| DestPage {
@@ -2027,15 +2041,7 @@ mod tests {
 
     #[test]
     fn coordinator_aborts_prefill_before_decode() {
-        let mut out = Vec::new();
-        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
-        c.on_msg(
-            Msg::Descriptor {
-                req: R,
-                pages: dests(2),
-            },
-            &mut out,
-        );
+        let (mut c, mut out) = transferring();
         out.clear();
         c.on_client_gone(&mut out);
         assert_eq!(out[0], Output::Outcome(Outcome::Aborted));
@@ -2070,15 +2076,7 @@ mod tests {
 
     #[test]
     fn coordinator_recovers_lost_replies() {
-        let mut out = Vec::new();
-        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
-        c.on_msg(
-            Msg::Descriptor {
-                req: R,
-                pages: dests(2),
-            },
-            &mut out,
-        );
+        let (mut c, mut out) = transferring();
         // `Committed` was lost: the timeout re-sends `Prefill` (prefill re-sends its
         // commit, decode its latest reply), and `Finished` alone completes the request.
         out.clear();
@@ -2100,15 +2098,7 @@ mod tests {
 
     #[test]
     fn coordinator_treats_a_dead_node_as_acked() {
-        let mut out = Vec::new();
-        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
-        c.on_msg(
-            Msg::Descriptor {
-                req: R,
-                pages: dests(2),
-            },
-            &mut out,
-        );
+        let (mut c, mut out) = transferring();
         out.clear();
         // Decode died mid-transfer: stop the prefill first, then nothing is left.
         c.on_node_down(Role::Decode, &mut out);
@@ -2128,15 +2118,7 @@ mod tests {
         assert_eq!(out, [Output::Released]);
 
         // Prefill died mid-transfer: free the decode reservation at once.
-        let mut out = Vec::new();
-        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
-        c.on_msg(
-            Msg::Descriptor {
-                req: R,
-                pages: dests(2),
-            },
-            &mut out,
-        );
+        let (mut c, mut out) = transferring();
         out.clear();
         c.on_node_down(Role::Prefill, &mut out);
         assert_eq!(sends(&out), [(Role::Decode, Msg::Abort { req: R })]);
