@@ -455,6 +455,17 @@ pub enum Violation {
         /// Why.
         reason: String,
     },
+    /// `context` in the file differs from the model file's own context window
+    /// (admission uses the file's, so the pools are checked against that).
+    #[error("model {model}: `context = {configured}` but its GGUF says {gguf} tokens; remove `context` or make it {gguf}")]
+    ContextMismatch {
+        /// Model id.
+        model: String,
+        /// `context` in the deployment file.
+        configured: usize,
+        /// `<arch>.context_length` in the GGUF.
+        gguf: usize,
+    },
     /// I2.
     #[error(transparent)]
     PoolTooSmall(#[from] PoolTooSmall),
@@ -475,6 +486,7 @@ impl Violation {
             Violation::DuplicateNode { .. } => "duplicate_node",
             Violation::MissingRole { .. } => "missing_role",
             Violation::ContextUnknown { .. } => "context_unknown",
+            Violation::ContextMismatch { .. } => "context_mismatch",
             Violation::PoolTooSmall(_) => "pool_too_small",
         }
     }
@@ -784,7 +796,24 @@ impl DeploymentConfig {
     /// [`DeploymentConfig::check`] with context windows from the model files
     /// ([`ModelEntry::context_window`]).
     pub fn check_offline(&self) -> Verdict {
-        self.check(ModelEntry::context_window)
+        // A `context` that disagrees with the GGUF is reported as such, and the pools
+        // are still checked against the GGUF's window (the one admission uses).
+        let mut mismatches = Vec::new();
+        let mut verdict = self.check(|m| match m.context_window() {
+            Err(ContextError::Mismatch {
+                configured, gguf, ..
+            }) => {
+                mismatches.push(Violation::ContextMismatch {
+                    model: m.id.clone(),
+                    configured,
+                    gguf,
+                });
+                Ok(gguf)
+            }
+            other => other,
+        });
+        verdict.violations.extend(mismatches);
+        verdict
     }
 }
 
@@ -1055,6 +1084,30 @@ mod tests {
             v.violations[1].to_string(),
             "node `127.0.0.1:9201` is listed more than once (pools \"prefill\" and \"decode\")"
         );
+    }
+
+    #[test]
+    fn context_that_disagrees_with_the_gguf_is_named_and_pools_are_still_checked() {
+        let mut c = pd();
+        c.models[0].path = gguf_path();
+        c.models[0].context = Some(4096);
+        for p in &mut c.pools {
+            p.kv_pool_tokens = 4096;
+        }
+        let v = c.check_offline();
+        let mut got = labels(&v.violations);
+        got.sort_unstable();
+        assert_eq!(
+            got,
+            ["context_mismatch", "pool_too_small", "pool_too_small"]
+        );
+        let msg = v
+            .violations
+            .iter()
+            .find(|e| e.label() == "context_mismatch")
+            .unwrap()
+            .to_string();
+        assert!(msg.contains("4096") && msg.contains("8192"), "{msg}");
     }
 
     #[test]
