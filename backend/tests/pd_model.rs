@@ -114,6 +114,26 @@ struct DPool {
     refused: Vec<ReqId>,
 }
 
+/// A model pool's admission (I1): refuses a request that can never fit its pool
+/// (`TooLarge`) or does not fit now (`Busy`); else returns the free pages' indices
+/// (`held[i]`: page `i` is taken).
+fn claim(held: &[bool], need: usize, pool: &str) -> Result<Vec<usize>, Refusal> {
+    if need > held.len() {
+        return Err(Refusal {
+            kind: RefusalKind::TooLarge,
+            message: format!("over the {pool} pool"),
+        });
+    }
+    let free: Vec<usize> = (0..held.len()).filter(|&i| !held[i]).collect();
+    if need > free.len() {
+        return Err(Refusal {
+            kind: RefusalKind::Busy,
+            message: format!("{pool} pool full"),
+        });
+    }
+    Ok(free)
+}
+
 impl DecodeEnv for DPool {
     fn reserve(
         &mut self,
@@ -123,23 +143,8 @@ impl DecodeEnv for DPool {
         max_tokens: u32,
     ) -> Result<Vec<DestPage>, Refusal> {
         let need = (prompt_tokens + max_tokens).div_ceil(self.page_size) as usize;
-        if need > self.pages.len() {
-            self.refused.push(req);
-            return Err(Refusal {
-                kind: RefusalKind::TooLarge,
-                message: "over the decode pool".into(),
-            });
-        }
-        let free: Vec<usize> = (0..self.pages.len())
-            .filter(|&i| self.pages[i].held.is_none())
-            .collect();
-        if need > free.len() {
-            self.refused.push(req);
-            return Err(Refusal {
-                kind: RefusalKind::Busy,
-                message: "decode pool full".into(),
-            });
-        }
+        let held: Vec<bool> = self.pages.iter().map(|p| p.held.is_some()).collect();
+        let free = claim(&held, need, "decode").inspect_err(|_| self.refused.push(req))?;
         let transfer = prompt_tokens.div_ceil(self.page_size) as usize;
         let mut dest = Vec::new();
         for (block, &i) in free[..need].iter().enumerate() {
@@ -218,23 +223,8 @@ impl PrefillEnv for PPool {
         _max_tokens: u32,
     ) -> Result<(), Refusal> {
         let need = self.pages_for(prompt_tokens);
-        if need > self.pages.len() {
-            self.refused.push(req);
-            return Err(Refusal {
-                kind: RefusalKind::TooLarge,
-                message: "prompt over the prefill pool".into(),
-            });
-        }
-        let free: Vec<usize> = (0..self.pages.len())
-            .filter(|&i| self.pages[i].held.is_none())
-            .collect();
-        if need > free.len() {
-            self.refused.push(req);
-            return Err(Refusal {
-                kind: RefusalKind::Busy,
-                message: "prefill pool full".into(),
-            });
-        }
+        let held: Vec<bool> = self.pages.iter().map(|p| p.held.is_some()).collect();
+        let free = claim(&held, need, "prefill").inspect_err(|_| self.refused.push(req))?;
         for &i in &free[..need] {
             self.pages[i].held = Some(req);
         }

@@ -819,10 +819,8 @@ impl DecodeLoop {
 impl NodeLoop for DecodeLoop {
     type Cmd = DecodeCmd;
 
+    // After `Crash`, `stop()` ends the loop before another command is applied.
     fn on_cmd(&mut self, engine: &mut Engine, cmd: DecodeCmd) {
-        if self.crashed {
-            return;
-        }
         match cmd {
             DecodeCmd::Control(msg, extra) => self.control(engine, msg, extra),
             DecodeCmd::Land(l) => {
@@ -1068,10 +1066,8 @@ impl PrefillLoop {
 impl NodeLoop for PrefillLoop {
     type Cmd = PrefillCmd;
 
+    // After `Crash`, `stop()` ends the loop before another command is applied.
     fn on_cmd(&mut self, engine: &mut Engine, cmd: PrefillCmd) {
-        if self.crashed {
-            return;
-        }
         match cmd {
             PrefillCmd::Control(msg, extra) => {
                 if let (Msg::Prefill { req, .. }, Extra::Prefill { req: body, decode }) =
