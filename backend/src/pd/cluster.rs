@@ -739,16 +739,7 @@ impl DecodeLoop {
                     }
                     return;
                 }
-                let mut env = Self::env(engine, &mut self.seqs, &mut self.by_seq);
-                if let Extra::Decode {
-                    req,
-                    sink,
-                    submitted,
-                } = extra
-                {
-                    env.pending_body = Some((req, sink, submitted));
-                }
-                self.proto.on_msg(msg, &mut env, &mut out);
+                out = self.prealloc(engine, msg, extra);
             }
             Msg::Abort { req } => {
                 // A deferred prealloc never reserved anything.
@@ -785,6 +776,23 @@ impl DecodeLoop {
         self.emit(out);
     }
 
+    /// Runs a `Prealloc` through the protocol with its request body (the body is
+    /// what the decode node admits and later decodes).
+    fn prealloc(&mut self, engine: &mut Engine, msg: Msg, extra: Extra) -> Vec<Output> {
+        let mut out = Vec::new();
+        let mut env = Self::env(engine, &mut self.seqs, &mut self.by_seq);
+        if let Extra::Decode {
+            req,
+            sink,
+            submitted,
+        } = extra
+        {
+            env.pending_body = Some((req, sink, submitted));
+        }
+        self.proto.on_msg(msg, &mut env, &mut out);
+        out
+    }
+
     fn admit_deferred(&mut self, engine: &mut Engine) {
         while let Some((
             Msg::Prealloc {
@@ -800,17 +808,7 @@ impl DecodeLoop {
                 break;
             }
             let (msg, extra) = self.deferred.pop_front().unwrap();
-            let mut out = Vec::new();
-            let mut env = Self::env(engine, &mut self.seqs, &mut self.by_seq);
-            if let Extra::Decode {
-                req,
-                sink,
-                submitted,
-            } = extra
-            {
-                env.pending_body = Some((req, sink, submitted));
-            }
-            self.proto.on_msg(msg, &mut env, &mut out);
+            let out = self.prealloc(engine, msg, extra);
             self.emit(out);
         }
     }
