@@ -381,6 +381,50 @@ impl UcxRegionDescriptor {
 
 // ---- sink ----------------------------------------------------------------------
 
+/// A region must be a whole, non-zero number of pages.
+fn check_region(len: u64, page_bytes: u64) -> Result<(), UcxError> {
+    if len == 0 || len.checked_rem(page_bytes) != Some(0) {
+        return Err(UcxError::InvalidRegion(format!(
+            "length {len} must be a non-zero multiple of page_bytes {page_bytes}"
+        )));
+    }
+    Ok(())
+}
+
+/// `ucp_mem_map` parameters for a host region remote peers may write: `address`
+/// registers existing memory, a null `address` asks UCX to allocate it
+/// (`UCP_MEM_MAP_ALLOCATE`).
+fn mem_map_params(
+    address: *mut c_void,
+    len: usize,
+    page_bytes: usize,
+) -> Result<ffi::UcpMemMapParams, UcxError> {
+    check_region(len as u64, page_bytes as u64)?;
+    let allocate = address.is_null();
+    Ok(ffi::UcpMemMapParams {
+        field_mask: ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | if allocate {
+                ffi::UCP_MEM_MAP_PARAM_FIELD_FLAGS
+            } else {
+                0
+            }
+            | ffi::UCP_MEM_MAP_PARAM_FIELD_PROT
+            | ffi::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+        address,
+        length: len,
+        flags: if allocate {
+            ffi::UCP_MEM_MAP_ALLOCATE
+        } else {
+            0
+        },
+        prot: ffi::UCP_MEM_MAP_PROT_LOCAL_READ
+            | ffi::UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | ffi::UCP_MEM_MAP_PROT_REMOTE_WRITE,
+        memory_type: ffi::UCS_MEMORY_TYPE_HOST,
+    })
+}
+
 /// Decode side: a registered destination region (`ucp_mem_map` of existing memory
 /// with local read/write and remote write access) on its own worker.
 ///
@@ -445,24 +489,7 @@ impl UcxSink {
         len: usize,
         page_bytes: usize,
     ) -> Result<Self, UcxError> {
-        if len == 0 || len.checked_rem(page_bytes) != Some(0) {
-            return Err(UcxError::InvalidRegion(format!(
-                "length {len} must be a non-zero multiple of page_bytes {page_bytes}"
-            )));
-        }
-        let params = ffi::UcpMemMapParams {
-            field_mask: ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-                | ffi::UCP_MEM_MAP_PARAM_FIELD_PROT
-                | ffi::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
-            address: base.as_ptr() as *mut c_void,
-            length: len,
-            flags: 0,
-            prot: ffi::UCP_MEM_MAP_PROT_LOCAL_READ
-                | ffi::UCP_MEM_MAP_PROT_LOCAL_WRITE
-                | ffi::UCP_MEM_MAP_PROT_REMOTE_WRITE,
-            memory_type: ffi::UCS_MEMORY_TYPE_HOST,
-        };
+        let params = mem_map_params(base.as_ptr() as *mut c_void, len, page_bytes)?;
         // SAFETY: the caller guarantees the range is one live allocation for the
         // sink's life.
         unsafe { Self::map(ctx, &params, page_bytes) }
@@ -478,25 +505,8 @@ impl UcxSink {
     /// # Errors
     /// As [`register`](Self::register).
     pub fn allocate(ctx: &UcxContext, len: usize, page_bytes: usize) -> Result<Self, UcxError> {
-        if len == 0 || len.checked_rem(page_bytes) != Some(0) {
-            return Err(UcxError::InvalidRegion(format!(
-                "length {len} must be a non-zero multiple of page_bytes {page_bytes}"
-            )));
-        }
-        let params = ffi::UcpMemMapParams {
-            field_mask: ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-                | ffi::UCP_MEM_MAP_PARAM_FIELD_FLAGS
-                | ffi::UCP_MEM_MAP_PARAM_FIELD_PROT
-                | ffi::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
-            address: ptr::null_mut(),
-            length: len,
-            flags: ffi::UCP_MEM_MAP_ALLOCATE,
-            prot: ffi::UCP_MEM_MAP_PROT_LOCAL_READ
-                | ffi::UCP_MEM_MAP_PROT_LOCAL_WRITE
-                | ffi::UCP_MEM_MAP_PROT_REMOTE_WRITE,
-            memory_type: ffi::UCS_MEMORY_TYPE_HOST,
-        };
+        // A null address with the ALLOCATE flag: UCX allocates the region.
+        let params = mem_map_params(ptr::null_mut(), len, page_bytes)?;
         // SAFETY: UCX allocates the memory itself and frees it at ucp_mem_unmap,
         // when the sink drops.
         unsafe { Self::map(ctx, &params, page_bytes) }
@@ -757,12 +767,7 @@ impl UcxSource {
                 "descriptor has no worker address or rkey".into(),
             ));
         }
-        if desc.len == 0 || desc.len.checked_rem(desc.page_bytes) != Some(0) {
-            return Err(UcxError::InvalidRegion(format!(
-                "length {} must be a non-zero multiple of page_bytes {}",
-                desc.len, desc.page_bytes
-            )));
-        }
+        check_region(desc.len, desc.page_bytes)?;
         if desc.base.checked_add(desc.len).is_none() {
             return Err(UcxError::InvalidRegion(format!(
                 "region {:#x} + {} overflows the address space",
