@@ -7,8 +7,9 @@ use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use tessera_backend::sampling::SamplingParams;
-use tessera_backend::{Engine, EngineConfig, Event, GenerateRequest, LoadedModel};
+use tessera_engine::{Engine, EngineConfig, Event, GenerateRequest};
+use tessera_model::sampling::SamplingParams;
+use tessera_model::LoadedModel;
 
 /// Arguments of `tessera bench`.
 #[derive(Args, Debug)]

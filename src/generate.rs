@@ -6,9 +6,10 @@ use clap::Args;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-use tessera_backend::chat::ChatMessage;
-use tessera_backend::sampling::SamplingParams;
-use tessera_backend::{Engine, EngineConfig, Event, GenerateRequest, LoadedModel};
+use tessera_engine::{Engine, EngineConfig, Event, GenerateRequest};
+use tessera_model::chat::ChatMessage;
+use tessera_model::sampling::SamplingParams;
+use tessera_model::LoadedModel;
 
 /// Arguments of `tessera generate`.
 #[derive(Args, Debug)]

@@ -4,11 +4,11 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use std::path::{Path, PathBuf};
-use tessera_backend::config::{DeploymentConfig, ModelEntry, PoolConfig, Role};
-use tessera_backend::pd::remote::{
+use tessera_config::{DeploymentConfig, ModelEntry, PoolConfig, Role};
+use tessera_model::LoadedModel;
+use tessera_serving::remote::{
     run_node_process, NodeOptions, NodeRole, RemoteNodes, TransportKind,
 };
-use tessera_backend::LoadedModel;
 
 /// A node's role on the command line.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -108,7 +108,7 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     // I2: refuse to start with a pool that cannot hold one full context window.
     pool.check_fits(&entry.id, model.llama.config().context)
         .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
-    let mut engine = pool.engine_config();
+    let mut engine = tessera_serving::remote::pool_engine_config(pool);
     engine.kv_scrub = a.kv_scrub;
     let opts = NodeOptions {
         role: match a.role {

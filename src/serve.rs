@@ -7,10 +7,12 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use tessera_backend::config::{check_pool_fits, Role};
-use tessera_backend::runtime::DEFAULT_MODEL_ID;
-use tessera_backend::{EngineConfig, EngineHandle, LoadedModel};
+use tessera_config::{check_pool_fits, Role};
+use tessera_engine::EngineConfig;
 use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
+use tessera_model::gguf::DEFAULT_MODEL_ID;
+use tessera_model::LoadedModel;
+use tessera_serving::EngineHandle;
 use tessera_tenancy::{Limits, Store};
 
 /// Where the store lives: `--store URL`, or a SQLite file in `--data-dir`.
@@ -254,6 +256,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             data_dir.join("admin-token").display()
         );
     }
+    let shutdown = shutdown_signal();
     let tenants = store.list_tenants().await?;
     let (account, key) = if tenants.is_empty() {
         let t = store.create_tenant("default", Limits::default()).await?;
@@ -288,31 +291,29 @@ async fn serve(a: ServeArgs) -> Result<()> {
     say!("");
     server
         .run_until(async {
-            shutdown_signal().await;
+            shutdown.await;
             eprintln!("tessera: shutting down (draining running requests)");
         })
         .await
 }
 
-/// Ctrl-C, or SIGTERM (what service managers and Kubernetes send).
-async fn shutdown_signal() {
+/// Ctrl-C, or SIGTERM (what service managers and Kubernetes send). The handlers are
+/// installed when this is called, before the future is first polled, so a signal that
+/// arrives right after the banner (a supervisor that stops the server at once) drains
+/// instead of killing the process.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
+    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let ctrl_c = tokio::signal::ctrl_c();
+    async move {
+        #[cfg(unix)]
+        if let Some(mut term) = term {
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
             }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+            return;
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+        let _ = ctrl_c.await;
     }
 }

@@ -23,10 +23,12 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_backend::chat::ChatMessage;
-use tessera_backend::sampling::SamplingParams;
-use tessera_backend::{EngineConfig, EngineHandle, Event, GenerateRequest, LoadedModel};
+use tessera_engine::{EngineConfig, Event, GenerateRequest};
 use tessera_gateway::{AppState, GatewayConfig, Server};
+use tessera_model::chat::ChatMessage;
+use tessera_model::sampling::SamplingParams;
+use tessera_model::LoadedModel;
+use tessera_serving::EngineHandle;
 use tessera_tenancy::{Limits, Store};
 
 const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";

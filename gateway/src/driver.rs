@@ -8,10 +8,10 @@
 use crate::error::{ApiError, ErrorKind};
 use crate::server::{AppState, Ctx};
 use std::sync::Arc;
-use tessera_backend::engine::EngineError;
-use tessera_backend::pd::protocol::RefusalKind;
-use tessera_backend::{Event, FinishReason};
+use tessera_engine::engine::EngineError;
+use tessera_engine::{Event, FinishReason};
 use tessera_tenancy::Permit;
+use tessera_transfer::protocol::RefusalKind;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// Messages from the driver to the HTTP side, in order: text, then one `Done` or
@@ -55,7 +55,7 @@ pub(crate) fn spawn(
         let mut generated = 0usize;
         let mut ttft = None;
         enum End {
-            Done(FinishReason, tessera_backend::engine::Usage),
+            Done(FinishReason, tessera_engine::engine::Usage),
             Error(EngineError),
             Aborted,
             Shutdown,

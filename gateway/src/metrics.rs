@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use tessera_backend::EngineStats;
+use tessera_serving::EngineStats;
 use tessera_tenancy::UsageRecord;
 
 const BUCKETS_S: [f64; 12] = [

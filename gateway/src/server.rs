@@ -18,7 +18,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_backend::{EngineHandle, LoadedModel};
+use tessera_model::LoadedModel;
+use tessera_serving::EngineHandle;
 use tessera_tenancy::{now_ms, AuthError, Limiter, Principal, Store, UsageRecord};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -101,7 +102,7 @@ impl AppState {
             store,
             engine,
             model,
-            catalog: Catalog::single(tessera_backend::runtime::DEFAULT_MODEL_ID, context),
+            catalog: Catalog::single(tessera_model::gguf::DEFAULT_MODEL_ID, context),
             limiter: Limiter::new(),
             admin_token: cfg.admin_token.clone(),
             max_body_bytes: cfg.max_body_bytes,

@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use tessera_backend::config::{ConfigError, DeploymentConfig, PoolFit, Verdict};
+use tessera_config::{ConfigError, DeploymentConfig, PoolFit, Verdict};
 
 /// A deployment file that parsed, and what the checks found.
 #[derive(Debug, Clone)]

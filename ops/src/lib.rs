@@ -4,7 +4,7 @@
 //!   deployment file (structure and I2: every pool holds a full context window of every
 //!   model it serves), as a human report or JSON.
 //!
-//! The deployment-file types and checks live in `tessera_backend::config`, so nodes
+//! The deployment-file types and checks live in `tessera_config`, so nodes
 //! check their own configuration at startup with the same code.
 
 pub mod check_config;

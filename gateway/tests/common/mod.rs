@@ -5,8 +5,10 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_backend::{EngineConfig, EngineHandle, LoadedModel};
+use tessera_engine::EngineConfig;
 use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
+use tessera_model::LoadedModel;
+use tessera_serving::EngineHandle;
 use tessera_tenancy::{Limits, Store, Tenant, UsageRecord};
 
 pub const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";

@@ -1,0 +1,1239 @@
+//! The deployment file (`tessera.toml`) and its validation, including the I2 check:
+//! every node's usable KV pool holds a full context window of every model it serves.
+//!
+//! One file describes a whole deployment: the gateway, the models and the node pools.
+//! Nodes read it at startup (`tessera node --role prefill|decode --config tessera.toml`)
+//! and refuse to start on a violation; `tessera ops check-config tessera.toml` gives the
+//! same verdict offline for the whole file.
+//!
+//! ```toml
+//! [gateway]
+//! listen = "127.0.0.1:8787"          # socket address the gateway binds
+//!
+//! [[models]]
+//! id = "@cf/huggingfacetb/smollm2-135m-instruct"
+//! path = "models/SmolLM2-135M-Instruct.Q4_1.gguf"   # relative to the working directory
+//! # context = 8192                   # optional; read from the GGUF when the file is there
+//!
+//! [[pools]]
+//! name = "prefill"
+//! role = "prefill"                   # prefill | decode | colocated
+//! page_size = 16                     # tokens per KV page (default 16)
+//! kv_pool_tokens = 16384             # pool size; usable = whole pages only
+//! nodes = ["127.0.0.1:9101"]         # node control addresses, host:port
+//! # models = ["@cf/..."]             # optional; default: every model
+//! ```
+//!
+//! - [`DeploymentConfig::load`] parses (unknown fields are errors, with the location).
+//! - [`DeploymentConfig::check`] / [`DeploymentConfig::check_offline`] return a
+//!   [`Verdict`]: every [`Violation`] (structure, context windows, I2) and one
+//!   [`PoolFit`] line per (model, pool) pair.
+//! - [`check_pool_fits`] is the I2 check alone, pure, for a node that already knows
+//!   its model's context window.
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// Tokens per KV page when a pool does not set `page_size` (the engine's default).
+pub const DEFAULT_PAGE_SIZE: usize = 16;
+
+/// A whole deployment: the contents of `tessera.toml`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeploymentConfig {
+    /// The public gateway.
+    pub gateway: GatewayConfig,
+    /// Models served (`[[models]]`), at least one.
+    pub models: Vec<ModelEntry>,
+    /// Node pools (`[[pools]]`).
+    #[serde(default)]
+    pub pools: Vec<PoolConfig>,
+}
+
+/// `[gateway]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Socket address the gateway listens on (`ip:port`).
+    pub listen: SocketAddr,
+}
+
+/// One `[[models]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEntry {
+    /// Catalog id, e.g. `@cf/huggingfacetb/smollm2-135m-instruct`.
+    pub id: String,
+    /// GGUF file; a relative path is taken from the working directory, as every
+    /// other `tessera` path is.
+    pub path: PathBuf,
+    /// Context window in tokens. Optional: read from the GGUF (`<arch>.context_length`)
+    /// when the file is there; when both are known they must agree. Set it to check a
+    /// deployment file on a machine without the weights.
+    #[serde(default)]
+    pub context: Option<usize>,
+}
+
+/// Which part of the request a node pool runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Computes prompts' KV and sends it to a decode node.
+    Prefill,
+    /// Receives KV and generates tokens.
+    Decode,
+    /// Both, in one pool, with no transfer.
+    Colocated,
+}
+
+impl Role {
+    /// Every role.
+    pub const ALL: [Role; 3] = [Role::Prefill, Role::Decode, Role::Colocated];
+
+    /// The lowercase name used in the file and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Colocated => "colocated",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A role name that is not `prefill`, `decode` or `colocated`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown role `{0}` (expected prefill, decode or colocated)")]
+pub struct UnknownRole(pub String);
+
+impl FromStr for Role {
+    type Err = UnknownRole;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| UnknownRole(s.to_string()))
+    }
+}
+
+fn default_page_size() -> usize {
+    DEFAULT_PAGE_SIZE
+}
+
+/// One `[[pools]]` entry: nodes of one role with identical KV pools.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Unique pool name (used in messages and by `tessera node`).
+    pub name: String,
+    /// What the pool's nodes run.
+    pub role: Role,
+    /// Tokens per KV page (> 0; default [`DEFAULT_PAGE_SIZE`]).
+    #[serde(default = "default_page_size")]
+    pub page_size: usize,
+    /// KV pool size per node, in tokens; only whole pages are usable.
+    pub kv_pool_tokens: usize,
+    /// Node control addresses (`host:port`, IPv6 as `[addr]:port`), at least one.
+    pub nodes: Vec<String>,
+    /// Model ids this pool serves; absent: every model in the file.
+    #[serde(default)]
+    pub models: Option<Vec<String>>,
+}
+
+impl PoolConfig {
+    /// Tokens the pool can actually hold: whole pages only,
+    /// `floor(kv_pool_tokens / page_size) * page_size` (0 when `page_size` is 0).
+    pub fn usable_tokens(&self) -> usize {
+        self.kv_pool_tokens
+            .checked_div(self.page_size)
+            .map_or(0, |pages| pages * self.page_size)
+    }
+
+    /// Whether this pool serves `model_id`.
+    pub fn serves(&self, model_id: &str) -> bool {
+        self.models
+            .as_ref()
+            .is_none_or(|ids| ids.iter().any(|m| m == model_id))
+    }
+
+    /// The I2 check for this pool and one model: [`check_pool_fits`] with this pool's
+    /// name, role and usable tokens.
+    pub fn check_fits(&self, model_id: &str, context: usize) -> Result<(), PoolTooSmall> {
+        check_pool_fits(
+            model_id,
+            context,
+            self.role,
+            &self.name,
+            self.usable_tokens(),
+        )
+    }
+}
+
+/// I2 violated: a pool cannot hold one full context window of a model it serves, so a
+/// request that passes the context check could never be served by its nodes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{role} pool \"{pool}\" holds {usable_tokens} usable KV tokens but model {model} has a \
+     context window of {context} tokens (I2: a node's pool must hold a full context; raise \
+     kv_pool_tokens)"
+)]
+pub struct PoolTooSmall {
+    /// Model id.
+    pub model: String,
+    /// The model's context window, tokens.
+    pub context: usize,
+    /// The pool's role.
+    pub role: Role,
+    /// Pool name.
+    pub pool: String,
+    /// Usable KV tokens of one node of the pool (whole pages).
+    pub usable_tokens: usize,
+}
+
+/// The I2 check, pure: `usable_tokens >= context`.
+///
+/// `usable_tokens` must be whole pages ([`PoolConfig::usable_tokens`]); then it is
+/// equivalent to admission's test for a request of exactly `context` tokens (rounded
+/// up to pages), so every request that fits the context window fits the pool.
+pub fn check_pool_fits(
+    model_id: &str,
+    context: usize,
+    role: Role,
+    pool: &str,
+    usable_tokens: usize,
+) -> Result<(), PoolTooSmall> {
+    if usable_tokens >= context {
+        Ok(())
+    } else {
+        Err(PoolTooSmall {
+            model: model_id.to_string(),
+            context,
+            role,
+            pool: pool.to_string(),
+            usable_tokens,
+        })
+    }
+}
+
+/// Errors reading or parsing a deployment file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read deployment file {path}: {source}")]
+    Read {
+        /// File.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Not valid TOML, or not the schema (unknown field, wrong type, missing field).
+    #[error("invalid deployment file {path}: {source}")]
+    Parse {
+        /// File.
+        path: PathBuf,
+        /// Parser error, with line, column and the offending text.
+        source: Box<toml::de::Error>,
+    },
+}
+
+impl ConfigError {
+    /// Stable machine label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ConfigError::Read { .. } => "unreadable_config",
+            ConfigError::Parse { .. } => "invalid_config",
+        }
+    }
+}
+
+/// Why a model's context window is unknown.
+#[derive(Debug, thiserror::Error)]
+pub enum ContextError {
+    /// No file and no `context` in the entry.
+    #[error(
+        "model file {path} not found and no `context` is set; set `context = N` in its \
+         [[models]] entry or fetch the file"
+    )]
+    NotFound {
+        /// File tried.
+        path: PathBuf,
+    },
+    /// The file exists but could not be opened.
+    #[error("cannot open model file {path}: {source}")]
+    Open {
+        /// File.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Not a readable GGUF file.
+    #[error("{path} is not a readable GGUF file: {source}")]
+    Gguf {
+        /// File.
+        path: PathBuf,
+        /// Parser error.
+        source: Box<candle_core::Error>,
+    },
+    /// The GGUF has no context length.
+    #[error("{path} has no `{key}` metadata; set `context = N` in its [[models]] entry")]
+    Missing {
+        /// File.
+        path: PathBuf,
+        /// Metadata key looked up.
+        key: String,
+    },
+    /// `context` in the file disagrees with the GGUF.
+    #[error(
+        "`context = {configured}` disagrees with {path}, whose context window is {gguf} \
+         tokens; remove `context` or correct it"
+    )]
+    Mismatch {
+        /// File.
+        path: PathBuf,
+        /// Value in the deployment file.
+        configured: usize,
+        /// Value in the GGUF.
+        gguf: usize,
+    },
+}
+
+/// Reads a model's context window from GGUF metadata (`<general.architecture>.context_length`,
+/// `llama` when the architecture is absent) without reading the weights.
+pub fn read_context_window(path: &Path) -> Result<usize, ContextError> {
+    let mut f = std::fs::File::open(path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            ContextError::NotFound { path: path.into() }
+        } else {
+            ContextError::Open {
+                path: path.into(),
+                source,
+            }
+        }
+    })?;
+    // Reads the header, metadata and tensor descriptions; the tensor data stays on disk.
+    let content = Content::read(&mut f).map_err(|source| ContextError::Gguf {
+        path: path.into(),
+        source: Box::new(source),
+    })?;
+    let arch = match content.metadata.get("general.architecture") {
+        Some(Value::String(a)) => a.as_str(),
+        _ => "llama",
+    };
+    let key = format!("{arch}.context_length");
+    match content.metadata.get(&key) {
+        Some(Value::U32(v)) => Ok(*v as usize),
+        Some(Value::U64(v)) => Ok(*v as usize),
+        Some(Value::I32(v)) if *v > 0 => Ok(*v as usize),
+        Some(Value::I64(v)) if *v > 0 => Ok(*v as usize),
+        _ => Err(ContextError::Missing {
+            path: path.into(),
+            key,
+        }),
+    }
+}
+
+impl ModelEntry {
+    /// The context window this model is served with: the GGUF's when the file is there
+    /// (a `context` that disagrees is an error), else the entry's `context`.
+    pub fn context_window(&self) -> Result<usize, ContextError> {
+        match (read_context_window(&self.path), self.context) {
+            (Ok(gguf), Some(configured)) if configured != gguf => Err(ContextError::Mismatch {
+                path: self.path.clone(),
+                configured,
+                gguf,
+            }),
+            (Ok(gguf), _) => Ok(gguf),
+            (Err(ContextError::NotFound { .. }), Some(configured)) => Ok(configured),
+            (Err(e), _) => Err(e),
+        }
+    }
+}
+
+/// One problem with a deployment file. Every variant makes nodes refuse to start and
+/// `tessera ops check-config` exit non-zero.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Violation {
+    /// `[[models]]` is empty.
+    #[error("no models: add at least one [[models]] entry")]
+    NoModels,
+    /// Two `[[models]]` entries share an id.
+    #[error("model id {id} appears more than once in [[models]]")]
+    DuplicateModel {
+        /// Model id.
+        id: String,
+    },
+    /// Two `[[pools]]` entries share a name.
+    #[error("pool name \"{name}\" appears more than once in [[pools]]")]
+    DuplicatePool {
+        /// Pool name.
+        name: String,
+    },
+    /// `page_size = 0`.
+    #[error("pool \"{pool}\": page_size must be > 0")]
+    ZeroPageSize {
+        /// Pool name.
+        pool: String,
+    },
+    /// `nodes = []`.
+    #[error("pool \"{pool}\" lists no nodes")]
+    NoNodes {
+        /// Pool name.
+        pool: String,
+    },
+    /// `models = []`.
+    #[error("pool \"{pool}\" serves no models (`models = []`); list models or omit `models`")]
+    NoPoolModels {
+        /// Pool name.
+        pool: String,
+    },
+    /// A pool's `models` names a model not in `[[models]]`.
+    #[error("pool \"{pool}\" lists model {model}, which is not in [[models]]")]
+    UnknownModel {
+        /// Pool name.
+        pool: String,
+        /// The unknown id.
+        model: String,
+    },
+    /// A node address that is not `host:port`.
+    #[error("pool \"{pool}\": node address `{address}` is not host:port: {reason}")]
+    BadNodeAddress {
+        /// Pool name.
+        pool: String,
+        /// The address as written.
+        address: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// One node address in two places (a node runs one role, in one pool).
+    #[error("node `{address}` is listed more than once (pools \"{first}\" and \"{second}\")")]
+    DuplicateNode {
+        /// The address.
+        address: String,
+        /// First pool listing it.
+        first: String,
+        /// Second pool listing it.
+        second: String,
+    },
+    /// A model no pool of a needed role serves.
+    #[error(
+        "model {model} has no {role} pool: PD serving needs a prefill and a decode pool \
+         for each model, or a colocated pool"
+    )]
+    MissingRole {
+        /// Model id.
+        model: String,
+        /// The missing role.
+        role: Role,
+    },
+    /// The context window could not be determined.
+    #[error("cannot determine the context window of model {model}: {reason}")]
+    ContextUnknown {
+        /// Model id.
+        model: String,
+        /// Why.
+        reason: String,
+    },
+    /// `context` in the file differs from the model file's own context window
+    /// (admission uses the file's, so the pools are checked against that).
+    #[error("model {model}: `context = {configured}` but its GGUF says {gguf} tokens; remove `context` or make it {gguf}")]
+    ContextMismatch {
+        /// Model id.
+        model: String,
+        /// `context` in the deployment file.
+        configured: usize,
+        /// `<arch>.context_length` in the GGUF.
+        gguf: usize,
+    },
+    /// I2.
+    #[error(transparent)]
+    PoolTooSmall(#[from] PoolTooSmall),
+}
+
+impl Violation {
+    /// Stable machine label (JSON reports, tests).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Violation::NoModels => "no_models",
+            Violation::DuplicateModel { .. } => "duplicate_model",
+            Violation::DuplicatePool { .. } => "duplicate_pool",
+            Violation::ZeroPageSize { .. } => "zero_page_size",
+            Violation::NoNodes { .. } => "no_nodes",
+            Violation::NoPoolModels { .. } => "no_pool_models",
+            Violation::UnknownModel { .. } => "unknown_model",
+            Violation::BadNodeAddress { .. } => "bad_node_address",
+            Violation::DuplicateNode { .. } => "duplicate_node",
+            Violation::MissingRole { .. } => "missing_role",
+            Violation::ContextUnknown { .. } => "context_unknown",
+            Violation::ContextMismatch { .. } => "context_mismatch",
+            Violation::PoolTooSmall(_) => "pool_too_small",
+        }
+    }
+}
+
+/// A model's context window as the check found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelContext {
+    /// Model id.
+    pub id: String,
+    /// GGUF file.
+    pub path: PathBuf,
+    /// Context window in tokens; `None` when unknown (a violation says why).
+    pub context: Option<usize>,
+}
+
+/// The I2 comparison for one (model, pool) pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolFit {
+    /// Model id.
+    pub model: String,
+    /// Its context window, tokens.
+    pub context: usize,
+    /// Pool name.
+    pub pool: String,
+    /// Pool role.
+    pub role: Role,
+    /// Usable KV tokens of one node of the pool.
+    pub usable_tokens: usize,
+}
+
+impl PoolFit {
+    /// `usable_tokens >= context`.
+    pub fn fits(&self) -> bool {
+        self.usable_tokens >= self.context
+    }
+}
+
+/// Everything [`DeploymentConfig::check`] found.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Verdict {
+    /// Each model (first entry per id) and its context window.
+    pub models: Vec<ModelContext>,
+    /// One line per (model, pool serving it) whose context is known.
+    pub fits: Vec<PoolFit>,
+    /// Every violation, structural ones first.
+    pub violations: Vec<Violation>,
+}
+
+impl Verdict {
+    /// No violations.
+    pub fn is_ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// `Ok(self)` when there are no violations, else all of them as one error
+    /// (for a node's startup: `cfg.check_offline().into_result()?`).
+    pub fn into_result(self) -> Result<Verdict, ConfigRejected> {
+        if self.is_ok() {
+            Ok(self)
+        } else {
+            Err(ConfigRejected {
+                violations: self.violations,
+            })
+        }
+    }
+}
+
+/// A deployment file with violations; the message lists every one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigRejected {
+    /// Every violation found.
+    pub violations: Vec<Violation>,
+}
+
+impl fmt::Display for ConfigRejected {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.violations.len();
+        write!(
+            f,
+            "deployment configuration rejected ({n} violation{})",
+            if n == 1 { "" } else { "s" }
+        )?;
+        for v in &self.violations {
+            write!(f, "\n  - {v}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigRejected {}
+
+/// Checks that `address` is `host:port`: an IP socket address (IPv6 in brackets) or a
+/// DNS host name, and a port in 1..=65535. No name resolution.
+pub fn check_host_port(address: &str) -> Result<(), String> {
+    if let Ok(sa) = address.parse::<SocketAddr>() {
+        return if sa.port() == 0 {
+            Err("port 0 is not a fixed port".into())
+        } else {
+            Ok(())
+        };
+    }
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return Err("missing `:port`".into());
+    };
+    if host.is_empty() {
+        return Err("empty host".into());
+    }
+    if host.contains(':') || host.starts_with('[') {
+        return Err("IPv6 addresses are written `[addr]:port`".into());
+    }
+    match port.parse::<u16>() {
+        Ok(0) => return Err("port 0 is not a fixed port".into()),
+        Ok(_) => {}
+        Err(_) => return Err(format!("port `{port}` is not a number in 1..=65535")),
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    if host.len() > 253 || !host.split('.').all(label_ok) {
+        return Err(format!("`{host}` is not a valid host name"));
+    }
+    Ok(())
+}
+
+impl DeploymentConfig {
+    /// Reads and parses a deployment file. Only syntax and schema are checked here;
+    /// [`DeploymentConfig::check`] does the rest.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses deployment-file text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: origin.into(),
+            source: Box::new(source),
+        })
+    }
+
+    /// The pool named `name`.
+    pub fn pool(&self, name: &str) -> Option<&PoolConfig> {
+        self.pools.iter().find(|p| p.name == name)
+    }
+
+    /// Pools with `role`, in file order.
+    pub fn pools_with_role(&self, role: Role) -> impl Iterator<Item = &PoolConfig> {
+        self.pools.iter().filter(move |p| p.role == role)
+    }
+
+    /// The model entry with id `id`.
+    pub fn model(&self, id: &str) -> Option<&ModelEntry> {
+        self.models.iter().find(|m| m.id == id)
+    }
+
+    /// Models `pool` serves, in file order (first entry per id).
+    pub fn models_served_by<'a>(
+        &'a self,
+        pool: &'a PoolConfig,
+    ) -> impl Iterator<Item = &'a ModelEntry> + 'a {
+        let mut seen = HashSet::new();
+        self.models
+            .iter()
+            .filter(move |m| seen.insert(m.id.as_str()) && pool.serves(&m.id))
+    }
+
+    /// Structural violations only (no model files read): models, names, page sizes,
+    /// node addresses, pool coverage of every model.
+    pub fn structural_violations(&self) -> Vec<Violation> {
+        let mut out = Vec::new();
+        if self.models.is_empty() {
+            out.push(Violation::NoModels);
+        }
+        let mut ids = HashSet::new();
+        for m in &self.models {
+            if !ids.insert(m.id.as_str()) {
+                out.push(Violation::DuplicateModel { id: m.id.clone() });
+            }
+        }
+        let mut names = HashSet::new();
+        let mut node_pool: BTreeMap<&str, &str> = BTreeMap::new();
+        for p in &self.pools {
+            if !names.insert(p.name.as_str()) {
+                out.push(Violation::DuplicatePool {
+                    name: p.name.clone(),
+                });
+            }
+            if p.page_size == 0 {
+                out.push(Violation::ZeroPageSize {
+                    pool: p.name.clone(),
+                });
+            }
+            if p.nodes.is_empty() {
+                out.push(Violation::NoNodes {
+                    pool: p.name.clone(),
+                });
+            }
+            match &p.models {
+                Some(list) if list.is_empty() => out.push(Violation::NoPoolModels {
+                    pool: p.name.clone(),
+                }),
+                Some(list) => {
+                    for m in list.iter().filter(|m| !ids.contains(m.as_str())) {
+                        out.push(Violation::UnknownModel {
+                            pool: p.name.clone(),
+                            model: m.clone(),
+                        });
+                    }
+                }
+                None => {}
+            }
+            for a in &p.nodes {
+                if let Err(reason) = check_host_port(a) {
+                    out.push(Violation::BadNodeAddress {
+                        pool: p.name.clone(),
+                        address: a.clone(),
+                        reason,
+                    });
+                } else if let Some(first) = node_pool.insert(a.as_str(), p.name.as_str()) {
+                    out.push(Violation::DuplicateNode {
+                        address: a.clone(),
+                        first: first.to_string(),
+                        second: p.name.clone(),
+                    });
+                }
+            }
+        }
+        let mut seen = HashSet::new();
+        for m in self.models.iter().filter(|m| seen.insert(m.id.as_str())) {
+            let has = |role| self.pools_with_role(role).any(|p| p.serves(&m.id));
+            if has(Role::Colocated) {
+                continue;
+            }
+            for role in [Role::Prefill, Role::Decode] {
+                if !has(role) {
+                    out.push(Violation::MissingRole {
+                        model: m.id.clone(),
+                        role,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// The full verdict: structural violations, then each model's context window from
+    /// `context_of`, then I2 for every (model, pool serving it). Reports every
+    /// violation, not just the first.
+    ///
+    /// A node passes a `context_of` that returns the context of the model it loaded;
+    /// offline checks use [`DeploymentConfig::check_offline`].
+    pub fn check<E: fmt::Display>(
+        &self,
+        mut context_of: impl FnMut(&ModelEntry) -> Result<usize, E>,
+    ) -> Verdict {
+        let mut verdict = Verdict {
+            violations: self.structural_violations(),
+            ..Verdict::default()
+        };
+        let mut seen = HashSet::new();
+        for m in self.models.iter().filter(|m| seen.insert(m.id.as_str())) {
+            let context = match context_of(m) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    verdict.violations.push(Violation::ContextUnknown {
+                        model: m.id.clone(),
+                        reason: e.to_string(),
+                    });
+                    None
+                }
+            };
+            verdict.models.push(ModelContext {
+                id: m.id.clone(),
+                path: m.path.clone(),
+                context,
+            });
+            let Some(context) = context else { continue };
+            // A zero page size is already a violation; its I2 line would say nothing.
+            for p in self
+                .pools
+                .iter()
+                .filter(|p| p.page_size > 0 && p.serves(&m.id))
+            {
+                verdict.fits.push(PoolFit {
+                    model: m.id.clone(),
+                    context,
+                    pool: p.name.clone(),
+                    role: p.role,
+                    usable_tokens: p.usable_tokens(),
+                });
+                if let Err(e) = p.check_fits(&m.id, context) {
+                    verdict.violations.push(e.into());
+                }
+            }
+        }
+        verdict
+    }
+
+    /// [`DeploymentConfig::check`] with context windows from the model files
+    /// ([`ModelEntry::context_window`]).
+    pub fn check_offline(&self) -> Verdict {
+        // A `context` that disagrees with the GGUF is reported as such, and the pools
+        // are still checked against the GGUF's window (the one admission uses).
+        let mut mismatches = Vec::new();
+        let mut verdict = self.check(|m| match m.context_window() {
+            Err(ContextError::Mismatch {
+                configured, gguf, ..
+            }) => {
+                mismatches.push(Violation::ContextMismatch {
+                    model: m.id.clone(),
+                    configured,
+                    gguf,
+                });
+                Ok(gguf)
+            }
+            other => other,
+        });
+        verdict.violations.extend(mismatches);
+        verdict
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+
+    fn pool(name: &str, role: Role, kv_pool_tokens: usize, node: &str) -> PoolConfig {
+        PoolConfig {
+            name: name.into(),
+            role,
+            page_size: 16,
+            kv_pool_tokens,
+            nodes: vec![node.into()],
+            models: None,
+        }
+    }
+
+    fn model(id: &str, context: Option<usize>) -> ModelEntry {
+        ModelEntry {
+            id: id.into(),
+            path: PathBuf::from("/nonexistent/tessera-test/model.gguf"),
+            context,
+        }
+    }
+
+    /// One prefill and one decode pool of 16384 tokens, one model with context 8192.
+    fn pd() -> DeploymentConfig {
+        DeploymentConfig {
+            gateway: GatewayConfig {
+                listen: "127.0.0.1:8787".parse().unwrap(),
+            },
+            models: vec![model(MODEL, Some(8192))],
+            pools: vec![
+                pool("prefill", Role::Prefill, 16384, "127.0.0.1:9101"),
+                pool("decode", Role::Decode, 16384, "127.0.0.1:9201"),
+            ],
+        }
+    }
+
+    fn fixed(c: usize) -> impl FnMut(&ModelEntry) -> Result<usize, String> {
+        move |_| Ok(c)
+    }
+
+    fn labels(v: &[Violation]) -> Vec<&'static str> {
+        v.iter().map(Violation::label).collect()
+    }
+
+    #[test]
+    fn usable_tokens_is_whole_pages() {
+        let mut p = pool("p", Role::Decode, 16384, "h:1");
+        assert_eq!(p.usable_tokens(), 16384);
+        p.kv_pool_tokens = 16383;
+        assert_eq!(p.usable_tokens(), 16368);
+        p.kv_pool_tokens = 15;
+        assert_eq!(p.usable_tokens(), 0);
+        p.kv_pool_tokens = 100;
+        p.page_size = 7;
+        assert_eq!(p.usable_tokens(), 98);
+        p.page_size = 0;
+        assert_eq!(p.usable_tokens(), 0);
+    }
+
+    #[test]
+    fn role_parses_and_prints() {
+        for r in Role::ALL {
+            assert_eq!(r.to_string().parse::<Role>(), Ok(r));
+        }
+        assert_eq!(Role::Prefill.to_string(), "prefill");
+        assert_eq!("Decode".parse::<Role>(), Err(UnknownRole("Decode".into())));
+    }
+
+    #[test]
+    fn i2_boundary_usable_equal_to_context_passes_one_page_less_fails() {
+        assert_eq!(
+            check_pool_fits(MODEL, 8192, Role::Decode, "d", 8192),
+            Ok(())
+        );
+        let err = check_pool_fits(MODEL, 8192, Role::Decode, "decode-a", 8192 - 16).unwrap_err();
+        assert_eq!(
+            err,
+            PoolTooSmall {
+                model: MODEL.into(),
+                context: 8192,
+                role: Role::Decode,
+                pool: "decode-a".into(),
+                usable_tokens: 8176,
+            }
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with(&format!(
+                "decode pool \"decode-a\" holds 8176 usable KV tokens but model {MODEL} has a \
+                 context window of 8192 tokens (I2"
+            )),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn i2_uses_whole_pages_of_the_pool() {
+        // 8200 tokens configured, but only 512 whole pages (8192 tokens) are usable.
+        let mut p = pool("prefill", Role::Prefill, 8200, "h:1");
+        assert_eq!(p.check_fits(MODEL, 8192), Ok(()));
+        assert!(p.check_fits(MODEL, 8193).is_err());
+        // A context that is not a page multiple needs the next whole page.
+        p.kv_pool_tokens = 8191;
+        assert_eq!(p.check_fits(MODEL, 8176), Ok(()));
+        assert_eq!(p.check_fits(MODEL, 8177).unwrap_err().usable_tokens, 8176);
+    }
+
+    #[test]
+    fn good_pd_deployment_passes_with_one_line_per_pool() {
+        let v = pd().check(fixed(8192));
+        assert!(v.is_ok(), "{:?}", v.violations);
+        assert_eq!(v.fits.len(), 2);
+        assert!(v.fits.iter().all(PoolFit::fits));
+        assert_eq!(v.models[0].context, Some(8192));
+        assert!(v.into_result().is_ok());
+    }
+
+    #[test]
+    fn every_small_pool_is_reported_not_just_the_first() {
+        let mut c = pd();
+        c.pools[0].kv_pool_tokens = 4096;
+        c.pools[1].kv_pool_tokens = 8191;
+        let v = c.check(fixed(8192));
+        assert_eq!(labels(&v.violations), ["pool_too_small", "pool_too_small"]);
+        let Violation::PoolTooSmall(e) = &v.violations[1] else {
+            unreachable!()
+        };
+        assert_eq!(
+            (e.role, e.usable_tokens, e.context),
+            (Role::Decode, 8176, 8192)
+        );
+        let err = v.into_result().unwrap_err().to_string();
+        assert!(
+            err.starts_with("deployment configuration rejected (2 violations)"),
+            "{err}"
+        );
+        assert!(err.contains("prefill pool \"prefill\" holds 4096"), "{err}");
+    }
+
+    #[test]
+    fn structural_violations_each_reported() {
+        let mut c = pd();
+        c.models.push(model(MODEL, None));
+        c.pools
+            .push(pool("decode", Role::Decode, 16384, "127.0.0.1:9301"));
+        c.pools[0].page_size = 0;
+        c.pools[1].models = Some(vec!["@cf/nope".into()]);
+        c.pools[2].nodes = vec![];
+        let v = c.check(fixed(8192));
+        assert_eq!(
+            labels(&v.violations),
+            [
+                "duplicate_model",
+                "zero_page_size",
+                "unknown_model",
+                "duplicate_pool",
+                "no_nodes",
+            ]
+        );
+        // Duplicate model ids are checked once; the zero-page pool gets no I2 line.
+        assert_eq!(v.models.len(), 1);
+        assert_eq!(v.fits.len(), 1);
+        assert_eq!(v.fits[0].pool, "decode");
+    }
+
+    #[test]
+    fn no_models_and_empty_pool_model_list() {
+        let mut c = pd();
+        c.models.clear();
+        c.pools[0].models = Some(vec![]);
+        let v = c.check(fixed(8192));
+        assert_eq!(labels(&v.violations), ["no_models", "no_pool_models"]);
+        assert_eq!(
+            v.violations[1].to_string(),
+            "pool \"prefill\" serves no models (`models = []`); list models or omit `models`"
+        );
+    }
+
+    #[test]
+    fn pd_needs_prefill_and_decode_unless_colocated() {
+        let mut c = pd();
+        c.pools.remove(1);
+        let v = c.check(fixed(8192));
+        assert_eq!(
+            v.violations,
+            [Violation::MissingRole {
+                model: MODEL.into(),
+                role: Role::Decode
+            }]
+        );
+        assert!(v.violations[0].to_string().contains("has no decode pool"));
+
+        // A pool limited to another model does not cover this one.
+        let mut c = pd();
+        c.models.push(model("@cf/other", Some(4096)));
+        c.pools[0].models = Some(vec!["@cf/other".into()]);
+        c.pools[1].models = Some(vec![MODEL.into()]);
+        let v = c.check(fixed(8192));
+        assert_eq!(
+            v.violations,
+            [
+                Violation::MissingRole {
+                    model: MODEL.into(),
+                    role: Role::Prefill
+                },
+                Violation::MissingRole {
+                    model: "@cf/other".into(),
+                    role: Role::Decode
+                },
+            ]
+        );
+
+        // One colocated pool serves everything alone.
+        let mut c = pd();
+        c.pools = vec![pool("all", Role::Colocated, 8192, "127.0.0.1:9000")];
+        assert!(c.check(fixed(8192)).is_ok());
+    }
+
+    #[test]
+    fn node_addresses_must_be_host_port_and_unique() {
+        for good in [
+            "127.0.0.1:9101",
+            "[::1]:9101",
+            "node-1.pd.svc.cluster.local:9101",
+            "h:1",
+        ] {
+            assert_eq!(check_host_port(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "127.0.0.1",
+            ":9101",
+            "h:0",
+            "h:65536",
+            "h:port",
+            "::1:9101",
+            "bad_host:1",
+            "-h:1",
+            "a..b:1",
+        ] {
+            assert!(check_host_port(bad).is_err(), "{bad}");
+        }
+        let mut c = pd();
+        c.pools[0].nodes = vec!["127.0.0.1".into(), "127.0.0.1:9201".into()];
+        let v = c.check(fixed(8192));
+        assert_eq!(
+            labels(&v.violations),
+            ["bad_node_address", "duplicate_node"]
+        );
+        assert_eq!(
+            v.violations[0].to_string(),
+            "pool \"prefill\": node address `127.0.0.1` is not host:port: missing `:port`"
+        );
+        assert_eq!(
+            v.violations[1].to_string(),
+            "node `127.0.0.1:9201` is listed more than once (pools \"prefill\" and \"decode\")"
+        );
+    }
+
+    #[test]
+    fn context_that_disagrees_with_the_gguf_is_named_and_pools_are_still_checked() {
+        let mut c = pd();
+        c.models[0].path = gguf_path();
+        c.models[0].context = Some(4096);
+        for p in &mut c.pools {
+            p.kv_pool_tokens = 4096;
+        }
+        let v = c.check_offline();
+        let mut got = labels(&v.violations);
+        got.sort_unstable();
+        assert_eq!(
+            got,
+            ["context_mismatch", "pool_too_small", "pool_too_small"]
+        );
+        let msg = v
+            .violations
+            .iter()
+            .find(|e| e.label() == "context_mismatch")
+            .unwrap()
+            .to_string();
+        assert!(msg.contains("4096") && msg.contains("8192"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_context_is_a_violation_naming_the_model() {
+        let mut c = pd();
+        c.models[0].context = None;
+        let v = c.check_offline();
+        assert_eq!(labels(&v.violations), ["context_unknown"]);
+        let msg = v.violations[0].to_string();
+        assert!(
+            msg.starts_with(&format!("cannot determine the context window of model {MODEL}: model file /nonexistent/tessera-test/model.gguf not found")),
+            "{msg}"
+        );
+        assert!(msg.contains("set `context = N`"), "{msg}");
+        assert_eq!(v.models[0].context, None);
+        assert!(v.fits.is_empty());
+        // With `context` set and no file, the configured value is used.
+        assert!(pd().check_offline().is_ok());
+    }
+
+    fn gguf_path() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    }
+
+    #[test]
+    fn context_window_from_the_real_gguf() {
+        let path = gguf_path();
+        assert_eq!(read_context_window(&path).unwrap(), 8192);
+        let mut m = ModelEntry {
+            id: MODEL.into(),
+            path,
+            context: None,
+        };
+        assert_eq!(m.context_window().unwrap(), 8192);
+        m.context = Some(8192);
+        assert_eq!(m.context_window().unwrap(), 8192);
+        m.context = Some(4096);
+        let err = m.context_window().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ContextError::Mismatch {
+                    configured: 4096,
+                    gguf: 8192,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_file_that_is_not_gguf_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("tessera-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("not.gguf");
+        std::fs::write(&path, b"definitely not gguf").unwrap();
+        let err = read_context_window(&path).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(matches!(err, ContextError::Gguf { .. }), "{err}");
+    }
+
+    const EXAMPLE: &str = r#"
+[gateway]
+listen = "127.0.0.1:8787"
+
+[[models]]
+id = "@cf/huggingfacetb/smollm2-135m-instruct"
+path = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+context = 8192
+
+[[pools]]
+name = "prefill"
+role = "prefill"
+kv_pool_tokens = 16384
+nodes = ["127.0.0.1:9101"]
+
+[[pools]]
+name = "decode"
+role = "decode"
+page_size = 32
+kv_pool_tokens = 16384
+nodes = ["127.0.0.1:9201"]
+models = ["@cf/huggingfacetb/smollm2-135m-instruct"]
+"#;
+
+    #[test]
+    fn parses_the_documented_schema() {
+        let c = DeploymentConfig::parse(EXAMPLE, Path::new("t.toml")).unwrap();
+        assert_eq!(c.gateway.listen, "127.0.0.1:8787".parse().unwrap());
+        assert_eq!(c.models[0].context, Some(8192));
+        assert_eq!(c.pools[0].page_size, DEFAULT_PAGE_SIZE);
+        assert_eq!(c.pools[0].models, None);
+        assert_eq!(c.pools[1].page_size, 32);
+        assert_eq!(c.pools[1].role, Role::Decode);
+        assert_eq!(c.pools_with_role(Role::Decode).count(), 1);
+        assert_eq!(c.pool("decode").unwrap().nodes, ["127.0.0.1:9201"]);
+        let served: Vec<_> = c.models_served_by(&c.pools[1]).map(|m| &m.id).collect();
+        assert_eq!(served, [MODEL]);
+    }
+
+    #[test]
+    fn the_repository_example_parses_and_passes() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/deploy/tessera.toml");
+        let mut c = DeploymentConfig::load(&path).unwrap();
+        // Its model path is relative to the repository root.
+        for m in &mut c.models {
+            m.path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(&m.path);
+        }
+        let v = c.check_offline();
+        assert!(v.is_ok(), "{:?}", v.violations);
+        assert_eq!(v.fits.len(), 2);
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_parse_errors_with_location() {
+        let bad = EXAMPLE.replace(
+            "kv_pool_tokens = 16384\nnodes = [\"127.0.0.1:9101\"]",
+            "kv_pool_tokens = 16384\nkv_pool_tokenz = 1\nnodes = [\"127.0.0.1:9101\"]",
+        );
+        let err = DeploymentConfig::parse(&bad, Path::new("deploy/t.toml")).unwrap_err();
+        assert_eq!(err.label(), "invalid_config");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("invalid deployment file deploy/t.toml: "),
+            "{msg}"
+        );
+        assert!(msg.contains("unknown field `kv_pool_tokenz`"), "{msg}");
+        assert!(msg.contains("line 14"), "{msg}");
+
+        let bad = EXAMPLE.replace("role = \"prefill\"", "role = \"both\"");
+        let msg = DeploymentConfig::parse(&bad, Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("both"), "{msg}");
+
+        let bad = EXAMPLE.replace("127.0.0.1:8787", "localhost");
+        assert!(DeploymentConfig::parse(&bad, Path::new("t.toml")).is_err());
+
+        let err = DeploymentConfig::load(Path::new("/nonexistent/tessera.toml")).unwrap_err();
+        assert_eq!(err.label(), "unreadable_config");
+        assert!(err
+            .to_string()
+            .starts_with("cannot read deployment file /nonexistent/tessera.toml: "));
+    }
+}

@@ -1,0 +1,72 @@
+//! Test support (feature `test-util`): engines over the real model and what a
+//! request's stream received, shared by every crate's integration tests.
+
+use crate::{Engine, EngineConfig, Event, GenerateRequest};
+use tessera_model::sampling::SamplingParams;
+use tessera_model::LoadedModel;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub use tessera_model::testing::{chat_prompt, greedy_with_logits, load, model_path};
+
+/// An engine over `m` with `cfg`.
+pub fn engine(m: &LoadedModel, cfg: EngineConfig) -> Engine {
+    Engine::new(m.llama.clone(), m.tokenizer.clone(), cfg)
+}
+
+/// A greedy request of tenant 1.
+pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        tenant: 1,
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop: vec![],
+        ignore_eos: false,
+    }
+}
+
+/// Everything a request's stream received: token ids, text, final event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// Token ids, in order.
+    pub ids: Vec<u32>,
+    /// Concatenated text.
+    pub text: String,
+    /// The final event (`Done` with timings zeroed, or `Error`).
+    pub last: Option<Event>,
+}
+
+/// What `rx` holds now, as an [`Outcome`]. Panics on a token after the final event.
+pub fn drain(rx: &mut UnboundedReceiver<Event>) -> Outcome {
+    let mut o = Outcome {
+        ids: vec![],
+        text: String::new(),
+        last: None,
+    };
+    while let Ok(ev) = rx.try_recv() {
+        match ev {
+            Event::Token { id, text } => {
+                assert!(o.last.is_none(), "token after the final event");
+                o.ids.push(id);
+                o.text.push_str(&text);
+            }
+            // Timings differ run to run; compare everything else.
+            Event::Done { reason, mut usage } => {
+                usage.ttft = Default::default();
+                usage.tpot = Default::default();
+                o.last = Some(Event::Done { reason, usage });
+            }
+            e => o.last = Some(e),
+        }
+    }
+    o
+}
+
+/// Runs one request alone on a fresh engine; checks every page came back.
+pub fn solo(m: &LoadedModel, req: GenerateRequest) -> Outcome {
+    let mut e = engine(m, EngineConfig::default());
+    let mut rx = e.enqueue(e.admit(req).unwrap());
+    e.run_to_completion();
+    assert_eq!(e.kv().pool().free_pages(), e.kv().pool().capacity());
+    drain(&mut rx)
+}

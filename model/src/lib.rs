@@ -1,0 +1,18 @@
+//! Tessera model runtime: everything that turns a GGUF file into logits.
+//!
+//! - [`gguf`]: load a GGUF file (weights, tokenizer and chat template from one file).
+//! - [`llama`]: the llama forward pass over the paged KV cache.
+//! - [`kv`]: the page pool (tags, epochs, free list) and per-sequence block tables.
+//! - [`tokenizer`], [`chat`], [`detok`], [`sampling`]: text in and out.
+
+pub mod chat;
+pub mod detok;
+pub mod gguf;
+pub mod kv;
+pub mod llama;
+pub mod sampling;
+#[cfg(feature = "test-util")]
+pub mod testing;
+pub mod tokenizer;
+
+pub use gguf::{LoadedModel, DEFAULT_MODEL_ID};

@@ -1,0 +1,128 @@
+//! What the integrity checks cost end to end: page-tag checks on every KV read and
+//! write (I3) plus the transfer's CRC-32C page checksums on both sides (I4), as a
+//! ratio of disaggregated (prefill + decode, in-process transfer) output throughput
+//! with the checks on vs off, in the same process, rounds interleaved.
+//!
+//! ```sh
+//! cargo run --release -p tessera-serving --example integrity_overhead -- [ROUNDS] [REQUESTS] [MAX_TOKENS]
+//! ```
+//!
+//! Prints one JSON line per round and a summary line. The checks are never off in
+//! a server; this is the only caller of the switch.
+
+use std::time::Instant;
+use tessera_engine::{EngineConfig, Event, GenerateRequest};
+use tessera_kernels::attention::set_integrity_checks_for_benchmark;
+use tessera_model::sampling::SamplingParams;
+use tessera_model::LoadedModel;
+use tessera_serving::EngineHandle;
+
+const PROMPTS: [&str; 8] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a ten year old in two sentences.",
+    "List three primary colors.",
+    "Translate 'good morning' into Spanish, French and German.",
+    "What is 12 times 7?",
+    "Give me a short, friendly greeting for a birthday card.",
+    "Describe a lighthouse at night.",
+];
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("ROUNDS REQUESTS MAX_TOKENS are numbers"))
+        .collect();
+    let rounds = args.first().copied().unwrap_or(3);
+    let requests = args.get(1).copied().unwrap_or(16);
+    let max_tokens = args.get(2).copied().unwrap_or(64);
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let model = LoadedModel::load(&path).expect("load the model (tessera model fetch)");
+    let cfg = |tokens| EngineConfig {
+        kv_pool_tokens: tokens,
+        ..EngineConfig::default()
+    };
+    let h = EngineHandle::spawn_disaggregated(&model, &[cfg(8192)], &[cfg(16384)]);
+    let reqs: Vec<GenerateRequest> = (0..requests)
+        .map(|i| {
+            let text = model
+                .chat
+                .render(
+                    &[tessera_model::chat::ChatMessage::new(
+                        "user",
+                        PROMPTS[i % PROMPTS.len()],
+                    )],
+                    true,
+                )
+                .unwrap();
+            GenerateRequest {
+                tenant: 1 + i as u64 % 4,
+                prompt: model.tokenizer.encode(&text, true).unwrap(),
+                max_tokens,
+                sampling: SamplingParams::default(),
+                stop: vec![],
+                ignore_eos: true,
+            }
+        })
+        .collect();
+    // Warm-up (page faults, thread pool).
+    run(&h, &reqs[..2]);
+    let mut on = Vec::new();
+    let mut off = Vec::new();
+    for round in 0..rounds {
+        for checks in [true, false] {
+            set_integrity_checks_for_benchmark(checks);
+            let tps = run(&h, &reqs);
+            println!(
+                "{{\"round\": {round}, \"checks\": {checks}, \"requests\": {requests}, \"max_tokens\": {max_tokens}, \"output_tok_per_s\": {tps:.1}}}"
+            );
+            if checks { &mut on } else { &mut off }.push(tps);
+        }
+    }
+    set_integrity_checks_for_benchmark(true);
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (m_on, m_off) = (median(&mut on), median(&mut off));
+    // The checksums' share, measured directly: every prompt page is checksummed
+    // twice (prefill over the source bytes, decode over the landed bytes).
+    let layout = model.llama.config().kv_layout(16);
+    let page = vec![0x5au8; layout.page_elems() * 2];
+    let n = 2000;
+    let t = Instant::now();
+    let mut acc = 0u32;
+    for _ in 0..n {
+        acc ^= tessera_transfer::checksum::page_checksum(std::hint::black_box(&page));
+    }
+    let per_page = t.elapsed().as_secs_f64() / n as f64;
+    std::hint::black_box(acc);
+    let pages: usize = reqs.iter().map(|r| 2 * r.prompt.len().div_ceil(16)).sum();
+    let run_s = (requests * max_tokens) as f64 / m_on;
+    println!(
+        "{{\"summary\": true, \"median_on\": {m_on:.1}, \"median_off\": {m_off:.1}, \"on_over_off\": {:.4}, \"cost_percent\": {:.2}, \"crc_us_per_page\": {:.1}, \"crc_gb_per_s\": {:.1}, \"checksummed_pages_per_run\": {pages}, \"crc_share_of_run_percent\": {:.3}}}",
+        m_on / m_off,
+        (1.0 - m_on / m_off) * 100.0,
+        per_page * 1e6,
+        page.len() as f64 / per_page / 1e9,
+        pages as f64 * per_page / run_s * 100.0
+    );
+}
+
+/// Submits every request at once and returns output tokens per second.
+fn run(h: &EngineHandle, reqs: &[GenerateRequest]) -> f64 {
+    let start = Instant::now();
+    let mut rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    let mut tokens = 0usize;
+    for rx in &mut rxs {
+        loop {
+            match rx.blocking_recv() {
+                Some(Event::Token { .. }) => tokens += 1,
+                Some(Event::Done { .. }) => break,
+                other => panic!("request failed: {other:?}"),
+            }
+        }
+    }
+    tokens as f64 / start.elapsed().as_secs_f64()
+}

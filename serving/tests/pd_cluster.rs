@@ -1,0 +1,398 @@
+//! Prefill/decode disaggregation end to end with the real model: a prefill engine
+//! and a decode engine in one process, joined by the KV transfer protocol over the
+//! in-process transport. Each test reproduces a bug class of PD serving engines and
+//! checks the client-visible result (an error, never tokens presented as success)
+//! and that every pool returns to its start free-page count.
+
+use std::time::{Duration, Instant};
+use tessera_engine::engine::{EngineError, Rejection};
+use tessera_engine::testing::*;
+use tessera_engine::{EngineConfig, Event, GenerateRequest};
+use tessera_model::LoadedModel;
+use tessera_serving::cluster::TransferFault;
+use tessera_serving::EngineHandle;
+use tessera_transfer::protocol::{Msg, PageCommit, ReqId, Role};
+use tessera_transfer::transport::DestPage;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+fn cfg(tokens: usize) -> EngineConfig {
+    EngineConfig {
+        kv_pool_tokens: tokens,
+        ..EngineConfig::default()
+    }
+}
+
+/// Small pools keep the test's memory low; startup validation (I2) is bypassed on
+/// purpose: these tests exercise the per-request checks behind it.
+fn cluster(m: &LoadedModel, prefill_tokens: usize, decode_tokens: usize) -> EngineHandle {
+    EngineHandle::spawn_disaggregated(m, &[cfg(prefill_tokens)], &[cfg(decode_tokens)])
+}
+
+/// Every event of one request, up to its final event (bounded wait).
+fn collect(rx: &mut UnboundedReceiver<Event>) -> Outcome {
+    let mut o = Outcome {
+        ids: vec![],
+        text: String::new(),
+        last: None,
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while o.last.is_none() {
+        assert!(Instant::now() < deadline, "request did not finish");
+        match rx.try_recv() {
+            Ok(Event::Token { id, text }) => {
+                o.ids.push(id);
+                o.text.push_str(&text);
+            }
+            Ok(Event::Done { reason, mut usage }) => {
+                usage.ttft = Default::default();
+                usage.tpot = Default::default();
+                o.last = Some(Event::Done { reason, usage });
+            }
+            Ok(e) => o.last = Some(e),
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
+            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+                panic!("stream closed without a final event: {o:?}")
+            }
+        }
+    }
+    o
+}
+
+/// Waits until every node's pool is full again and every request was released.
+fn assert_pools_full(h: &EngineHandle) {
+    let c = h.cluster().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let p = c.node_stats(Role::Prefill, 0);
+        let d = c.node_stats(Role::Decode, 0);
+        if p.free_pages == p.capacity_pages
+            && d.free_pages == d.capacity_pages
+            && p.running + p.waiting + d.running + d.waiting == 0
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pools not back to full: prefill {p:?}, decode {d:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn transfer_error(o: &Outcome) -> String {
+    match &o.last {
+        Some(Event::Error(EngineError::Transfer(m))) => m.clone(),
+        other => panic!("expected a transfer error, got {other:?} after {:?}", o.ids),
+    }
+}
+
+#[test]
+fn concurrent_requests_through_prefill_and_decode_equal_their_solo_outputs() {
+    let m = load();
+    let h = cluster(&m, 4096, 8192);
+    let prompts = [
+        "Hi",
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain photosynthesis to a ten year old in two sentences.",
+        "List three primary colors.",
+    ];
+    let reqs: Vec<GenerateRequest> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = greedy(chat_prompt(&m, p), 16);
+            r.tenant = 1 + i as u64 % 2;
+            r
+        })
+        .collect();
+    let alone: Vec<Outcome> = reqs.iter().map(|r| solo(&m, r.clone())).collect();
+    let mut rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        assert_eq!(collect(rx), alone[i], "prompt {:?}", prompts[i]);
+    }
+    assert_pools_full(&h);
+    let c = h.cluster().unwrap();
+    assert_eq!(
+        c.counters()
+            .commits_rejected
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}
+
+#[test]
+fn prompt_over_the_prefill_pool_but_under_the_context_window_is_refused_before_any_transfer() {
+    let m = load();
+    // Decode pool larger than the prefill pool; the prompt lies between them.
+    let h = cluster(&m, 256, 4096);
+    let before = h.stats();
+    let words = "tell me about the sea and the sky ".repeat(60);
+    let prompt = m.tokenizer.encode(&words, false).unwrap();
+    assert!(
+        prompt.len() > 256 && prompt.len() + 8 < 4096,
+        "{}",
+        prompt.len()
+    );
+    let err = h.submit(greedy(prompt, 8)).unwrap_err();
+    assert!(
+        matches!(err, Rejection::PoolTooSmall { capacity: 256, .. }),
+        "{err:?}"
+    );
+    assert_eq!(h.stats(), before, "nothing allocated, nothing queued");
+    let c = h.cluster().unwrap();
+    assert_eq!(
+        c.counters()
+            .released
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "no transfer started"
+    );
+}
+
+#[test]
+fn prompt_plus_output_over_the_decode_pool_is_refused_before_any_transfer() {
+    let m = load();
+    let h = cluster(&m, 4096, 512);
+    let prompt = chat_prompt(&m, "What is the capital of France?");
+    let err = h.submit(greedy(prompt, 600)).unwrap_err();
+    assert!(
+        matches!(err, Rejection::PoolTooSmall { capacity: 512, .. }),
+        "{err:?}"
+    );
+    assert_pools_full(&h);
+}
+
+#[test]
+fn client_abort_during_the_transfer_frees_both_pools_and_the_next_request_is_clean() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    // A prompt over one step's token budget (512) keeps the prefill busy for
+    // several steps while the client goes away.
+    let long = m
+        .tokenizer
+        .encode(
+            &"a story about a lighthouse keeper and the sea. ".repeat(100),
+            false,
+        )
+        .unwrap();
+    assert!(long.len() > 900, "{}", long.len());
+    let rx = h.submit(greedy(long, 32)).unwrap();
+    let c = h.cluster().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.node_stats(Role::Prefill, 0).running == 0 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(rx);
+    // The next request (another tenant) gets the just-freed pages.
+    let mut next = greedy(chat_prompt(&m, "What is 12 times 7?"), 16);
+    next.tenant = 9;
+    let alone = solo(&m, next.clone());
+    let mut rx = h.submit(next).unwrap();
+    assert_eq!(collect(&mut rx), alone);
+    assert_pools_full(&h);
+}
+
+#[test]
+fn abort_right_after_submit_then_a_new_request_equals_its_solo_output() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    for _ in 0..3 {
+        drop(
+            h.submit(greedy(chat_prompt(&m, "Write a haiku about the sea."), 32))
+                .unwrap(),
+        );
+    }
+    let mut next = greedy(chat_prompt(&m, "List three primary colors."), 16);
+    next.tenant = 5;
+    let alone = solo(&m, next.clone());
+    let mut rx = h.submit(next).unwrap();
+    assert_eq!(collect(&mut rx), alone);
+    assert_pools_full(&h);
+}
+
+#[test]
+fn transfer_missing_a_page_write_fails_the_request_with_an_error() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    h.cluster()
+        .unwrap()
+        .inject_fault(TransferFault::DropLastWrite);
+    let mut rx = h
+        .submit(greedy(chat_prompt(&m, "What is the capital of France?"), 8))
+        .unwrap();
+    let o = collect(&mut rx);
+    assert!(o.ids.is_empty(), "no token may reach the client: {o:?}");
+    let e = transfer_error(&o);
+    assert!(e.contains("checksum"), "{e}");
+    assert_pools_full(&h);
+}
+
+#[test]
+fn corrupted_byte_in_a_page_fails_the_request_with_an_error() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    h.cluster()
+        .unwrap()
+        .inject_fault(TransferFault::CorruptByte);
+    let mut rx = h
+        .submit(greedy(chat_prompt(&m, "Write a haiku about the sea."), 8))
+        .unwrap();
+    let o = collect(&mut rx);
+    assert!(o.ids.is_empty(), "{o:?}");
+    assert!(transfer_error(&o).contains("checksum"));
+    assert_pools_full(&h);
+}
+
+#[test]
+fn duplicated_commit_is_refused_and_the_request_decodes_once() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    c.inject_fault(TransferFault::DuplicateCommit);
+    let req = greedy(chat_prompt(&m, "List three primary colors."), 12);
+    let alone = solo(&m, req.clone());
+    let mut rx = h.submit(req).unwrap();
+    assert_eq!(collect(&mut rx), alone);
+    assert_pools_full(&h);
+    assert_eq!(
+        c.counters()
+            .commits_rejected
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn commit_for_an_unknown_request_is_refused_and_changes_nothing() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    let before = h.stats();
+    c.deliver_to_decode(
+        0,
+        Msg::Commit {
+            req: ReqId(987_654),
+            tokens: 16,
+            pages: vec![PageCommit {
+                dest: DestPage {
+                    page: 0,
+                    tag: Default::default(),
+                },
+                checksum: 0,
+            }],
+            first_token: 1,
+        },
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c
+        .counters()
+        .commits_rejected
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(Instant::now() < deadline, "forged commit not refused");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(h.stats(), before);
+    // The node still serves.
+    let req = greedy(chat_prompt(&m, "Hi"), 8);
+    let alone = solo(&m, req.clone());
+    assert_eq!(collect(&mut h.submit(req).unwrap()), alone);
+}
+
+#[test]
+fn late_write_after_the_request_ended_is_dropped_and_the_new_owner_is_untouched() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    c.tap_writes();
+    let mut first = h
+        .submit(greedy(chat_prompt(&m, "What is the capital of France?"), 4))
+        .unwrap();
+    collect(&mut first);
+    assert_pools_full(&h);
+    let late = c.tapped_writes();
+    assert!(!late.is_empty());
+    // A new tenant's request takes the same pages (LIFO free list) while the old
+    // writes "arrive late".
+    let mut next = greedy(chat_prompt(&m, "Write a haiku about the sea."), 24);
+    next.tenant = 77;
+    let alone = solo(&m, next.clone());
+    let mut rx = h.submit(next).unwrap();
+    // Wait until it decodes (its prompt pages are in place), then replay.
+    while c.node_stats(Role::Decode, 0).running == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let n = late.len() as u64;
+    for w in late {
+        c.deliver_write(0, w);
+    }
+    assert_eq!(collect(&mut rx), alone);
+    assert!(
+        c.counters()
+            .writes_dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= n
+    );
+    assert_pools_full(&h);
+}
+
+#[test]
+fn prefill_node_killed_mid_transfer_fails_the_request_and_frees_the_decode_pool() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    let long = m
+        .tokenizer
+        .encode(
+            &"the quick brown fox jumps over the lazy dog. ".repeat(60),
+            false,
+        )
+        .unwrap();
+    let mut rx = h.submit(greedy(long, 16)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.node_stats(Role::Prefill, 0).running == 0 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    c.kill_node(Role::Prefill, 0);
+    let o = collect(&mut rx);
+    assert!(o.ids.is_empty());
+    assert!(transfer_error(&o).contains("Prefill"), "{o:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let d = c.node_stats(Role::Decode, 0);
+        if d.free_pages == d.capacity_pages {
+            break;
+        }
+        assert!(Instant::now() < deadline, "decode pool not freed: {d:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn decode_node_killed_mid_stream_ends_the_stream_with_an_error_and_prefill_is_full() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    let mut req = greedy(chat_prompt(&m, "Write a long story about the sea."), 400);
+    req.ignore_eos = true;
+    let mut rx = h.submit(req).unwrap();
+    // Wait for a few streamed tokens.
+    let mut got = 0;
+    while got < 3 {
+        match rx.blocking_recv() {
+            Some(Event::Token { .. }) => got += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    c.kill_node(Role::Decode, 0);
+    let o = collect(&mut rx);
+    assert!(transfer_error(&o).contains("Decode"), "{o:?}");
+    let p = c.node_stats(Role::Prefill, 0);
+    assert_eq!(p.free_pages, p.capacity_pages);
+}

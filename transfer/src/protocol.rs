@@ -1,0 +1,2196 @@
+//! The KV transfer protocol (DESIGN.md §6) as pure state machines: no I/O, no
+//! threads, no engine types. The very same functions run in production (driven by
+//! the PD driver over real sockets, engines and a [`KvTransport`](crate::transport::KvTransport))
+//! and under the stateright model checker (`transfer/tests/protocol_model.rs`), which proves
+//! S1-S5 over them.
+//!
+//! # Roles
+//!
+//! Per request there are three roles ([`Role`]):
+//! - the **coordinator** ([`Coordinator`], one per request, gateway side) drives the
+//!   request, retransmits on timeout and reports exactly one [`Outcome`] to the client;
+//! - the **decode node** ([`DecodeNode`], one per node, all requests) admits and
+//!   reserves destination pages, verifies the commit (I4) and runs the decode;
+//! - the **prefill node** ([`PrefillNode`], one per node, all requests) admits,
+//!   allocates source pages, computes the prompt's KV, writes it one-sidedly into the
+//!   decode node's pages, drains the transport and commits.
+//!
+//! # Messages
+//!
+//! ```text
+//!  Coordinator                 Prefill                    Decode
+//!      |------------------ Prealloc ------------------------>|  I1 + reserve pages
+//!      |<----------------- Descriptor (dest pages + tags) ---|  (or Rejected: terminal)
+//!      |---- Prefill(dest) --->|  I1 + allocate               |
+//!      |   (or Rejected) <-----|  compute, put page i ------->|  one-sided writes
+//!      |                       |  flush: writes drained       |
+//!      |                       |  release source pages (I5)   |
+//!      |                       |------- Commit -------------->|  verify (I4): tokens,
+//!      |<------------------------------- Committed ----------|  pages, tags, checksums
+//!      |                       |      (or CommitFailed, pages freed)
+//!      |<------------------------------- Finished -----------|  decode ended, pages freed
+//!
+//!  Abort (client gone, failure, node down), prefill side first:
+//!      |------ Abort --------->|  stop computing, drain writes, release pages
+//!      |<----- AbortAck -------|
+//!      |------------------------------- Abort -------------->|  release reserved pages
+//!      |<------------------------------ AbortAck ------------|
+//! ```
+//!
+//! Control messages may be lost, duplicated and reordered: the coordinator
+//! retransmits its last request on timeout ([`Coordinator::on_timeout`]: `Prealloc`,
+//! `Prefill`, `Poll` while decoding, `Abort`) and every node answers a duplicate by
+//! re-sending its latest reply for that request, never by acting twice (a duplicated
+//! `Prefill` re-sends the `Commit`, a duplicated `Commit` re-sends `Committed` or
+//! `Finished`). `Finished` also stands for a lost `Committed` (decode sends it only for
+//! a sequence it admitted on a verified commit). Nodes keep a record per request (a
+//! *tombstone* once the request ended) so that a late or duplicated `Prealloc`,
+//! `Prefill` or `Commit` cannot allocate, write or admit again;
+//! [`Records::forget`] (through `records_mut()` of either node) drops a record once no copy of a
+//! message for it can still arrive.
+//!
+//! # Driver contract
+//!
+//! - Each state machine has one owner; calls into it never interleave.
+//! - After each call, execute the [`Output`]s in order: `Send` transmits (a node's
+//!   `Send { to: Coordinator }` goes to the coordinator of `msg.req()`); `Outcome`
+//!   answers the client (exactly once); `Released` records usage and releases limits.
+//! - Environment calls ([`DecodeEnv`], [`PrefillEnv`]) are synchronous and made in the
+//!   order the protocol needs (e.g. `release` before the `Commit` is queued).
+//!   Asynchronous completions come back as calls: [`PrefillNode::on_computed`] /
+//!   [`PrefillNode::on_compute_failed`] from the prefill engine,
+//!   [`PrefillNode::on_drained`] from the transport flush,
+//!   [`DecodeNode::on_decode_finished`] from the decode engine.
+//! - [`Coordinator::on_timeout`] on a retransmission timer; [`Coordinator::on_node_down`]
+//!   from the failure detector, and only once the transport connection to that node is
+//!   torn down (nothing it issued can still land: a dead node writes nothing). A
+//!   restarted node is a new node: it never sees messages for requests of its past
+//!   incarnation.
+//!
+//! # Why each safety property holds
+//!
+//! - **S1** (decode never reads a page whose tag is not its sequence's): decode admits
+//!   only after [`DecodeNode::on_commit`] checked token count, page set, tags and the
+//!   checksum of the bytes that landed in every page (I4); duplicates never re-admit.
+//! - **S2** (no page is freed while a write into it can still land): the prefill
+//!   node releases its source pages and sends `Commit` only after the transport
+//!   reported its writes drained; on abort it acks only after draining; the
+//!   coordinator aborts the decode side (which frees the destination pages) only after
+//!   the prefill side acknowledged, or after it learned the prefill node is dead (a
+//!   dead node writes nothing: its transport connection is torn down first).
+//! - **S3** (a rejected request never reaches transfer): a [`Refusal`] is terminal on
+//!   every role: the coordinator stops at `Rejected`, the nodes keep a refused record
+//!   that answers duplicates with `Rejected` again.
+//! - **S4** (exactly one terminal outcome; 200 only on success): the coordinator
+//!   reports its [`Outcome`] once ([`Output::Outcome`]); `Succeeded` only on
+//!   `Finished(Completed)`, which decode sends only for a sequence it admitted on a
+//!   verified commit and ran to completion.
+//! - **S5** (no leak at quiescence): every path that ends a request frees its pages on
+//!   each live node: commit failure, finish, abort (with tombstones against late
+//!   messages).
+//!
+//! # Environment
+//!
+//! Nodes touch their pools and engines only through [`DecodeEnv`] and [`PrefillEnv`]
+//! (synchronous calls, in the order the protocol needs them) and emit messages into an
+//! output buffer of [`Output`]s that the driver sends in order. Asynchronous work
+//! (computing the prompt, draining the transport, decoding) is started through the
+//! environment and reported back with `on_computed`, `on_drained` and
+//! `on_decode_finished`.
+//!
+//! [`Flaws`] deliberately breaks the protocol for the model checker's failing-variant
+//! tests; production always uses the default (no flaw).
+
+use crate::transport::DestPage;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use tessera_kernels::PageTag;
+
+/// Request id, unique across every coordinator that talks to a node (the gateway
+/// puts its own id in the high bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ReqId(pub u64);
+
+/// A protocol role (DESIGN.md §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Role {
+    /// Gateway-side driver of one request.
+    Coordinator,
+    /// The node that computes the prompt's KV and writes it into the decode node.
+    Prefill,
+    /// The node that reserves pages, verifies the commit and generates.
+    Decode,
+}
+
+/// What kind of admission refusal (I1); the gateway maps it to a status code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RefusalKind {
+    /// The request is malformed (empty prompt, zero `max_tokens`, bad token id): 4xx.
+    Invalid,
+    /// The request can never fit (context window, the node's KV pool): 4xx.
+    TooLarge,
+    /// The node has no room right now (pages, queue): retryable (429/503).
+    Busy,
+}
+
+/// An admission refusal (I1). Terminal: a refused request holds nothing anywhere, no
+/// state machine accepts it again, and it never reaches transfer (S3).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct Refusal {
+    /// Kind of refusal.
+    pub kind: RefusalKind,
+    /// The original admission error, for the client.
+    pub message: String,
+}
+
+/// One written page as the prefill node commits it: the destination page (with the
+/// tag the decode node expects) and the checksum of the bytes the prefill put there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PageCommit {
+    /// Destination page and expected tag, as the descriptor named it.
+    #[serde(with = "wire::DestPageWire")]
+    pub dest: DestPage,
+    /// Checksum of the page's bytes at the source.
+    pub checksum: u32,
+}
+
+/// Why the decode node refused a commit (I4). Any of these fails the request.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, thiserror::Error)]
+pub enum CommitError {
+    /// No record of the request on the decode node.
+    #[error("commit for a request the decode node does not know")]
+    UnknownRequest,
+    /// The request is not waiting for a commit (duplicate, refused, aborted, ended).
+    #[error("request is not awaiting a commit (duplicate or late commit)")]
+    NotAwaitingCommit,
+    /// Tokens covered differ from the reservation.
+    #[error("commit covers {got} tokens but {expected} were reserved")]
+    TokenCount {
+        /// Reserved prompt tokens.
+        expected: u32,
+        /// Tokens the commit claims.
+        got: u32,
+    },
+    /// Pages written differ in number from the pages reserved.
+    #[error("commit lists {got} pages but {expected} were reserved")]
+    PageCount {
+        /// Reserved transfer pages.
+        expected: u32,
+        /// Pages the commit lists.
+        got: u32,
+    },
+    /// A committed page is not in the reservation.
+    #[error("page {page} is not reserved for this request")]
+    UnexpectedPage {
+        /// Physical page index.
+        page: u32,
+    },
+    /// A page is listed twice.
+    #[error("page {page} is listed twice")]
+    DuplicatePage {
+        /// Physical page index.
+        page: u32,
+    },
+    /// A page's tag is not the one reserved, or the page no longer carries it.
+    #[error("page {page} does not carry the reserved tag")]
+    TagMismatch {
+        /// Physical page index.
+        page: u32,
+    },
+    /// The bytes that landed do not match the source checksum.
+    #[error("page {page} checksum {got:#010x} does not match the committed {expected:#010x}")]
+    ChecksumMismatch {
+        /// Physical page index.
+        page: u32,
+        /// Checksum in the commit.
+        expected: u32,
+        /// Checksum of the landed bytes.
+        got: u32,
+    },
+}
+
+/// How a decode ended, as the decode node reports it in `Finished`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DecodeOutcome {
+    /// The sequence completed (stop token, stop string or `max_tokens`).
+    Completed,
+    /// The decode failed (integrity error on a page read, engine error).
+    Failed {
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// A protocol message (DESIGN.md §6). Page writes are not messages: they go through
+/// the transport.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Msg {
+    /// Coordinator -> decode: admit (I1) and reserve pages for the request.
+    Prealloc {
+        /// Request.
+        req: ReqId,
+        /// Owning tenant.
+        tenant: u64,
+        /// Prompt tokens the prefill will transfer.
+        prompt_tokens: u32,
+        /// Tokens the decode may generate.
+        max_tokens: u32,
+    },
+    /// Decode -> coordinator: the transfer descriptor, the reserved destination pages
+    /// for the prompt's KV (logical block order) with their expected tags.
+    Descriptor {
+        /// Request.
+        req: ReqId,
+        /// Destination pages.
+        #[serde(with = "wire::dest_pages")]
+        pages: Vec<DestPage>,
+    },
+    /// Decode or prefill -> coordinator: admission refused (terminal, I1, S3).
+    Rejected {
+        /// Request.
+        req: ReqId,
+        /// The role that refused.
+        by: Role,
+        /// The original admission error.
+        reason: Refusal,
+    },
+    /// Coordinator -> prefill: admit (I1), compute the prompt's KV and write it into `dest`.
+    Prefill {
+        /// Request.
+        req: ReqId,
+        /// Owning tenant.
+        tenant: u64,
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Tokens the decode may generate.
+        max_tokens: u32,
+        /// Destination pages from the descriptor.
+        #[serde(with = "wire::dest_pages")]
+        dest: Vec<DestPage>,
+    },
+    /// Prefill -> decode: every write drained and source pages released; what was written.
+    Commit {
+        /// Request.
+        req: ReqId,
+        /// Prompt tokens covered.
+        tokens: u32,
+        /// Pages written, with their checksums.
+        pages: Vec<PageCommit>,
+        /// The first generated token (sampled at the end of prefill).
+        first_token: u32,
+    },
+    /// Decode -> coordinator: commit verified (I4), the sequence is decoding.
+    Committed {
+        /// Request.
+        req: ReqId,
+    },
+    /// Decode -> coordinator: commit refused (I4); the reserved pages are freed.
+    CommitFailed {
+        /// Request.
+        req: ReqId,
+        /// What the verification found.
+        reason: CommitError,
+    },
+    /// Decode -> coordinator: the decode ended and its pages are freed.
+    Finished {
+        /// Request.
+        req: ReqId,
+        /// How it ended.
+        outcome: DecodeOutcome,
+    },
+    /// Prefill -> coordinator: the prefill failed; its writes are drained and its
+    /// pages released.
+    PrefillFailed {
+        /// Request.
+        req: ReqId,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Coordinator -> prefill or decode: stop, drain, release, then acknowledge (I6).
+    Abort {
+        /// Request.
+        req: ReqId,
+    },
+    /// Prefill or decode -> coordinator: the abort is done; the node holds no page and
+    /// will write none for the request.
+    AbortAck {
+        /// Request.
+        req: ReqId,
+        /// The acknowledging role.
+        from: Role,
+    },
+    /// Coordinator -> decode: re-send your latest reply for the request (lost-reply
+    /// recovery while decoding). Never creates state.
+    Poll {
+        /// Request.
+        req: ReqId,
+    },
+}
+
+impl Msg {
+    /// The request the message is about.
+    pub fn req(&self) -> ReqId {
+        match self {
+            Msg::Prealloc { req, .. }
+            | Msg::Descriptor { req, .. }
+            | Msg::Rejected { req, .. }
+            | Msg::Prefill { req, .. }
+            | Msg::Commit { req, .. }
+            | Msg::Committed { req }
+            | Msg::CommitFailed { req, .. }
+            | Msg::Finished { req, .. }
+            | Msg::PrefillFailed { req, .. }
+            | Msg::Abort { req }
+            | Msg::AbortAck { req, .. }
+            | Msg::Poll { req } => *req,
+        }
+    }
+}
+
+/// Why a request failed, as the coordinator reports it (an error to the client, I8).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Failure {
+    /// The decode node refused the commit (I4).
+    Commit(CommitError),
+    /// The prefill node failed (compute or transport).
+    Prefill(String),
+    /// The decode failed after admission.
+    Decode(String),
+    /// A node holding the request died.
+    NodeDown(Role),
+}
+
+/// A request's terminal outcome at the coordinator: exactly one per request (S4).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Complete answer (HTTP 200 / a complete stream): only on `Finished(Completed)`
+    /// (decode admitted the sequence on a verified commit and completed it).
+    Succeeded,
+    /// Admission refused (4xx or 429/503 by [`RefusalKind`]), I1.
+    Rejected(Refusal),
+    /// Error status or error event (I8).
+    Failed(Failure),
+    /// The client went away.
+    Aborted,
+}
+
+/// What a state machine asks its driver to do, in order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Output {
+    /// Send a message. Nodes send to [`Role::Coordinator`] meaning the coordinator of
+    /// `msg.req()`.
+    Send {
+        /// Destination role.
+        to: Role,
+        /// The message.
+        msg: Msg,
+    },
+    /// Coordinator only: the request's terminal outcome for the client; emitted
+    /// exactly once (S4).
+    Outcome(Outcome),
+    /// Coordinator only: every node acknowledged or is dead; nothing is held for the
+    /// request anywhere. Record usage and release limits now (I6).
+    Released,
+}
+
+/// Deliberate protocol breakages for the model checker's failing-variant tests.
+/// Production code always runs with the default (every flaw off).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Flaws {
+    /// Decode admits any commit for a reserved request without the I4 checks.
+    pub decode_skips_commit_checks: bool,
+    /// Decode admits a duplicate commit again.
+    pub decode_accepts_duplicate_commit: bool,
+    /// Decode keeps the reserved pages after a failed commit.
+    pub decode_leaks_on_commit_failed: bool,
+    /// Coordinator aborts prefill and decode at once (decode frees before prefill's ack).
+    pub abort_decode_with_prefill: bool,
+    /// Prefill releases its source pages and commits without waiting for the drain.
+    pub prefill_commits_before_drain: bool,
+    /// Prefill turns a refused request into a one-token placeholder and transfers it.
+    pub prefill_placeholder_on_refusal: bool,
+    /// Prefill keeps no tombstone for aborted requests.
+    pub prefill_forgets_aborts: bool,
+    /// Coordinator goes on to prefill after the decode node refused (empty descriptor).
+    pub coordinator_proceeds_on_rejected: bool,
+    /// Coordinator reports success when the decode node dies mid-decode.
+    pub coordinator_success_on_decode_crash: bool,
+}
+
+fn send(out: &mut Vec<Output>, to: Role, msg: Msg) {
+    out.push(Output::Send { to, msg });
+}
+
+// ---------------------------------------------------------------------------
+// Coordinator
+// ---------------------------------------------------------------------------
+
+/// Where a request stands at its coordinator.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum CoordPhase {
+    /// `Prealloc` sent; waiting for `Descriptor` or `Rejected`.
+    Reserving,
+    /// `Prefill` sent; waiting for `Committed`, `CommitFailed`, `PrefillFailed` or `Rejected`.
+    Transferring {
+        /// Destination pages from the descriptor.
+        dest: Vec<DestPage>,
+    },
+    /// `Committed` received; waiting for `Finished`.
+    Decoding,
+    /// `Abort` sent to the prefill node; waiting for its `AbortAck`.
+    AbortingPrefill,
+    /// `Abort` sent to the decode node; waiting for its `AbortAck`.
+    AbortingDecode,
+    /// Nothing held anywhere; [`Output::Released`] was emitted.
+    Done,
+}
+
+/// The gateway-side driver of one request (DESIGN.md §4 steps 3-7, §6).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Coordinator {
+    req: ReqId,
+    tenant: u64,
+    prompt_tokens: u32,
+    max_tokens: u32,
+    phase: CoordPhase,
+    outcome: Option<Outcome>,
+    prefill_down: bool,
+    decode_down: bool,
+    flaws: Flaws,
+}
+
+impl Coordinator {
+    /// Starts a request that passed the gateway's admission (I1): sends `Prealloc` to
+    /// the decode node.
+    pub fn start(
+        req: ReqId,
+        tenant: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        out: &mut Vec<Output>,
+    ) -> Self {
+        Self::start_with_flaws(
+            req,
+            tenant,
+            prompt_tokens,
+            max_tokens,
+            Flaws::default(),
+            out,
+        )
+    }
+
+    /// [`start`](Self::start) with deliberate flaws (model checker tests only).
+    #[doc(hidden)]
+    pub fn start_with_flaws(
+        req: ReqId,
+        tenant: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        flaws: Flaws,
+        out: &mut Vec<Output>,
+    ) -> Self {
+        let c = Self {
+            req,
+            tenant,
+            prompt_tokens,
+            max_tokens,
+            phase: CoordPhase::Reserving,
+            outcome: None,
+            prefill_down: false,
+            decode_down: false,
+            flaws,
+        };
+        send(out, Role::Decode, c.prealloc());
+        c
+    }
+
+    /// The request.
+    pub fn req(&self) -> ReqId {
+        self.req
+    }
+
+    /// Current phase.
+    pub fn phase(&self) -> &CoordPhase {
+        &self.phase
+    }
+
+    /// The outcome, once decided.
+    pub fn outcome(&self) -> Option<&Outcome> {
+        self.outcome.as_ref()
+    }
+
+    /// Whether every node released the request.
+    pub fn is_done(&self) -> bool {
+        self.phase == CoordPhase::Done
+    }
+
+    fn prealloc(&self) -> Msg {
+        Msg::Prealloc {
+            req: self.req,
+            tenant: self.tenant,
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+        }
+    }
+
+    fn prefill(&self, dest: &[DestPage]) -> Msg {
+        Msg::Prefill {
+            req: self.req,
+            tenant: self.tenant,
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+            dest: dest.to_vec(),
+        }
+    }
+
+    /// Decides the outcome (first decision wins: S4).
+    fn decide(&mut self, outcome: Outcome, out: &mut Vec<Output>) {
+        if self.outcome.is_none() {
+            self.outcome = Some(outcome.clone());
+            out.push(Output::Outcome(outcome));
+        }
+    }
+
+    fn finish(&mut self, out: &mut Vec<Output>) {
+        self.phase = CoordPhase::Done;
+        out.push(Output::Released);
+    }
+
+    /// Aborts the decode side (after the prefill side is quiet): its pages are freed.
+    fn abort_decode(&mut self, out: &mut Vec<Output>) {
+        if self.decode_down {
+            self.finish(out);
+        } else {
+            self.phase = CoordPhase::AbortingDecode;
+            send(out, Role::Decode, Msg::Abort { req: self.req });
+        }
+    }
+
+    /// Aborts the prefill side first; the decode side follows on its `AbortAck` (S2).
+    fn abort_prefill(&mut self, out: &mut Vec<Output>) {
+        if self.prefill_down {
+            self.abort_decode(out);
+        } else {
+            self.phase = CoordPhase::AbortingPrefill;
+            send(out, Role::Prefill, Msg::Abort { req: self.req });
+            if self.flaws.abort_decode_with_prefill && !self.decode_down {
+                send(out, Role::Decode, Msg::Abort { req: self.req });
+            }
+        }
+    }
+
+    /// Handles a message from a node about this request (others are ignored).
+    pub fn on_msg(&mut self, msg: Msg, out: &mut Vec<Output>) {
+        if msg.req() != self.req {
+            return;
+        }
+        match (&self.phase, msg) {
+            (CoordPhase::Reserving, Msg::Descriptor { pages, .. }) => {
+                self.on_descriptor(pages, out)
+            }
+            (CoordPhase::Reserving, Msg::Rejected { reason, .. }) => {
+                if self.flaws.coordinator_proceeds_on_rejected {
+                    // The incident's shape: a refused request treated as ready.
+                    self.on_descriptor(Vec::new(), out);
+                    return;
+                }
+                // The decode node refused: nothing is held anywhere.
+                self.decide(Outcome::Rejected(reason), out);
+                self.finish(out);
+            }
+            (CoordPhase::Transferring { .. }, Msg::Committed { .. }) => {
+                self.phase = CoordPhase::Decoding;
+            }
+            (CoordPhase::Transferring { .. }, Msg::CommitFailed { reason, .. }) => {
+                // The decode node freed its pages; the prefill drained before committing.
+                self.decide(Outcome::Failed(Failure::Commit(reason)), out);
+                self.finish(out);
+            }
+            (CoordPhase::Transferring { .. }, Msg::PrefillFailed { reason, .. }) => {
+                // The prefill drained and released; free the decode reservation.
+                self.decide(Outcome::Failed(Failure::Prefill(reason)), out);
+                self.abort_decode(out);
+            }
+            (CoordPhase::Transferring { .. }, Msg::Rejected { reason, .. }) => {
+                // The prefill node refused (nothing written); free the decode reservation.
+                self.decide(Outcome::Rejected(reason), out);
+                self.abort_decode(out);
+            }
+            // Decode sends `Finished` only for a sequence it admitted on a verified
+            // commit, so it also stands for a `Committed` that was lost.
+            (
+                CoordPhase::Transferring { .. } | CoordPhase::Decoding,
+                Msg::Finished { outcome, .. },
+            ) => {
+                let o = match outcome {
+                    DecodeOutcome::Completed => Outcome::Succeeded,
+                    DecodeOutcome::Failed { reason } => Outcome::Failed(Failure::Decode(reason)),
+                };
+                self.decide(o, out);
+                self.finish(out);
+            }
+            (
+                CoordPhase::AbortingPrefill,
+                Msg::AbortAck {
+                    from: Role::Prefill,
+                    ..
+                },
+            ) => {
+                self.abort_decode(out);
+            }
+            (
+                CoordPhase::AbortingDecode,
+                Msg::AbortAck {
+                    from: Role::Decode, ..
+                },
+            ) => {
+                self.finish(out);
+            }
+            _ => {} // duplicates, late replies: nothing to do
+        }
+    }
+
+    fn on_descriptor(&mut self, pages: Vec<DestPage>, out: &mut Vec<Output>) {
+        if self.prefill_down {
+            self.decide(Outcome::Failed(Failure::NodeDown(Role::Prefill)), out);
+            self.abort_decode(out);
+            return;
+        }
+        send(out, Role::Prefill, self.prefill(&pages));
+        self.phase = CoordPhase::Transferring { dest: pages };
+    }
+
+    /// The client went away (disconnect, timeout, shutdown): abort with acks (I6).
+    /// No-op once the outcome is decided.
+    pub fn on_client_gone(&mut self, out: &mut Vec<Output>) {
+        if self.outcome.is_some() {
+            return;
+        }
+        self.decide(Outcome::Aborted, out);
+        match self.phase {
+            CoordPhase::Reserving | CoordPhase::Decoding => self.abort_decode(out),
+            CoordPhase::Transferring { .. } => self.abort_prefill(out),
+            _ => {}
+        }
+    }
+
+    /// Nothing arrived for a while: re-send the message this phase waits on.
+    pub fn on_timeout(&mut self, out: &mut Vec<Output>) {
+        let req = self.req;
+        match &self.phase {
+            CoordPhase::Reserving => send(out, Role::Decode, self.prealloc()),
+            CoordPhase::Transferring { dest } => send(out, Role::Prefill, self.prefill(dest)),
+            CoordPhase::Decoding => send(out, Role::Decode, Msg::Poll { req }),
+            CoordPhase::AbortingPrefill => send(out, Role::Prefill, Msg::Abort { req }),
+            CoordPhase::AbortingDecode => send(out, Role::Decode, Msg::Abort { req }),
+            CoordPhase::Done => {}
+        }
+    }
+
+    /// The failure detector declared `role`'s node dead. A dead node holds nothing and
+    /// writes nothing (its transport connection is gone), so it counts as having
+    /// acknowledged every abort.
+    pub fn on_node_down(&mut self, role: Role, out: &mut Vec<Output>) {
+        match role {
+            Role::Prefill => self.prefill_down = true,
+            Role::Decode => self.decode_down = true,
+            Role::Coordinator => return,
+        }
+        match (&self.phase, role) {
+            (CoordPhase::Reserving, Role::Decode) => {
+                self.decide(Outcome::Failed(Failure::NodeDown(Role::Decode)), out);
+                self.finish(out);
+            }
+            (CoordPhase::Transferring { .. }, Role::Prefill) => {
+                self.decide(Outcome::Failed(Failure::NodeDown(Role::Prefill)), out);
+                self.abort_decode(out);
+            }
+            (CoordPhase::Transferring { .. }, Role::Decode) => {
+                // The prefill may still be writing: stop it before anything else.
+                self.decide(Outcome::Failed(Failure::NodeDown(Role::Decode)), out);
+                self.abort_prefill(out);
+            }
+            (CoordPhase::Decoding, Role::Decode) => {
+                let o = if self.flaws.coordinator_success_on_decode_crash {
+                    Outcome::Succeeded
+                } else {
+                    Outcome::Failed(Failure::NodeDown(Role::Decode))
+                };
+                self.decide(o, out);
+                self.finish(out);
+            }
+            (CoordPhase::AbortingPrefill, Role::Prefill) => self.abort_decode(out),
+            (CoordPhase::AbortingDecode, Role::Decode) => self.finish(out),
+            _ => {}
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Decode node
+// ---------------------------------------------------------------------------
+
+/// The decode node's pool and engine as the protocol sees them.
+pub trait DecodeEnv {
+    /// Admission (I1) and reservation, all or nothing: pages for `prompt_tokens +
+    /// max_tokens`. Returns the transfer pages (those the prompt's KV fills, in logical
+    /// block order, with the tags written at reservation).
+    fn reserve(
+        &mut self,
+        req: ReqId,
+        tenant: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+    ) -> Result<Vec<DestPage>, Refusal>;
+
+    /// Checksum of the bytes now in `dest.page`, or `None` unless the page is held by
+    /// `req` and carries exactly `dest.tag` (I3).
+    fn landed_checksum(&self, req: ReqId, dest: DestPage) -> Option<u32>;
+
+    /// Adds the verified sequence to the running batch: `tokens` prompt tokens of KV in
+    /// `pages` (the reservation's transfer pages, exactly as the descriptor named
+    /// them), next input `first_token`. Report its end with
+    /// [`DecodeNode::on_decode_finished`].
+    fn start_decode(&mut self, req: ReqId, tokens: u32, first_token: u32, pages: &[DestPage]);
+
+    /// Stops the sequence if it runs and frees every page of `req` (bumping epochs, I5).
+    fn release(&mut self, req: ReqId);
+}
+
+/// A request's state on the decode node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DecodeState {
+    /// Admission refused; nothing held (terminal).
+    Refused(Refusal),
+    /// Pages reserved; waiting for the commit.
+    Reserved {
+        /// Reserved prompt tokens.
+        tokens: u32,
+        /// Reserved transfer pages.
+        dest: Vec<DestPage>,
+    },
+    /// Commit verified; decoding.
+    Running,
+    /// Decode ended; pages freed (terminal).
+    Finished(DecodeOutcome),
+    /// Commit refused; pages freed (terminal).
+    CommitFailed(CommitError),
+    /// Aborted; pages freed (terminal tombstone).
+    Aborted,
+}
+
+impl RequestState for DecodeState {
+    fn is_terminal(&self) -> bool {
+        !matches!(self, DecodeState::Reserved { .. } | DecodeState::Running)
+    }
+}
+
+/// A node's per-request records: the live state machine of each request, then its
+/// tombstone once terminal (what stops a late `Prealloc`, `Prefill` or `Commit` from
+/// acting again).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Records<S> {
+    reqs: BTreeMap<ReqId, S>,
+}
+
+impl<S> Default for Records<S> {
+    fn default() -> Self {
+        Self {
+            reqs: BTreeMap::new(),
+        }
+    }
+}
+
+/// A per-request state that can end.
+pub trait RequestState {
+    /// Whether the request is over on this node (nothing held, nothing to do).
+    fn is_terminal(&self) -> bool;
+}
+
+impl<S: RequestState> Records<S> {
+    /// The state of `req`, if the node has a record of it.
+    pub fn state(&self, req: ReqId) -> Option<&S> {
+        self.reqs.get(&req)
+    }
+
+    /// Every request with a record, and its state.
+    pub fn states(&self) -> impl Iterator<Item = (ReqId, &S)> {
+        self.reqs.iter().map(|(r, s)| (*r, s))
+    }
+
+    /// Drops the record of a terminal request. Call only once no copy of a message for
+    /// it can still arrive: the record is what stops a late `Prealloc` or `Commit`.
+    /// Returns false (and keeps it) if the request is not terminal.
+    pub fn forget(&mut self, req: ReqId) -> bool {
+        match self.reqs.get(&req) {
+            Some(s) if s.is_terminal() => {
+                self.reqs.remove(&req);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn get(&self, req: &ReqId) -> Option<&S> {
+        self.reqs.get(req)
+    }
+
+    fn insert(&mut self, req: ReqId, state: S) {
+        self.reqs.insert(req, state);
+    }
+
+    fn remove(&mut self, req: &ReqId) {
+        self.reqs.remove(req);
+    }
+}
+
+/// The decode side of the protocol for every request on one decode node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct DecodeNode {
+    reqs: Records<DecodeState>,
+    flaws: Flaws,
+}
+
+impl DecodeNode {
+    /// An empty node.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A node with deliberate flaws (model checker tests only).
+    #[doc(hidden)]
+    pub fn with_flaws(flaws: Flaws) -> Self {
+        Self {
+            reqs: Records::default(),
+            flaws,
+        }
+    }
+
+    /// Every request's record (state machine, then tombstone).
+    pub fn records(&self) -> &Records<DecodeState> {
+        &self.reqs
+    }
+
+    /// Mutable records, to [`Records::forget`] tombstones.
+    pub fn records_mut(&mut self) -> &mut Records<DecodeState> {
+        &mut self.reqs
+    }
+
+    /// Dispatches a message addressed to the decode node.
+    pub fn on_msg(&mut self, msg: Msg, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+        match msg {
+            Msg::Prealloc {
+                req,
+                tenant,
+                prompt_tokens,
+                max_tokens,
+            } => self.on_prealloc(req, tenant, prompt_tokens, max_tokens, env, out),
+            Msg::Commit {
+                req,
+                tokens,
+                pages,
+                first_token,
+            } => {
+                let _ = self.on_commit(req, tokens, &pages, first_token, env, out);
+            }
+            Msg::Abort { req } => self.on_abort(req, env, out),
+            Msg::Poll { req } => self.resend(req, out),
+            _ => {}
+        }
+    }
+
+    /// The reply the coordinator last got for `req`, re-sent for a duplicate or a poll.
+    fn resend(&self, req: ReqId, out: &mut Vec<Output>) {
+        let Some(state) = self.reqs.get(&req) else {
+            return;
+        };
+        let msg = match state {
+            DecodeState::Refused(reason) => Msg::Rejected {
+                req,
+                by: Role::Decode,
+                reason: reason.clone(),
+            },
+            DecodeState::Reserved { dest, .. } => Msg::Descriptor {
+                req,
+                pages: dest.clone(),
+            },
+            DecodeState::Running => Msg::Committed { req },
+            DecodeState::Finished(outcome) => Msg::Finished {
+                req,
+                outcome: outcome.clone(),
+            },
+            DecodeState::CommitFailed(reason) => Msg::CommitFailed {
+                req,
+                reason: reason.clone(),
+            },
+            DecodeState::Aborted => Msg::AbortAck {
+                req,
+                from: Role::Decode,
+            },
+        };
+        send(out, Role::Coordinator, msg);
+    }
+
+    /// `Prealloc`: admission (I1) and reservation for a new request; a duplicate
+    /// re-sends the latest reply; a tombstone ignores it.
+    pub fn on_prealloc(
+        &mut self,
+        req: ReqId,
+        tenant: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        env: &mut impl DecodeEnv,
+        out: &mut Vec<Output>,
+    ) {
+        match self.reqs.get(&req) {
+            None => {}
+            Some(DecodeState::Aborted) => return,
+            Some(_) => return self.resend(req, out),
+        }
+        let state = match env.reserve(req, tenant, prompt_tokens, max_tokens) {
+            Ok(dest) => DecodeState::Reserved {
+                tokens: prompt_tokens,
+                dest,
+            },
+            Err(refusal) => DecodeState::Refused(refusal),
+        };
+        self.reqs.insert(req, state);
+        self.resend(req, out);
+    }
+
+    /// `Commit`: verifies it (I4) and admits the sequence, or fails the request and
+    /// frees its pages. Anything but a first commit for a reserved request changes
+    /// nothing: the latest reply is re-sent (an unknown request gets `CommitFailed`).
+    /// Returns the verdict, for logs and metrics.
+    pub fn on_commit(
+        &mut self,
+        req: ReqId,
+        tokens: u32,
+        pages: &[PageCommit],
+        first_token: u32,
+        env: &mut impl DecodeEnv,
+        out: &mut Vec<Output>,
+    ) -> Result<(), CommitError> {
+        let Some(state) = self.reqs.get(&req) else {
+            send(
+                out,
+                Role::Coordinator,
+                Msg::CommitFailed {
+                    req,
+                    reason: CommitError::UnknownRequest,
+                },
+            );
+            return Err(CommitError::UnknownRequest);
+        };
+        // The block table decode will read: its own reservation, never the commit's list.
+        let (verdict, table, table_tokens) = match state {
+            DecodeState::Reserved {
+                tokens: reserved,
+                dest,
+            } => {
+                let verdict = if self.flaws.decode_skips_commit_checks {
+                    Ok(())
+                } else {
+                    verify_commit(req, *reserved, dest, tokens, pages, env)
+                };
+                (verdict, dest.clone(), *reserved)
+            }
+            DecodeState::Running | DecodeState::Finished(_)
+                if self.flaws.decode_accepts_duplicate_commit =>
+            {
+                (Ok(()), pages.iter().map(|p| p.dest).collect(), tokens)
+            }
+            _ => {
+                self.resend(req, out);
+                return Err(CommitError::NotAwaitingCommit);
+            }
+        };
+        match &verdict {
+            Ok(()) => {
+                env.start_decode(req, table_tokens, first_token, &table);
+                self.reqs.insert(req, DecodeState::Running);
+            }
+            Err(e) => {
+                // The prefill drained before committing: nothing can still land (S2).
+                if !self.flaws.decode_leaks_on_commit_failed {
+                    env.release(req);
+                }
+                self.reqs.insert(req, DecodeState::CommitFailed(e.clone()));
+            }
+        }
+        self.resend(req, out);
+        verdict
+    }
+
+    /// `Abort`: frees whatever the request holds, leaves a tombstone, acknowledges.
+    /// The coordinator sends it only once the prefill side is quiet (S2).
+    pub fn on_abort(&mut self, req: ReqId, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+        match self.reqs.get(&req) {
+            Some(DecodeState::Reserved { .. } | DecodeState::Running) => {
+                env.release(req);
+                self.reqs.insert(req, DecodeState::Aborted);
+            }
+            None => {
+                self.reqs.insert(req, DecodeState::Aborted);
+            }
+            Some(_) => {} // terminal: nothing held
+        }
+        send(
+            out,
+            Role::Coordinator,
+            Msg::AbortAck {
+                req,
+                from: Role::Decode,
+            },
+        );
+    }
+
+    /// The engine reports that the sequence ended: frees its pages and tells the
+    /// coordinator. Ignored unless the request is running.
+    pub fn on_decode_finished(
+        &mut self,
+        req: ReqId,
+        outcome: DecodeOutcome,
+        env: &mut impl DecodeEnv,
+        out: &mut Vec<Output>,
+    ) {
+        if self.reqs.get(&req) != Some(&DecodeState::Running) {
+            return;
+        }
+        env.release(req);
+        self.reqs.insert(req, DecodeState::Finished(outcome));
+        self.resend(req, out);
+    }
+}
+
+/// The I4 check of a commit against a reservation: tokens covered == reserved, the
+/// committed pages are exactly the reserved pages (each once, each with its reserved
+/// tag), and the bytes that landed in each page match the committed checksum.
+pub fn verify_commit(
+    req: ReqId,
+    reserved_tokens: u32,
+    reserved: &[DestPage],
+    tokens: u32,
+    pages: &[PageCommit],
+    env: &impl DecodeEnv,
+) -> Result<(), CommitError> {
+    if tokens != reserved_tokens {
+        return Err(CommitError::TokenCount {
+            expected: reserved_tokens,
+            got: tokens,
+        });
+    }
+    if pages.len() != reserved.len() {
+        return Err(CommitError::PageCount {
+            expected: reserved.len() as u32,
+            got: pages.len() as u32,
+        });
+    }
+    let mut seen = BTreeSet::new();
+    for pc in pages {
+        let page = pc.dest.page;
+        let Some(r) = reserved.iter().find(|r| r.page == page) else {
+            return Err(CommitError::UnexpectedPage { page });
+        };
+        if !seen.insert(page) {
+            return Err(CommitError::DuplicatePage { page });
+        }
+        if r.tag != pc.dest.tag {
+            return Err(CommitError::TagMismatch { page });
+        }
+        match env.landed_checksum(req, *r) {
+            None => return Err(CommitError::TagMismatch { page }),
+            Some(got) if got != pc.checksum => {
+                return Err(CommitError::ChecksumMismatch {
+                    page,
+                    expected: pc.checksum,
+                    got,
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Prefill node
+// ---------------------------------------------------------------------------
+
+/// The prefill node's pool, engine and transport as the protocol sees them.
+pub trait PrefillEnv {
+    /// Pages needed to hold `tokens` tokens (the descriptor must name that many).
+    fn pages_for(&self, tokens: u32) -> usize;
+
+    /// Admission (I1) and allocation of source pages, all or nothing.
+    fn admit_and_alloc(
+        &mut self,
+        req: ReqId,
+        tenant: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+    ) -> Result<(), Refusal>;
+
+    /// Starts computing the prompt's KV (`tokens` tokens); page `i` is put into
+    /// `dest[i]` through the transport once computed. Report the end with
+    /// [`PrefillNode::on_computed`] or [`PrefillNode::on_compute_failed`].
+    fn start_prefill(&mut self, req: ReqId, tokens: u32, dest: &[DestPage]);
+
+    /// Stops computing `req`: once this returns no further put for it is issued
+    /// (puts already issued may still be in flight).
+    fn stop_prefill(&mut self, req: ReqId);
+
+    /// Asks the transport to drain every put issued so far; report completion with
+    /// [`PrefillNode::on_drained`].
+    fn flush(&mut self, req: ReqId);
+
+    /// Frees `req`'s source pages. Called only once its writes are drained (I5).
+    fn release(&mut self, req: ReqId);
+}
+
+/// What the prefill node does once the drain it waits for completes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum AfterDrain {
+    /// Release and send this `Commit`.
+    Commit(Msg),
+    /// Release and send `PrefillFailed`.
+    Fail(String),
+    /// Release and send `AbortAck`.
+    AbortAck,
+}
+
+/// A request's state on the prefill node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum PrefillState {
+    /// Admission refused; nothing held (terminal).
+    Refused(Refusal),
+    /// Admitted, source pages allocated, computing and writing.
+    Computing {
+        /// Tokens being prefilled.
+        tokens: u32,
+        /// Destination pages.
+        dest: Vec<DestPage>,
+    },
+    /// Waiting for the transport to drain; source pages still held (I5).
+    Draining(AfterDrain),
+    /// Commit sent, source pages released; kept to re-send the commit.
+    Committed(Msg),
+    /// Failed after draining; pages released (terminal).
+    Failed(String),
+    /// Aborted; nothing held (terminal tombstone).
+    Aborted,
+}
+
+impl RequestState for PrefillState {
+    fn is_terminal(&self) -> bool {
+        !matches!(
+            self,
+            PrefillState::Computing { .. } | PrefillState::Draining(_)
+        )
+    }
+}
+
+/// The prefill side of the protocol for every request on one prefill node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PrefillNode {
+    reqs: Records<PrefillState>,
+    flaws: Flaws,
+}
+
+impl PrefillNode {
+    /// An empty node.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A node with deliberate flaws (model checker tests only).
+    #[doc(hidden)]
+    pub fn with_flaws(flaws: Flaws) -> Self {
+        Self {
+            reqs: Records::default(),
+            flaws,
+        }
+    }
+
+    /// Every request's record (state machine, then tombstone).
+    pub fn records(&self) -> &Records<PrefillState> {
+        &self.reqs
+    }
+
+    /// Mutable records, to [`Records::forget`] tombstones.
+    pub fn records_mut(&mut self) -> &mut Records<PrefillState> {
+        &mut self.reqs
+    }
+
+    /// Dispatches a message addressed to the prefill node.
+    pub fn on_msg(&mut self, msg: Msg, env: &mut impl PrefillEnv, out: &mut Vec<Output>) {
+        match msg {
+            Msg::Prefill {
+                req,
+                tenant,
+                prompt_tokens,
+                max_tokens,
+                dest,
+            } => self.on_prefill(req, tenant, prompt_tokens, max_tokens, dest, env, out),
+            Msg::Abort { req } => self.on_abort(req, env, out),
+            _ => {}
+        }
+    }
+
+    /// `Prefill`: descriptor check, admission (I1) and allocation, then compute. A
+    /// duplicate re-sends the latest reply (`Commit`, `PrefillFailed`, `Rejected`); a
+    /// tombstone ignores it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_prefill(
+        &mut self,
+        req: ReqId,
+        tenant: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        dest: Vec<DestPage>,
+        env: &mut impl PrefillEnv,
+        out: &mut Vec<Output>,
+    ) {
+        match self.reqs.get(&req) {
+            None => {}
+            Some(PrefillState::Committed(commit)) => {
+                return send(out, Role::Decode, commit.clone());
+            }
+            Some(PrefillState::Failed(reason)) => {
+                let reason = reason.clone();
+                return send(out, Role::Coordinator, Msg::PrefillFailed { req, reason });
+            }
+            Some(PrefillState::Refused(refusal)) => {
+                let reason = refusal.clone();
+                let msg = Msg::Rejected {
+                    req,
+                    by: Role::Prefill,
+                    reason,
+                };
+                return send(out, Role::Coordinator, msg);
+            }
+            Some(_) => return, // working on it, or aborted (tombstone)
+        }
+        let needed = env.pages_for(prompt_tokens);
+        if dest.len() != needed {
+            let reason = format!(
+                "descriptor names {} pages but {prompt_tokens} prompt tokens need {needed}",
+                dest.len()
+            );
+            self.reqs.insert(req, PrefillState::Failed(reason.clone()));
+            return send(out, Role::Coordinator, Msg::PrefillFailed { req, reason });
+        }
+        match env.admit_and_alloc(req, tenant, prompt_tokens, max_tokens) {
+            Ok(()) => {
+                env.start_prefill(req, prompt_tokens, &dest);
+                self.reqs.insert(
+                    req,
+                    PrefillState::Computing {
+                        tokens: prompt_tokens,
+                        dest,
+                    },
+                );
+            }
+            Err(refusal) => {
+                if self.flaws.prefill_placeholder_on_refusal
+                    && !dest.is_empty()
+                    && env.admit_and_alloc(req, tenant, 1, 1).is_ok()
+                {
+                    // The incident: a one-token placeholder rides through the batch.
+                    env.start_prefill(req, 1, &dest[..1]);
+                    let dest = dest[..1].to_vec();
+                    self.reqs
+                        .insert(req, PrefillState::Computing { tokens: 1, dest });
+                    return;
+                }
+                self.reqs
+                    .insert(req, PrefillState::Refused(refusal.clone()));
+                let msg = Msg::Rejected {
+                    req,
+                    by: Role::Prefill,
+                    reason: refusal,
+                };
+                send(out, Role::Coordinator, msg);
+            }
+        }
+    }
+
+    /// The engine computed every page of `req` and issued every put; `checksums[i]` is
+    /// the checksum of the bytes put into `dest[i]`. Drains the transport before
+    /// anything is released or committed (I5, S2).
+    pub fn on_computed(
+        &mut self,
+        req: ReqId,
+        first_token: u32,
+        checksums: &[u32],
+        env: &mut impl PrefillEnv,
+        out: &mut Vec<Output>,
+    ) {
+        let Some(PrefillState::Computing { tokens, dest }) = self.reqs.get(&req) else {
+            return;
+        };
+        if checksums.len() != dest.len() {
+            let reason = format!(
+                "prefill produced {} page checksums for {} pages",
+                checksums.len(),
+                dest.len()
+            );
+            env.flush(req);
+            self.reqs
+                .insert(req, PrefillState::Draining(AfterDrain::Fail(reason)));
+            return;
+        }
+        let commit = Msg::Commit {
+            req,
+            tokens: *tokens,
+            pages: dest
+                .iter()
+                .zip(checksums)
+                .map(|(d, c)| PageCommit {
+                    dest: *d,
+                    checksum: *c,
+                })
+                .collect(),
+            first_token,
+        };
+        if self.flaws.prefill_commits_before_drain {
+            env.release(req);
+            send(out, Role::Decode, commit.clone());
+            self.reqs.insert(req, PrefillState::Committed(commit));
+            return;
+        }
+        env.flush(req);
+        self.reqs
+            .insert(req, PrefillState::Draining(AfterDrain::Commit(commit)));
+    }
+
+    /// The engine failed computing `req` (it issues no further put): drain, then fail.
+    pub fn on_compute_failed(
+        &mut self,
+        req: ReqId,
+        reason: String,
+        env: &mut impl PrefillEnv,
+        _out: &mut Vec<Output>,
+    ) {
+        if let Some(PrefillState::Computing { .. }) = self.reqs.get(&req) {
+            env.flush(req);
+            self.reqs
+                .insert(req, PrefillState::Draining(AfterDrain::Fail(reason)));
+        }
+    }
+
+    /// The transport drained (or failed) every put issued for `req` before the flush:
+    /// nothing can land any more, so the source pages are released, then the commit,
+    /// failure or abort ack goes out.
+    pub fn on_drained(
+        &mut self,
+        req: ReqId,
+        result: Result<(), String>,
+        env: &mut impl PrefillEnv,
+        out: &mut Vec<Output>,
+    ) {
+        let Some(PrefillState::Draining(after)) = self.reqs.get(&req) else {
+            return;
+        };
+        let after = after.clone();
+        env.release(req);
+        match (after, result) {
+            (AfterDrain::Commit(commit), Ok(())) => {
+                send(out, Role::Decode, commit.clone());
+                self.reqs.insert(req, PrefillState::Committed(commit));
+            }
+            (AfterDrain::Commit(_), Err(reason)) | (AfterDrain::Fail(reason), _) => {
+                self.reqs.insert(req, PrefillState::Failed(reason.clone()));
+                send(out, Role::Coordinator, Msg::PrefillFailed { req, reason });
+            }
+            (AfterDrain::AbortAck, _) => {
+                self.tombstone(req);
+                let ack = Msg::AbortAck {
+                    req,
+                    from: Role::Prefill,
+                };
+                send(out, Role::Coordinator, ack);
+            }
+        }
+    }
+
+    fn tombstone(&mut self, req: ReqId) {
+        if self.flaws.prefill_forgets_aborts {
+            self.reqs.remove(&req);
+        } else {
+            self.reqs.insert(req, PrefillState::Aborted);
+        }
+    }
+
+    /// `Abort`: stops computing, drains, releases, then acknowledges (from
+    /// [`on_drained`](Self::on_drained) if writes may be in flight, at once otherwise).
+    /// An unknown request gets a tombstone so a late `Prefill` is ignored.
+    pub fn on_abort(&mut self, req: ReqId, env: &mut impl PrefillEnv, out: &mut Vec<Output>) {
+        match self.reqs.get(&req) {
+            Some(PrefillState::Computing { .. }) => {
+                env.stop_prefill(req);
+                env.flush(req);
+                self.reqs
+                    .insert(req, PrefillState::Draining(AfterDrain::AbortAck));
+                return;
+            }
+            Some(PrefillState::Draining(_)) => {
+                // Drop the pending commit or failure; ack once drained.
+                self.reqs
+                    .insert(req, PrefillState::Draining(AfterDrain::AbortAck));
+                return;
+            }
+            Some(PrefillState::Refused(_)) => {} // keep the refusal: nothing held
+            None | Some(PrefillState::Committed(_) | PrefillState::Failed(_)) => {
+                self.tombstone(req)
+            }
+            Some(PrefillState::Aborted) => {}
+        }
+        let ack = Msg::AbortAck {
+            req,
+            from: Role::Prefill,
+        };
+        send(out, Role::Coordinator, ack);
+    }
+}
+
+/// Serde for [`DestPage`] (a transport type without serde) inside messages.
+mod wire {
+    use super::{DestPage, PageTag};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(remote = "PageTag")]
+    struct PageTagWire {
+        tenant: u64,
+        seq: u64,
+        epoch: u32,
+        logical_block: u32,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(remote = "DestPage")]
+    pub(super) struct DestPageWire {
+        page: u32,
+        #[serde(with = "PageTagWire")]
+        tag: PageTag,
+    }
+
+    pub(super) mod dest_pages {
+        use super::*;
+
+        #[derive(Serialize, Deserialize)]
+        struct Item(#[serde(with = "DestPageWire")] DestPage);
+
+        pub(crate) fn serialize<S: Serializer>(v: &[DestPage], s: S) -> Result<S::Ok, S::Error> {
+            s.collect_seq(v.iter().map(|d| Item(*d)))
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Vec<DestPage>, D::Error> {
+            Ok(Vec::<Item>::deserialize(d)?
+                .into_iter()
+                .map(|i| i.0)
+                .collect())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    const R: ReqId = ReqId(7);
+
+    fn tag(epoch: u32, block: u32) -> PageTag {
+        PageTag {
+            tenant: 3,
+            seq: R.0,
+            epoch,
+            logical_block: block,
+        }
+    }
+
+    /// A decode pool with 4 pages: page bytes are modelled by their checksum.
+    #[derive(Default)]
+    struct FakeDecode {
+        /// page -> (tag it carries, owner, checksum of its bytes)
+        pages: HashMap<u32, (PageTag, Option<ReqId>, u32)>,
+        running: Vec<(ReqId, u32, Vec<DestPage>)>,
+        released: Vec<ReqId>,
+        free: u32,
+    }
+
+    impl FakeDecode {
+        fn new() -> Self {
+            Self {
+                free: 4,
+                ..Default::default()
+            }
+        }
+        fn land(&mut self, page: u32, checksum: u32) {
+            self.pages.get_mut(&page).unwrap().2 = checksum;
+        }
+    }
+
+    impl DecodeEnv for FakeDecode {
+        fn reserve(
+            &mut self,
+            req: ReqId,
+            _tenant: u64,
+            prompt_tokens: u32,
+            max_tokens: u32,
+        ) -> Result<Vec<DestPage>, Refusal> {
+            let pages = (prompt_tokens + max_tokens).div_ceil(16);
+            if pages > self.free {
+                return Err(Refusal {
+                    kind: RefusalKind::Busy,
+                    message: "no pages".into(),
+                });
+            }
+            self.free -= pages;
+            let transfer = prompt_tokens.div_ceil(16);
+            Ok((0..transfer)
+                .map(|b| {
+                    let d = DestPage {
+                        page: 10 + b,
+                        tag: tag(1, b),
+                    };
+                    self.pages.insert(d.page, (d.tag, Some(req), 0xdead));
+                    d
+                })
+                .collect())
+        }
+        fn landed_checksum(&self, req: ReqId, dest: DestPage) -> Option<u32> {
+            let (t, owner, sum) = self.pages.get(&dest.page)?;
+            (*t == dest.tag && *owner == Some(req)).then_some(*sum)
+        }
+        fn start_decode(&mut self, req: ReqId, tokens: u32, first: u32, pages: &[DestPage]) {
+            assert_eq!(first, 42);
+            self.running.push((req, tokens, pages.to_vec()));
+        }
+        fn release(&mut self, req: ReqId) {
+            self.released.push(req);
+            self.running.retain(|r| r.0 != req);
+            for (t, owner, _) in self.pages.values_mut() {
+                if *owner == Some(req) {
+                    *owner = None;
+                    t.epoch += 1;
+                }
+            }
+        }
+    }
+
+    /// A decode node with `R` reserved for 20 prompt tokens (2 pages), both landed.
+    fn reserved() -> (DecodeNode, FakeDecode, Vec<DestPage>) {
+        let mut node = DecodeNode::new();
+        let mut env = FakeDecode::new();
+        let mut out = Vec::new();
+        node.on_prealloc(R, 3, 20, 4, &mut env, &mut out);
+        let [Output::Send {
+            to: Role::Coordinator,
+            msg: Msg::Descriptor { pages, .. },
+        }] = out.as_slice()
+        else {
+            panic!("expected a descriptor, got {out:?}");
+        };
+        assert_eq!(pages.len(), 2);
+        let pages = pages.clone();
+        env.land(10, 100);
+        env.land(11, 101);
+        (node, env, pages)
+    }
+
+    fn good(pages: &[DestPage]) -> Vec<PageCommit> {
+        pages
+            .iter()
+            .map(|d| PageCommit {
+                dest: *d,
+                checksum: 100 + d.tag.logical_block,
+            })
+            .collect()
+    }
+
+    fn commit(
+        node: &mut DecodeNode,
+        env: &mut FakeDecode,
+        tokens: u32,
+        pages: &[PageCommit],
+    ) -> (Result<(), CommitError>, Vec<Output>) {
+        let mut out = Vec::new();
+        let r = node.on_commit(R, tokens, pages, 42, env, &mut out);
+        (r, out)
+    }
+
+    fn reply(out: &[Output]) -> &Msg {
+        match out {
+            [Output::Send {
+                to: Role::Coordinator,
+                msg,
+            }] => msg,
+            _ => panic!("expected one reply, got {out:?}"),
+        }
+    }
+
+    #[test]
+    fn full_correct_commit_admits_once() {
+        let (mut node, mut env, pages) = reserved();
+        let (r, out) = commit(&mut node, &mut env, 20, &good(&pages));
+        assert_eq!(r, Ok(()));
+        assert_eq!(reply(&out), &Msg::Committed { req: R });
+        assert_eq!(env.running, vec![(R, 20, pages.clone())]);
+        assert_eq!(node.records().state(R), Some(&DecodeState::Running));
+
+        // A duplicate is not admitted again; the reply is re-sent.
+        let (r, out) = commit(&mut node, &mut env, 20, &good(&pages));
+        assert_eq!(r, Err(CommitError::NotAwaitingCommit));
+        assert_eq!(reply(&out), &Msg::Committed { req: R });
+        assert_eq!(env.running.len(), 1);
+
+        // After the decode ends, a duplicate commit still admits nothing.
+        let mut out = Vec::new();
+        node.on_decode_finished(R, DecodeOutcome::Completed, &mut env, &mut out);
+        assert_eq!(
+            reply(&out),
+            &Msg::Finished {
+                req: R,
+                outcome: DecodeOutcome::Completed
+            }
+        );
+        assert_eq!(env.released, vec![R]);
+        let (r, _) = commit(&mut node, &mut env, 20, &good(&pages));
+        assert_eq!(r, Err(CommitError::NotAwaitingCommit));
+        assert!(env.running.is_empty());
+    }
+
+    fn assert_fails(
+        tokens: u32,
+        pages: Vec<PageCommit>,
+        env_edit: impl Fn(&mut FakeDecode),
+        want: CommitError,
+    ) {
+        let (mut node, mut env, _) = reserved();
+        env_edit(&mut env);
+        let (r, out) = commit(&mut node, &mut env, tokens, &pages);
+        assert_eq!(r, Err(want.clone()));
+        assert_eq!(
+            reply(&out),
+            &Msg::CommitFailed {
+                req: R,
+                reason: want.clone()
+            }
+        );
+        assert!(env.running.is_empty(), "nothing admitted");
+        assert_eq!(env.released, vec![R], "reserved pages freed");
+        assert_eq!(
+            node.records().state(R),
+            Some(&DecodeState::CommitFailed(want))
+        );
+    }
+
+    #[test]
+    fn short_commits_fail() {
+        let (_, _, pages) = reserved();
+        // The incident: a one-token placeholder, one page.
+        assert_fails(
+            1,
+            good(&pages[..1]),
+            |_| {},
+            CommitError::TokenCount {
+                expected: 20,
+                got: 1,
+            },
+        );
+        assert_fails(
+            20,
+            good(&pages[..1]),
+            |_| {},
+            CommitError::PageCount {
+                expected: 2,
+                got: 1,
+            },
+        );
+    }
+
+    #[test]
+    fn corrupt_commit_fails() {
+        let (_, _, pages) = reserved();
+        assert_fails(
+            20,
+            good(&pages),
+            |env| env.land(11, 999),
+            CommitError::ChecksumMismatch {
+                page: 11,
+                expected: 101,
+                got: 999,
+            },
+        );
+    }
+
+    #[test]
+    fn duplicate_and_foreign_pages_fail() {
+        let (_, _, pages) = reserved();
+        let twice = vec![good(&pages)[0], good(&pages)[0]];
+        assert_fails(20, twice, |_| {}, CommitError::DuplicatePage { page: 10 });
+        let mut foreign = good(&pages);
+        foreign[1].dest.page = 3;
+        assert_fails(20, foreign, |_| {}, CommitError::UnexpectedPage { page: 3 });
+    }
+
+    #[test]
+    fn wrong_tag_fails() {
+        let (_, _, pages) = reserved();
+        let mut wrong = good(&pages);
+        wrong[0].dest.tag.tenant = 4;
+        assert_fails(20, wrong, |_| {}, CommitError::TagMismatch { page: 10 });
+        // The page was freed and reused meanwhile (epoch bumped): the tag no longer validates.
+        assert_fails(
+            20,
+            good(&pages),
+            |env| env.pages.get_mut(&11).unwrap().0.epoch += 1,
+            CommitError::TagMismatch { page: 11 },
+        );
+    }
+
+    #[test]
+    fn unknown_commit_changes_nothing() {
+        let mut node = DecodeNode::new();
+        let mut env = FakeDecode::new();
+        let (r, out) = commit(&mut node, &mut env, 20, &[]);
+        assert_eq!(r, Err(CommitError::UnknownRequest));
+        assert_eq!(
+            reply(&out),
+            &Msg::CommitFailed {
+                req: R,
+                reason: CommitError::UnknownRequest
+            }
+        );
+        assert_eq!(node.records().state(R), None);
+        assert!(env.released.is_empty() && env.running.is_empty());
+    }
+
+    #[test]
+    fn late_commit_after_abort_is_ignored() {
+        let (mut node, mut env, pages) = reserved();
+        let mut out = Vec::new();
+        node.on_abort(R, &mut env, &mut out);
+        assert_eq!(
+            reply(&out),
+            &Msg::AbortAck {
+                req: R,
+                from: Role::Decode
+            }
+        );
+        assert_eq!(env.released, vec![R]);
+        let (r, _) = commit(&mut node, &mut env, 20, &good(&pages));
+        assert_eq!(r, Err(CommitError::NotAwaitingCommit));
+        assert!(env.running.is_empty());
+        // Even a verifying path would refuse: the freed pages' epochs moved on.
+        assert_eq!(env.landed_checksum(R, pages[0]), None);
+        // A late Prealloc after the abort reserves nothing.
+        let mut out = Vec::new();
+        node.on_prealloc(R, 3, 20, 4, &mut env, &mut out);
+        assert!(out.is_empty());
+        assert_eq!(env.free, 2, "one reservation only");
+    }
+
+    #[test]
+    fn refused_prealloc_is_terminal() {
+        let mut node = DecodeNode::new();
+        let mut env = FakeDecode::new();
+        let mut out = Vec::new();
+        node.on_prealloc(R, 3, 200, 4, &mut env, &mut out);
+        assert!(matches!(
+            reply(&out),
+            Msg::Rejected {
+                by: Role::Decode,
+                reason: Refusal {
+                    kind: RefusalKind::Busy,
+                    ..
+                },
+                ..
+            }
+        ));
+        // Even once pages would fit, a duplicate is answered with the same refusal.
+        env.free = 100;
+        let mut again = Vec::new();
+        node.on_prealloc(R, 3, 200, 4, &mut env, &mut again);
+        assert_eq!(again, out);
+        assert_eq!(env.free, 100);
+    }
+
+    /// A prefill environment that records the calls the protocol makes.
+    #[derive(Default)]
+    struct FakePrefill {
+        calls: Vec<String>,
+        room: bool,
+    }
+
+    impl PrefillEnv for FakePrefill {
+        fn pages_for(&self, tokens: u32) -> usize {
+            tokens.div_ceil(16) as usize
+        }
+        fn admit_and_alloc(&mut self, _: ReqId, _: u64, p: u32, _: u32) -> Result<(), Refusal> {
+            self.calls.push(format!("admit {p}"));
+            if self.room {
+                Ok(())
+            } else {
+                Err(Refusal {
+                    kind: RefusalKind::TooLarge,
+                    message: "prompt over pool".into(),
+                })
+            }
+        }
+        fn start_prefill(&mut self, _: ReqId, tokens: u32, dest: &[DestPage]) {
+            self.calls.push(format!("start {tokens} {}", dest.len()));
+        }
+        fn stop_prefill(&mut self, _: ReqId) {
+            self.calls.push("stop".into());
+        }
+        fn flush(&mut self, _: ReqId) {
+            self.calls.push("flush".into());
+        }
+        fn release(&mut self, _: ReqId) {
+            self.calls.push("release".into());
+        }
+    }
+
+    /// A coordinator that has its descriptor (two pages) and sent `Prefill`.
+    fn transferring() -> (Coordinator, Vec<Output>) {
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        c.on_msg(
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            &mut out,
+        );
+        (c, out)
+    }
+
+    fn dests(n: u32) -> Vec<DestPage> {
+        (0..n)
+            .map(|b| DestPage {
+                page: 10 + b,
+                tag: tag(1, b),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn prefill_commits_only_after_drain_and_release() {
+        let mut node = PrefillNode::new();
+        let mut env = FakePrefill {
+            room: true,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.on_computed(R, 42, &[100, 101], &mut env, &mut out);
+        assert!(out.is_empty(), "no commit before the drain");
+        assert_eq!(env.calls, ["admit 20", "start 20 2", "flush"]);
+        node.on_drained(R, Ok(()), &mut env, &mut out);
+        assert_eq!(env.calls.last().unwrap(), "release");
+        let [Output::Send {
+            to: Role::Decode,
+            msg:
+                Msg::Commit {
+                    tokens: 20,
+                    pages,
+                    first_token: 42,
+                    ..
+                },
+        }] = out.as_slice()
+        else {
+            panic!("expected a commit, got {out:?}");
+        };
+        assert_eq!(pages, &good(&dests(2)));
+        // A duplicated Prefill re-sends the commit and computes nothing.
+        let mut again = Vec::new();
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut again);
+        assert_eq!(again, out);
+        assert_eq!(env.calls.len(), 4);
+    }
+
+    #[test]
+    fn prefill_abort_acks_after_drain_and_leaves_tombstone() {
+        let mut node = PrefillNode::new();
+        let mut env = FakePrefill {
+            room: true,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.on_abort(R, &mut env, &mut out);
+        assert!(out.is_empty(), "no ack while writes may be in flight");
+        node.on_computed(R, 42, &[1, 2], &mut env, &mut out); // late: ignored
+        node.on_drained(R, Ok(()), &mut env, &mut out);
+        assert_eq!(
+            env.calls,
+            ["admit 20", "start 20 2", "stop", "flush", "release"]
+        );
+        assert_eq!(
+            out,
+            [Output::Send {
+                to: Role::Coordinator,
+                msg: Msg::AbortAck {
+                    req: R,
+                    from: Role::Prefill
+                }
+            }]
+        );
+        // A late Prefill after the abort allocates nothing.
+        let mut late = Vec::new();
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut late);
+        assert!(late.is_empty());
+        assert_eq!(env.calls.len(), 5);
+        // Abort of an unknown request: acked at once, tombstone against a late Prefill.
+        let other = ReqId(8);
+        node.on_abort(other, &mut env, &mut late);
+        assert_eq!(late.len(), 1);
+        node.on_prefill(other, 3, 20, 4, dests(2), &mut env, &mut late);
+        assert_eq!(env.calls.len(), 5);
+    }
+
+    #[test]
+    fn prefill_refusal_is_terminal_and_bad_descriptor_fails() {
+        let mut node = PrefillNode::new();
+        let mut env = FakePrefill::default();
+        let mut out = Vec::new();
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        assert!(matches!(
+            out.as_slice(),
+            [Output::Send {
+                to: Role::Coordinator,
+                msg: Msg::Rejected {
+                    by: Role::Prefill,
+                    ..
+                }
+            }]
+        ));
+        assert_eq!(
+            env.calls,
+            ["admit 20"],
+            "nothing started for a refused request"
+        );
+        let mut out = Vec::new();
+        node.on_prefill(ReqId(9), 3, 20, 4, dests(1), &mut env, &mut out);
+        assert!(matches!(
+            out.as_slice(),
+            [Output::Send {
+                msg: Msg::PrefillFailed { .. },
+                ..
+            }]
+        ));
+        assert_eq!(
+            env.calls.len(),
+            1,
+            "no admission for a malformed descriptor"
+        );
+    }
+
+    fn sends(out: &[Output]) -> Vec<(Role, Msg)> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Send { to, msg } => Some((*to, msg.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn coordinator_happy_path() {
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        assert!(matches!(
+            sends(&out)[..],
+            [(Role::Decode, Msg::Prealloc { .. })]
+        ));
+        out.clear();
+        c.on_msg(
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            &mut out,
+        );
+        assert!(matches!(
+            sends(&out)[..],
+            [(Role::Prefill, Msg::Prefill { .. })]
+        ));
+        c.on_msg(Msg::Committed { req: R }, &mut out);
+        assert_eq!(c.phase(), &CoordPhase::Decoding);
+        out.clear();
+        c.on_msg(
+            Msg::Finished {
+                req: R,
+                outcome: DecodeOutcome::Completed,
+            },
+            &mut out,
+        );
+        assert_eq!(out, [Output::Outcome(Outcome::Succeeded), Output::Released]);
+        c.on_client_gone(&mut out);
+        assert_eq!(out.len(), 2, "a decided outcome never changes");
+    }
+
+    #[test]
+    fn coordinator_aborts_prefill_before_decode() {
+        let (mut c, mut out) = transferring();
+        out.clear();
+        c.on_client_gone(&mut out);
+        assert_eq!(out[0], Output::Outcome(Outcome::Aborted));
+        assert_eq!(sends(&out), [(Role::Prefill, Msg::Abort { req: R })]);
+        out.clear();
+        c.on_msg(
+            Msg::AbortAck {
+                req: R,
+                from: Role::Decode,
+            },
+            &mut out,
+        );
+        assert!(out.is_empty(), "only the prefill ack moves on");
+        c.on_msg(
+            Msg::AbortAck {
+                req: R,
+                from: Role::Prefill,
+            },
+            &mut out,
+        );
+        assert_eq!(sends(&out), [(Role::Decode, Msg::Abort { req: R })]);
+        out.clear();
+        c.on_msg(
+            Msg::AbortAck {
+                req: R,
+                from: Role::Decode,
+            },
+            &mut out,
+        );
+        assert_eq!(out, [Output::Released]);
+    }
+
+    #[test]
+    fn coordinator_recovers_lost_replies() {
+        let (mut c, mut out) = transferring();
+        // `Committed` was lost: the timeout re-sends `Prefill` (prefill re-sends its
+        // commit, decode its latest reply), and `Finished` alone completes the request.
+        out.clear();
+        c.on_timeout(&mut out);
+        assert!(matches!(
+            sends(&out)[..],
+            [(Role::Prefill, Msg::Prefill { .. })]
+        ));
+        out.clear();
+        c.on_msg(
+            Msg::Finished {
+                req: R,
+                outcome: DecodeOutcome::Completed,
+            },
+            &mut out,
+        );
+        assert_eq!(out, [Output::Outcome(Outcome::Succeeded), Output::Released]);
+    }
+
+    #[test]
+    fn coordinator_treats_a_dead_node_as_acked() {
+        let (mut c, mut out) = transferring();
+        out.clear();
+        // Decode died mid-transfer: stop the prefill first, then nothing is left.
+        c.on_node_down(Role::Decode, &mut out);
+        assert_eq!(
+            out[0],
+            Output::Outcome(Outcome::Failed(Failure::NodeDown(Role::Decode)))
+        );
+        assert_eq!(sends(&out), [(Role::Prefill, Msg::Abort { req: R })]);
+        out.clear();
+        c.on_msg(
+            Msg::AbortAck {
+                req: R,
+                from: Role::Prefill,
+            },
+            &mut out,
+        );
+        assert_eq!(out, [Output::Released]);
+
+        // Prefill died mid-transfer: free the decode reservation at once.
+        let (mut c, mut out) = transferring();
+        out.clear();
+        c.on_node_down(Role::Prefill, &mut out);
+        assert_eq!(sends(&out), [(Role::Decode, Msg::Abort { req: R })]);
+    }
+
+    #[test]
+    fn coordinator_rejection_is_terminal() {
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        out.clear();
+        let reason = Refusal {
+            kind: RefusalKind::TooLarge,
+            message: "prompt over pool".into(),
+        };
+        c.on_msg(
+            Msg::Rejected {
+                req: R,
+                by: Role::Decode,
+                reason: reason.clone(),
+            },
+            &mut out,
+        );
+        assert_eq!(
+            out,
+            [Output::Outcome(Outcome::Rejected(reason)), Output::Released]
+        );
+        out.clear();
+        c.on_msg(
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            &mut out,
+        );
+        c.on_timeout(&mut out);
+        assert!(out.is_empty(), "nothing is sent for a rejected request");
+    }
+
+    #[test]
+    fn messages_round_trip_through_json() {
+        let msgs = [
+            Msg::Descriptor {
+                req: R,
+                pages: dests(2),
+            },
+            Msg::Commit {
+                req: R,
+                tokens: 20,
+                pages: good(&dests(2)),
+                first_token: 42,
+            },
+            Msg::Rejected {
+                req: R,
+                by: Role::Prefill,
+                reason: Refusal {
+                    kind: RefusalKind::TooLarge,
+                    message: "x".into(),
+                },
+            },
+            Msg::CommitFailed {
+                req: R,
+                reason: CommitError::ChecksumMismatch {
+                    page: 1,
+                    expected: 2,
+                    got: 3,
+                },
+            },
+        ];
+        for m in msgs {
+            let json = serde_json::to_string(&m).unwrap();
+            let back: Msg = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, m, "{json}");
+        }
+    }
+}
