@@ -6,9 +6,7 @@ use clap::{Args, ValueEnum};
 use std::path::{Path, PathBuf};
 use tessera_config::{DeploymentConfig, ModelEntry, PoolConfig, Role};
 use tessera_model::LoadedModel;
-use tessera_serving::remote::{
-    run_node_process, NodeOptions, NodeRole, RemoteNodes, TransportKind,
-};
+use tessera_serving::remote::{run_node_process, NodeOptions, RemoteNodes, TransportKind};
 
 /// A node's role on the command line.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -112,8 +110,8 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     engine.kv_scrub = a.kv_scrub;
     let opts = NodeOptions {
         role: match a.role {
-            RoleArg::Prefill => NodeRole::Prefill,
-            RoleArg::Decode => NodeRole::Decode,
+            RoleArg::Prefill => tessera_serving::remote::ProtocolRole::Prefill,
+            RoleArg::Decode => tessera_serving::remote::ProtocolRole::Decode,
         },
         listen,
         decode_peers: decode_nodes(&cfg),

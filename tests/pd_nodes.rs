@@ -45,9 +45,13 @@ fn write_config(
     dir: &Path,
     gateway: u16,
     prefill: u16,
-    decode: u16,
+    decode: &[u16],
     pools: (usize, usize),
 ) -> PathBuf {
+    let decode: Vec<String> = decode
+        .iter()
+        .map(|d| format!("\"127.0.0.1:{d}\""))
+        .collect();
     let text = format!(
         r#"[gateway]
 listen = "127.0.0.1:{gateway}"
@@ -68,8 +72,9 @@ name = "decode"
 role = "decode"
 page_size = 16
 kv_pool_tokens = {d}
-nodes = ["127.0.0.1:{decode}"]
+nodes = [{decode}]
 "#,
+        decode = decode.join(", "),
         model = model_path().display(),
         p = pools.0,
         d = pools.1,
@@ -316,7 +321,7 @@ impl Deployment {
     async fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let (p, d) = (free_port(), free_port());
-        let config = write_config(dir.path(), free_port(), p, d, (CONTEXT, CONTEXT));
+        let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
         let mut dep_nodes = (None, None);
         dep_nodes.1 = Some(start_node(dir.path(), &config, "decode", d).await);
         dep_nodes.0 = Some(start_node(dir.path(), &config, "prefill", p).await);
@@ -593,7 +598,7 @@ async fn node_with_pool_below_context_refuses_to_start() {
     let dir = tempfile::tempdir().unwrap();
     for (role, pools) in [("decode", (CONTEXT, 4096)), ("prefill", (4100, CONTEXT))] {
         let (p, d) = (free_port(), free_port());
-        let config = write_config(dir.path(), free_port(), p, d, pools);
+        let config = write_config(dir.path(), free_port(), p, &[d], pools);
         let port = if role == "decode" { d } else { p };
         let out = tokio::time::timeout(
             START,
@@ -731,4 +736,78 @@ async fn gateway_without_a_decode_node_is_unready_and_refuses_with_503() {
     }
     let v = dep.gateway.run_when_up(&greedy(8)).await;
     assert!(!v["result"]["response"].as_str().unwrap().is_empty(), "{v}");
+}
+
+/// A decode node that stops reading (SIGSTOP) while the prefill node writes a long
+/// prompt's pages into it stalls only the transfer to that node: the prefill node
+/// keeps computing and exporting other requests, which complete through the other
+/// decode node with their usual answer. (Page writes and flushes run on a transfer
+/// worker per decode node, never on the engine thread.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_decode_node_does_not_stop_the_prefill_node_serving_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d0, d1) = (free_port(), free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d0, d1], (CONTEXT, CONTEXT));
+    let _decode0 = start_node(dir.path(), &config, "decode", d0).await;
+    let decode1 = start_node(dir.path(), &config, "decode", d1).await;
+    let _prefill = start_node(dir.path(), &config, "prefill", p).await;
+    let data = dir.path().join("data");
+    let gateway = start_gateway(
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        &dir.path().join("gateway.log"),
+    )
+    .await;
+    // The answer to compare with, with both decode nodes running.
+    let solo = gateway.run_when_up(&greedy(24)).await;
+    // A long request occupies decode node 0 (fewest outstanding, lowest index), a
+    // second long one goes to decode node 1, which then stops: the prefill node
+    // computes its prompt and blocks writing the pages to it.
+    let _busy = gateway.stream(&long_prompt(4)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut stalled = gateway.stream(&long_prompt(4)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = decode1.id().unwrap().to_string();
+    let stop = |sig: &str| {
+        assert!(std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success())
+    };
+    stop("-STOP");
+    // New requests go to decode node 0 (fewer outstanding); each needs the prefill
+    // node, which also holds the stalled transfer.
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let (status, v) = gateway.run(&greedy(24)).await;
+        answers.push((status, v));
+    }
+    stop("-CONT");
+    for (status, v) in &answers {
+        assert_eq!(*status, 200, "{v}");
+        assert_eq!(
+            v["result"], solo["result"],
+            "answer changed under the stall"
+        );
+    }
+    // Once resumed, the stalled request ends too: complete, or (if its flush timed
+    // out meanwhile) with an error event, never a truncated success.
+    stalled
+        .read_until(REQUEST, |e| {
+            e.contains(&Ev::Done) || e.iter().any(|e| matches!(e, Ev::Error(_)))
+        })
+        .await;
+    assert!(
+        stalled.has_done() != stalled.has_error(),
+        "{:?}",
+        stalled.events
+    );
 }

@@ -1,28 +1,29 @@
-//! Co-located engine: admission, continuous batching with chunked prefill,
-//! sampling and streaming events.
+//! The engine: one owner of a node's KV pool and running batch.
 //!
-//! Lifecycle of a request: [`Engine::admit`] turns a [`GenerateRequest`] into an
-//! [`Admitted`] request or a [`Rejection`] (I1: checked before any page is touched;
-//! a rejection is a terminal value no queue accepts). Admitted requests wait in FIFO
-//! order until the pool can hold `prompt + max_tokens` tokens, then get all their
-//! pages at once, so a running sequence never runs out of KV memory. Every
-//! [`Engine::step`] runs one forward pass over one decode token of every decoding
-//! sequence plus prompt chunks of prefilling sequences up to `max_batch_tokens`.
+//! Lifecycle of a request: admission ([`crate::admission`], I1) turns it into an
+//! [`Admitted`] request; admitted requests wait until the [`scheduler`](crate::scheduler)
+//! admits them to the running batch with all their pages; every [`Engine::step`] runs
+//! the scheduler's plan as one forward pass, samples, and emits events to each
+//! request's [`EventSink`]. A request ends with `Done`, an `Error`, or (when its sink is
+//! cancelled or gone) silently, with its pages freed either way.
+//!
+//! Roles: a co-located engine prefills and decodes; a prefill node's engine runs
+//! prefill-only sequences whose pages are exported ([`crate::kv_transfer`]); a decode
+//! node's engine adopts transferred sequences and decodes them.
 
-use half::f16;
-use std::collections::VecDeque;
+use crate::admission::{AdmissionLimits, Admitted, GenerateRequest, Rejection};
+use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
+use crate::sink::EventSink;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_kernels::{BlockRef, IntegrityError};
+use tessera_kernels::IntegrityError;
 use tessera_model::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
-use tessera_model::kv::{KvManager, PagePool, PoolError, SeqId};
+use tessera_model::kv::{KvManager, PagePool, SeqId};
 use tessera_model::llama::{BatchRow, Llama};
-use tessera_model::sampling::{Sampler, SamplingError, SamplingParams};
+use tessera_model::sampling::Sampler;
 use tessera_model::tokenizer::Tokenizer;
-use tessera_transfer::checksum::page_checksum;
-use tessera_transfer::inproc::PageLanding;
-use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// Engine sizing.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,93 +52,6 @@ impl Default for EngineConfig {
     }
 }
 
-/// A generation request as the engine sees it (token ids, not text).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct GenerateRequest {
-    /// Owner of the request's KV pages.
-    pub tenant: u64,
-    /// Prompt token ids.
-    pub prompt: Vec<u32>,
-    /// Most tokens to generate (>= 1).
-    pub max_tokens: usize,
-    /// Sampling parameters.
-    pub sampling: SamplingParams,
-    /// Stop strings: generation ends before the first occurrence.
-    pub stop: Vec<String>,
-    /// Keep generating past end-of-sequence tokens (benchmarks, reference tests).
-    pub ignore_eos: bool,
-}
-
-/// Why a request was refused at admission. Terminal: nothing was allocated.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum Rejection {
-    /// No prompt tokens.
-    #[error("prompt is empty")]
-    EmptyPrompt,
-    /// `max_tokens` was 0.
-    #[error("`max_tokens` must be >= 1. Given: 0")]
-    ZeroMaxTokens,
-    /// Prompt plus `max_tokens` does not fit the context window.
-    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {} exceeds the model's context window of {context} tokens", prompt.saturating_add(*max_tokens))]
-    ContextOverflow {
-        /// Prompt tokens.
-        prompt: usize,
-        /// Requested output tokens.
-        max_tokens: usize,
-        /// Model context window.
-        context: usize,
-    },
-    /// The request can never fit this node's KV pool.
-    #[error("request needs {needed} KV tokens but this node's pool holds {capacity}")]
-    PoolTooSmall {
-        /// Tokens needed (prompt + max_tokens, rounded to pages).
-        needed: usize,
-        /// Pool capacity in tokens.
-        capacity: usize,
-    },
-    /// A prompt token id is outside the vocabulary.
-    #[error("token id {id} is outside the vocabulary of {vocab}")]
-    BadToken {
-        /// Offending id.
-        id: u32,
-        /// Vocabulary size.
-        vocab: usize,
-    },
-    /// Invalid sampling parameters.
-    #[error(transparent)]
-    Sampling(#[from] SamplingError),
-    /// No node can take the request now (every node of a role is unreachable);
-    /// retryable.
-    #[error("{0}")]
-    Unavailable(String),
-}
-
-impl Rejection {
-    /// Stable machine label.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Self::EmptyPrompt => "empty_prompt",
-            Self::ZeroMaxTokens => "zero_max_tokens",
-            Self::ContextOverflow { .. } => "context_overflow",
-            Self::PoolTooSmall { .. } => "pool_too_small",
-            Self::BadToken { .. } => "bad_token",
-            Self::Sampling(_) => "bad_sampling",
-            Self::Unavailable(_) => "unavailable",
-        }
-    }
-}
-
-/// A request that passed admission. Only [`Engine::admit`] makes one.
-#[derive(Debug)]
-pub struct Admitted(GenerateRequest);
-
-impl Admitted {
-    /// The validated request.
-    pub fn request(&self) -> &GenerateRequest {
-        &self.0
-    }
-}
-
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
@@ -147,7 +61,7 @@ pub enum FinishReason {
     Length,
 }
 
-/// Failures after admission; the request yields no further tokens.
+/// Failures after admission on this engine; the request yields no further tokens.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EngineError {
     /// A KV page's tag did not match (I3).
@@ -156,17 +70,6 @@ pub enum EngineError {
     /// The engine stopped before the request finished.
     #[error("engine shut down")]
     Shutdown,
-    /// A node refused the request at admission (I1): a client error (or, for
-    /// [`RefusalKind::Busy`](tessera_transfer::protocol::RefusalKind::Busy), a retryable one), not a fault.
-    #[error("request refused: {0}")]
-    Refused(tessera_transfer::protocol::Refusal),
-    /// The KV transfer between prefill and decode failed (I4) or a node holding the
-    /// request was lost.
-    #[error("KV transfer failed: {0}")]
-    Transfer(String),
-    /// A remote node failed the request after admission (its message).
-    #[error("node error: {0}")]
-    Node(String),
 }
 
 /// Token counts and timings of a finished request.
@@ -204,111 +107,137 @@ pub enum Event {
     Error(EngineError),
 }
 
-struct Seq {
-    id: SeqId,
-    prompt: Vec<u32>,
-    generated: Vec<u32>,
-    max_tokens: usize,
-    ignore_eos: bool,
-    prefilled: usize,
-    sampler: Sampler,
-    detok: IncrementalDecoder,
-    stop: StopMatcher,
-    sink: UnboundedSender<Event>,
-    submitted: Instant,
-    first_token: Option<Instant>,
-    /// Prefill role: after the first token, move the pages out instead of decoding.
-    export: Option<ExportJob>,
+/// How a sequence left the running batch (decode role: reported to the protocol).
+#[derive(Clone, Debug, PartialEq)]
+pub enum SeqEnd {
+    /// It completed (its `Done` went out).
+    Completed,
+    /// Its client cancelled or went away; nothing more was sent.
+    ClientGone,
+    /// It failed (its `Error` went out).
+    Failed(EngineError),
 }
 
-/// What a prefill node does with a sequence once its prompt is computed: write the
-/// prompt's pages into the decode node's reserved pages and report the commit.
-pub struct ExportJob {
-    /// Transfer (request) id, unique per coordinator.
-    pub req: u64,
-    /// Destination pages from the decode node's descriptor, one per prompt page.
-    pub dest: Vec<DestPage>,
-    /// How bytes reach the decode node.
-    pub transport: Box<dyn KvTransport>,
-    /// Called once, on the engine thread, with the result (after the writes were
-    /// flushed and the source pages released: I5).
-    pub done: Box<dyn FnOnce(Result<Exported, ExportError>) + Send>,
+/// What a sequence does once its prompt is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SeqRole {
+    /// Samples and streams until it ends (co-located, decode node).
+    Generate,
+    /// Prefill node: the first token ends the sequence's compute; its pages stay
+    /// reserved for export until [`Engine::release_prefill`].
+    Prefill,
 }
 
-impl std::fmt::Debug for ExportJob {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ExportJob")
-            .field("req", &self.req)
-            .field("dest", &self.dest.len())
-            .finish()
+pub(crate) struct Seq {
+    pub(crate) id: SeqId,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) generated: Vec<u32>,
+    pub(crate) max_tokens: usize,
+    pub(crate) ignore_eos: bool,
+    pub(crate) prefilled: usize,
+    pub(crate) sampler: Sampler,
+    pub(crate) detok: IncrementalDecoder,
+    pub(crate) stop: StopMatcher,
+    pub(crate) sink: Box<dyn EventSink>,
+    pub(crate) submitted: Instant,
+    pub(crate) first_token: Option<Instant>,
+    pub(crate) role: SeqRole,
+}
+
+impl Seq {
+    /// A sequence about to start (nothing computed).
+    pub(crate) fn new(
+        id: SeqId,
+        req: GenerateRequest,
+        sampler: Sampler,
+        sink: Box<dyn EventSink>,
+        submitted: Instant,
+        role: SeqRole,
+    ) -> Self {
+        Self {
+            id,
+            sampler,
+            prompt: req.prompt,
+            generated: Vec::new(),
+            max_tokens: req.max_tokens,
+            ignore_eos: req.ignore_eos,
+            prefilled: 0,
+            detok: IncrementalDecoder::new(true),
+            stop: StopMatcher::new(req.stop),
+            sink,
+            submitted,
+            first_token: None,
+            role,
+        }
+    }
+
+    fn progress(&self) -> SeqProgress {
+        SeqProgress {
+            prompt: self.prompt.len(),
+            prefilled: self.prefilled,
+            generated: self.generated.len(),
+        }
     }
 }
 
-/// A completed export: what the prefill node puts in its `Commit`.
+/// A queued request (co-located, or a prefill node's prefill-only sequence).
+struct Waiting {
+    req: Admitted,
+    id: SeqId,
+    sink: Box<dyn EventSink>,
+    submitted: Instant,
+    role: SeqRole,
+}
+
+impl Waiting {
+    /// Tokens whose pages it reserves: a prefill-only sequence needs its prompt's
+    /// pages (its output pages are reserved on the decode node).
+    fn tokens(&self) -> usize {
+        let r = self.req.request();
+        match self.role {
+            SeqRole::Prefill => r.prompt.len(),
+            SeqRole::Generate => r.prompt.len().saturating_add(r.max_tokens),
+        }
+    }
+}
+
+/// A prefill-only sequence whose compute ended ([`Engine::take_prefilled`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Exported {
-    /// Prompt tokens whose K/V the pages hold.
-    pub tokens: usize,
-    /// Each written destination page with the CRC-32C of the bytes written.
-    pub pages: Vec<(DestPage, u32)>,
-    /// The token sampled from the last prompt position.
-    pub first_token: u32,
-    /// Sampler RNG position after the first token ([`Sampler::rng_word_pos`]).
+pub struct Prefilled {
+    /// The sequence (the transfer id on a prefill node).
+    pub seq: SeqId,
+    /// The first token and the sampler position after it, or the integrity error that
+    /// stopped the compute. The pages stay reserved either way.
+    pub result: Result<FirstToken, IntegrityError>,
+}
+
+/// The token sampled at the end of a prefill, and the sampler's RNG position after it
+/// ([`Sampler::rng_word_pos`]), so the decode node continues the same stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FirstToken {
+    /// Token id.
+    pub token: u32,
+    /// Sampler RNG word position after sampling it.
     pub rng_word_pos: u128,
-}
-
-/// Why an export failed. The source pages are released either way.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ExportError {
-    /// A source page's tag did not match its block table (I3 at the transfer source).
-    #[error("KV integrity check failed at the transfer source: {0}")]
-    Integrity(#[from] IntegrityError),
-    /// The descriptor does not name one destination page per prompt page.
-    #[error("descriptor names {dest} destination pages but the prompt fills {pages}")]
-    DescriptorMismatch {
-        /// Destination pages in the descriptor.
-        dest: usize,
-        /// Pages the prompt fills.
-        pages: usize,
-    },
-    /// The transport failed.
-    #[error(transparent)]
-    Transport(#[from] TransportError),
-}
-
-/// Why a page landing was dropped (decode side).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LandError {
-    /// The destination page is not held with the expected tag: a late or stray
-    /// write after the reservation ended (its epoch moved on) or a forged handle.
-    #[error("page {page} is not reserved with the tag this write names")]
-    NotReserved {
-        /// Physical page.
-        page: u32,
-    },
-    /// The payload is not exactly one page.
-    #[error("landing of {got} bytes, a page is {want}")]
-    WrongSize {
-        /// Bytes received.
-        got: usize,
-        /// Bytes per page.
-        want: usize,
-    },
 }
 
 /// The engine: one owner of the model's KV pool and the running batch.
 pub struct Engine {
-    model: Arc<Llama>,
-    tokenizer: Arc<Tokenizer>,
-    cfg: EngineConfig,
-    kv: KvManager,
+    pub(crate) model: Arc<Llama>,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) kv: KvManager,
     waiting: VecDeque<Waiting>,
-    running: Vec<Seq>,
-    stop_ids: Vec<u32>,
+    pub(crate) running: Vec<Seq>,
+    pub(crate) stop_ids: Vec<u32>,
     next_seq: u64,
-    /// Decode role: sequences that left the running batch, and why (`None`: finished
-    /// normally or the client went away; `Some`: an error). `None` when not tracked.
-    ended: Option<Vec<(SeqId, Option<String>)>>,
+    /// Decode role: sequences that left the running batch, and how. `None` when not
+    /// tracked.
+    ended: Option<Vec<(SeqId, SeqEnd)>>,
+    /// Prefill role: finished prefills not yet taken, and the prompt length of every
+    /// prefill-only sequence whose compute ended and whose pages are still held.
+    prefilled: Vec<Prefilled>,
+    pub(crate) parked: HashMap<SeqId, usize>,
 }
 
 impl Engine {
@@ -336,6 +265,8 @@ impl Engine {
             stop_ids,
             next_seq: 1,
             ended: None,
+            prefilled: Vec::new(),
+            parked: HashMap::new(),
         }
     }
 
@@ -345,15 +276,14 @@ impl Engine {
         self.ended.get_or_insert_with(Vec::new);
     }
 
-    /// Sequences that left the running batch since the last call, with the error that
-    /// ended them, if any.
-    pub fn take_ended(&mut self) -> Vec<(SeqId, Option<String>)> {
+    /// Sequences that left the running batch since the last call, and how.
+    pub fn take_ended(&mut self) -> Vec<(SeqId, SeqEnd)> {
         self.ended.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    fn record_end(&mut self, seq: SeqId, error: Option<String>) {
+    pub(crate) fn record_end(&mut self, seq: SeqId, end: SeqEnd) {
         if let Some(log) = &mut self.ended {
-            log.push((seq, error));
+            log.push((seq, end));
         }
     }
 
@@ -372,171 +302,73 @@ impl Engine {
         }
     }
 
-    /// Queues an admitted request; its events go to the returned receiver.
+    /// Sizing.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Queues an admitted request; its events go to the returned receiver (dropping
+    /// it cancels the request).
     pub fn enqueue(&mut self, req: Admitted) -> UnboundedReceiver<Event> {
         let (tx, rx) = unbounded_channel();
-        self.enqueue_with_sink(req, tx, Instant::now());
+        self.enqueue_with_sink(req, Box::new(tx), Instant::now());
         rx
     }
 
-    /// Queues an admitted request whose events go to `sink`; `submitted` is when
-    /// the client's request arrived (TTFT is measured from it).
+    /// Queues an admitted request whose events go to `sink`; `submitted` is when the
+    /// client's request arrived (TTFT is measured from it).
     pub fn enqueue_with_sink(
         &mut self,
         req: Admitted,
-        sink: UnboundedSender<Event>,
+        sink: Box<dyn EventSink>,
         submitted: Instant,
     ) {
+        let id = self.fresh_seq();
         self.waiting.push_back(Waiting {
             req,
+            id,
             sink,
             submitted,
-            export: None,
+            role: SeqRole::Generate,
         });
     }
 
-    /// Prefill role: queues an admitted request whose prompt is computed here and
-    /// whose pages then go to a decode node as `job` says. Only the prompt's pages
-    /// are allocated on this node. The sampler's fallback seed is the transfer id,
-    /// so the decode node can continue the same RNG stream.
-    pub fn enqueue_export(&mut self, req: Admitted, job: ExportJob) {
-        // Nobody reads a prefill sequence's events; the first token goes in the
-        // commit.
-        let (sink, rx) = unbounded_channel();
-        std::mem::forget(rx);
+    /// Prefill role: queues a prefill-only sequence `seq` (the transfer id): only the
+    /// prompt's pages are allocated here, the first token ends its compute, and
+    /// [`Self::take_prefilled`] reports it; its pages stay reserved until
+    /// [`Self::release_prefill`]. The sampler's fallback seed is `seq`, so the decode
+    /// node can continue the same RNG stream.
+    pub fn enqueue_prefill(&mut self, req: Admitted, seq: SeqId) {
         self.waiting.push_back(Waiting {
             req,
-            sink,
-            submitted: Instant::now(),
-            export: Some(job),
-        });
-    }
-
-    /// Prefill role: drops the export of transfer `req` wherever it is (queued or
-    /// computing) and frees its pages. Nothing of it is in flight afterwards: writes
-    /// are issued and flushed within one step. Returns whether it was found.
-    pub fn abort_export(&mut self, req: u64) -> bool {
-        if let Some(i) = self
-            .waiting
-            .iter()
-            .position(|w| w.export.as_ref().is_some_and(|j| j.req == req))
-        {
-            self.waiting.remove(i);
-            return true;
-        }
-        if let Some(i) = self
-            .running
-            .iter()
-            .position(|s| s.export.as_ref().is_some_and(|j| j.req == req))
-        {
-            let s = self.running.remove(i);
-            self.kv.release(s.id);
-            return true;
-        }
-        false
-    }
-
-    /// Decode role: reserves pages for `prompt_tokens + max_tokens` tokens of a
-    /// sequence whose prompt K/V will arrive by transfer, all or nothing. Returns the
-    /// new sequence and the destination pages of the prompt (one per prompt page, in
-    /// logical order) for the descriptor.
-    pub fn reserve_import(
-        &mut self,
-        tenant: u64,
-        prompt_tokens: usize,
-        max_tokens: usize,
-    ) -> Result<(SeqId, Vec<DestPage>), PoolError> {
-        let id = SeqId(self.next_seq);
-        self.kv
-            .reserve(id, tenant, prompt_tokens.saturating_add(max_tokens))?;
-        self.next_seq += 1;
-        let n = self.kv.pages_for(prompt_tokens);
-        let table = self.kv.table(id).expect("just reserved");
-        let dest = table[..n]
-            .iter()
-            .map(|r| DestPage {
-                page: r.page,
-                tag: r.tag,
-            })
-            .collect();
-        Ok((id, dest))
-    }
-
-    /// Decode role: writes one transferred page into the pool, if the page is still
-    /// reserved with the tag the write names (a late write after its reservation
-    /// ended is dropped: the epoch moved on).
-    pub fn land(&mut self, landing: &PageLanding) -> Result<(), LandError> {
-        let want = self.kv.layout().page_elems() * 2;
-        if landing.bytes.len() != want {
-            return Err(LandError::WrongSize {
-                got: landing.bytes.len(),
-                want,
-            });
-        }
-        let r = BlockRef {
-            page: landing.dest.page,
-            tag: landing.dest.tag,
-        };
-        let (pool, _) = self.kv.split_mut();
-        let dst = pool
-            .page_data_mut(r)
-            .ok_or(LandError::NotReserved { page: r.page })?;
-        for (d, b) in dst.iter_mut().zip(landing.bytes.chunks_exact(2)) {
-            *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
-        }
-        Ok(())
-    }
-
-    /// Decode role: CRC-32C of the bytes now in `dest`, or `None` when the page is
-    /// not held with `dest.tag` (I4 commit verification).
-    pub fn landed_checksum(&self, dest: DestPage) -> Option<u32> {
-        let page = self.kv.pool().page_data(BlockRef {
-            page: dest.page,
-            tag: dest.tag,
-        })?;
-        Some(page_checksum(f16_bytes(page)))
-    }
-
-    /// Decode role: starts decoding a sequence whose prompt pages were transferred
-    /// and verified. Emits `first_token` (sampled by the prefill node) as the first
-    /// event, then decodes as usual. `seq` must come from [`Self::reserve_import`].
-    pub fn adopt(&mut self, seq: SeqId, import: Import) {
-        let Import {
-            req,
-            first_token,
-            seed_fallback,
-            rng_word_pos,
-            sink,
-            submitted,
-        } = import;
-        let Admitted(r) = req;
-        let mut s = Seq {
             id: seq,
-            sampler: Sampler::resume(r.sampling.clone(), seed_fallback, rng_word_pos),
-            prefilled: r.prompt.len(),
-            prompt: r.prompt,
-            generated: Vec::new(),
-            max_tokens: r.max_tokens,
-            ignore_eos: r.ignore_eos,
-            detok: IncrementalDecoder::new(true),
-            stop: StopMatcher::new(r.stop),
-            sink,
-            submitted,
-            first_token: None,
-            export: None,
-        };
-        match Self::accept_token(&mut s, first_token, &self.tokenizer, &self.stop_ids) {
-            Accepted::Continue => self.running.push(s),
-            Accepted::Finished(ev) => {
-                self.kv.release(seq);
-                self.record_end(seq, None);
-                let _ = s.sink.send(ev);
-            }
-            Accepted::Disconnected => {
-                self.kv.release(seq);
-                self.record_end(seq, None);
-            }
+            sink: Box::new(crate::sink::Discard),
+            submitted: Instant::now(),
+            role: SeqRole::Prefill,
+        });
+    }
+
+    /// Prefill role: prefills whose compute ended since the last call.
+    pub fn take_prefilled(&mut self) -> Vec<Prefilled> {
+        std::mem::take(&mut self.prefilled)
+    }
+
+    /// Prefill role: drops prefill-only sequence `seq` wherever it is (queued,
+    /// computing, or computed and held for export) and frees its pages. Returns
+    /// whether it was found.
+    pub fn release_prefill(&mut self, seq: SeqId) -> bool {
+        let mut found = false;
+        if let Some(i) = self.waiting.iter().position(|w| w.id == seq) {
+            self.waiting.remove(i);
+            found = true;
         }
+        if let Some(i) = self.running.iter().position(|s| s.id == seq) {
+            self.running.remove(i);
+            found = true;
+        }
+        found |= self.parked.remove(&seq).is_some();
+        self.prefilled.retain(|p| p.seq != seq);
+        found | (self.kv.release(seq) > 0)
     }
 
     /// Frees every page of `seq` (decode role: a reservation that will not be
@@ -580,19 +412,55 @@ impl Engine {
         self.running.iter().map(|s| s.id).collect()
     }
 
-    /// Runs one scheduling step (admit, one forward pass, sample, emit). Returns the
-    /// number of tokens in the forward pass (0 when idle).
+    /// A sequence id the engine assigns itself, never one in use.
+    fn fresh_seq(&mut self) -> SeqId {
+        loop {
+            let id = SeqId(self.next_seq);
+            self.next_seq += 1;
+            if self.kv.table(id).is_none() && !self.waiting.iter().any(|w| w.id == id) {
+                return id;
+            }
+        }
+    }
+
+    /// Runs one scheduling step: drops cancelled requests, admits waiting ones, runs
+    /// one forward pass, samples and emits. Returns the number of tokens in the
+    /// forward pass (0 when idle).
     pub fn step(&mut self) -> usize {
-        self.admit_waiting();
-        let rows = self.build_batch();
+        self.drop_cancelled();
+        let plan = {
+            let running: Vec<SeqProgress> = self.running.iter().map(Seq::progress).collect();
+            let queue: Vec<Queued> = self
+                .waiting
+                .iter()
+                .map(|w| Queued {
+                    prompt: w.req.request().prompt.len(),
+                    pages: self.kv.pages_for(w.tokens()),
+                })
+                .collect();
+            scheduler::plan(
+                &running,
+                &queue,
+                StepLimits {
+                    max_batch_tokens: self.cfg.max_batch_tokens,
+                    max_running: self.cfg.max_running,
+                    free_pages: self.kv.pool().free_pages(),
+                },
+            )
+        };
+        for _ in 0..plan.admit {
+            self.start_waiting();
+        }
+        let rows = self.rows(&plan.work);
         if rows.is_empty() {
             return 0;
         }
         let out = self.model.forward(&rows, &mut self.kv);
-        let mut finished: Vec<(SeqId, Option<Event>)> = Vec::new();
-        let mut exports: Vec<(SeqId, u32)> = Vec::new();
+        let mut finished: Vec<(SeqId, SeqEnd, Option<Event>)> = Vec::new();
+        let mut prefilled: Vec<Prefilled> = Vec::new();
         for (seq, err) in &out.failed {
-            finished.push((*seq, Some(Event::Error(EngineError::Integrity(*err)))));
+            let e = EngineError::Integrity(*err);
+            finished.push((*seq, SeqEnd::Failed(e.clone()), Some(Event::Error(e))));
         }
         // Prefill progress for rows that were not sampled.
         for r in &rows {
@@ -608,51 +476,47 @@ impl Engine {
                 continue;
             };
             let tok = s.sampler.sample(&mut logits, &s.prompt, &s.generated);
-            if s.export.is_some() {
-                exports.push((seq, tok));
+            if s.role == SeqRole::Prefill {
+                prefilled.push(Prefilled {
+                    seq,
+                    result: Ok(FirstToken {
+                        token: tok,
+                        rng_word_pos: s.sampler.rng_word_pos(),
+                    }),
+                });
                 continue;
             }
-            match Self::accept_token(s, tok, &self.tokenizer, &self.stop_ids) {
+            match accept_token(s, tok, &self.tokenizer, &self.stop_ids) {
                 Accepted::Continue => {}
-                Accepted::Finished(ev) => finished.push((seq, Some(ev))),
+                Accepted::Finished(ev) => finished.push((seq, SeqEnd::Completed, Some(ev))),
                 // The receiver is gone (client disconnected): abort and free.
-                Accepted::Disconnected => finished.push((seq, None)),
+                Accepted::Disconnected => finished.push((seq, SeqEnd::ClientGone, None)),
             }
         }
-        for (id, tok) in exports {
-            if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                let mut s = self.running.remove(i);
-                let mut job = s.export.take().expect("export sequence");
-                let result = export_pages(&self.kv, &s, &mut job).map(|pages| Exported {
-                    tokens: s.prompt.len(),
-                    pages,
-                    first_token: tok,
-                    rng_word_pos: s.sampler.rng_word_pos(),
-                });
-                // I5: the writes are flushed (or failed) before the source pages go.
-                self.kv.release(id);
-                (job.done)(result);
-            }
+        for p in prefilled {
+            self.park(p);
         }
-        for (id, ev) in finished {
-            if let Some(i) = self.running.iter().position(|s| s.id == id) {
-                let mut s = self.running.remove(i);
-                self.kv.release(id);
-                if let Some(job) = s.export.take() {
-                    if let Some(Event::Error(EngineError::Integrity(e))) = ev {
-                        (job.done)(Err(ExportError::Integrity(e)));
-                    }
-                } else {
-                    let error = match &ev {
-                        Some(Event::Error(e)) => Some(e.to_string()),
-                        _ => None,
-                    };
-                    self.record_end(id, error);
-                    if let Some(ev) = ev {
-                        let _ = s.sink.send(ev);
-                    }
+        for (id, end, ev) in finished {
+            let Some(i) = self.running.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            if self.running[i].role == SeqRole::Prefill {
+                // An integrity error while computing the prompt: reported for export
+                // handling; the pages stay until released.
+                if let SeqEnd::Failed(EngineError::Integrity(e)) = end {
+                    self.park(Prefilled {
+                        seq: id,
+                        result: Err(e),
+                    });
                 }
+                continue;
             }
+            let mut s = self.running.remove(i);
+            self.kv.release(id);
+            if let Some(ev) = ev {
+                let _ = s.sink.send(ev);
+            }
+            self.record_end(id, end);
         }
         rows.len()
     }
@@ -664,288 +528,137 @@ impl Engine {
         }
     }
 
-    /// Appends a sampled token and sends its event.
-    fn accept_token(s: &mut Seq, tok: u32, tk: &Tokenizer, stop_ids: &[u32]) -> Accepted {
-        let now = Instant::now();
-        s.first_token.get_or_insert(now);
-        s.generated.push(tok);
-        let mut reason = None;
-        let mut text: String;
-        if !s.ignore_eos && stop_ids.contains(&tok) {
-            reason = Some(FinishReason::Stop);
-            text = s.stop.finish();
-        } else {
-            let piece = s.detok.push(tk, tok);
-            // At the length limit, bytes still pending are the start of a character
-            // the cut split: dropped, never emitted as U+FFFD.
-            let at_limit = s.generated.len() >= s.max_tokens;
-            match s.stop.push(&piece) {
-                StopOutcome::Stopped { text: t, .. } => {
-                    text = t;
-                    reason = Some(FinishReason::Stop);
-                }
-                StopOutcome::Continue(t) => {
-                    text = t;
-                    if at_limit {
-                        text.push_str(&s.stop.finish());
-                        reason = Some(FinishReason::Length);
-                    }
-                }
-            }
+    /// Prefill role: takes a sequence whose compute ended out of the running batch,
+    /// keeping its pages for export.
+    fn park(&mut self, p: Prefilled) {
+        if let Some(i) = self.running.iter().position(|s| s.id == p.seq) {
+            let s = self.running.remove(i);
+            self.parked.insert(s.id, s.prompt.len());
+            self.prefilled.push(p);
         }
-        if s.sink.send(Event::Token { id: tok, text }).is_err() {
-            return Accepted::Disconnected;
+    }
+
+    /// Drops requests whose client cancelled: waiting ones are never computed, running
+    /// ones stop and free their pages.
+    fn drop_cancelled(&mut self) {
+        self.waiting.retain(|w| !w.sink.cancelled());
+        let gone: Vec<SeqId> = self
+            .running
+            .iter()
+            .filter(|s| s.sink.cancelled())
+            .map(|s| s.id)
+            .collect();
+        for id in gone {
+            self.release_seq(id);
+            self.record_end(id, SeqEnd::ClientGone);
         }
-        let Some(reason) = reason else {
-            return Accepted::Continue;
+    }
+
+    /// Moves the oldest waiting request into the running batch with all its pages
+    /// (the scheduler checked they fit).
+    fn start_waiting(&mut self) {
+        let Some(w) = self.waiting.pop_front() else {
+            return;
         };
-        let first = s.first_token.unwrap_or(now);
-        let n = s.generated.len();
-        Accepted::Finished(Event::Done {
-            reason,
-            usage: Usage {
-                prompt_tokens: s.prompt.len(),
-                completion_tokens: n,
-                ttft: first - s.submitted,
-                tpot: if n > 1 {
-                    (now - first) / (n as u32 - 1)
-                } else {
-                    Duration::ZERO
-                },
-            },
-        })
-    }
-
-    fn admit_waiting(&mut self) {
-        while self.running.len() < self.cfg.max_running {
-            let Some(w) = self.waiting.front() else {
-                break;
-            };
-            let r = w.req.request();
-            // A prefill-only sequence needs its prompt's pages; its output pages are
-            // reserved on the decode node.
-            let tokens = if w.export.is_some() {
-                r.prompt.len()
-            } else {
-                r.prompt.len().saturating_add(r.max_tokens)
-            };
-            if !self.kv.can_reserve(tokens) {
-                break; // FIFO: wait for pages rather than overtaking.
-            }
-            let Waiting {
-                req: Admitted(r),
-                sink,
-                submitted,
-                export,
-            } = self.waiting.pop_front().unwrap();
-            let id = SeqId(self.next_seq);
-            let seed_fallback = export.as_ref().map_or(id.0, |j| j.req);
-            self.next_seq += 1;
-            self.kv
-                .reserve(id, r.tenant, tokens)
-                .expect("can_reserve checked; the engine is the pool's only user");
-            self.running.push(Seq {
-                id,
-                sampler: Sampler::new(r.sampling.clone(), seed_fallback),
-                prompt: r.prompt,
-                generated: Vec::new(),
-                max_tokens: r.max_tokens,
-                ignore_eos: r.ignore_eos,
-                prefilled: 0,
-                detok: IncrementalDecoder::new(true),
-                stop: StopMatcher::new(r.stop),
-                sink,
-                submitted,
-                first_token: None,
-                export,
-            });
+        let tokens = w.tokens();
+        let r = w.req.into_request();
+        if let Err(e) = self.kv.reserve(w.id, r.tenant, tokens) {
+            // The scheduler counted the free pages; only a duplicate id gets here.
+            tracing::error!(seq = ?w.id, error = %e, "could not reserve a scheduled request");
+            let mut sink = w.sink;
+            let _ = sink.send(Event::Error(EngineError::Shutdown));
+            return;
         }
+        let sampler = Sampler::new(r.sampling.clone(), w.id.0);
+        self.running
+            .push(Seq::new(w.id, r, sampler, w.sink, w.submitted, w.role));
     }
 
-    fn build_batch(&self) -> Vec<BatchRow> {
+    /// The forward pass's rows for the planned work.
+    fn rows(&self, work: &[Work]) -> Vec<BatchRow> {
         let mut rows = Vec::new();
-        let mut budget = self.cfg.max_batch_tokens;
-        // Decode tokens first: one per decoding sequence.
-        for s in &self.running {
-            if s.prefilled == s.prompt.len() {
-                if let Some(&last) = s.generated.last() {
+        for w in work {
+            match *w {
+                Work::Decode { seq, pos } => {
+                    let s = &self.running[seq];
                     rows.push(BatchRow {
                         seq: s.id,
-                        token: last,
-                        pos: s.prompt.len() + s.generated.len() - 1,
+                        token: *s.generated.last().expect("a decoding sequence"),
+                        pos,
                         want_logits: true,
                     });
-                    budget = budget.saturating_sub(1);
                 }
-            }
-        }
-        // Then prompt chunks, oldest first, within the remaining budget.
-        for s in &self.running {
-            if budget == 0 {
-                break;
-            }
-            if s.prefilled < s.prompt.len() {
-                let end = (s.prefilled + budget).min(s.prompt.len());
-                for pos in s.prefilled..end {
-                    rows.push(BatchRow {
-                        seq: s.id,
-                        token: s.prompt[pos],
-                        pos,
-                        want_logits: pos + 1 == s.prompt.len(),
-                    });
+                Work::Prefill { seq, start, end } => {
+                    let s = &self.running[seq];
+                    for pos in start..end {
+                        rows.push(BatchRow {
+                            seq: s.id,
+                            token: s.prompt[pos],
+                            pos,
+                            want_logits: pos + 1 == s.prompt.len(),
+                        });
+                    }
                 }
-                budget -= end - s.prefilled;
             }
         }
         rows
     }
 }
 
-/// A queued request (co-located, or a prefill node's export).
-struct Waiting {
-    req: Admitted,
-    sink: UnboundedSender<Event>,
-    submitted: Instant,
-    export: Option<ExportJob>,
-}
-
-/// A transferred sequence the decode node starts decoding ([`Engine::adopt`]).
-#[derive(Debug)]
-pub struct Import {
-    /// The admitted request (prompt ids, sampling, stops).
-    pub req: Admitted,
-    /// The prefill node's first token.
-    pub first_token: u32,
-    /// Sampler fallback seed both nodes use (the transfer id).
-    pub seed_fallback: u64,
-    /// Sampler RNG position after the first token.
-    pub rng_word_pos: u128,
-    /// Where the sequence's events go.
-    pub sink: UnboundedSender<Event>,
-    /// When the client's request arrived (TTFT).
-    pub submitted: Instant,
-}
-
-/// Raw little-endian bytes of f16 values (the transfer format of a page).
-pub fn f16_bytes(v: &[f16]) -> &[u8] {
-    // SAFETY: f16 is a plain 2-byte value (repr(transparent) over u16) with no
-    // padding; u8 has alignment 1; the length is exactly the same memory.
-    // Little-endian is the byte order of every target we build for (x86-64).
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
-/// Writes a prefill sequence's prompt pages into the destination pages: checks each
-/// source page's tag first (I3), zeroes slots past the prompt in the last page (no
-/// stale bytes leave the node), checksums what is sent, then flushes.
-fn export_pages(
-    kv: &KvManager,
-    s: &Seq,
-    job: &mut ExportJob,
-) -> Result<Vec<(DestPage, u32)>, ExportError> {
-    let table = kv.table(s.id).unwrap_or(&[]);
-    let n = kv.pages_for(s.prompt.len());
-    if job.dest.len() != n || table.len() < n {
-        return Err(ExportError::DescriptorMismatch {
-            dest: job.dest.len(),
-            pages: n,
-        });
-    }
-    tessera_kernels::attention::verify_tags(kv.pool().tags(), &table[..n])?;
-    let layout = *kv.layout();
-    let used_in_last = s.prompt.len() - (n - 1) * layout.page_size;
-    let mut scratch: Vec<f16> = Vec::new();
-    let mut pages = Vec::with_capacity(n);
-    for (i, (r, dest)) in table[..n].iter().zip(&job.dest).enumerate() {
-        let data = kv.pool().page_data(*r).ok_or(IntegrityError {
-            page: r.page,
-            logical_block: i as u32,
-            expected: r.tag,
-            found: kv.pool().tags()[r.page as usize],
-        })?;
-        let data = if i + 1 == n && used_in_last < layout.page_size {
-            scratch.clear();
-            scratch.extend_from_slice(data);
-            let kv_dim = layout.kv_dim();
-            for part in scratch.chunks_exact_mut(layout.page_size * kv_dim) {
-                part[used_in_last * kv_dim..].fill(f16::ZERO);
-            }
-            &scratch[..]
-        } else {
-            data
-        };
-        let bytes = f16_bytes(data);
-        job.transport.put(job.req, *dest, bytes)?;
-        pages.push((*dest, page_checksum(bytes)));
-    }
-    job.transport.flush()?;
-    Ok(pages)
-}
-
-enum Accepted {
+pub(crate) enum Accepted {
     Continue,
     Finished(Event),
     Disconnected,
 }
 
-/// What admission checks a request against: the model's context window and the
-/// node's pool. Copyable, so any thread can admit without touching the engine.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AdmissionLimits {
-    /// Model context window (tokens).
-    pub context: usize,
-    /// KV pool capacity (tokens).
-    pub pool_tokens: usize,
-    /// Tokens per page.
-    pub page_size: usize,
-    /// Vocabulary size.
-    pub vocab: usize,
-}
-
-impl AdmissionLimits {
-    /// The I1 checks: pure, no allocation. Returns the validated request.
-    pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
-        check(
-            &req,
-            self.context,
-            self.pool_tokens,
-            self.page_size,
-            self.vocab,
-        )?;
-        Ok(Admitted(req))
+/// Appends a sampled token and sends its event.
+pub(crate) fn accept_token(s: &mut Seq, tok: u32, tk: &Tokenizer, stop_ids: &[u32]) -> Accepted {
+    let now = Instant::now();
+    s.first_token.get_or_insert(now);
+    s.generated.push(tok);
+    let mut reason = None;
+    let mut text: String;
+    if !s.ignore_eos && stop_ids.contains(&tok) {
+        reason = Some(FinishReason::Stop);
+        text = s.stop.finish();
+    } else {
+        let piece = s.detok.push(tk, tok);
+        // At the length limit, bytes still pending are the start of a character
+        // the cut split: dropped, never emitted as U+FFFD.
+        let at_limit = s.generated.len() >= s.max_tokens;
+        match s.stop.push(&piece) {
+            StopOutcome::Stopped { text: t, .. } => {
+                text = t;
+                reason = Some(FinishReason::Stop);
+            }
+            StopOutcome::Continue(t) => {
+                text = t;
+                if at_limit {
+                    text.push_str(&s.stop.finish());
+                    reason = Some(FinishReason::Length);
+                }
+            }
+        }
     }
-}
-
-fn check(
-    req: &GenerateRequest,
-    context: usize,
-    pool_tokens: usize,
-    page_size: usize,
-    vocab: usize,
-) -> Result<(), Rejection> {
-    if req.prompt.is_empty() {
-        return Err(Rejection::EmptyPrompt);
+    if s.sink.send(Event::Token { id: tok, text }).is_err() {
+        return Accepted::Disconnected;
     }
-    if req.max_tokens == 0 {
-        return Err(Rejection::ZeroMaxTokens);
-    }
-    if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Rejection::BadToken { id, vocab });
-    }
-    let total = req.prompt.len().saturating_add(req.max_tokens);
-    if total > context {
-        return Err(Rejection::ContextOverflow {
-            prompt: req.prompt.len(),
-            max_tokens: req.max_tokens,
-            context,
-        });
-    }
-    let needed = total.div_ceil(page_size) * page_size;
-    if needed > pool_tokens {
-        return Err(Rejection::PoolTooSmall {
-            needed,
-            capacity: pool_tokens,
-        });
-    }
-    req.sampling.validate()?;
-    Ok(())
+    let Some(reason) = reason else {
+        return Accepted::Continue;
+    };
+    let first = s.first_token.unwrap_or(now);
+    let n = s.generated.len();
+    Accepted::Finished(Event::Done {
+        reason,
+        usage: Usage {
+            prompt_tokens: s.prompt.len(),
+            completion_tokens: n,
+            ttft: first - s.submitted,
+            tpot: if n > 1 {
+                (now - first) / (n as u32 - 1)
+            } else {
+                Duration::ZERO
+            },
+        },
+    })
 }

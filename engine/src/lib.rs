@@ -1,14 +1,22 @@
 //! Tessera engine: one owner of a node's KV pool and running batch.
 //!
-//! - [`engine`]: admission (I1), continuous batching with chunked prefill, sampling
-//!   and streaming events; the prefill node's page export and the decode node's page
-//!   landing and adoption.
+//! - [`admission`]: the I1 checks; [`Admitted`] is the only thing a queue accepts.
+//! - [`scheduler`]: pure batch planning (FIFO admission, decode first, chunked prefill).
+//! - [`engine`]: the step: forward pass, sampling, events, cancellation.
+//! - [`kv_transfer`]: a prefill node's page export, a decode node's reservation,
+//!   landing, commit checksums and adoption.
+//! - [`sink`]: where a request's events go ([`EventSink`]).
 
+pub mod admission;
 pub mod engine;
+pub mod kv_transfer;
+pub mod scheduler;
+pub mod sink;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
+pub use admission::{AdmissionLimits, Admitted, GenerateRequest, PdAdmission, Rejection};
 pub use engine::{
-    AdmissionLimits, Admitted, Engine, EngineConfig, EngineError, Event, FinishReason,
-    GenerateRequest, Rejection, Usage,
+    Engine, EngineConfig, EngineError, Event, FinishReason, FirstToken, Prefilled, SeqEnd, Usage,
 };
+pub use sink::{EventSink, Gone};

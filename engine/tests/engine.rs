@@ -2,9 +2,9 @@
 //! admission (I1), sampling determinism, stops and aborts. Every test ends with the
 //! pool back at its start free count.
 
-use tessera_engine::engine::{EngineError, Rejection};
 use tessera_engine::testing::*;
 use tessera_engine::{EngineConfig, Event, FinishReason};
+use tessera_engine::{EngineError, Rejection};
 use tessera_model::kv::SeqId;
 use tessera_model::sampling::SamplingParams;
 

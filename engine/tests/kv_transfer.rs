@@ -4,49 +4,64 @@
 //! A transferred sequence's output must equal its co-located solo output.
 
 use std::sync::{Arc, Mutex};
-use tessera_engine::engine::{ExportError, ExportJob, Exported, Import, LandError};
+use tessera_engine::kv_transfer::{ExportError, Import, LandError};
 use tessera_engine::testing::*;
-use tessera_engine::{Engine, EngineConfig, GenerateRequest};
+use tessera_engine::{Engine, EngineConfig, Event, GenerateRequest};
+use tessera_model::kv::SeqId;
 use tessera_model::LoadedModel;
-use tessera_transfer::inproc::{InprocTransport, PageLanding};
+use tessera_transfer::inproc::PageLanding;
+use tessera_transfer::transport::DestPage;
 use tokio::sync::mpsc::unbounded_channel;
 
 type Landings = Arc<Mutex<Vec<PageLanding>>>;
 
-/// Runs `req`'s prefill on `p` with an export into pages reserved on `d`; returns
-/// the decode sequence, what the prefill reported, and the queued landings.
+/// What a prefill reports for its commit.
+#[derive(Debug)]
+struct Exported {
+    tokens: usize,
+    pages: Vec<(DestPage, u32)>,
+    first_token: u32,
+    rng_word_pos: u128,
+}
+
+/// Runs `req`'s prefill on `p` as transfer `transfer` into pages reserved on `d`;
+/// returns the decode sequence, what the prefill reported, and the page writes (not
+/// yet applied). The source pages are released once the export is copied out, as
+/// the protocol does once the writes are drained.
 fn prefill_and_export(
     p: &mut Engine,
     d: &mut Engine,
     req: &GenerateRequest,
     transfer: u64,
-) -> (
-    tessera_model::kv::SeqId,
-    Result<Exported, ExportError>,
-    Landings,
-) {
-    let (seq, dest) = d
-        .reserve_import(req.tenant, req.prompt.len(), req.max_tokens)
+) -> (SeqId, Result<Exported, ExportError>, Landings) {
+    let seq = SeqId(transfer);
+    let dest = d
+        .reserve_import(seq, req.tenant, req.prompt.len(), req.max_tokens)
         .unwrap();
-    let landings: Landings = Arc::default();
-    let sink = landings.clone();
-    let result: Arc<Mutex<Option<Result<Exported, ExportError>>>> = Arc::default();
-    let out = result.clone();
-    p.enqueue_export(
-        p.admit(req.clone()).unwrap(),
-        ExportJob {
-            req: transfer,
-            dest,
-            transport: Box::new(InprocTransport::new(Box::new(move |l| {
-                sink.lock().unwrap().push(l);
-                true
-            }))),
-            done: Box::new(move |r| *out.lock().unwrap() = Some(r)),
-        },
-    );
+    p.enqueue_prefill(p.admit(req.clone()).unwrap(), seq);
     p.run_to_completion();
-    let r = result.lock().unwrap().take().expect("export reported");
-    (seq, r, landings)
+    let done = p.take_prefilled();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].seq, seq);
+    let first = done[0].result.expect("prefill computed");
+    let landings: Landings = Arc::default();
+    let result = p.export_pages(seq, &dest).map(|pages| {
+        for pg in &pages {
+            landings.lock().unwrap().push(PageLanding {
+                req: transfer,
+                dest: pg.dest,
+                bytes: pg.bytes.clone(),
+            });
+        }
+        Exported {
+            tokens: req.prompt.len(),
+            pages: pages.iter().map(|pg| (pg.dest, pg.checksum)).collect(),
+            first_token: first.token,
+            rng_word_pos: first.rng_word_pos,
+        }
+    });
+    assert!(p.release_prefill(seq));
+    (seq, result, landings)
 }
 
 fn pd_pair(m: &LoadedModel) -> (Engine, Engine) {
@@ -60,7 +75,7 @@ fn pd_pair(m: &LoadedModel) -> (Engine, Engine) {
 /// the export, adopts the sequence and decodes it to the end.
 fn land_and_decode(
     d: &mut Engine,
-    seq: tessera_model::kv::SeqId,
+    seq: SeqId,
     req: &GenerateRequest,
     exported: &Exported,
     landings: &Landings,
@@ -72,7 +87,7 @@ fn land_and_decode(
     for (dest, crc) in &exported.pages {
         assert_eq!(d.landed_checksum(*dest), Some(*crc), "page {dest:?}");
     }
-    let (sink, mut rx) = unbounded_channel();
+    let (sink, mut rx) = unbounded_channel::<Event>();
     d.adopt(
         seq,
         Import {
@@ -80,7 +95,7 @@ fn land_and_decode(
             first_token: exported.first_token,
             seed_fallback: transfer,
             rng_word_pos: exported.rng_word_pos,
-            sink,
+            sink: Box::new(sink),
             submitted: std::time::Instant::now(),
         },
     );
@@ -207,34 +222,57 @@ fn landing_of_the_wrong_size_is_rejected() {
 }
 
 #[test]
-fn export_checks_source_tags_and_descriptor_length() {
+fn export_checks_the_descriptor_length_and_holds_nothing_after_release() {
     let m = load();
     let (mut p, mut d) = pd_pair(&m);
     let req = greedy(chat_prompt(&m, "What is the capital of France?"), 4);
     // A descriptor one page short.
-    let (seq, mut dest) = d
-        .reserve_import(req.tenant, req.prompt.len(), req.max_tokens)
+    let seq = SeqId(9);
+    let mut dest = d
+        .reserve_import(seq, req.tenant, req.prompt.len(), req.max_tokens)
         .unwrap();
     dest.pop();
-    let result: Arc<Mutex<Option<Result<Exported, ExportError>>>> = Arc::default();
-    let out = result.clone();
-    p.enqueue_export(
-        p.admit(req.clone()).unwrap(),
-        ExportJob {
-            req: 9,
-            dest,
-            transport: Box::new(InprocTransport::new(Box::new(|_| {
-                panic!("nothing may be written for a bad descriptor")
-            }))),
-            done: Box::new(move |r| *out.lock().unwrap() = Some(r)),
-        },
-    );
+    p.enqueue_prefill(p.admit(req.clone()).unwrap(), seq);
     p.run_to_completion();
+    assert!(p.take_prefilled()[0].result.is_ok());
     assert!(matches!(
-        result.lock().unwrap().take(),
-        Some(Err(ExportError::DescriptorMismatch { .. }))
+        p.export_pages(seq, &dest),
+        Err(ExportError::DescriptorMismatch { .. })
+    ));
+    // Held until released (the protocol drains first), then every page is back.
+    assert!(p.kv().pool().free_pages() < p.kv().pool().capacity());
+    assert!(p.release_prefill(seq));
+    assert!(matches!(
+        p.export_pages(seq, &dest),
+        Err(ExportError::Unknown(_))
     ));
     assert_eq!(p.kv().pool().free_pages(), p.kv().pool().capacity());
     d.release_seq(seq);
     assert_eq!(d.kv().pool().free_pages(), d.kv().pool().capacity());
+}
+
+#[test]
+fn export_refuses_a_source_page_whose_tag_no_longer_matches() {
+    let m = load();
+    let (mut p, _) = pd_pair(&m);
+    let req = greedy(chat_prompt(&m, "What is the capital of France?"), 4);
+    let seq = SeqId(3);
+    p.enqueue_prefill(p.admit(req.clone()).unwrap(), seq);
+    p.run_to_completion();
+    p.take_prefilled();
+    // The block table now points its first entry at a page the sequence does not own.
+    let table = p.kv_mut_for_test().table_mut_for_test(seq).unwrap();
+    table[0].page = (table[0].page + 100) % 1024;
+    let dest: Vec<DestPage> = (0..req.prompt.len().div_ceil(16) as u32)
+        .map(|page| DestPage {
+            page,
+            tag: Default::default(),
+        })
+        .collect();
+    assert!(matches!(
+        p.export_pages(seq, &dest),
+        Err(ExportError::Integrity(_))
+    ));
+    assert!(p.release_prefill(seq));
+    assert_eq!(p.kv().pool().free_pages(), p.kv().pool().capacity());
 }

@@ -23,12 +23,12 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_engine::{EngineConfig, Event, GenerateRequest};
+
 use tessera_gateway::{AppState, GatewayConfig, Server};
 use tessera_model::chat::ChatMessage;
 use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
-use tessera_serving::EngineHandle;
+use tessera_serving::{EngineConfig, EngineHandle, GenerateRequest, StreamEvent};
 use tessera_tenancy::{Limits, Store};
 
 const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
@@ -170,7 +170,7 @@ async fn main() -> anyhow::Result<()> {
         };
         let mut rx = engine.submit(req).map_err(anyhow::Error::msg)?;
         while let Some(ev) = rx.recv().await {
-            if matches!(ev, Event::Done { .. } | Event::Error(_)) {
+            if matches!(ev, StreamEvent::Done { .. } | StreamEvent::Error(_)) {
                 break;
             }
         }
@@ -238,7 +238,7 @@ async fn main() -> anyhow::Result<()> {
             async move {
                 let mut rx = e.submit(req).expect("admitted");
                 while let Some(ev) = rx.recv().await {
-                    if matches!(ev, Event::Done { .. } | Event::Error(_)) {
+                    if matches!(ev, StreamEvent::Done { .. } | StreamEvent::Error(_)) {
                         break;
                     }
                 }

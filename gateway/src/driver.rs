@@ -1,18 +1,24 @@
-//! One driver task per admitted request: it owns the engine's event receiver and
-//! the request's limit permit, forwards text to the HTTP side, notices when the
-//! client goes away (the HTTP side dropped its receiver) and then aborts by dropping
-//! the engine receiver, and writes the usage row exactly once, right after the
-//! final message (a client that saw its response end may see its row a moment
-//! later).
+//! One driver task per admitted request: it owns the request's stream and its limit
+//! permit, forwards text to the HTTP side, and notices when the client goes away
+//! (the HTTP side dropped its receiver) or the server shuts down, and then cancels the
+//! request. Either way it waits until serving confirms that nothing is held for the
+//! request on any node (I6: every abort acknowledged, every page freed), bounded by
+//! [`RELEASE_WAIT`], before it returns the tenant's permits and writes the usage row,
+//! exactly once, with the tokens computed.
 
 use crate::error::{ApiError, ErrorKind};
 use crate::server::{AppState, Ctx};
 use std::sync::Arc;
-use tessera_engine::engine::EngineError;
-use tessera_engine::{Event, FinishReason};
+use std::time::Duration;
+use tessera_serving::{
+    FinishReason, RequestStream, ServeError, ServeErrorKind, StreamEvent, Usage,
+};
 use tessera_tenancy::Permit;
-use tessera_transfer::protocol::RefusalKind;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// Longest wait for the nodes to confirm a request's release before its permits and
+/// usage row go ahead anyway (counted in `tessera_release_wait_timeouts_total`).
+pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(10);
 
 /// Messages from the driver to the HTTP side, in order: text, then one `Done` or
 /// `Error`.
@@ -44,7 +50,7 @@ pub(crate) fn finish_label(r: FinishReason) -> &'static str {
 pub(crate) fn spawn(
     state: Arc<AppState>,
     ctx: Ctx,
-    mut events: UnboundedReceiver<Event>,
+    mut stream: RequestStream,
     permit: Permit,
     prompt_tokens: usize,
 ) -> UnboundedReceiver<Msg> {
@@ -55,8 +61,8 @@ pub(crate) fn spawn(
         let mut generated = 0usize;
         let mut ttft = None;
         enum End {
-            Done(FinishReason, tessera_engine::engine::Usage),
-            Error(EngineError),
+            Done(FinishReason, Usage),
+            Error(ServeError),
             Aborted,
             Shutdown,
         }
@@ -65,32 +71,46 @@ pub(crate) fn spawn(
                 biased;
                 _ = tx.closed() => break End::Aborted,
                 _ = abort.wait_for(|a| *a) => break End::Shutdown,
-                ev = events.recv() => match ev {
-                    Some(Event::Token { text, .. }) => {
+                ev = stream.recv() => match ev {
+                    Some(StreamEvent::Token { text, .. }) => {
                         generated += 1;
                         ttft.get_or_insert_with(|| ctx.started.elapsed());
                         if !text.is_empty() {
                             let _ = tx.send(Msg::Text(text));
                         }
                     }
-                    Some(Event::Done { reason, usage }) => break End::Done(reason, usage),
-                    Some(Event::Error(e)) => break End::Error(e),
-                    None => break End::Error(EngineError::Shutdown),
+                    Some(StreamEvent::Done { reason, usage }) => break End::Done(reason, usage),
+                    Some(StreamEvent::Error(e)) => break End::Error(e),
+                    None => break End::Error(ServeError::new(
+                        ServeErrorKind::Shutdown,
+                        "the engine stopped before the request finished",
+                    )),
                 },
             }
         };
-        // Tokens the engine already sent count as computed even if the client never
-        // saw them.
-        if matches!(end, End::Aborted | End::Shutdown) {
-            while let Ok(ev) = events.try_recv() {
-                if matches!(ev, Event::Token { .. }) {
+        let aborted = matches!(end, End::Aborted | End::Shutdown);
+        if aborted {
+            stream.cancel();
+        }
+        // I6: nothing may still be held for the request on any node before its
+        // permits come back and its usage is recorded.
+        if tokio::time::timeout(RELEASE_WAIT, stream.released())
+            .await
+            .is_err()
+        {
+            state.metrics.release_timeout();
+            tracing::warn!(request_id = %ctx.rid, "nodes did not confirm the release in time");
+        }
+        // Tokens the engine computed before the abort took effect count, even if the
+        // client never saw them.
+        if aborted {
+            while let Some(ev) = stream.try_recv() {
+                if matches!(ev, StreamEvent::Token { .. }) {
                     generated += 1;
                 }
             }
         }
-        // Abort (if still running): the engine frees the request's pages when it
-        // sees the closed channel.
-        drop(events);
+        drop(stream);
         let ttft_us = ttft.map(|d| d.as_micros() as i64).unwrap_or(0);
         let (record, msg) = match end {
             End::Done(reason, u) => (
@@ -109,23 +129,12 @@ pub(crate) fn spawn(
                 }),
             ),
             End::Error(e) => {
-                let err = match &e {
-                    // A node's own admission check (I1) refused it: the client's
-                    // error, not ours.
-                    EngineError::Refused(r) => {
-                        tracing::info!(request_id = %ctx.rid, error = %e, "refused by a node");
-                        let kind = match r.kind {
-                            RefusalKind::TooLarge => ErrorKind::ContextOverflow,
-                            RefusalKind::Invalid => ErrorKind::BadRequest,
-                            RefusalKind::Busy => ErrorKind::Unavailable,
-                        };
-                        ApiError::new(kind, r.message.clone())
-                    }
-                    _ => {
-                        tracing::error!(request_id = %ctx.rid, error = %e, "generation failed");
-                        ApiError::new(ErrorKind::Internal, format!("generation failed: {e}"))
-                    }
-                };
+                let err = ApiError::serving(&e);
+                if err.kind == ErrorKind::Internal {
+                    tracing::error!(request_id = %ctx.rid, kind = e.kind().label(), error = %e, "generation failed");
+                } else {
+                    tracing::info!(request_id = %ctx.rid, kind = e.kind().label(), error = %e, "request refused or failed");
+                }
                 (
                     ctx.usage(
                         err.kind.status().as_u16(),

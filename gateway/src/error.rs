@@ -6,6 +6,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use std::time::Duration;
+use tessera_serving::{ServeError, ServeErrorKind};
 
 /// Which API shape an error is rendered in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +125,23 @@ impl ApiError {
             param: Some(field.into()),
             ..Self::new(ErrorKind::BadRequest, message)
         }
+    }
+
+    /// The client error for a serving failure (status by its kind; retryable ones
+    /// carry `x-should-retry: true`).
+    pub fn serving(e: &ServeError) -> Self {
+        let kind = match e.kind() {
+            ServeErrorKind::Invalid => ErrorKind::BadRequest,
+            ServeErrorKind::TooLarge => ErrorKind::ContextOverflow,
+            ServeErrorKind::Busy
+            | ServeErrorKind::NodeDown
+            | ServeErrorKind::Timeout
+            | ServeErrorKind::Shutdown => ErrorKind::Unavailable,
+            ServeErrorKind::Integrity | ServeErrorKind::Internal => ErrorKind::Internal,
+        };
+        let mut a = Self::new(kind, e.message());
+        a.retryable = e.is_retryable();
+        a
     }
 
     /// The response in `flavor`'s shape, with `x-request-id` and, for 429,

@@ -63,6 +63,7 @@ pub struct Metrics {
     input_tokens: AtomicU64,
     output_tokens: AtomicU64,
     aborts: AtomicU64,
+    release_timeouts: AtomicU64,
     duration: Histogram,
     ttft: Histogram,
 }
@@ -93,6 +94,12 @@ impl Metrics {
         if r.output_tokens > 0 {
             self.ttft.observe(r.ttft_us);
         }
+    }
+
+    /// Counts a request whose nodes did not confirm its release within the bound (its
+    /// permits and usage row went ahead without the confirmation).
+    pub fn release_timeout(&self) {
+        self.release_timeouts.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Prometheus text exposition.
@@ -131,6 +138,15 @@ impl Metrics {
             out,
             "tessera_aborts_total {}",
             self.aborts.load(Ordering::Relaxed)
+        );
+        out.push_str(
+            "# HELP tessera_release_wait_timeouts_total Requests whose nodes did not confirm release (abort or end acknowledged by every node) within the bound.\n",
+        );
+        out.push_str("# TYPE tessera_release_wait_timeouts_total counter\n");
+        let _ = writeln!(
+            out,
+            "tessera_release_wait_timeouts_total {}",
+            self.release_timeouts.load(Ordering::Relaxed)
         );
         self.duration.render(
             &mut out,

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
-use tessera_engine::FinishReason;
+use tessera_serving::FinishReason;
 
 fn usage(prompt: usize, completion: usize) -> Value {
     workers_ai::usage(prompt, completion)

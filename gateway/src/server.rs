@@ -464,7 +464,7 @@ pub(crate) async fn generate(
     // The backend re-checks I1 against its own pool.
     let events = match state.engine.submit(v.request.clone()) {
         Ok(rx) => rx,
-        Err(r) => return ctx.fail(&state, validation::rejection(&r)).await,
+        Err(e) => return ctx.fail(&state, ApiError::serving(&e)).await,
     };
     let out = driver::spawn(state.clone(), ctx.clone(), events, permit, prompt_tokens);
     let fmt = Formatter {

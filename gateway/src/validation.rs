@@ -6,11 +6,11 @@
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::error::{ApiError, ErrorKind};
 use serde_json::{Map, Value};
-use tessera_engine::engine::AdmissionLimits;
-use tessera_engine::{GenerateRequest, Rejection};
 use tessera_model::chat::ChatMessage;
 use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
+use tessera_serving::admission::AdmissionLimits;
+use tessera_serving::admission::{GenerateRequest, Rejection};
 
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;

@@ -11,11 +11,11 @@
 //! a server; this is the only caller of the switch.
 
 use std::time::Instant;
-use tessera_engine::{EngineConfig, Event, GenerateRequest};
+use tessera_engine::{EngineConfig, GenerateRequest};
 use tessera_kernels::attention::set_integrity_checks_for_benchmark;
 use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
-use tessera_serving::EngineHandle;
+use tessera_serving::{EngineHandle, StreamEvent};
 
 const PROMPTS: [&str; 8] = [
     "What is the capital of France?",
@@ -118,8 +118,8 @@ fn run(h: &EngineHandle, reqs: &[GenerateRequest]) -> f64 {
     for rx in &mut rxs {
         loop {
             match rx.blocking_recv() {
-                Some(Event::Token { .. }) => tokens += 1,
-                Some(Event::Done { .. }) => break,
+                Some(StreamEvent::Token { .. }) => tokens += 1,
+                Some(StreamEvent::Done { .. }) => break,
                 other => panic!("request failed: {other:?}"),
             }
         }

@@ -1,53 +1,29 @@
-//! [`EngineHandle`]: the engine on its own thread, shared by many callers.
-//!
-//! One thread owns the [`Engine`] (and so the KV pool); callers hold cheap clones of
-//! the handle. Admission runs in the caller's thread against copied
-//! [`AdmissionLimits`], so a rejected request never reaches the engine's queue (I1).
-//! Dropping a request's receiver aborts it at the next step and frees its pages.
+//! [`EngineHandle`]: the one thing the gateway submits requests to, whatever the
+//! deployment shape behind it.
 
 use crate::cluster::PdCluster;
+use crate::error::ServeError;
+use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
 use crate::remote::{RemoteCluster, RemoteNodes};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use crate::stream::{request_channel, ClientSink, RequestStream};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
-use tessera_engine::engine::{
-    AdmissionLimits, Engine, EngineConfig, Event, GenerateRequest, Rejection,
+use tessera_engine::{
+    AdmissionLimits, Admitted, Engine, EngineConfig, EngineError, GenerateRequest,
 };
-use tessera_engine::Admitted;
-use tessera_model::gguf::LoadedModel;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tessera_model::LoadedModel;
 
-/// Point-in-time engine counters (updated after every step).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    /// Free KV pages.
-    pub free_pages: usize,
-    /// Total KV pages.
-    pub capacity_pages: usize,
-    /// Requests in the running batch.
-    pub running: usize,
-    /// Requests waiting for pages or a batch slot.
-    pub waiting: usize,
-}
-
-/// Counters an engine thread publishes for lock-free readers.
-#[derive(Default)]
-pub(crate) struct Shared {
-    free_pages: AtomicUsize,
-    capacity_pages: AtomicUsize,
-    running: AtomicUsize,
-    waiting: AtomicUsize,
-}
-
+/// A co-located engine's command: an admitted request and its stream.
 struct Submit {
     req: Admitted,
-    sink: UnboundedSender<Event>,
+    client: ClientSink,
     at: Instant,
 }
 
 /// A cloneable handle to the serving engines: one co-located engine on a dedicated
-/// thread, or a prefill and a decode engine joined by the KV transfer protocol
-/// ([`PdCluster`]). Callers see the same `submit`, `limits` and `stats` either way.
+/// thread, prefill and decode engines in this process joined by the KV transfer
+/// protocol ([`PdCluster`]), or remote nodes ([`RemoteCluster`]). Callers see the same
+/// `submit`, `limits` and `stats` either way.
 #[derive(Clone)]
 pub struct EngineHandle {
     inner: Inner,
@@ -64,6 +40,18 @@ enum Inner {
     Remote(Arc<RemoteCluster>),
 }
 
+/// The co-located engine thread: submits become queued requests.
+struct Colocated;
+
+impl NodeLoop for Colocated {
+    type Cmd = Submit;
+    fn on_cmd(&mut self, engine: &mut Engine, s: Submit) {
+        // The engine owns the stream (and its release guard) from here: the guard is
+        // dropped when the request's pages are freed or it is dropped unqueued.
+        engine.enqueue_with_sink(s.req, Box::new(s.client), s.at);
+    }
+}
+
 impl EngineHandle {
     /// Starts the engine thread. It exits once every handle is dropped and the
     /// requests it already accepted have finished.
@@ -71,12 +59,12 @@ impl EngineHandle {
         let engine = Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg);
         let limits = engine.limits();
         let shared = Arc::new(Shared::default());
+        shared.publish(&engine, 0);
         let (tx, rx) = mpsc::channel::<Submit>();
         let sh = shared.clone();
-        publish(&engine, &sh);
         std::thread::Builder::new()
             .name("tessera-engine".into())
-            .spawn(move || run(engine, rx, sh))
+            .spawn(move || run_node(engine, Colocated, rx, &sh))
             .expect("spawn engine thread");
         Self {
             inner: Inner::Colocated { tx, limits, shared },
@@ -126,23 +114,24 @@ impl EngineHandle {
         }
     }
 
-    /// Admits `req` (I1) and queues it; events arrive on the returned receiver.
-    /// Drop the receiver to abort.
-    pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>, Rejection> {
+    /// Admits `req` (I1) and queues it. The stream yields its events; cancel or drop
+    /// it to abort; [`RequestStream::released`] says when nothing is held any more.
+    ///
+    /// Errors: the admission rejection (nothing was allocated anywhere), or a node
+    /// outage ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind)).
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
         let (tx, limits) = match &self.inner {
             Inner::Colocated { tx, limits, .. } => (tx, limits),
             Inner::Disaggregated(c) => return c.submit(req),
             Inner::Remote(c) => return c.submit(req),
         };
         let req = limits.admit(req)?;
-        let (sink, rx) = unbounded_channel();
+        let (client, stream) = request_channel();
         let at = Instant::now();
-        if let Err(mpsc::SendError(s)) = tx.send(Submit { req, sink, at }) {
-            let _ = s
-                .sink
-                .send(Event::Error(tessera_engine::engine::EngineError::Shutdown));
+        if let Err(mpsc::SendError(s)) = tx.send(Submit { req, client, at }) {
+            s.client.fail(ServeError::from(EngineError::Shutdown));
         }
-        Ok(rx)
+        Ok(stream)
     }
 
     /// The limits admission checks against.
@@ -161,96 +150,5 @@ impl EngineHandle {
             Inner::Disaggregated(c) => c.stats(),
             Inner::Remote(c) => c.stats(),
         }
-    }
-}
-
-impl Shared {
-    pub(crate) fn snapshot(&self) -> EngineStats {
-        EngineStats {
-            free_pages: self.free_pages.load(Ordering::Acquire),
-            capacity_pages: self.capacity_pages.load(Ordering::Acquire),
-            running: self.running.load(Ordering::Acquire),
-            waiting: self.waiting.load(Ordering::Acquire),
-        }
-    }
-}
-
-pub(crate) fn publish(e: &Engine, sh: &Shared) {
-    sh.free_pages
-        .store(e.kv().pool().free_pages(), Ordering::Release);
-    sh.capacity_pages
-        .store(e.kv().pool().capacity(), Ordering::Release);
-    sh.running.store(e.running_len(), Ordering::Release);
-    sh.waiting.store(e.waiting_len(), Ordering::Release);
-}
-
-fn run(engine: Engine, rx: mpsc::Receiver<Submit>, sh: Arc<Shared>) {
-    struct Colocated;
-    impl NodeLoop for Colocated {
-        type Cmd = Submit;
-        fn on_cmd(&mut self, engine: &mut Engine, s: Submit) {
-            engine.enqueue_with_sink(s.req, s.sink, s.at);
-        }
-    }
-    run_node(engine, Colocated, rx, &sh);
-}
-
-/// What runs on an engine thread besides the engine: how commands are applied.
-pub(crate) trait NodeLoop {
-    /// Commands the thread receives.
-    type Cmd: Send;
-    /// Applies one command (between engine steps).
-    fn on_cmd(&mut self, engine: &mut Engine, cmd: Self::Cmd);
-    /// Whether the node has protocol work pending besides the engine's (keeps the
-    /// loop from blocking).
-    fn busy(&self) -> bool {
-        false
-    }
-    /// Called after every step and command batch.
-    fn after_step(&mut self, _engine: &mut Engine) {}
-    /// Whether the thread must exit now (dropping the engine and everything it holds).
-    fn stop(&self) -> bool {
-        false
-    }
-}
-
-/// The engine thread's loop: apply queued commands, step, publish counters. Blocks
-/// on the queue when idle; exits once every sender is gone and nothing runs.
-pub(crate) fn run_node<N: NodeLoop>(
-    mut engine: Engine,
-    mut node: N,
-    rx: mpsc::Receiver<N::Cmd>,
-    sh: &Shared,
-) {
-    let mut open = true;
-    loop {
-        if !engine.has_work() && !node.busy() {
-            if !open {
-                return;
-            }
-            match rx.recv() {
-                Ok(c) => node.on_cmd(&mut engine, c),
-                Err(_) => return,
-            }
-        }
-        loop {
-            if node.stop() {
-                return;
-            }
-            match rx.try_recv() {
-                Ok(c) => node.on_cmd(&mut engine, c),
-                Err(mpsc::TryRecvError::Empty) => break,
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    open = false;
-                    break;
-                }
-            }
-        }
-        if node.stop() {
-            return;
-        }
-        engine.step();
-        node.after_step(&mut engine);
-        publish(&engine, sh);
     }
 }

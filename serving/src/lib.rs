@@ -1,12 +1,34 @@
 //! Tessera serving: the engines behind one handle, in one process or across nodes.
 //!
-//! - [`handle`]: [`EngineHandle`], the cloneable handle the gateway submits to.
+//! - [`handle`]: [`EngineHandle`], what the gateway submits to; [`RequestStream`] is
+//!   what it gets back; [`ServeError`] is the only error it sees.
 //! - [`cluster`]: prefill and decode engines in one process, joined by the transfer
 //!   protocol over the in-process transport.
-//! - [`remote`]: `tessera node` processes and the gateway's side of them, over TCP.
+//! - [`remote`]: the gateway's side of `tessera node` processes, and the node process
+//!   itself ([`remote::run_node_process`]).
+//! - Inside: the node loops (`decode_node`, `prefill_node`) that drive the protocol
+//!   machines of `tessera_transfer` against an engine, the `coordinator` thread, the
+//!   pair choice (`routing`) and the TCP links (`net`).
 
 pub mod cluster;
+mod coordinator;
+mod decode_node;
+pub mod error;
 pub mod handle;
+mod links;
+mod net;
+mod node_loop;
+mod node_process;
+mod prefill_node;
 pub mod remote;
+mod routing;
+pub mod stream;
 
-pub use handle::{EngineHandle, EngineStats};
+pub use error::{ServeError, ServeErrorKind};
+pub use handle::EngineHandle;
+pub use links::{PdCounters, TransferFault};
+pub use node_loop::EngineStats;
+pub use stream::{RequestStream, StreamEvent};
+/// Admission (I1) as the gateway runs it before submitting (the engine's types).
+pub use tessera_engine::admission;
+pub use tessera_engine::{EngineConfig, FinishReason, GenerateRequest, Usage};

@@ -5,15 +5,12 @@
 //! and that every pool returns to its start free-page count.
 
 use std::time::{Duration, Instant};
-use tessera_engine::engine::{EngineError, Rejection};
 use tessera_engine::testing::*;
-use tessera_engine::{EngineConfig, Event, GenerateRequest};
+use tessera_engine::{EngineConfig, GenerateRequest};
 use tessera_model::LoadedModel;
-use tessera_serving::cluster::TransferFault;
-use tessera_serving::EngineHandle;
+use tessera_serving::{EngineHandle, RequestStream, ServeErrorKind, StreamEvent, TransferFault};
 use tessera_transfer::protocol::{Msg, PageCommit, ReqId, Role};
 use tessera_transfer::transport::DestPage;
-use tokio::sync::mpsc::UnboundedReceiver;
 
 fn cfg(tokens: usize) -> EngineConfig {
     EngineConfig {
@@ -28,9 +25,26 @@ fn cluster(m: &LoadedModel, prefill_tokens: usize, decode_tokens: usize) -> Engi
     EngineHandle::spawn_disaggregated(m, &[cfg(prefill_tokens)], &[cfg(decode_tokens)])
 }
 
+/// What a request's stream delivered: token ids, text, final event.
+#[derive(Debug, Clone, PartialEq)]
+struct Streamed {
+    ids: Vec<u32>,
+    text: String,
+    last: Option<StreamEvent>,
+}
+
+/// A stream equals a solo run when its tokens, text and final `Done` are the same.
+impl PartialEq<Outcome> for Streamed {
+    fn eq(&self, o: &Outcome) -> bool {
+        self.ids == o.ids
+            && self.text == o.text
+            && self.last == o.last.clone().map(StreamEvent::from)
+    }
+}
+
 /// Every event of one request, up to its final event (bounded wait).
-fn collect(rx: &mut UnboundedReceiver<Event>) -> Outcome {
-    let mut o = Outcome {
+fn collect(rx: &mut RequestStream) -> Streamed {
+    let mut o = Streamed {
         ids: vec![],
         text: String::new(),
         last: None,
@@ -39,22 +53,20 @@ fn collect(rx: &mut UnboundedReceiver<Event>) -> Outcome {
     while o.last.is_none() {
         assert!(Instant::now() < deadline, "request did not finish");
         match rx.try_recv() {
-            Ok(Event::Token { id, text }) => {
+            Some(StreamEvent::Token { id, text }) => {
                 o.ids.push(id);
                 o.text.push_str(&text);
             }
-            Ok(Event::Done { reason, mut usage }) => {
+            Some(StreamEvent::Done { reason, mut usage }) => {
                 usage.ttft = Default::default();
                 usage.tpot = Default::default();
-                o.last = Some(Event::Done { reason, usage });
+                o.last = Some(StreamEvent::Done { reason, usage });
             }
-            Ok(e) => o.last = Some(e),
-            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => {
-                std::thread::sleep(Duration::from_millis(2))
-            }
-            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+            Some(e) => o.last = Some(e),
+            None if rx.is_released() && rx.try_recv().is_none() => {
                 panic!("stream closed without a final event: {o:?}")
             }
+            None => std::thread::sleep(Duration::from_millis(2)),
         }
     }
     o
@@ -81,10 +93,11 @@ fn assert_pools_full(h: &EngineHandle) {
     }
 }
 
-fn transfer_error(o: &Outcome) -> String {
+/// The message of the serving error that ended the stream, which must be of `kind`.
+fn serve_error(o: &Streamed, kind: ServeErrorKind) -> String {
     match &o.last {
-        Some(Event::Error(EngineError::Transfer(m))) => m.clone(),
-        other => panic!("expected a transfer error, got {other:?} after {:?}", o.ids),
+        Some(StreamEvent::Error(e)) if e.kind() == kind => e.message().to_string(),
+        other => panic!("expected a {kind:?} error, got {other:?} after {:?}", o.ids),
     }
 }
 
@@ -137,10 +150,8 @@ fn prompt_over_the_prefill_pool_but_under_the_context_window_is_refused_before_a
         prompt.len()
     );
     let err = h.submit(greedy(prompt, 8)).unwrap_err();
-    assert!(
-        matches!(err, Rejection::PoolTooSmall { capacity: 256, .. }),
-        "{err:?}"
-    );
+    assert_eq!(err.kind(), ServeErrorKind::TooLarge, "{err:?}");
+    assert!(err.message().contains("holds 256"), "{err:?}");
     assert_eq!(h.stats(), before, "nothing allocated, nothing queued");
     let c = h.cluster().unwrap();
     assert_eq!(
@@ -158,10 +169,8 @@ fn prompt_plus_output_over_the_decode_pool_is_refused_before_any_transfer() {
     let h = cluster(&m, 4096, 512);
     let prompt = chat_prompt(&m, "What is the capital of France?");
     let err = h.submit(greedy(prompt, 600)).unwrap_err();
-    assert!(
-        matches!(err, Rejection::PoolTooSmall { capacity: 512, .. }),
-        "{err:?}"
-    );
+    assert_eq!(err.kind(), ServeErrorKind::TooLarge, "{err:?}");
+    assert!(err.message().contains("holds 512"), "{err:?}");
     assert_pools_full(&h);
 }
 
@@ -226,7 +235,7 @@ fn transfer_missing_a_page_write_fails_the_request_with_an_error() {
         .unwrap();
     let o = collect(&mut rx);
     assert!(o.ids.is_empty(), "no token may reach the client: {o:?}");
-    let e = transfer_error(&o);
+    let e = serve_error(&o, ServeErrorKind::Integrity);
     assert!(e.contains("checksum"), "{e}");
     assert_pools_full(&h);
 }
@@ -243,7 +252,7 @@ fn corrupted_byte_in_a_page_fails_the_request_with_an_error() {
         .unwrap();
     let o = collect(&mut rx);
     assert!(o.ids.is_empty(), "{o:?}");
-    assert!(transfer_error(&o).contains("checksum"));
+    assert!(serve_error(&o, ServeErrorKind::Integrity).contains("checksum"));
     assert_pools_full(&h);
 }
 
@@ -362,7 +371,10 @@ fn prefill_node_killed_mid_transfer_fails_the_request_and_frees_the_decode_pool(
     c.kill_node(Role::Prefill, 0);
     let o = collect(&mut rx);
     assert!(o.ids.is_empty());
-    assert!(transfer_error(&o).contains("Prefill"), "{o:?}");
+    assert!(
+        serve_error(&o, ServeErrorKind::NodeDown).contains("prefill node"),
+        "{o:?}"
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let d = c.node_stats(Role::Decode, 0);
@@ -386,13 +398,89 @@ fn decode_node_killed_mid_stream_ends_the_stream_with_an_error_and_prefill_is_fu
     let mut got = 0;
     while got < 3 {
         match rx.blocking_recv() {
-            Some(Event::Token { .. }) => got += 1,
+            Some(StreamEvent::Token { .. }) => got += 1,
             other => panic!("unexpected {other:?}"),
         }
     }
     c.kill_node(Role::Decode, 0);
     let o = collect(&mut rx);
-    assert!(transfer_error(&o).contains("Decode"), "{o:?}");
+    assert!(
+        serve_error(&o, ServeErrorKind::NodeDown).contains("decode node"),
+        "{o:?}"
+    );
     let p = c.node_stats(Role::Prefill, 0);
     assert_eq!(p.free_pages, p.capacity_pages);
+}
+
+/// A request that must wait for decode pages longer than the coordinator's
+/// retransmission interval (5 s) is not disturbed by the re-sent `Prealloc`: it keeps
+/// its place and its stream, and once the first request's pages are freed it runs to
+/// its solo answer. (The decode node's FIFO of waiting requests is protocol state, so
+/// a duplicate `Prealloc` is answered from the record, never acted on twice.)
+#[test]
+fn a_request_waiting_for_decode_pages_past_the_retransmit_interval_completes() {
+    let m = load();
+    // The decode pool holds one of these requests at a time.
+    let h = cluster(&m, 4096, 1024);
+    let mut first = greedy(chat_prompt(&m, "Count from one to one thousand."), 900);
+    first.ignore_eos = true;
+    let second = greedy(chat_prompt(&m, "What is the capital of France?"), 16);
+    let alone = solo(&m, second.clone());
+    let started = Instant::now();
+    let mut a = h.submit(first).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut b = h.submit(second).unwrap();
+    let out_a = collect(&mut a);
+    assert!(
+        matches!(out_a.last, Some(StreamEvent::Done { .. })),
+        "{out_a:?}"
+    );
+    let out_b = collect(&mut b);
+    assert!(
+        started.elapsed() > Duration::from_secs(5),
+        "the first request was too short to make the second one wait past a retransmission ({:?})",
+        started.elapsed()
+    );
+    assert_eq!(out_b, alone);
+    assert_pools_full(&h);
+}
+
+/// I6: a cancelled request's stream reports `released` only once every node let go
+/// (the prefill side acknowledged first, then the decode side freed its pages), and
+/// the tokens computed before the abort took effect are still readable.
+#[test]
+fn a_cancelled_request_is_released_only_after_both_nodes_acknowledged() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    let mut req = greedy(chat_prompt(&m, "Write a long story about the sea."), 400);
+    req.ignore_eos = true;
+    let mut rx = h.submit(req).unwrap();
+    let mut got = 0;
+    while got < 3 {
+        match rx.blocking_recv() {
+            Some(StreamEvent::Token { .. }) => got += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(!rx.is_released(), "released while decoding");
+    rx.cancel();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !rx.is_released() {
+        assert!(Instant::now() < deadline, "never released");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(
+        c.counters()
+            .released
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the protocol reached Released"
+    );
+    // Tokens that were already on their way stay readable; then the stream closes
+    // without a final event (nobody asked for one).
+    while let Some(ev) = rx.try_recv() {
+        assert!(matches!(ev, StreamEvent::Token { .. }), "{ev:?}");
+    }
+    assert_pools_full(&h);
 }

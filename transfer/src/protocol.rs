@@ -103,7 +103,7 @@
 
 use crate::transport::DestPage;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use tessera_kernels::PageTag;
 
 /// Request id, unique across every coordinator that talks to a node (the gateway
@@ -210,6 +210,42 @@ pub enum CommitError {
     },
 }
 
+/// What kind of failure ended a request after admission; the gateway maps it to a
+/// status (an integrity failure is never retried, a transport failure may be).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailKind {
+    /// A page tag or checksum did not match (I3, I4).
+    Integrity,
+    /// A page write, a flush or a node link failed.
+    Transport,
+    /// The client went away before the decode finished.
+    ClientGone,
+    /// Anything else (a bad descriptor, an engine that refused a verified sequence).
+    Internal,
+}
+
+/// Why a node failed a request after admission: its kind and a message for logs and
+/// the client.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct FailReason {
+    /// What kind of failure.
+    pub kind: FailKind,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl FailReason {
+    /// A failure of `kind` with `message`.
+    pub fn new(kind: FailKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
 /// How a decode ended, as the decode node reports it in `Finished`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum DecodeOutcome {
@@ -218,7 +254,7 @@ pub enum DecodeOutcome {
     /// The decode failed (integrity error on a page read, engine error).
     Failed {
         /// What went wrong.
-        reason: String,
+        reason: FailReason,
     },
 }
 
@@ -306,7 +342,7 @@ pub enum Msg {
         /// Request.
         req: ReqId,
         /// What went wrong.
-        reason: String,
+        reason: FailReason,
     },
     /// Coordinator -> prefill or decode: stop, drain, release, then acknowledge (I6).
     Abort {
@@ -355,9 +391,9 @@ pub enum Failure {
     /// The decode node refused the commit (I4).
     Commit(CommitError),
     /// The prefill node failed (compute or transport).
-    Prefill(String),
+    Prefill(FailReason),
     /// The decode failed after admission.
-    Decode(String),
+    Decode(FailReason),
     /// A node holding the request died.
     NodeDown(Role),
 }
@@ -627,6 +663,10 @@ impl Coordinator {
             ) => {
                 let o = match outcome {
                     DecodeOutcome::Completed => Outcome::Succeeded,
+                    // The decode node saw the client leave before this coordinator did.
+                    DecodeOutcome::Failed { reason } if reason.kind == FailKind::ClientGone => {
+                        Outcome::Aborted
+                    }
                     DecodeOutcome::Failed { reason } => Outcome::Failed(Failure::Decode(reason)),
                 };
                 self.decide(o, out);
@@ -733,18 +773,47 @@ impl Coordinator {
 // Decode node
 // ---------------------------------------------------------------------------
 
+/// Why the decode node could not reserve pages for a request now.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ReserveError {
+    /// Refused for good (terminal, S3).
+    Refused(Refusal),
+    /// The request fits the pool but not right now: it waits (FIFO) until pages are
+    /// freed ([`DecodeNode::on_capacity`]).
+    NoRoomYet,
+}
+
+impl From<Refusal> for ReserveError {
+    fn from(r: Refusal) -> Self {
+        Self::Refused(r)
+    }
+}
+
 /// The decode node's pool and engine as the protocol sees them.
 pub trait DecodeEnv {
-    /// Admission (I1) and reservation, all or nothing: pages for `prompt_tokens +
-    /// max_tokens`. Returns the transfer pages (those the prompt's KV fills, in logical
-    /// block order, with the tags written at reservation).
+    /// Admission (I1) of a new request, before any page is touched: whether it can
+    /// ever be served by this node. The default admits everything (then
+    /// [`reserve`](Self::reserve) refuses).
+    fn admit(
+        &mut self,
+        _req: ReqId,
+        _tenant: u64,
+        _prompt_tokens: u32,
+        _max_tokens: u32,
+    ) -> Result<(), Refusal> {
+        Ok(())
+    }
+
+    /// Reservation, all or nothing: pages for `prompt_tokens + max_tokens`. Returns the
+    /// transfer pages (those the prompt's KV fills, in logical block order, with the
+    /// tags written at reservation).
     fn reserve(
         &mut self,
         req: ReqId,
         tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
-    ) -> Result<Vec<DestPage>, Refusal>;
+    ) -> Result<Vec<DestPage>, ReserveError>;
 
     /// Checksum of the bytes now in `dest.page`, or `None` unless the page is held by
     /// `req` and carries exactly `dest.tag` (I3).
@@ -753,8 +822,15 @@ pub trait DecodeEnv {
     /// Adds the verified sequence to the running batch: `tokens` prompt tokens of KV in
     /// `pages` (the reservation's transfer pages, exactly as the descriptor named
     /// them), next input `first_token`. Report its end with
-    /// [`DecodeNode::on_decode_finished`].
-    fn start_decode(&mut self, req: ReqId, tokens: u32, first_token: u32, pages: &[DestPage]);
+    /// [`DecodeNode::on_decode_finished`]. An error fails the request (its pages are
+    /// then released).
+    fn start_decode(
+        &mut self,
+        req: ReqId,
+        tokens: u32,
+        first_token: u32,
+        pages: &[DestPage],
+    ) -> Result<(), FailReason>;
 
     /// Stops the sequence if it runs and frees every page of `req` (bumping epochs, I5).
     fn release(&mut self, req: ReqId);
@@ -765,6 +841,15 @@ pub trait DecodeEnv {
 pub enum DecodeState {
     /// Admission refused; nothing held (terminal).
     Refused(Refusal),
+    /// Admitted, waiting (FIFO) for pages; nothing held.
+    Waiting {
+        /// Owning tenant.
+        tenant: u64,
+        /// Prompt tokens the prefill will transfer.
+        prompt_tokens: u32,
+        /// Tokens the decode may generate.
+        max_tokens: u32,
+    },
     /// Pages reserved; waiting for the commit.
     Reserved {
         /// Reserved prompt tokens.
@@ -784,22 +869,35 @@ pub enum DecodeState {
 
 impl RequestState for DecodeState {
     fn is_terminal(&self) -> bool {
-        !matches!(self, DecodeState::Reserved { .. } | DecodeState::Running)
+        !matches!(
+            self,
+            DecodeState::Waiting { .. } | DecodeState::Reserved { .. } | DecodeState::Running
+        )
     }
 }
 
 /// A node's per-request records: the live state machine of each request, then its
 /// tombstone once terminal (what stops a late `Prealloc`, `Prefill` or `Commit` from
 /// acting again).
+///
+/// Each terminal record remembers when (on the driver's clock, [`Records::expire`])
+/// it became terminal, so the node can forget it once no copy of a message for it can
+/// still arrive. Under the model checker the clock never moves.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Records<S> {
     reqs: BTreeMap<ReqId, S>,
+    /// Terminal records and the clock reading when each became terminal.
+    ended: BTreeMap<ReqId, u64>,
+    /// The driver's clock as of the last [`Records::expire`] (milliseconds).
+    now: u64,
 }
 
 impl<S> Default for Records<S> {
     fn default() -> Self {
         Self {
             reqs: BTreeMap::new(),
+            ended: BTreeMap::new(),
+            now: 0,
         }
     }
 }
@@ -828,10 +926,37 @@ impl<S: RequestState> Records<S> {
         match self.reqs.get(&req) {
             Some(s) if s.is_terminal() => {
                 self.reqs.remove(&req);
+                self.ended.remove(&req);
                 true
             }
             _ => false,
         }
+    }
+
+    /// Advances the clock to `now` (milliseconds, monotonic, the driver's) and forgets
+    /// every record that has been terminal for at least `ttl` milliseconds: the
+    /// longest a copy of a message for a request can still be on its way (a lost
+    /// reply's retransmission included). Returns how many were forgotten. Costs one
+    /// pass over the terminal records.
+    pub fn expire(&mut self, now: u64, ttl: u64) -> usize {
+        self.now = self.now.max(now);
+        let old: Vec<ReqId> = self
+            .ended
+            .iter()
+            .filter(|(_, &t)| t.saturating_add(ttl) <= self.now)
+            .map(|(r, _)| *r)
+            .collect();
+        old.into_iter().filter(|r| self.forget(*r)).count()
+    }
+
+    /// Number of records (live and terminal).
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Whether there is no record.
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
     }
 
     fn get(&self, req: &ReqId) -> Option<&S> {
@@ -839,11 +964,17 @@ impl<S: RequestState> Records<S> {
     }
 
     fn insert(&mut self, req: ReqId, state: S) {
+        if state.is_terminal() {
+            self.ended.entry(req).or_insert(self.now);
+        } else {
+            self.ended.remove(&req);
+        }
         self.reqs.insert(req, state);
     }
 
     fn remove(&mut self, req: &ReqId) {
         self.reqs.remove(req);
+        self.ended.remove(req);
     }
 }
 
@@ -851,6 +982,8 @@ impl<S: RequestState> Records<S> {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct DecodeNode {
     reqs: Records<DecodeState>,
+    /// Admitted requests waiting for pages, oldest first (FIFO: none overtakes).
+    waiting: VecDeque<ReqId>,
     flaws: Flaws,
 }
 
@@ -865,8 +998,14 @@ impl DecodeNode {
     pub fn with_flaws(flaws: Flaws) -> Self {
         Self {
             reqs: Records::default(),
+            waiting: VecDeque::new(),
             flaws,
         }
+    }
+
+    /// Requests admitted and waiting for pages, oldest first.
+    pub fn waiting(&self) -> impl Iterator<Item = ReqId> + '_ {
+        self.waiting.iter().copied()
     }
 
     /// Every request's record (state machine, then tombstone).
@@ -913,6 +1052,8 @@ impl DecodeNode {
                 by: Role::Decode,
                 reason: reason.clone(),
             },
+            // Nothing decided yet; the coordinator's retransmissions find it here.
+            DecodeState::Waiting { .. } => return,
             DecodeState::Reserved { dest, .. } => Msg::Descriptor {
                 req,
                 pages: dest.clone(),
@@ -934,8 +1075,9 @@ impl DecodeNode {
         send(out, Role::Coordinator, msg);
     }
 
-    /// `Prealloc`: admission (I1) and reservation for a new request; a duplicate
-    /// re-sends the latest reply; a tombstone ignores it.
+    /// `Prealloc`: admission (I1) and reservation for a new request, or a place in
+    /// the FIFO of requests waiting for pages; a duplicate re-sends the latest reply; a
+    /// tombstone ignores it.
     pub fn on_prealloc(
         &mut self,
         req: ReqId,
@@ -950,15 +1092,70 @@ impl DecodeNode {
             Some(DecodeState::Aborted) => return,
             Some(_) => return self.resend(req, out),
         }
+        if let Err(refusal) = env.admit(req, tenant, prompt_tokens, max_tokens) {
+            self.reqs.insert(req, DecodeState::Refused(refusal));
+            return self.resend(req, out);
+        }
+        let waiting = DecodeState::Waiting {
+            tenant,
+            prompt_tokens,
+            max_tokens,
+        };
+        if !self.waiting.is_empty() {
+            // Behind older requests: no overtaking.
+            self.reqs.insert(req, waiting);
+            self.waiting.push_back(req);
+            return;
+        }
+        if self.try_reserve(req, tenant, prompt_tokens, max_tokens, env, out) {
+            return;
+        }
+        self.reqs.insert(req, waiting);
+        self.waiting.push_back(req);
+    }
+
+    /// Reserves for `req` and answers, or returns false (nothing changed) when the pool
+    /// has no room yet.
+    fn try_reserve(
+        &mut self,
+        req: ReqId,
+        tenant: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        env: &mut impl DecodeEnv,
+        out: &mut Vec<Output>,
+    ) -> bool {
         let state = match env.reserve(req, tenant, prompt_tokens, max_tokens) {
             Ok(dest) => DecodeState::Reserved {
                 tokens: prompt_tokens,
                 dest,
             },
-            Err(refusal) => DecodeState::Refused(refusal),
+            Err(ReserveError::Refused(refusal)) => DecodeState::Refused(refusal),
+            Err(ReserveError::NoRoomYet) => return false,
         };
         self.reqs.insert(req, state);
         self.resend(req, out);
+        true
+    }
+
+    /// Pages were freed: reserves for waiting requests in arrival order until one does
+    /// not fit (it stays first in line).
+    pub fn on_capacity(&mut self, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+        while let Some(&req) = self.waiting.front() {
+            let Some(&DecodeState::Waiting {
+                tenant,
+                prompt_tokens,
+                max_tokens,
+            }) = self.reqs.get(&req)
+            else {
+                self.waiting.pop_front(); // aborted meanwhile
+                continue;
+            };
+            if !self.try_reserve(req, tenant, prompt_tokens, max_tokens, env, out) {
+                return;
+            }
+            self.waiting.pop_front();
+        }
     }
 
     /// `Commit`: verifies it (I4) and admits the sequence, or fails the request and
@@ -1009,10 +1206,15 @@ impl DecodeNode {
             }
         };
         match &verdict {
-            Ok(()) => {
-                env.start_decode(req, table_tokens, first_token, &table);
-                self.reqs.insert(req, DecodeState::Running);
-            }
+            Ok(()) => match env.start_decode(req, table_tokens, first_token, &table) {
+                Ok(()) => self.reqs.insert(req, DecodeState::Running),
+                Err(reason) => {
+                    // Verified, but the engine would not run it: fail it, free its pages.
+                    env.release(req);
+                    let outcome = DecodeOutcome::Failed { reason };
+                    self.reqs.insert(req, DecodeState::Finished(outcome));
+                }
+            },
             Err(e) => {
                 // The prefill drained before committing: nothing can still land (S2).
                 if !self.flaws.decode_leaks_on_commit_failed {
@@ -1033,6 +1235,10 @@ impl DecodeNode {
                 env.release(req);
                 self.reqs.insert(req, DecodeState::Aborted);
             }
+            Some(DecodeState::Waiting { .. }) => {
+                self.waiting.retain(|r| *r != req);
+                self.reqs.insert(req, DecodeState::Aborted);
+            }
             None => {
                 self.reqs.insert(req, DecodeState::Aborted);
             }
@@ -1046,6 +1252,18 @@ impl DecodeNode {
                 from: Role::Decode,
             },
         );
+    }
+
+    /// The coordinator of `req` is gone (its connection closed): nobody will finish or
+    /// abort the request, so the node aborts it itself. The acknowledgement it emits
+    /// has no one to go to; a driver may drop it.
+    pub fn on_coordinator_lost(
+        &mut self,
+        req: ReqId,
+        env: &mut impl DecodeEnv,
+        out: &mut Vec<Output>,
+    ) {
+        self.on_abort(req, env, out);
     }
 
     /// The engine reports that the sequence ended: frees its pages and tells the
@@ -1157,7 +1375,7 @@ pub enum AfterDrain {
     /// Release and send this `Commit`.
     Commit(Msg),
     /// Release and send `PrefillFailed`.
-    Fail(String),
+    Fail(FailReason),
     /// Release and send `AbortAck`.
     AbortAck,
 }
@@ -1179,7 +1397,7 @@ pub enum PrefillState {
     /// Commit sent, source pages released; kept to re-send the commit.
     Committed(Msg),
     /// Failed after draining; pages released (terminal).
-    Failed(String),
+    Failed(FailReason),
     /// Aborted; nothing held (terminal tombstone).
     Aborted,
 }
@@ -1276,9 +1494,12 @@ impl PrefillNode {
         }
         let needed = env.pages_for(prompt_tokens);
         if dest.len() != needed {
-            let reason = format!(
-                "descriptor names {} pages but {prompt_tokens} prompt tokens need {needed}",
-                dest.len()
+            let reason = FailReason::new(
+                FailKind::Internal,
+                format!(
+                    "descriptor names {} pages but {prompt_tokens} prompt tokens need {needed}",
+                    dest.len()
+                ),
             );
             self.reqs.insert(req, PrefillState::Failed(reason.clone()));
             return send(out, Role::Coordinator, Msg::PrefillFailed { req, reason });
@@ -1333,10 +1554,13 @@ impl PrefillNode {
             return;
         };
         if checksums.len() != dest.len() {
-            let reason = format!(
-                "prefill produced {} page checksums for {} pages",
-                checksums.len(),
-                dest.len()
+            let reason = FailReason::new(
+                FailKind::Internal,
+                format!(
+                    "prefill produced {} page checksums for {} pages",
+                    checksums.len(),
+                    dest.len()
+                ),
             );
             env.flush(req);
             self.reqs
@@ -1371,7 +1595,7 @@ impl PrefillNode {
     pub fn on_compute_failed(
         &mut self,
         req: ReqId,
-        reason: String,
+        reason: FailReason,
         env: &mut impl PrefillEnv,
         _out: &mut Vec<Output>,
     ) {
@@ -1388,7 +1612,7 @@ impl PrefillNode {
     pub fn on_drained(
         &mut self,
         req: ReqId,
-        result: Result<(), String>,
+        result: Result<(), FailReason>,
         env: &mut impl PrefillEnv,
         out: &mut Vec<Output>,
     ) {
@@ -1423,6 +1647,18 @@ impl PrefillNode {
         } else {
             self.reqs.insert(req, PrefillState::Aborted);
         }
+    }
+
+    /// The coordinator of `req` is gone (its connection closed): the node aborts the
+    /// request itself, as for an `Abort` (stop, drain, release). The acknowledgement
+    /// has no one to go to; a driver may drop it.
+    pub fn on_coordinator_lost(
+        &mut self,
+        req: ReqId,
+        env: &mut impl PrefillEnv,
+        out: &mut Vec<Output>,
+    ) {
+        self.on_abort(req, env, out);
     }
 
     /// `Abort`: stops computing, drains, releases, then acknowledges (from
@@ -1524,6 +1760,10 @@ mod tests {
         running: Vec<(ReqId, u32, Vec<DestPage>)>,
         released: Vec<ReqId>,
         free: u32,
+        /// A full pool makes a request wait instead of refusing it.
+        wait_when_full: bool,
+        /// `start_decode` fails (an engine that will not run a verified sequence).
+        fail_start: bool,
     }
 
     impl FakeDecode {
@@ -1545,20 +1785,24 @@ mod tests {
             _tenant: u64,
             prompt_tokens: u32,
             max_tokens: u32,
-        ) -> Result<Vec<DestPage>, Refusal> {
+        ) -> Result<Vec<DestPage>, ReserveError> {
             let pages = (prompt_tokens + max_tokens).div_ceil(16);
             if pages > self.free {
-                return Err(Refusal {
+                if self.wait_when_full {
+                    return Err(ReserveError::NoRoomYet);
+                }
+                return Err(ReserveError::Refused(Refusal {
                     kind: RefusalKind::Busy,
                     message: "no pages".into(),
-                });
+                }));
             }
             self.free -= pages;
             let transfer = prompt_tokens.div_ceil(16);
+            let first = 10 + self.pages.len() as u32;
             Ok((0..transfer)
                 .map(|b| {
                     let d = DestPage {
-                        page: 10 + b,
+                        page: first + b,
                         tag: tag(1, b),
                     };
                     self.pages.insert(d.page, (d.tag, Some(req), 0xdead));
@@ -1570,9 +1814,19 @@ mod tests {
             let (t, owner, sum) = self.pages.get(&dest.page)?;
             (*t == dest.tag && *owner == Some(req)).then_some(*sum)
         }
-        fn start_decode(&mut self, req: ReqId, tokens: u32, first: u32, pages: &[DestPage]) {
+        fn start_decode(
+            &mut self,
+            req: ReqId,
+            tokens: u32,
+            first: u32,
+            pages: &[DestPage],
+        ) -> Result<(), FailReason> {
             assert_eq!(first, 42);
+            if self.fail_start {
+                return Err(FailReason::new(FailKind::Internal, "engine refused"));
+            }
             self.running.push((req, tokens, pages.to_vec()));
+            Ok(())
         }
         fn release(&mut self, req: ReqId) {
             self.released.push(req);
@@ -1822,6 +2076,118 @@ mod tests {
         node.on_prealloc(R, 3, 200, 4, &mut env, &mut again);
         assert_eq!(again, out);
         assert_eq!(env.free, 100);
+    }
+
+    fn prealloc(node: &mut DecodeNode, env: &mut FakeDecode, req: u64, prompt: u32) -> Vec<Output> {
+        let mut out = Vec::new();
+        node.on_prealloc(ReqId(req), 3, prompt, 4, env, &mut out);
+        out
+    }
+
+    #[test]
+    fn a_request_that_does_not_fit_now_waits_in_fifo_order_for_pages() {
+        let mut node = DecodeNode::new();
+        let mut env = FakeDecode::new();
+        env.wait_when_full = true;
+        // 3 of the 4 pages.
+        assert!(matches!(
+            reply(&prealloc(&mut node, &mut env, 1, 40)),
+            Msg::Descriptor { .. }
+        ));
+        // 2 pages needed: waits, answers nothing yet.
+        assert!(prealloc(&mut node, &mut env, 2, 20).is_empty());
+        // 1 page would fit, but it may not overtake request 2.
+        assert!(prealloc(&mut node, &mut env, 3, 1).is_empty());
+        assert_eq!(node.waiting().collect::<Vec<_>>(), [ReqId(2), ReqId(3)]);
+        // A duplicate Prealloc of a waiting request changes nothing.
+        assert!(prealloc(&mut node, &mut env, 2, 20).is_empty());
+        assert_eq!(node.waiting().count(), 2);
+        // Nothing freed: capacity offers change nothing.
+        let mut out = Vec::new();
+        node.on_capacity(&mut env, &mut out);
+        assert!(out.is_empty());
+        // Request 1 is aborted: its pages go back, both waiting requests get theirs,
+        // oldest first.
+        node.on_abort(ReqId(1), &mut env, &mut Vec::new());
+        env.free += 3;
+        node.on_capacity(&mut env, &mut out);
+        let descs: Vec<ReqId> = out
+            .iter()
+            .map(|o| match o {
+                Output::Send {
+                    msg: Msg::Descriptor { req, .. },
+                    ..
+                } => *req,
+                o => panic!("expected descriptors, got {o:?}"),
+            })
+            .collect();
+        assert_eq!(descs, [ReqId(2), ReqId(3)]);
+        assert_eq!(node.waiting().count(), 0);
+    }
+
+    #[test]
+    fn an_aborted_waiting_request_leaves_the_queue_and_holds_nothing() {
+        let mut node = DecodeNode::new();
+        let mut env = FakeDecode::new();
+        env.wait_when_full = true;
+        prealloc(&mut node, &mut env, 1, 60);
+        assert!(prealloc(&mut node, &mut env, 2, 20).is_empty());
+        let mut out = Vec::new();
+        node.on_abort(ReqId(2), &mut env, &mut out);
+        assert!(matches!(
+            reply(&out),
+            Msg::AbortAck {
+                from: Role::Decode,
+                ..
+            }
+        ));
+        assert_eq!(node.waiting().count(), 0);
+        assert_eq!(node.records().state(ReqId(2)), Some(&DecodeState::Aborted));
+        // A late Prealloc for it is ignored (tombstone).
+        env.free = 100;
+        assert!(prealloc(&mut node, &mut env, 2, 20).is_empty());
+        assert!(!env.released.contains(&ReqId(2)), "it never held a page");
+    }
+
+    #[test]
+    fn a_verified_commit_the_engine_will_not_run_fails_and_frees_its_pages() {
+        let (mut node, mut env, pages) = reserved();
+        env.fail_start = true;
+        let (r, out) = commit(&mut node, &mut env, 20, &good(&pages));
+        assert_eq!(r, Ok(()));
+        assert!(matches!(
+            reply(&out),
+            Msg::Finished {
+                outcome: DecodeOutcome::Failed {
+                    reason: FailReason {
+                        kind: FailKind::Internal,
+                        ..
+                    }
+                },
+                ..
+            }
+        ));
+        assert_eq!(env.released, [R]);
+        assert!(env.running.is_empty());
+    }
+
+    #[test]
+    fn terminal_records_expire_after_their_ttl_and_live_ones_never() {
+        let (mut node, mut env, _) = reserved();
+        prealloc(&mut node, &mut env, 9, 200); // refused: terminal at t = 0
+        assert_eq!(node.records_mut().expire(0, 1000), 0);
+        // R becomes terminal at t = 500.
+        assert_eq!(node.records_mut().expire(500, 1000), 0);
+        node.on_abort(R, &mut env, &mut Vec::new());
+        assert_eq!(node.records_mut().expire(1000, 1000), 1); // request 9
+        assert!(node.records().state(ReqId(9)).is_none());
+        assert_eq!(node.records_mut().expire(1499, 1000), 0);
+        assert_eq!(node.records_mut().expire(1500, 1000), 1); // R
+        assert!(node.records().is_empty());
+        // A live record never expires.
+        prealloc(&mut node, &mut env, 10, 1);
+        assert_eq!(node.records_mut().expire(1_000_000, 1000), 0);
+        assert_eq!(node.records().len(), 1);
     }
 
     /// A prefill environment that records the calls the protocol makes.

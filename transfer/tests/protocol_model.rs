@@ -58,8 +58,8 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Instant;
 use tessera_kernels::PageTag;
 use tessera_transfer::protocol::{
-    Coordinator, DecodeEnv, DecodeNode, DecodeOutcome, Flaws, Msg, Outcome, Output, PrefillEnv,
-    PrefillNode, Refusal, RefusalKind, ReqId, Role,
+    Coordinator, DecodeEnv, DecodeNode, DecodeOutcome, FailKind, FailReason, Flaws, Msg, Outcome,
+    Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId, ReserveError, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -112,6 +112,9 @@ struct DPool {
     admitted: Vec<(ReqId, u32, Vec<DestPage>)>,
     /// Requests refused at admission since the model last looked.
     refused: Vec<ReqId>,
+    /// A request that fits the pool but not now waits for pages instead of being
+    /// refused as busy (the decode node's FIFO).
+    queue_when_busy: bool,
 }
 
 /// A model pool's admission (I1): refuses a request that can never fit its pool
@@ -141,10 +144,19 @@ impl DecodeEnv for DPool {
         tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
-    ) -> Result<Vec<DestPage>, Refusal> {
+    ) -> Result<Vec<DestPage>, ReserveError> {
         let need = (prompt_tokens + max_tokens).div_ceil(self.page_size) as usize;
         let held: Vec<bool> = self.pages.iter().map(|p| p.held.is_some()).collect();
-        let free = claim(&held, need, "decode").inspect_err(|_| self.refused.push(req))?;
+        let free = match claim(&held, need, "decode") {
+            Ok(free) => free,
+            Err(r) if r.kind == RefusalKind::Busy && self.queue_when_busy => {
+                return Err(ReserveError::NoRoomYet)
+            }
+            Err(r) => {
+                self.refused.push(req);
+                return Err(ReserveError::Refused(r));
+            }
+        };
         let transfer = prompt_tokens.div_ceil(self.page_size) as usize;
         let mut dest = Vec::new();
         for (block, &i) in free[..need].iter().enumerate() {
@@ -171,10 +183,17 @@ impl DecodeEnv for DPool {
         (p.held == Some(req) && p.tag == dest.tag).then(|| checksum(p.content))
     }
 
-    fn start_decode(&mut self, req: ReqId, tokens: u32, first_token: u32, pages: &[DestPage]) {
+    fn start_decode(
+        &mut self,
+        req: ReqId,
+        tokens: u32,
+        first_token: u32,
+        pages: &[DestPage],
+    ) -> Result<(), FailReason> {
         assert_eq!(first_token, FIRST_TOKEN);
         self.running.insert(req, pages.to_vec());
         self.admitted.push((req, tokens, pages.to_vec()));
+        Ok(())
     }
 
     fn release(&mut self, req: ReqId) {
@@ -354,6 +373,8 @@ struct Cfg {
     /// Coordinators learn of a crash together (one failure detector per gateway)
     /// instead of each on its own schedule.
     joint_detection: bool,
+    /// The decode node queues a request that does not fit now ([`DPool::queue_when_busy`]).
+    queue_when_busy: bool,
     flaws: Flaws,
     /// Outcomes and events the configuration must be able to reach.
     expect_all_succeed: bool,
@@ -514,6 +535,7 @@ impl Model for PdModel {
                     running: BTreeMap::new(),
                     admitted: Vec::new(),
                     refused: Vec::new(),
+                    queue_when_busy: cfg.queue_when_busy,
                 },
             )),
             net: Vec::new(),
@@ -644,6 +666,9 @@ impl Model for PdModel {
                     Role::Decode => {
                         let (node, pool) = st.decode.as_mut()?;
                         node.on_msg(msg, pool, &mut out);
+                        // The driver offers freed pages to waiting requests after
+                        // every call (a no-op when none waits).
+                        node.on_capacity(pool, &mut out);
                     }
                 }
             }
@@ -710,7 +735,7 @@ impl Model for PdModel {
                 let (node, pool) = st.prefill.as_mut()?;
                 pool.flushing.remove(&req);
                 let result = if pool.failed.remove(&req) {
-                    Err("a page write failed".to_string())
+                    Err(FailReason::new(FailKind::Transport, "a page write failed"))
                 } else {
                     Ok(())
                 };
@@ -719,6 +744,7 @@ impl Model for PdModel {
             Action::FinishDecode(req) => {
                 let (node, pool) = st.decode.as_mut()?;
                 node.on_decode_finished(req, DecodeOutcome::Completed, pool, &mut out);
+                node.on_capacity(pool, &mut out);
             }
             Action::ClientGone(i) => {
                 st.left.aborts -= 1;
@@ -857,6 +883,22 @@ impl Model for PdModel {
                 },
             ));
         }
+        if self.cfg.queue_when_busy {
+            p.push(Property::sometimes(
+                "a request waits for decode pages, then is reserved",
+                |_, st: &PdState| {
+                    st.decode.as_ref().is_some_and(|(d, _)| {
+                        d.waiting().count() == 1
+                            && d.records().states().any(|(_, s)| {
+                                matches!(
+                                    s,
+                                    tessera_transfer::protocol::DecodeState::Reserved { .. }
+                                )
+                            })
+                    })
+                },
+            ));
+        }
         if self.cfg.expect_commit_failure {
             p.push(Property::sometimes(
                 "a commit fails verification",
@@ -925,6 +967,7 @@ fn two_requests() -> Cfg {
         },
         crash_roles: vec![],
         joint_detection: false,
+        queue_when_busy: false,
         flaws: Flaws::default(),
         expect_all_succeed: true,
         expect_rejection: true,
@@ -980,6 +1023,21 @@ fn oversized() -> Cfg {
     c
 }
 
+/// [`two_requests`] with a decode pool of 2 pages, which holds either request but not
+/// both: the second waits in the decode node's FIFO (no busy refusal) until the first
+/// one's pages are freed, and both must still complete. With one lost and one
+/// duplicated message and a crash of either node.
+fn queued() -> Cfg {
+    let mut c = two_requests();
+    c.decode_pages = 2;
+    c.queue_when_busy = true;
+    // Nothing is refused: the decode node waits instead of answering busy.
+    c.expect_rejection = false;
+    c.budget.losses = 1;
+    c.budget.dups = 1;
+    c
+}
+
 /// Checks every property in every reachable state (BFS) and returns the number of
 /// unique states.
 fn check_safe(name: &str, cfg: Cfg) -> usize {
@@ -1002,6 +1060,7 @@ const ABORT_REORDER_STATES: usize = 5332;
 const EVERYTHING_STATES: usize = 2806727;
 const WRITE_FAULT_STATES: usize = 18939;
 const OVERSIZED_STATES: usize = 389987;
+const QUEUED_STATES: usize = 150082;
 
 #[test]
 fn safe_with_abort_and_reordering() {
@@ -1037,6 +1096,11 @@ fn safe_with_corrupt_and_failed_writes() {
         check_safe("write faults", faulty_writes()),
         WRITE_FAULT_STATES
     );
+}
+
+#[test]
+fn safe_with_a_request_waiting_for_decode_pages() {
+    assert_eq!(check_safe("queued", queued()), QUEUED_STATES);
 }
 
 #[test]
@@ -1143,6 +1207,7 @@ fn every_request_can_finish_despite_faults() {
     every_request_can_finish("crash", crashing());
     every_request_can_finish("write faults", faulty_writes());
     every_request_can_finish("oversized", oversized());
+    every_request_can_finish("queued", queued());
 }
 
 /// The configuration, with coordinators learning of the crash together (the

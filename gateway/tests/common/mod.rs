@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_engine::EngineConfig;
 use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
 use tessera_model::LoadedModel;
+use tessera_serving::EngineConfig;
 use tessera_serving::EngineHandle;
 use tessera_tenancy::{Limits, Store, Tenant, UsageRecord};
 

@@ -41,11 +41,13 @@ impl KvManager {
     }
 
     /// Reserves pages for `tokens` tokens of a new sequence, all or nothing.
+    ///
+    /// Errors: [`PoolError::Exhausted`] when the pool has too few free pages,
+    /// [`PoolError::SeqInUse`] when `seq` already holds pages.
     pub fn reserve(&mut self, seq: SeqId, tenant: u64, tokens: usize) -> Result<(), PoolError> {
-        assert!(
-            !self.tables.contains_key(&seq),
-            "sequence {seq:?} already has pages"
-        );
+        if self.tables.contains_key(&seq) {
+            return Err(PoolError::SeqInUse { seq: seq.0 });
+        }
         let refs = self.pool.alloc(tenant, seq.0, 0, self.pages_for(tokens))?;
         self.tables.insert(seq, refs);
         self.owners.insert(seq, tenant);

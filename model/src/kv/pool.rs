@@ -15,6 +15,12 @@ pub enum PoolError {
         /// Pages requested.
         wanted: usize,
     },
+    /// The sequence already holds pages (a duplicate id; nothing was allocated).
+    #[error("sequence {seq} already holds pages")]
+    SeqInUse {
+        /// The sequence id.
+        seq: u64,
+    },
     /// A free named a page whose tag is not the caller's (double or stale free).
     #[error("page {page} is not held with tag {expected:?} (found {found:?})")]
     NotHeld {

@@ -1,0 +1,208 @@
+//! Admission (I1): every check that can refuse a request, before any page is
+//! allocated, any bootstrap starts or any byte moves. [`AdmissionLimits::admit`] turns
+//! a [`GenerateRequest`] into an [`Admitted`] request or a [`Rejection`]; only
+//! admitted requests can be queued, and a rejection is a terminal value that no queue
+//! accepts (there is no placeholder request).
+
+use tessera_model::sampling::{SamplingError, SamplingParams};
+
+/// A generation request as the engine sees it (token ids, not text).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct GenerateRequest {
+    /// Owner of the request's KV pages.
+    pub tenant: u64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate (>= 1).
+    pub max_tokens: usize,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop strings: generation ends before the first occurrence.
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (benchmarks, reference tests).
+    pub ignore_eos: bool,
+}
+
+/// Why a request was refused at admission. Terminal: nothing was allocated.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Rejection {
+    /// No prompt tokens.
+    #[error("prompt is empty")]
+    EmptyPrompt,
+    /// `max_tokens` was 0.
+    #[error("`max_tokens` must be >= 1. Given: 0")]
+    ZeroMaxTokens,
+    /// Prompt plus `max_tokens` does not fit the context window.
+    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {} exceeds the model's context window of {context} tokens", prompt.saturating_add(*max_tokens))]
+    ContextOverflow {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Requested output tokens.
+        max_tokens: usize,
+        /// Model context window.
+        context: usize,
+    },
+    /// The request can never fit this node's KV pool.
+    #[error("request needs {needed} KV tokens but this node's pool holds {capacity}")]
+    PoolTooSmall {
+        /// Tokens needed (prompt + max_tokens, rounded to pages).
+        needed: usize,
+        /// Pool capacity in tokens.
+        capacity: usize,
+    },
+    /// A prompt token id is outside the vocabulary.
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    BadToken {
+        /// Offending id.
+        id: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// Invalid sampling parameters.
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// No node can take the request now (every node of a role is unreachable);
+    /// retryable.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl Rejection {
+    /// Stable machine label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::EmptyPrompt => "empty_prompt",
+            Self::ZeroMaxTokens => "zero_max_tokens",
+            Self::ContextOverflow { .. } => "context_overflow",
+            Self::PoolTooSmall { .. } => "pool_too_small",
+            Self::BadToken { .. } => "bad_token",
+            Self::Sampling(_) => "bad_sampling",
+            Self::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+/// A request that passed admission. Only [`Engine::admit`] makes one.
+#[derive(Debug)]
+pub struct Admitted(GenerateRequest);
+
+impl Admitted {
+    /// The validated request.
+    pub fn request(&self) -> &GenerateRequest {
+        &self.0
+    }
+
+    /// The validated request, by value (the proof of admission ends here).
+    pub fn into_request(self) -> GenerateRequest {
+        self.0
+    }
+}
+
+/// What admission checks a request against: the model's context window and the
+/// node's pool. Copyable, so any thread can admit without touching the engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AdmissionLimits {
+    /// Model context window (tokens).
+    pub context: usize,
+    /// KV pool capacity (tokens).
+    pub pool_tokens: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+impl AdmissionLimits {
+    /// The I1 checks: pure, no allocation. Returns the validated request.
+    pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
+        check(
+            &req,
+            self.context,
+            self.pool_tokens,
+            self.page_size,
+            self.vocab,
+        )?;
+        Ok(Admitted(req))
+    }
+}
+
+fn check(
+    req: &GenerateRequest,
+    context: usize,
+    pool_tokens: usize,
+    page_size: usize,
+    vocab: usize,
+) -> Result<(), Rejection> {
+    if req.prompt.is_empty() {
+        return Err(Rejection::EmptyPrompt);
+    }
+    if req.max_tokens == 0 {
+        return Err(Rejection::ZeroMaxTokens);
+    }
+    if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Rejection::BadToken { id, vocab });
+    }
+    let total = req.prompt.len().saturating_add(req.max_tokens);
+    if total > context {
+        return Err(Rejection::ContextOverflow {
+            prompt: req.prompt.len(),
+            max_tokens: req.max_tokens,
+            context,
+        });
+    }
+    let needed = total.div_ceil(page_size) * page_size;
+    if needed > pool_tokens {
+        return Err(Rejection::PoolTooSmall {
+            needed,
+            capacity: pool_tokens,
+        });
+    }
+    req.sampling.validate()?;
+    Ok(())
+}
+
+/// Admission (I1) for a disaggregated deployment, run before any node is asked for
+/// anything: prompt + `max_tokens` against the context window and the decode pools,
+/// the prompt against the prefill pools (whole pages; smallest node of each role).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PdAdmission {
+    /// Context window, decode pool capacity (tokens), page size, vocabulary.
+    pub limits: AdmissionLimits,
+    /// Prefill pool capacity in tokens.
+    pub prefill_pool_tokens: usize,
+}
+
+impl PdAdmission {
+    /// The I1 checks: pure, no allocation.
+    ///
+    /// Errors: every [`Rejection`] of [`AdmissionLimits::admit`], and
+    /// [`Rejection::PoolTooSmall`] with the prefill pool's capacity when the prompt
+    /// alone does not fit it.
+    pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
+        let admitted = self.limits.admit(req)?;
+        prompt_fits(
+            admitted.request(),
+            self.limits.page_size,
+            self.prefill_pool_tokens,
+        )?;
+        Ok(admitted)
+    }
+}
+
+/// A prefill node's I1 check of the prompt alone against its pool (the output's pages
+/// live on the decode node): the prompt, rounded up to whole pages of `page_size`
+/// tokens, must fit `pool_tokens`.
+pub fn prompt_fits(
+    req: &GenerateRequest,
+    page_size: usize,
+    pool_tokens: usize,
+) -> Result<(), Rejection> {
+    let needed = req.prompt.len().div_ceil(page_size) * page_size;
+    if needed > pool_tokens {
+        return Err(Rejection::PoolTooSmall {
+            needed,
+            capacity: pool_tokens,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,322 @@
+//! The coordinator thread: one protocol [`Coordinator`] per request, driven by node
+//! replies, a watch for cancelled clients and dead nodes, and a retransmission timer.
+//! Everything it decides comes from the protocol machine; this file only moves
+//! messages, maps the outcome to the client's stream and holds the request's release
+//! guard until the protocol says `Released` (I6).
+
+use crate::error::ServeError;
+use crate::routing::Router;
+use crate::stream::{request_channel, ClientSink, RequestStream};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection};
+use tessera_transfer::protocol::{Coordinator, Msg, Outcome, Output, ReqId, Role};
+
+/// What travels with a protocol message besides the message: the request body
+/// (prompt ids, sampling) that the protocol leaves out, where its events go, and the
+/// decode node chosen for the prefill.
+pub(crate) enum Extra {
+    None,
+    /// With `Prealloc`: the request and its stream (without the release guard).
+    Decode {
+        body: GenerateRequest,
+        client: ClientSink,
+        submitted: Instant,
+    },
+    /// With `Prefill`: the request and the decode node that reserved the pages.
+    Prefill {
+        body: GenerateRequest,
+        decode: usize,
+    },
+}
+
+/// The coordinator thread's commands.
+pub(crate) enum CoordCmd {
+    /// A request that passed the gateway's admission, with its chosen pair.
+    Start {
+        req: ReqId,
+        body: GenerateRequest,
+        client: ClientSink,
+        prefill: usize,
+        decode: usize,
+    },
+    /// A node's reply.
+    FromNode(Msg),
+    /// Stop the thread (the deployment is going away).
+    Stop,
+}
+
+/// How the coordinator reaches the nodes. Sends must not block: a node that cannot
+/// take a message now is one the failure detector reports.
+pub(crate) trait CoordLinks: Send + Sync {
+    /// Sends to decode node `index`; `false` when unreachable.
+    fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool;
+    /// Sends to prefill node `index`; `false` when unreachable.
+    fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool;
+    /// Whether the node is known dead (its thread exited, its connection closed).
+    fn is_down(&self, role: Role, index: usize) -> bool;
+    /// The pair choice's load counts.
+    fn router(&self) -> &Router;
+    /// The request is over everywhere (every node acknowledged or is down).
+    fn released(&self, _req: ReqId) {}
+}
+
+/// The front of a coordinator: admission, pair choice and request ids, then the
+/// request goes to the coordinator thread.
+pub(crate) struct Submitter {
+    tx: mpsc::Sender<CoordCmd>,
+    admission: PdAdmission,
+    next_req: AtomicU64,
+}
+
+impl Submitter {
+    /// Submits to the coordinator thread behind `tx`, admitting against `admission`.
+    pub(crate) fn new(tx: mpsc::Sender<CoordCmd>, admission: PdAdmission) -> Self {
+        Self {
+            tx,
+            admission,
+            next_req: AtomicU64::new(first_req_id()),
+        }
+    }
+
+    /// What requests are admitted against.
+    pub(crate) fn admission(&self) -> PdAdmission {
+        self.admission
+    }
+
+    /// Admits `req` (I1, against the decode pools for prompt + `max_tokens` and the
+    /// prefill pools for the prompt), picks a (prefill, decode) pair among the nodes
+    /// `links` reports up, and starts the transfer protocol.
+    ///
+    /// Errors: the admission rejection; `NodeDown` when no node of a role is up.
+    pub(crate) fn submit(
+        &self,
+        links: &dyn CoordLinks,
+        req: GenerateRequest,
+    ) -> Result<RequestStream, ServeError> {
+        let body = self.admission.admit(req)?.into_request();
+        let (prefill, decode) = links
+            .router()
+            .assign(|role, i| !links.is_down(role, i))
+            .ok_or_else(|| {
+                ServeError::from(Rejection::Unavailable(
+                    "no prefill or decode node is reachable; retry later".into(),
+                ))
+            })?;
+        let (client, stream) = request_channel();
+        let req = ReqId(self.next_req.fetch_add(1, Ordering::Relaxed));
+        let start = CoordCmd::Start {
+            req,
+            body,
+            client,
+            prefill,
+            decode,
+        };
+        if let Err(mpsc::SendError(CoordCmd::Start { client, .. })) = self.tx.send(start) {
+            links.router().release(prefill, decode);
+            client.fail(ServeError::from(EngineError::Shutdown));
+        }
+        Ok(stream)
+    }
+
+    /// Stops the coordinator thread.
+    pub(crate) fn stop(&self) {
+        let _ = self.tx.send(CoordCmd::Stop);
+    }
+}
+
+/// The first request id of a coordinator: a random 32-bit coordinator id in the
+/// high bits, a counter in the low bits, so ids from two gateways (or one gateway
+/// before and after a restart) never meet on a node, where a reused id would
+/// address another request's records and pages.
+fn first_req_id() -> u64 {
+    (u64::from(rand::random::<u32>()) << 32) | 1
+}
+
+/// One request at its coordinator.
+struct CoordReq {
+    proto: Coordinator,
+    body: GenerateRequest,
+    /// The client's stream; owns the release guard, dropped at `Released`.
+    client: ClientSink,
+    submitted: Instant,
+    prefill: usize,
+    decode: usize,
+    prefill_down: bool,
+    decode_down: bool,
+    /// Last message from a node about this request (or its start).
+    last_heard: Instant,
+}
+
+/// How often the coordinator looks for clients that went away and dead nodes.
+const WATCH_INTERVAL: Duration = Duration::from_millis(5);
+/// Silence after which the coordinator re-sends what its phase waits on (a lost
+/// message; nodes answer duplicates from their records, never by acting twice).
+pub(crate) const RETRANSMIT_AFTER: Duration = Duration::from_secs(5);
+
+/// The coordinator thread's body; returns on `Stop` or when every sender is gone.
+pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd>) {
+    let mut reqs: HashMap<ReqId, CoordReq> = HashMap::new();
+    let mut last_watch = Instant::now();
+    loop {
+        let cmd = if reqs.is_empty() {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return,
+            }
+        } else {
+            match rx.recv_timeout(WATCH_INTERVAL) {
+                Ok(c) => Some(c),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        match cmd {
+            Some(CoordCmd::Start {
+                req,
+                body,
+                client,
+                prefill,
+                decode,
+            }) => {
+                let mut out = Vec::new();
+                let proto = Coordinator::start(
+                    req,
+                    body.tenant,
+                    body.prompt.len() as u32,
+                    body.max_tokens as u32,
+                    &mut out,
+                );
+                reqs.insert(
+                    req,
+                    CoordReq {
+                        proto,
+                        body,
+                        client,
+                        submitted: Instant::now(),
+                        prefill,
+                        decode,
+                        prefill_down: false,
+                        decode_down: false,
+                        last_heard: Instant::now(),
+                    },
+                );
+                execute(&*nodes, &mut reqs, req, out);
+            }
+            Some(CoordCmd::FromNode(msg)) => {
+                let req = msg.req();
+                let Some(r) = reqs.get_mut(&req) else {
+                    continue; // late duplicate for a request that is gone
+                };
+                r.last_heard = Instant::now();
+                let mut out = Vec::new();
+                r.proto.on_msg(msg, &mut out);
+                execute(&*nodes, &mut reqs, req, out);
+            }
+            Some(CoordCmd::Stop) => return,
+            None => {}
+        }
+        if last_watch.elapsed() < WATCH_INTERVAL {
+            continue;
+        }
+        last_watch = Instant::now();
+        watch(&*nodes, &mut reqs);
+    }
+}
+
+/// Clients that went away, nodes that died, messages lost: each becomes the protocol
+/// event it is.
+fn watch(nodes: &dyn CoordLinks, reqs: &mut HashMap<ReqId, CoordReq>) {
+    let ids: Vec<ReqId> = reqs.keys().copied().collect();
+    for req in ids {
+        let Some(r) = reqs.get_mut(&req) else {
+            continue;
+        };
+        let mut out = Vec::new();
+        if !r.prefill_down && nodes.is_down(Role::Prefill, r.prefill) {
+            r.prefill_down = true;
+            r.proto.on_node_down(Role::Prefill, &mut out);
+        }
+        if !r.decode_down && nodes.is_down(Role::Decode, r.decode) {
+            r.decode_down = true;
+            r.proto.on_node_down(Role::Decode, &mut out);
+        }
+        if r.client.is_cancelled() && r.proto.outcome().is_none() {
+            r.proto.on_client_gone(&mut out);
+        }
+        if out.is_empty() && r.last_heard.elapsed() > RETRANSMIT_AFTER {
+            r.last_heard = Instant::now();
+            r.proto.on_timeout(&mut out);
+        }
+        if !out.is_empty() {
+            execute(nodes, reqs, req, out);
+        }
+    }
+}
+
+/// Carries out a coordinator's outputs for `req`, in order.
+fn execute(
+    nodes: &dyn CoordLinks,
+    reqs: &mut HashMap<ReqId, CoordReq>,
+    req: ReqId,
+    out: Vec<Output>,
+) {
+    for o in out {
+        let Some(r) = reqs.get_mut(&req) else {
+            return;
+        };
+        match o {
+            Output::Send {
+                to: Role::Decode,
+                msg,
+            } => {
+                let extra = match msg {
+                    Msg::Prealloc { .. } => Extra::Decode {
+                        body: r.body.clone(),
+                        client: r.client.detached(),
+                        submitted: r.submitted,
+                    },
+                    _ => Extra::None,
+                };
+                if !nodes.to_decode(r.decode, msg, extra) {
+                    tracing::debug!(?req, "decode node unreachable; the watcher reports it");
+                }
+            }
+            Output::Send {
+                to: Role::Prefill,
+                msg,
+            } => {
+                let extra = match msg {
+                    Msg::Prefill { .. } => Extra::Prefill {
+                        body: r.body.clone(),
+                        decode: r.decode,
+                    },
+                    _ => Extra::None,
+                };
+                if !nodes.to_prefill(r.prefill, msg, extra) {
+                    tracing::debug!(?req, "prefill node unreachable; the watcher reports it");
+                }
+            }
+            Output::Send { .. } => {}
+            Output::Outcome(outcome) => {
+                // Success and client aborts need no event here: the decode node
+                // streamed the tokens and `Done`, or nobody is listening.
+                match outcome {
+                    Outcome::Succeeded | Outcome::Aborted => {}
+                    Outcome::Rejected(refusal) => r.client.fail(ServeError::refused(&refusal)),
+                    Outcome::Failed(f) => r.client.fail(ServeError::from_failure(&f)),
+                }
+            }
+            Output::Released => {
+                nodes.router().release(r.prefill, r.decode);
+                nodes.released(req);
+                // Dropping the request drops its release guard: the client's stream
+                // learns that nothing is held for it anywhere.
+                reqs.remove(&req);
+            }
+        }
+    }
+}

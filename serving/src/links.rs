@@ -1,0 +1,87 @@
+//! What the node loops and the coordinator share about the links between them: where
+//! a request's replies go, the protocol-level counters, and the transfer faults the
+//! in-process tests inject.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+use tessera_transfer::protocol::{Msg, Records, ReqId, RequestState};
+
+/// Where a node sends one request's replies: the link to its coordinator. Must not
+/// block (queue the message; a link that cannot take it is broken, and the
+/// coordinator's failure detector and retransmissions handle the rest).
+pub(crate) trait Reply: Send + Sync {
+    /// Sends `msg`; false when the link is gone.
+    fn send(&self, msg: Msg) -> bool;
+}
+
+/// A request's reply link.
+pub(crate) type ReplyTo = Arc<dyn Reply>;
+
+/// Protocol-level error counters (all nodes of a deployment in this process, or one
+/// node process).
+#[derive(Debug, Default)]
+pub struct PdCounters {
+    /// Commits the decode side refused (I4), including duplicates and unknown ids.
+    pub commits_rejected: AtomicU64,
+    /// Page writes dropped because their page no longer held the named tag.
+    pub writes_dropped: AtomicU64,
+    /// Requests that reached `Released` (every node acknowledged or was down).
+    pub released: AtomicU64,
+}
+
+/// A fault the next transfer suffers (tests only): each reproduces a bug class of
+/// PD serving engines that the protocol must turn into an error.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferFault {
+    /// The transport silently loses the last page write.
+    DropLastWrite,
+    /// One byte of the first page is flipped in flight.
+    CorruptByte,
+    /// The prefill node sends its `Commit` twice.
+    DuplicateCommit,
+}
+
+/// How long a node keeps a terminal request record (a tombstone): longer than any
+/// copy of a message for the request can still be on its way, the coordinator's
+/// retransmissions included.
+pub(crate) const TOMBSTONE_TTL_MS: u64 = 60_000;
+
+/// The node loops' clock for [`Records::expire`], read at most once a second.
+pub(crate) struct ExpiryClock {
+    started: Instant,
+    last: Instant,
+}
+
+impl ExpiryClock {
+    pub(crate) fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            last: Instant::now(),
+        }
+    }
+
+    /// Forgets the tombstones older than [`TOMBSTONE_TTL_MS`], if a second passed
+    /// since the last time.
+    pub(crate) fn expire<S: RequestState>(&mut self, records: &mut Records<S>) {
+        if self.last.elapsed().as_millis() < 1000 {
+            return;
+        }
+        self.last = Instant::now();
+        records.expire(self.started.elapsed().as_millis() as u64, TOMBSTONE_TTL_MS);
+    }
+}
+
+/// Drops a node loop's own record of `req` once the protocol's record is terminal or
+/// gone: the driver holds I/O handles only for live requests.
+pub(crate) fn settle<S: RequestState, R>(
+    proto: &Records<S>,
+    records: &mut HashMap<ReqId, R>,
+    req: ReqId,
+) {
+    if !proto.state(req).is_some_and(|s| !s.is_terminal()) {
+        records.remove(&req);
+    }
+}

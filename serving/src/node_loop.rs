@@ -1,0 +1,128 @@
+//! The loop every engine thread runs: apply queued commands, step, publish counters.
+//! What the commands are (a co-located submit, a prefill or decode node's protocol
+//! messages) is the [`NodeLoop`] implementation's business.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use tessera_engine::Engine;
+
+/// Point-in-time engine counters (updated after every step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Free KV pages.
+    pub free_pages: usize,
+    /// Total KV pages.
+    pub capacity_pages: usize,
+    /// Requests in the running batch.
+    pub running: usize,
+    /// Requests waiting for pages or a batch slot.
+    pub waiting: usize,
+}
+
+impl EngineStats {
+    /// Field-wise sum (counters of several nodes).
+    pub fn sum(self, o: Self) -> Self {
+        Self {
+            free_pages: self.free_pages + o.free_pages,
+            capacity_pages: self.capacity_pages + o.capacity_pages,
+            running: self.running + o.running,
+            waiting: self.waiting + o.waiting,
+        }
+    }
+}
+
+/// Counters an engine thread publishes for lock-free readers.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    free_pages: AtomicUsize,
+    capacity_pages: AtomicUsize,
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+}
+
+impl Shared {
+    pub(crate) fn snapshot(&self) -> EngineStats {
+        EngineStats {
+            free_pages: self.free_pages.load(Ordering::Acquire),
+            capacity_pages: self.capacity_pages.load(Ordering::Acquire),
+            running: self.running.load(Ordering::Acquire),
+            waiting: self.waiting.load(Ordering::Acquire),
+        }
+    }
+
+    /// Publishes `e`'s counters (plus `waiting_extra` requests a node queues outside
+    /// the engine, e.g. decode reservations waiting for pages).
+    pub(crate) fn publish(&self, e: &Engine, waiting_extra: usize) {
+        self.free_pages
+            .store(e.kv().pool().free_pages(), Ordering::Release);
+        self.capacity_pages
+            .store(e.kv().pool().capacity(), Ordering::Release);
+        self.running.store(e.running_len(), Ordering::Release);
+        self.waiting
+            .store(e.waiting_len() + waiting_extra, Ordering::Release);
+    }
+}
+
+/// What runs on an engine thread besides the engine: how commands are applied.
+pub(crate) trait NodeLoop {
+    /// Commands the thread receives.
+    type Cmd: Send;
+    /// Applies one command (between engine steps).
+    fn on_cmd(&mut self, engine: &mut Engine, cmd: Self::Cmd);
+    /// Whether the node has protocol work pending besides the engine's (keeps the
+    /// loop from blocking).
+    fn busy(&self) -> bool {
+        false
+    }
+    /// Called after every step and command batch.
+    fn after_step(&mut self, _engine: &mut Engine) {}
+    /// Requests the node queues outside the engine (counted as waiting).
+    fn queued(&self) -> usize {
+        0
+    }
+    /// Whether the thread must exit now (dropping the engine and everything it holds).
+    fn stop(&self) -> bool {
+        false
+    }
+}
+
+/// The engine thread's loop: apply queued commands, step, publish counters. Blocks
+/// on the queue when idle; exits once every sender is gone and nothing runs.
+pub(crate) fn run_node<N: NodeLoop>(
+    mut engine: Engine,
+    mut node: N,
+    rx: mpsc::Receiver<N::Cmd>,
+    sh: &Shared,
+) {
+    let mut open = true;
+    loop {
+        if !engine.has_work() && !node.busy() {
+            if !open {
+                return;
+            }
+            match rx.recv() {
+                Ok(c) => node.on_cmd(&mut engine, c),
+                Err(_) => return,
+            }
+        }
+        loop {
+            if node.stop() {
+                return;
+            }
+            match rx.try_recv() {
+                Ok(c) => node.on_cmd(&mut engine, c),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        if node.stop() {
+            return;
+        }
+        engine.step();
+        node.after_step(&mut engine);
+        sh.publish(&engine, node.queued());
+    }
+}

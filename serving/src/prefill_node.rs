@@ -1,0 +1,489 @@
+//! A prefill node's loop: its engine and its protocol machine ([`PrefillNode`]) on one
+//! thread, with the network off that thread.
+//!
+//! The engine computes a prompt; the loop copies its pages out (tag-checked, I3) and
+//! tells the protocol `on_computed`; the protocol asks for a drain (`flush`), which
+//! hands the pages to the [`TransferWorker`] of the destination decode node. The worker
+//! puts them and flushes the transport (blocking on the network as long as it must),
+//! then reports back with `Drained`; only then does the protocol release the source
+//! pages and emit the `Commit` (I5, S2), which the same worker sends, after the puts. A
+//! slow or stalled decode node therefore delays only the requests bound for it; the
+//! engine keeps serving everyone else.
+
+use crate::error::refusal;
+use crate::links::{settle, ExpiryClock, ReplyTo, TransferFault};
+use crate::node_loop::NodeLoop;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use tessera_engine::admission::prompt_fits;
+use tessera_engine::kv_transfer::{ExportError, ExportedPage};
+use tessera_engine::{Engine, FirstToken, GenerateRequest};
+use tessera_model::kv::SeqId;
+use tessera_transfer::protocol::{
+    FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId, Role,
+};
+use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
+
+/// How a prefill node reaches decode nodes. Called from transfer workers, never from
+/// the engine thread, so these may block on the network.
+pub(crate) trait PrefillLinks: Send + Sync {
+    /// A transport that writes pages into decode node `decode`'s reserved pages
+    /// `dest` (the request's destination pages), suffering `fault` (tests only).
+    fn transport(
+        &self,
+        decode: usize,
+        fault: Option<TransferFault>,
+        dest: &[DestPage],
+    ) -> Result<Box<dyn KvTransport>, TransportError>;
+    /// Sends a control message (a `Commit`, with the sampler position) to decode node
+    /// `decode`. Returns `false` when it is unreachable.
+    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool;
+    /// The fault the next transfer suffers (fault-injection tests only).
+    fn take_fault(&self) -> Option<TransferFault> {
+        None
+    }
+}
+
+/// A prefill node's commands.
+pub(crate) enum PrefillCmd {
+    /// From a coordinator: `Prefill` (with the body and the decode node chosen), `Abort`.
+    FromCoordinator {
+        msg: Msg,
+        reply: ReplyTo,
+        body: Option<(GenerateRequest, usize)>,
+    },
+    /// A transfer worker drained (or failed) every put of a request.
+    Drained(ReqId, Result<(), FailReason>),
+    /// The coordinator of this request is gone (its connection closed).
+    CoordinatorLost(ReqId),
+    /// Stop at once, as a crash would (tests).
+    Crash,
+}
+
+/// What the driver keeps per request beside the protocol's record.
+struct PrefillRecord {
+    reply: ReplyTo,
+    body: GenerateRequest,
+    /// The decode node that reserved the destination pages.
+    decode: usize,
+    dest: Vec<DestPage>,
+    /// The sampler position after the first token (travels with the commit).
+    first: Option<FirstToken>,
+    /// The copied-out pages, from `on_computed` until the drain takes them.
+    export: Option<Vec<ExportedPage>>,
+    /// Set on abort: the worker skips the puts it has not issued yet.
+    cancel: Arc<AtomicBool>,
+    fault: Option<TransferFault>,
+}
+
+fn seq_of(req: ReqId) -> SeqId {
+    SeqId(req.0)
+}
+
+/// Jobs for a decode node's transfer worker, executed in order.
+enum Job {
+    /// Put these pages, flush, report `Drained`.
+    Transfer {
+        req: ReqId,
+        pages: Vec<ExportedPage>,
+        cancel: Arc<AtomicBool>,
+        fault: Option<TransferFault>,
+        done: mpsc::Sender<PrefillCmd>,
+    },
+    /// Send a control message (after the puts queued before it).
+    Send { msg: Msg, rng_pos: u128 },
+}
+
+/// Jobs a worker queues before the node fails new transfers to that decode node.
+const WORKER_QUEUE: usize = 256;
+
+/// The thread that moves one decode node's pages and commits, in order.
+struct TransferWorker {
+    tx: mpsc::SyncSender<Job>,
+}
+
+impl TransferWorker {
+    fn spawn(links: Arc<dyn PrefillLinks>, decode: usize) -> Self {
+        let (tx, rx) = mpsc::sync_channel::<Job>(WORKER_QUEUE);
+        let spawned = std::thread::Builder::new()
+            .name(format!("tessera-transfer-{decode}"))
+            .spawn(move || {
+                for job in rx {
+                    match job {
+                        Job::Transfer {
+                            req,
+                            pages,
+                            cancel,
+                            fault,
+                            done,
+                        } => {
+                            let result = transfer(&*links, decode, req, &pages, &cancel, fault)
+                                .map_err(|e| FailReason::new(FailKind::Transport, e.to_string()));
+                            let _ = done.send(PrefillCmd::Drained(req, result));
+                        }
+                        Job::Send { msg, rng_pos } => {
+                            if !links.to_decode(decode, msg, rng_pos) {
+                                tracing::warn!(decode, "decode node unreachable for a commit");
+                            }
+                        }
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start a transfer worker");
+        }
+        Self { tx }
+    }
+}
+
+/// Puts every page (until cancelled) and flushes: on return nothing issued can still
+/// land.
+fn transfer(
+    links: &dyn PrefillLinks,
+    decode: usize,
+    req: ReqId,
+    pages: &[ExportedPage],
+    cancel: &AtomicBool,
+    fault: Option<TransferFault>,
+) -> Result<(), TransportError> {
+    let dest: Vec<DestPage> = pages.iter().map(|p| p.dest).collect();
+    let mut t = links.transport(decode, fault, &dest)?;
+    for p in pages {
+        if cancel.load(Ordering::Acquire) {
+            break;
+        }
+        t.put(req.0, p.dest, &p.bytes)?;
+    }
+    t.flush()
+}
+
+/// The prefill node's [`PrefillEnv`] over its engine and transfer workers.
+struct EngineEnv<'a> {
+    engine: &'a mut Engine,
+    records: &'a mut HashMap<ReqId, PrefillRecord>,
+    node: &'a mut NodeIo,
+}
+
+/// The node's I/O handles (workers, its own command queue, drains done at once).
+struct NodeIo {
+    links: Arc<dyn PrefillLinks>,
+    workers: HashMap<usize, TransferWorker>,
+    self_tx: mpsc::Sender<PrefillCmd>,
+    /// Drains with nothing in flight, reported right after the protocol call.
+    drained_now: Vec<(ReqId, Result<(), FailReason>)>,
+}
+
+impl NodeIo {
+    fn worker(&mut self, decode: usize) -> &TransferWorker {
+        let links = self.links.clone();
+        self.workers
+            .entry(decode)
+            .or_insert_with(|| TransferWorker::spawn(links, decode))
+    }
+
+    /// Queues `job` for decode node `decode`'s worker; false when its queue is full
+    /// or the worker is gone.
+    fn submit(&mut self, decode: usize, job: Job) -> bool {
+        match self.worker(decode).tx.try_send(job) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(decode, error = %e, "transfer worker cannot take the job");
+                if matches!(e, mpsc::TrySendError::Disconnected(_)) {
+                    self.workers.remove(&decode);
+                }
+                false
+            }
+        }
+    }
+}
+
+impl PrefillEnv for EngineEnv<'_> {
+    fn pages_for(&self, tokens: u32) -> usize {
+        self.engine.kv().pages_for(tokens as usize)
+    }
+
+    fn admit_and_alloc(
+        &mut self,
+        req: ReqId,
+        _tenant: u64,
+        _prompt_tokens: u32,
+        _max_tokens: u32,
+    ) -> Result<(), Refusal> {
+        let Some(r) = self.records.get(&req) else {
+            return Err(Refusal {
+                kind: RefusalKind::Invalid,
+                message: "prefill without a request body".into(),
+            });
+        };
+        // I1 on this node: the prompt must fit this pool (output pages live on the
+        // decode node). Pages are taken in FIFO order by the engine.
+        let limits = self.engine.limits();
+        let mut probe = r.body.clone();
+        probe.max_tokens = 1;
+        limits.admit(probe).map_err(|e| refusal(&e))?;
+        prompt_fits(&r.body, limits.page_size, limits.pool_tokens).map_err(|e| refusal(&e))
+    }
+
+    fn start_prefill(&mut self, req: ReqId, _tokens: u32, dest: &[DestPage]) {
+        let fault = self.node.links.take_fault();
+        let Some(r) = self.records.get_mut(&req) else {
+            return;
+        };
+        let mut body = r.body.clone();
+        body.max_tokens = 1;
+        let Ok(admitted) = self.engine.limits().admit(body) else {
+            return; // admit_and_alloc ran the same check
+        };
+        r.dest = dest.to_vec();
+        r.fault = fault;
+        self.engine.enqueue_prefill(admitted, seq_of(req));
+    }
+
+    fn stop_prefill(&mut self, req: ReqId) {
+        if let Some(r) = self.records.get(&req) {
+            r.cancel.store(true, Ordering::Release);
+        }
+        // Nothing was put yet while computing: its pages can go at once.
+        self.engine.release_prefill(seq_of(req));
+    }
+
+    fn flush(&mut self, req: ReqId) {
+        let job = self.records.get_mut(&req).and_then(|r| {
+            let pages = r.export.take()?;
+            Some((
+                r.decode,
+                Job::Transfer {
+                    req,
+                    pages,
+                    cancel: r.cancel.clone(),
+                    fault: r.fault,
+                    done: self.node.self_tx.clone(),
+                },
+            ))
+        });
+        match job {
+            Some((decode, job)) => {
+                if !self.node.submit(decode, job) {
+                    let e = FailReason::new(FailKind::Transport, "the transfer queue is full");
+                    self.node.drained_now.push((req, Err(e)));
+                }
+            }
+            // Nothing was handed to a worker: nothing can be in flight.
+            None => self.node.drained_now.push((req, Ok(()))),
+        }
+    }
+
+    fn release(&mut self, req: ReqId) {
+        self.engine.release_prefill(seq_of(req));
+    }
+}
+
+/// A prefill node's protocol loop.
+pub(crate) struct PrefillLoop {
+    proto: PrefillNode,
+    records: HashMap<ReqId, PrefillRecord>,
+    io: NodeIo,
+    crashed: bool,
+    clock: ExpiryClock,
+}
+
+impl PrefillLoop {
+    /// A prefill node's loop; `self_tx` is its own command queue (transfer workers
+    /// report through it).
+    pub(crate) fn new(links: Arc<dyn PrefillLinks>, self_tx: mpsc::Sender<PrefillCmd>) -> Self {
+        Self {
+            proto: PrefillNode::new(),
+            records: HashMap::new(),
+            io: NodeIo {
+                links,
+                workers: HashMap::new(),
+                self_tx,
+                drained_now: Vec::new(),
+            },
+            crashed: false,
+            clock: ExpiryClock::new(),
+        }
+    }
+
+    /// Runs `f` on the protocol with the engine as its environment, sends what it
+    /// emitted, then reports drains that completed at once, in order.
+    fn with_proto(
+        &mut self,
+        engine: &mut Engine,
+        req: ReqId,
+        reply: Option<&ReplyTo>,
+        f: impl FnOnce(&mut PrefillNode, &mut EngineEnv<'_>, &mut Vec<Output>),
+    ) {
+        let mut out = Vec::new();
+        {
+            let mut env = EngineEnv {
+                engine: &mut *engine,
+                records: &mut self.records,
+                node: &mut self.io,
+            };
+            f(&mut self.proto, &mut env, &mut out);
+        }
+        self.emit(req, reply, out);
+        while !self.io.drained_now.is_empty() {
+            for (req, result) in std::mem::take(&mut self.io.drained_now) {
+                let mut out = Vec::new();
+                {
+                    let mut env = EngineEnv {
+                        engine: &mut *engine,
+                        records: &mut self.records,
+                        node: &mut self.io,
+                    };
+                    self.proto.on_drained(req, result, &mut env, &mut out);
+                }
+                self.emit(req, None, out);
+            }
+        }
+    }
+
+    fn emit(&mut self, req: ReqId, reply: Option<&ReplyTo>, out: Vec<Output>) {
+        for o in out {
+            let Output::Send { to, msg } = o else {
+                continue;
+            };
+            match to {
+                Role::Decode => {
+                    let Some(r) = self.records.get(&msg.req()) else {
+                        continue;
+                    };
+                    let decode = r.decode;
+                    let rng_pos = r.first.map_or(0, |f| f.rng_word_pos);
+                    let copies = if r.fault == Some(TransferFault::DuplicateCommit) {
+                        2
+                    } else {
+                        1
+                    };
+                    for _ in 0..copies {
+                        let job = Job::Send {
+                            msg: msg.clone(),
+                            rng_pos,
+                        };
+                        if !self.io.submit(decode, job) {
+                            tracing::warn!(req = ?msg.req(), "commit not queued");
+                        }
+                    }
+                }
+                _ => {
+                    let link = reply
+                        .cloned()
+                        .or_else(|| self.records.get(&msg.req()).map(|r| r.reply.clone()));
+                    if let Some(l) = link {
+                        l.send(msg);
+                    }
+                }
+            }
+        }
+        self.settle(req);
+    }
+
+    fn settle(&mut self, req: ReqId) {
+        settle(self.proto.records(), &mut self.records, req);
+    }
+
+    /// Prefills the engine finished: their pages are copied out and the protocol
+    /// hears `on_computed` (or `on_compute_failed`).
+    fn computed(&mut self, engine: &mut Engine) {
+        for done in engine.take_prefilled() {
+            let req = ReqId(done.seq.0);
+            let Some(r) = self.records.get_mut(&req) else {
+                engine.release_prefill(done.seq);
+                continue;
+            };
+            let exported = done
+                .result
+                .map_err(ExportError::Integrity)
+                .and_then(|first| {
+                    r.first = Some(first);
+                    engine.export_pages(done.seq, &r.dest).map(|p| (first, p))
+                });
+            match exported {
+                Ok((first, pages)) => {
+                    let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
+                    r.export = Some(pages);
+                    self.with_proto(engine, req, None, |p, env, out| {
+                        p.on_computed(req, first.token, &sums, env, out)
+                    });
+                }
+                Err(e) => {
+                    let kind = match e {
+                        ExportError::Integrity(_) => FailKind::Integrity,
+                        _ => FailKind::Internal,
+                    };
+                    let reason = FailReason::new(kind, e.to_string());
+                    self.with_proto(engine, req, None, |p, env, out| {
+                        p.on_compute_failed(req, reason, env, out)
+                    });
+                }
+            }
+        }
+    }
+
+    fn expire_tombstones(&mut self) {
+        self.clock.expire(self.proto.records_mut());
+    }
+}
+
+impl NodeLoop for PrefillLoop {
+    type Cmd = PrefillCmd;
+
+    // After `Crash`, `stop()` ends the loop before another command is applied.
+    fn on_cmd(&mut self, engine: &mut Engine, cmd: PrefillCmd) {
+        match cmd {
+            PrefillCmd::FromCoordinator { msg, reply, body } => {
+                let req = msg.req();
+                if !matches!(msg, Msg::Prefill { .. } | Msg::Abort { .. }) {
+                    tracing::warn!(?req, "a coordinator may only send Prefill or Abort");
+                    return;
+                }
+                match (self.records.get_mut(&req), body) {
+                    (Some(r), _) => r.reply = reply.clone(),
+                    (None, Some((body, decode))) if self.proto.records().state(req).is_none() => {
+                        self.records.insert(
+                            req,
+                            PrefillRecord {
+                                reply: reply.clone(),
+                                body,
+                                decode,
+                                dest: Vec::new(),
+                                first: None,
+                                export: None,
+                                cancel: Arc::new(AtomicBool::new(false)),
+                                fault: None,
+                            },
+                        );
+                    }
+                    _ => {}
+                }
+                self.with_proto(engine, req, Some(&reply), |p, env, out| {
+                    p.on_msg(msg, env, out)
+                });
+            }
+            PrefillCmd::Drained(req, result) => {
+                self.with_proto(engine, req, None, |p, env, out| {
+                    p.on_drained(req, result, env, out)
+                });
+            }
+            PrefillCmd::CoordinatorLost(req) => {
+                self.with_proto(engine, req, None, |p, env, out| {
+                    p.on_coordinator_lost(req, env, out)
+                });
+            }
+            PrefillCmd::Crash => self.crashed = true,
+        }
+        self.expire_tombstones();
+    }
+
+    fn stop(&self) -> bool {
+        self.crashed
+    }
+
+    fn after_step(&mut self, engine: &mut Engine) {
+        self.computed(engine);
+        self.expire_tombstones();
+    }
+}

@@ -1,0 +1,231 @@
+//! A request's stream as its submitter sees it ([`RequestStream`]) and as the serving
+//! side feeds it ([`ClientSink`]).
+//!
+//! Three things travel between them:
+//! - events: tokens, then one `Done` or `Error` ([`StreamEvent`]);
+//! - cancellation: [`RequestStream::cancel`] (or dropping the stream) asks every node
+//!   holding the request to abort it (I6);
+//! - release: [`RequestStream::released`] resolves once nothing is held for the
+//!   request anywhere (every node acknowledged its abort or end, or is known dead, or
+//!   the engine freed its pages). The gateway waits for it before it returns the
+//!   tenant's permits and writes the usage row, so usage counts what was computed.
+
+use crate::error::ServeError;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tessera_engine::sink::{EventSink, Gone};
+use tessera_engine::{Event, FinishReason, Usage};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::oneshot;
+
+/// What a request's stream receives, in order: tokens, then one `Done` or `Error`
+/// (none when the request was cancelled).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StreamEvent {
+    /// A generated token and the text it completed (may be empty mid-character or
+    /// while a possible stop string is held back).
+    Token {
+        /// Token id.
+        id: u32,
+        /// Newly completed text.
+        text: String,
+    },
+    /// Normal end.
+    Done {
+        /// Why.
+        reason: FinishReason,
+        /// Counts and timings.
+        usage: Usage,
+    },
+    /// Abnormal end; no further tokens (I8: never a partial answer as success).
+    Error(ServeError),
+}
+
+impl From<Event> for StreamEvent {
+    fn from(e: Event) -> Self {
+        match e {
+            Event::Token { id, text } => Self::Token { id, text },
+            Event::Done { reason, usage } => Self::Done { reason, usage },
+            Event::Error(e) => Self::Error(e.into()),
+        }
+    }
+}
+
+/// Signals release when dropped: its owner held the last resource of the request.
+#[derive(Debug)]
+pub(crate) struct ReleaseGuard(Option<oneshot::Sender<()>>);
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// The serving side of a request's stream: where events go, whether the client
+/// cancelled, and (for its one owner) the release guard.
+#[derive(Debug)]
+pub struct ClientSink {
+    tx: UnboundedSender<StreamEvent>,
+    cancel: Arc<AtomicBool>,
+    /// Held, never read: dropping it is the release signal.
+    _release: Option<ReleaseGuard>,
+}
+
+impl ClientSink {
+    /// Another sink for the same stream without the release guard (a decode engine
+    /// streams into it while the coordinator owns the release).
+    pub fn detached(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+            cancel: self.cancel.clone(),
+            _release: None,
+        }
+    }
+
+    /// Sends an event; false when the stream's receiver is gone.
+    pub fn send_event(&self, ev: StreamEvent) -> bool {
+        self.tx.send(ev).is_ok()
+    }
+
+    /// Ends the stream with `e` (I8).
+    pub fn fail(&self, e: ServeError) {
+        let _ = self.tx.send(StreamEvent::Error(e));
+    }
+
+    /// Whether the client cancelled or dropped its stream.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Acquire) || self.tx.is_closed()
+    }
+}
+
+impl EventSink for ClientSink {
+    fn send(&mut self, event: Event) -> Result<(), Gone> {
+        self.tx.send(event.into()).map_err(|_| Gone)
+    }
+
+    fn cancelled(&self) -> bool {
+        self.is_cancelled()
+    }
+}
+
+/// A submitted request's stream: its events, its cancellation, its release.
+#[derive(Debug)]
+pub struct RequestStream {
+    rx: UnboundedReceiver<StreamEvent>,
+    cancel: Arc<AtomicBool>,
+    released: Option<oneshot::Receiver<()>>,
+}
+
+impl RequestStream {
+    /// The next event; `None` once the stream ended and every sender is gone.
+    pub async fn recv(&mut self) -> Option<StreamEvent> {
+        self.rx.recv().await
+    }
+
+    /// The next event if one is queued.
+    pub fn try_recv(&mut self) -> Option<StreamEvent> {
+        self.rx.try_recv().ok()
+    }
+
+    /// The next event, blocking the thread (not for async contexts).
+    pub fn blocking_recv(&mut self) -> Option<StreamEvent> {
+        self.rx.blocking_recv()
+    }
+
+    /// Asks every node holding the request to abort it (I6). Events already sent stay
+    /// readable; the stream closes once every node let go.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Self::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
+    }
+
+    /// Resolves once nothing is held for the request anywhere (pages freed on every
+    /// node, every abort acknowledged or its node known dead). Returns at once after
+    /// the first time.
+    pub async fn released(&mut self) {
+        if let Some(rx) = &mut self.released {
+            let _ = rx.await;
+            self.released = None;
+        }
+    }
+
+    /// [`Self::released`] without waiting: whether it has happened.
+    pub fn is_released(&mut self) -> bool {
+        match &mut self.released {
+            None => true,
+            Some(rx) => match rx.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => false,
+                _ => {
+                    self.released = None;
+                    true
+                }
+            },
+        }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// A new request's two ends; the sink holds the release guard.
+pub fn request_channel() -> (ClientSink, RequestStream) {
+    let (tx, rx) = unbounded_channel();
+    let (rtx, rrx) = oneshot::channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    (
+        ClientSink {
+            tx,
+            cancel: cancel.clone(),
+            _release: Some(ReleaseGuard(Some(rtx))),
+        },
+        RequestStream {
+            rx,
+            cancel,
+            released: Some(rrx),
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn release_follows_the_guard_not_the_events() {
+        let (sink, mut stream) = request_channel();
+        let decode = sink.detached();
+        assert!(decode.send_event(StreamEvent::Token {
+            id: 1,
+            text: "a".into()
+        }));
+        drop(decode);
+        assert!(!stream.is_released(), "the guard's owner still holds it");
+        stream.cancel();
+        assert!(sink.is_cancelled());
+        drop(sink);
+        stream.released().await;
+        assert!(stream.is_released());
+        assert!(matches!(
+            stream.recv().await,
+            Some(StreamEvent::Token { .. })
+        ));
+        assert_eq!(stream.recv().await, None);
+    }
+
+    #[test]
+    fn dropping_the_stream_cancels() {
+        let (sink, stream) = request_channel();
+        assert!(!sink.is_cancelled());
+        drop(stream);
+        assert!(sink.is_cancelled());
+    }
+}
