@@ -81,7 +81,7 @@ pub(crate) fn settle<S: RequestState, R>(
     records: &mut HashMap<ReqId, R>,
     req: ReqId,
 ) {
-    if !proto.state(req).is_some_and(|s| !s.is_terminal()) {
+    if proto.state(req).is_none_or(|s| s.is_terminal()) {
         records.remove(&req);
     }
 }
