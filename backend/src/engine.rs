@@ -582,6 +582,7 @@ impl Engine {
     /// Runs one scheduling step (admit, one forward pass, sample, emit). Returns the
     /// number of tokens in the forward pass (0 when idle).
     pub fn step(&mut self) -> usize {
+        self.drop_abandoned();
         self.admit_waiting();
         let rows = self.build_batch();
         if rows.is_empty() {
@@ -654,6 +655,27 @@ impl Engine {
             }
         }
         rows.len()
+    }
+
+    /// Drops requests whose client went away (their receiver dropped or closed)
+    /// before this step computes anything more for them: queued ones before their
+    /// prefill starts, running ones with their pages freed and their end recorded.
+    /// Dropping a request drops its event sender, which is how its caller learns
+    /// that the engine let go of it.
+    fn drop_abandoned(&mut self) {
+        self.waiting
+            .retain(|w| w.export.is_some() || !w.sink.is_closed());
+        let gone: Vec<SeqId> = self
+            .running
+            .iter()
+            .filter(|s| s.export.is_none() && s.sink.is_closed())
+            .map(|s| s.id)
+            .collect();
+        for id in gone {
+            self.running.retain(|s| s.id != id);
+            self.kv.release(id);
+            self.record_end(id, None);
+        }
     }
 
     /// Steps until nothing is waiting or running.
