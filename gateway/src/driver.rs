@@ -1,18 +1,37 @@
-//! One driver task per admitted request: it owns the engine's event receiver and
-//! the request's limit permit, forwards text to the HTTP side, notices when the
-//! client goes away (the HTTP side dropped its receiver) and then aborts by dropping
-//! the engine receiver, and writes the usage row exactly once, right after the
-//! final message (a client that saw its response end may see its row a moment
-//! later).
+//! One driver task per admitted request: it owns the engine's event receiver, the
+//! request's limit [`Reservation`] and its registration among the requests in
+//! flight, forwards text to the HTTP side, and ends the request exactly once.
+//!
+//! The request ends when the engine finishes it (done or error), or when the
+//! driver aborts it: the client went away (the HTTP side dropped its receiver),
+//! the server shuts down, a deadline passed (no first token in time, or no end in
+//! time: 408, 3007), or its key stopped being valid (revoked, expired, tenant
+//! suspended: 401/403, 10000). An abort closes the engine's channel (the engine
+//! drops the request at its next step, before computing more for it) and then
+//! waits until the engine has let go of the request (every sender dropped): only
+//! then are the limits given back, so a request that is still computing keeps its
+//! concurrency slot. The client sees the abort's error at once.
+//!
+//! Charges: prompt tokens once the first token exists (the prompt was computed),
+//! plus every generated token; an abort or failure before the first token charges
+//! nothing. The usage row and the daily quota get the same numbers. The row is
+//! written right after the final message (a client that saw its response end may
+//! see its row a moment later).
 
 use crate::error::{ApiError, ErrorKind};
+use crate::live::LiveGuard;
 use crate::server::{AppState, Ctx};
 use std::sync::Arc;
+use std::time::Duration;
 use tessera_backend::engine::EngineError;
 use tessera_backend::pd::protocol::RefusalKind;
 use tessera_backend::{Event, FinishReason};
-use tessera_tenancy::Permit;
+use tessera_tenancy::Reservation;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// How long an aborted request waits for the engine to let it go before its
+/// limits are given back anyway (logged as an error: the engine is stuck).
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Messages from the driver to the HTTP side, in order: text, then one `Done` or
 /// `Error`.
@@ -40,31 +59,84 @@ pub(crate) fn finish_label(r: FinishReason) -> &'static str {
     }
 }
 
+/// What an admitted request holds until its row is written.
+pub(crate) struct Held {
+    /// Its limits (slot, token allowances, daily reservation).
+    pub(crate) reservation: Reservation,
+    /// Its registration among the requests in flight (revocation aborts it).
+    pub(crate) live: LiveGuard,
+}
+
+enum End {
+    Done(FinishReason, tessera_backend::engine::Usage),
+    Error(EngineError),
+    /// The client went away.
+    Aborted,
+    Shutdown,
+    /// No first token by the first-token deadline (`true`), or no end by the total
+    /// deadline (`false`).
+    Timeout(bool),
+    /// The key stopped being valid.
+    Killed(ApiError),
+}
+
+fn engine_error(ctx: &Ctx, e: &EngineError) -> ApiError {
+    match e {
+        // A node's own admission check (I1) refused it: the client's error, not ours.
+        EngineError::Refused(r) => {
+            tracing::info!(request_id = %ctx.rid, error = %e, "refused by a node");
+            let kind = match r.kind {
+                RefusalKind::TooLarge => ErrorKind::ContextOverflow,
+                RefusalKind::Invalid => ErrorKind::BadRequest,
+                RefusalKind::Busy => ErrorKind::Unavailable,
+            };
+            ApiError::new(kind, r.message.clone())
+        }
+        _ => {
+            tracing::error!(request_id = %ctx.rid, error = %e, "generation failed");
+            ApiError::new(ErrorKind::Internal, format!("generation failed: {e}"))
+        }
+    }
+}
+
 /// Starts the driver; returns the receiver the HTTP side reads.
 pub(crate) fn spawn(
     state: Arc<AppState>,
     ctx: Ctx,
     mut events: UnboundedReceiver<Event>,
-    permit: Permit,
+    held: Held,
     prompt_tokens: usize,
 ) -> UnboundedReceiver<Msg> {
     let (tx, rx) = unbounded_channel();
     let inflight = state.inflight_guard();
     let mut abort = state.abort_signal();
+    let Held {
+        reservation,
+        mut live,
+    } = held;
+    let started = tokio::time::Instant::from_std(ctx.started);
+    let first_deadline = started + state.deadlines.first_token;
+    let total_deadline = started + state.deadlines.total;
     tokio::spawn(async move {
         let mut generated = 0usize;
         let mut ttft = None;
-        enum End {
-            Done(FinishReason, tessera_backend::engine::Usage),
-            Error(EngineError),
-            Aborted,
-            Shutdown,
-        }
         let end = loop {
+            let deadline = if ttft.is_none() {
+                first_deadline.min(total_deadline)
+            } else {
+                total_deadline
+            };
             tokio::select! {
                 biased;
                 _ = tx.closed() => break End::Aborted,
                 _ = abort.wait_for(|a| *a) => break End::Shutdown,
+                k = live.kill.wait_for(|k| k.is_some()) => {
+                    let e = k.ok().and_then(|k| (*k).clone()).unwrap_or_else(|| {
+                        ApiError::new(ErrorKind::Unauthenticated, "the API key is no longer valid")
+                    });
+                    break End::Killed(e);
+                }
+                _ = tokio::time::sleep_until(deadline) => break End::Timeout(ttft.is_none()),
                 ev = events.recv() => match ev {
                     Some(Event::Token { text, .. }) => {
                         generated += 1;
@@ -79,19 +151,55 @@ pub(crate) fn spawn(
                 },
             }
         };
-        // Tokens the engine already sent count as computed even if the client never
-        // saw them.
-        if matches!(end, End::Aborted | End::Shutdown) {
-            while let Ok(ev) = events.try_recv() {
-                if matches!(ev, Event::Token { .. }) {
-                    generated += 1;
+        let ttft_us = ttft.map(|d| d.as_micros() as i64).unwrap_or(0);
+        // The client-visible error of an abort the driver decided, sent at once.
+        let abort_error = match &end {
+            End::Shutdown => Some(ApiError::new(
+                ErrorKind::Unavailable,
+                "the server is shutting down; the request was aborted",
+            )),
+            End::Timeout(true) => Some(ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no first token within the deadline of {} s; the request was aborted",
+                    state.deadlines.first_token.as_secs_f64()
+                ),
+            )),
+            End::Timeout(false) => Some(ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the request exceeded the deadline of {} s; it was aborted",
+                    state.deadlines.total.as_secs_f64()
+                ),
+            )),
+            End::Killed(e) => Some(e.clone()),
+            _ => None,
+        };
+        if matches!(
+            end,
+            End::Aborted | End::Shutdown | End::Timeout(_) | End::Killed(_)
+        ) {
+            if let Some(e) = &abort_error {
+                let _ = tx.send(Msg::Error(e.clone()));
+            }
+            // Abort: the engine drops the request when it sees the closed channel;
+            // wait until it has (every sender gone), counting the tokens it had
+            // already sent: they were computed even if nobody saw them.
+            events.close();
+            let drained = tokio::time::timeout(CONFIRM_TIMEOUT, async {
+                while let Some(ev) = events.recv().await {
+                    if matches!(ev, Event::Token { .. }) {
+                        generated += 1;
+                    }
                 }
+            })
+            .await;
+            if drained.is_err() {
+                tracing::error!(request_id = %ctx.rid, "the engine did not release an aborted request");
             }
         }
-        // Abort (if still running): the engine frees the request's pages when it
-        // sees the closed channel.
         drop(events);
-        let ttft_us = ttft.map(|d| d.as_micros() as i64).unwrap_or(0);
+        let charged_prompt = if generated > 0 { prompt_tokens } else { 0 };
         let (record, msg) = match end {
             End::Done(reason, u) => (
                 ctx.usage(
@@ -109,29 +217,13 @@ pub(crate) fn spawn(
                 }),
             ),
             End::Error(e) => {
-                let err = match &e {
-                    // A node's own admission check (I1) refused it: the client's
-                    // error, not ours.
-                    EngineError::Refused(r) => {
-                        tracing::info!(request_id = %ctx.rid, error = %e, "refused by a node");
-                        let kind = match r.kind {
-                            RefusalKind::TooLarge => ErrorKind::ContextOverflow,
-                            RefusalKind::Invalid => ErrorKind::BadRequest,
-                            RefusalKind::Busy => ErrorKind::Unavailable,
-                        };
-                        ApiError::new(kind, r.message.clone())
-                    }
-                    _ => {
-                        tracing::error!(request_id = %ctx.rid, error = %e, "generation failed");
-                        ApiError::new(ErrorKind::Internal, format!("generation failed: {e}"))
-                    }
-                };
+                let err = engine_error(&ctx, &e);
                 (
                     ctx.usage(
                         err.kind.status().as_u16(),
                         err.kind.workers_code(),
                         "error",
-                        prompt_tokens,
+                        charged_prompt,
                         generated,
                         ttft_us,
                     ),
@@ -139,37 +231,34 @@ pub(crate) fn spawn(
                 )
             }
             End::Aborted => (
-                ctx.usage(499, 3008, "aborted", prompt_tokens, generated, ttft_us),
+                ctx.usage(499, 3008, "aborted", charged_prompt, generated, ttft_us),
                 None,
             ),
-            End::Shutdown => {
-                let err = ApiError::new(
-                    ErrorKind::Unavailable,
-                    "the server is shutting down; the request was aborted",
-                );
+            End::Shutdown | End::Timeout(_) | End::Killed(_) => {
+                let e = abort_error.expect("set for driver aborts");
                 (
                     ctx.usage(
-                        503,
-                        err.kind.workers_code(),
+                        e.kind.status().as_u16(),
+                        e.kind.workers_code(),
                         "aborted",
-                        prompt_tokens,
+                        charged_prompt,
                         generated,
                         ttft_us,
                     ),
-                    Some(Msg::Error(err)),
+                    None, // already sent
                 )
             }
         };
-        // Release the limits first, so a client that sends its next request as
-        // soon as it sees this one end is not refused by its own finished request;
-        // then answer, then write the row (off the response's critical path; the
-        // in-flight guard keeps shutdown waiting for it).
-        permit.finish(record.input_tokens + record.output_tokens);
-        drop(permit);
+        // Release the limits before the final message, so a client that sends its
+        // next request as soon as it sees this one end is not refused by its own
+        // finished request; then answer, then write the row (off the response's
+        // critical path; the in-flight guard keeps shutdown waiting for it).
+        reservation.settle(record.input_tokens, record.output_tokens);
         if let Some(m) = msg {
             let _ = tx.send(m);
         }
         state.record(&record).await;
+        drop(live);
         drop(inflight);
     });
     rx

@@ -29,12 +29,17 @@ pub mod server;
 pub mod tls;
 pub mod validation;
 
-mod admin;
+pub mod admin;
+pub mod listener;
+
 mod driver;
+mod live;
 mod openai;
 mod usage_api;
 mod workers_ai;
 
+pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES};
 pub use error::{ApiError, ErrorKind};
-pub use server::{AppState, GatewayConfig, Server};
+pub use listener::ConnLimits;
+pub use server::{AppState, Deadlines, GatewayConfig, Server, UsageConfig, MAX_ID_BYTES};
 pub use tls::TlsMode;
