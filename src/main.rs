@@ -54,6 +54,14 @@ enum Command {
         #[command(subcommand)]
         command: tenancy_cli::KeyCommand,
     },
+    /// The admin audit log (every tenant and key change, from the admin API or
+    /// this CLI), oldest first.
+    Audit {
+        #[command(flatten)]
+        store: serve::StoreArgs,
+        #[command(flatten)]
+        args: tenancy_cli::AuditArgs,
+    },
     /// A tenant's usage from the ledger, grouped.
     Usage {
         #[command(flatten)]
@@ -130,6 +138,7 @@ fn run() -> Result<()> {
         Command::Tenant { store, command } => tenancy_cli::tenant(store, command),
         Command::Key { store, command } => tenancy_cli::key(store, command),
         Command::Usage { store, args } => tenancy_cli::usage(store, args),
+        Command::Audit { store, args } => tenancy_cli::audit(store, args),
         Command::Loadtest(args) => tessera_loadtest::main(args),
         Command::Ops {
             command: OpsCommand::CheckConfig { file, json },

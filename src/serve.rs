@@ -7,13 +7,15 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use tessera_config::{check_pool_fits, Role};
-use tessera_engine::EngineConfig;
-use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
+use tessera_gateway::{
+    check_token, AppState, ConnLimits, Deadlines, GatewayConfig, Server, TlsMode, UsageConfig,
+};
 use tessera_model::gguf::DEFAULT_MODEL_ID;
 use tessera_model::LoadedModel;
-use tessera_serving::EngineHandle;
-use tessera_tenancy::{Limits, Store};
+use tessera_serving::{EngineConfig, EngineHandle};
+use tessera_tenancy::{AuditCtx, NewKey, Store};
 
 /// Where the store lives: `--store URL`, or a SQLite file in `--data-dir`.
 #[derive(Args, Debug, Clone)]
@@ -104,21 +106,88 @@ pub(crate) struct ServeArgs {
     /// Allow plain HTTP on a non-loopback address.
     #[arg(long)]
     allow_insecure_http: bool,
-    /// Admin API token (default: DATA_DIR/admin-token, created on first start).
-    #[arg(long, env = "TESSERA_ADMIN_TOKEN", hide_env_values = true)]
+    /// Admin API token, at least 32 bytes (else TESSERA_ADMIN_TOKEN, else
+    /// --admin-token-file, else DATA_DIR/admin-token, created on first start).
+    #[arg(long)]
     admin_token: Option<String>,
+    /// File holding the admin token (at least 32 bytes; must exist).
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
+    /// Token that reads /metrics and nothing else (at least 32 bytes).
+    #[arg(long, env = "TESSERA_METRICS_TOKEN", hide_env_values = true)]
+    metrics_token: Option<String>,
+    /// Serve the admin API and /metrics on this address instead of --listen (then
+    /// the public port answers 404 there).
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    defaults: crate::tenancy_cli::DefaultLimitArgs,
     /// Largest accepted request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+    /// Seconds a client has to send a request head (request line and headers);
+    /// also bounds an idle kept-alive connection.
+    #[arg(long, default_value_t = 10)]
+    header_timeout_secs: u64,
+    /// Seconds a client has to send the whole request body (then 408, 3007).
+    #[arg(long, default_value_t = 30)]
+    body_timeout_secs: u64,
+    /// Seconds a client has to finish the TLS handshake.
+    #[arg(long, default_value_t = 10)]
+    tls_handshake_timeout_secs: u64,
+    /// Seconds a kept-alive connection may sit idle (no request, no bytes).
+    #[arg(long, default_value_t = 5)]
+    keepalive_idle_secs: u64,
+    /// Most client connections open at once (per listener).
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Seconds from arrival to the first token before a request is aborted (408, 3007).
+    #[arg(long, default_value_t = 120)]
+    ttft_timeout_secs: u64,
+    /// Seconds from arrival to the end of the answer before it is aborted (408, 3007).
+    #[arg(long, default_value_t = 600)]
+    request_timeout_secs: u64,
+    /// Usage-API queries per tenant per minute (0: unlimited).
+    #[arg(long, default_value_t = 60)]
+    usage_rpm: u32,
+    /// Longest time range one usage query may cover, in days.
+    #[arg(long, default_value_t = 31)]
+    usage_max_range_days: u64,
+    /// Delete ledger rows older than this many days (checked hourly; 0: keep forever).
+    #[arg(long, default_value_t = 90)]
+    usage_retention_days: u64,
     /// On Ctrl-C or SIGTERM: seconds running requests may finish before they are aborted.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
 }
 
-fn admin_token(dir: &Path) -> Result<(String, bool)> {
+/// The admin token and where it came from: `--admin-token`, `TESSERA_ADMIN_TOKEN`,
+/// `--admin-token-file`, or DATA_DIR/admin-token (created with a fresh token when
+/// absent). Refuses an empty or short token, naming its source. Returns (token,
+/// whether the file was just created).
+fn admin_token(a: &ServeArgs) -> Result<(String, bool)> {
+    let checked = |t: String, source: String| -> Result<(String, bool)> {
+        check_token(&format!("admin token from {source}"), &t)?;
+        Ok((t.trim().to_string(), false))
+    };
+    if let Some(t) = &a.admin_token {
+        return checked(t.clone(), "--admin-token".into());
+    }
+    if let Some(t) = std::env::var_os("TESSERA_ADMIN_TOKEN") {
+        return checked(
+            t.to_string_lossy().into_owned(),
+            "TESSERA_ADMIN_TOKEN".into(),
+        );
+    }
+    if let Some(p) = &a.admin_token_file {
+        let t = std::fs::read_to_string(p)
+            .with_context(|| format!("reading the admin token file {}", p.display()))?;
+        return checked(t, format!("file {}", p.display()));
+    }
+    let dir = &a.store.data_dir;
     let p = dir.join("admin-token");
     if let Ok(t) = std::fs::read_to_string(&p) {
-        return Ok((t.trim().to_string(), false));
+        return checked(t, format!("file {}", p.display()));
     }
     std::fs::create_dir_all(dir)?;
     let t = format!("tadm_{}", tessera_tenancy::random_hex(24));
@@ -150,6 +219,14 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
+    // Tokens first: a bad one fails at once, before the model loads.
+    let (admin, admin_new) = admin_token(&a)?;
+    if let Some(t) = &a.metrics_token {
+        check_token(
+            "metrics token from --metrics-token / TESSERA_METRICS_TOKEN",
+            t,
+        )?;
+    }
     let remote = match &a.config {
         Some(f) => Some(crate::node::remote_deployment(f)?),
         None => None,
@@ -198,10 +275,6 @@ async fn serve(a: ServeArgs) -> Result<()> {
     };
     let store = a.store.open().await?;
     let data_dir = &a.store.data_dir;
-    let (admin, admin_new) = match &a.admin_token {
-        Some(t) => (t.clone(), false),
-        None => admin_token(data_dir)?,
-    };
     let tls = match (a.tls.as_str(), &a.tls_cert, &a.tls_key) {
         (_, Some(cert), Some(key)) => TlsMode::Files {
             cert: cert.clone(),
@@ -214,17 +287,44 @@ async fn serve(a: ServeArgs) -> Result<()> {
         }
         (other, _, _) => anyhow::bail!("--tls must be `off` or `self-signed`. Given: {other}"),
     };
+    let secs = Duration::from_secs;
+    let default_limits = a.defaults.limits();
     let cfg = GatewayConfig {
         listen,
+        admin_listen: a.admin_listen,
         tls: tls.clone(),
         allow_insecure_http: a.allow_insecure_http,
         max_body_bytes: a.max_body_bytes,
         admin_token: Some(admin),
-        drain_timeout: std::time::Duration::from_secs(a.drain_timeout_secs),
+        metrics_token: a.metrics_token.clone(),
+        default_limits,
+        conn: ConnLimits {
+            header_read: secs(a.header_timeout_secs),
+            tls_handshake: secs(a.tls_handshake_timeout_secs),
+            keepalive_idle: secs(a.keepalive_idle_secs),
+            max_connections: a.max_connections,
+        },
+        deadlines: Deadlines {
+            body_read: secs(a.body_timeout_secs),
+            first_token: secs(a.ttft_timeout_secs),
+            total: secs(a.request_timeout_secs),
+        },
+        usage: UsageConfig {
+            queries_per_minute: a.usage_rpm,
+            max_range: secs(a.usage_max_range_days.saturating_mul(86_400)),
+            retention: (a.usage_retention_days > 0)
+                .then(|| secs(a.usage_retention_days.saturating_mul(86_400))),
+            ..UsageConfig::default()
+        },
+        drain_timeout: secs(a.drain_timeout_secs),
+        ..GatewayConfig::default()
     };
     let state = AppState::new(store.clone(), model, engine.clone(), &cfg);
     let server = Server::bind(&cfg, state).await?;
     let addr = server.local_addr();
+    let admin_base = server
+        .admin_addr()
+        .map(|a| format!("{}://{a}", server.scheme()));
     let base = format!("{}://{}", server.scheme(), addr);
     let limits = engine.limits();
     let mode = match engine.cluster() {
@@ -259,8 +359,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let shutdown = shutdown_signal();
     let tenants = store.list_tenants().await?;
     let (account, key) = if tenants.is_empty() {
-        let t = store.create_tenant("default", Limits::default()).await?;
-        let (_, key) = store.create_key(&t.id, "default").await?;
+        let by = AuditCtx {
+            request_id: tessera_tenancy::random_hex(16),
+            source: "serve:first-start".into(),
+        };
+        let admin = store.audited(&by);
+        let t = admin.create_tenant("default", default_limits).await?;
+        let (_, key) = admin.create_key(&t.id, &NewKey::named("default")).await?;
         say!("tessera: first start: created tenant `default`");
         say!("  account id: {}", t.id);
         say!("  API key:    {key}");
@@ -283,6 +388,9 @@ async fn serve(a: ServeArgs) -> Result<()> {
         base.clone()
     };
     say!("tessera: listening on {base}");
+    if let Some(ab) = &admin_base {
+        say!("tessera: admin API and /metrics on {ab}");
+    }
     say!("");
     say!("Try it:");
     say!(

@@ -1,43 +1,93 @@
-//! `tessera tenant|key|usage`: the admin operations against the store directly
-//! (the same store `tessera serve` uses; changes apply to a running server on its
-//! next request). Output is JSON.
+//! `tessera tenant|key|usage|audit`: the admin operations against the store
+//! directly (the same store `tessera serve` uses; changes apply to a running server
+//! on its next request, and a revocation or suspension aborts the requests it has
+//! in flight within its revocation poll). Every change writes an audit row
+//! (source `cli:<user>`). Output is JSON.
 
 use crate::serve::StoreArgs;
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
 use tessera_tenancy::store::{parse_time, rfc3339};
-use tessera_tenancy::{GroupBy, Limits, TenantStatus};
+use tessera_tenancy::{AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, Scopes, TenantStatus};
 
-/// Limit flags (0 = unlimited).
+/// Limit flags (0 = unlimited); a flag not given keeps the base value (the
+/// defaults on `tenant create`, the tenant's current value on `tenant limits`).
 #[derive(Args, Debug, Clone, Default)]
 pub(crate) struct LimitArgs {
     /// Requests per minute.
-    #[arg(long, default_value_t = 0)]
-    rpm: u32,
+    #[arg(long)]
+    rpm: Option<u32>,
     /// Input tokens per minute.
-    #[arg(long, default_value_t = 0)]
-    input_tpm: u32,
+    #[arg(long)]
+    input_tpm: Option<u32>,
     /// Output tokens per minute (charged with max_tokens at admission).
-    #[arg(long, default_value_t = 0)]
-    output_tpm: u32,
+    #[arg(long)]
+    output_tpm: Option<u32>,
     /// Concurrent requests.
-    #[arg(long, default_value_t = 0)]
-    max_concurrent: u32,
+    #[arg(long)]
+    max_concurrent: Option<u32>,
     /// Tokens (input + output) per UTC day.
-    #[arg(long, default_value_t = 0)]
-    daily_tokens: u64,
+    #[arg(long)]
+    daily_tokens: Option<u64>,
 }
 
 impl LimitArgs {
-    fn limits(&self) -> Limits {
-        Limits {
+    fn patch(&self) -> LimitsPatch {
+        LimitsPatch {
             requests_per_minute: self.rpm,
             input_tokens_per_minute: self.input_tpm,
             output_tokens_per_minute: self.output_tpm,
             max_concurrent: self.max_concurrent,
             daily_tokens: self.daily_tokens,
         }
+    }
+}
+
+const NEW: Limits = Limits::NEW_TENANT;
+
+/// The limits of new tenants (`tessera serve` for the admin API and the first-start
+/// tenant, `tessera tenant create` for flags not given). Set the environment
+/// variables once so that both agree.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct DefaultLimitArgs {
+    /// Default requests per minute of new tenants (0 = unlimited).
+    #[arg(long, env = "TESSERA_DEFAULT_RPM", default_value_t = NEW.requests_per_minute)]
+    default_rpm: u32,
+    /// Default input tokens per minute of new tenants.
+    #[arg(long, env = "TESSERA_DEFAULT_INPUT_TPM", default_value_t = NEW.input_tokens_per_minute)]
+    default_input_tpm: u32,
+    /// Default output tokens per minute of new tenants.
+    #[arg(long, env = "TESSERA_DEFAULT_OUTPUT_TPM", default_value_t = NEW.output_tokens_per_minute)]
+    default_output_tpm: u32,
+    /// Default concurrent requests of new tenants.
+    #[arg(long, env = "TESSERA_DEFAULT_MAX_CONCURRENT", default_value_t = NEW.max_concurrent)]
+    default_max_concurrent: u32,
+    /// Default tokens per UTC day of new tenants.
+    #[arg(long, env = "TESSERA_DEFAULT_DAILY_TOKENS", default_value_t = NEW.daily_tokens)]
+    default_daily_tokens: u64,
+}
+
+impl DefaultLimitArgs {
+    pub(crate) fn limits(&self) -> Limits {
+        Limits {
+            requests_per_minute: self.default_rpm,
+            input_tokens_per_minute: self.default_input_tpm,
+            output_tokens_per_minute: self.default_output_tpm,
+            max_concurrent: self.default_max_concurrent,
+            daily_tokens: self.default_daily_tokens,
+        }
+    }
+}
+
+/// Who the CLI acts as in the audit log: `cli:<user>`, one request id per run.
+fn cli_actor() -> AuditCtx {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    AuditCtx {
+        request_id: tessera_tenancy::random_hex(16),
+        source: format!("cli:{user}"),
     }
 }
 
@@ -51,6 +101,8 @@ pub(crate) enum TenantCommand {
         name: String,
         #[command(flatten)]
         limits: LimitArgs,
+        #[command(flatten)]
+        defaults: DefaultLimitArgs,
         /// Also create an API key.
         #[arg(long)]
         with_key: bool,
@@ -67,7 +119,7 @@ pub(crate) enum TenantCommand {
         /// Account id.
         id: String,
     },
-    /// Replace a tenant's limits.
+    /// Change a tenant's limits (flags not given keep their value).
     Limits {
         /// Account id.
         id: String,
@@ -87,6 +139,15 @@ pub(crate) enum KeyCommand {
         /// Label.
         #[arg(long, default_value = "default")]
         name: String,
+        /// Scope (repeatable): `inference`, `usage:read`; default both.
+        #[arg(long = "scope")]
+        scopes: Vec<String>,
+        /// Expiry time (Unix seconds, YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ).
+        #[arg(long, conflicts_with = "expires_in_days")]
+        expires: Option<String>,
+        /// Expiry, in days from now.
+        #[arg(long)]
+        expires_in_days: Option<u64>,
     },
     /// List keys (never their secrets).
     List {
@@ -100,6 +161,27 @@ pub(crate) enum KeyCommand {
         /// Key id.
         key_id: String,
     },
+}
+
+/// `tessera audit`.
+#[derive(Args, Debug)]
+pub(crate) struct AuditArgs {
+    /// Start (Unix seconds, YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ); default: the beginning.
+    #[arg(long)]
+    since: Option<String>,
+    /// End (exclusive); default: now.
+    #[arg(long)]
+    until: Option<String>,
+    /// Most rows, oldest first.
+    #[arg(long, default_value_t = 1000)]
+    limit: u32,
+}
+
+fn time_arg(v: &Option<String>, default: i64) -> Result<i64> {
+    match v {
+        None => Ok(default),
+        Some(s) => parse_time(s).ok_or_else(|| anyhow::anyhow!("bad time `{s}`")),
+    }
 }
 
 /// `tessera usage`.
@@ -133,32 +215,41 @@ fn print(v: serde_json::Value) -> Result<()> {
 pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
     rt()?.block_on(async {
         let s = store.open().await?;
+        let by = cli_actor();
+        let admin = s.audited(&by);
         match cmd {
             TenantCommand::Create {
                 name,
                 limits,
+                defaults,
                 with_key,
             } => {
-                let t = s.create_tenant(&name, limits.limits()).await?;
+                let t = admin
+                    .create_tenant(&name, limits.patch().apply(defaults.limits()))
+                    .await?;
                 let mut out = json!({"tenant": t});
                 if with_key {
-                    let (info, secret) = s.create_key(&t.id, "default").await?;
+                    let (info, secret) = admin.create_key(&t.id, &NewKey::named("default")).await?;
                     out["key"] = json!({"info": info, "secret": secret});
                 }
                 print(out)
             }
             TenantCommand::List => print(json!(s.list_tenants().await?)),
             TenantCommand::Suspend { id } => {
-                s.set_status(&id, TenantStatus::Suspended).await?;
+                admin.set_status(&id, TenantStatus::Suspended).await?;
                 print(json!({"id": id, "status": "suspended"}))
             }
             TenantCommand::Activate { id } => {
-                s.set_status(&id, TenantStatus::Active).await?;
+                admin.set_status(&id, TenantStatus::Active).await?;
                 print(json!({"id": id, "status": "active"}))
             }
             TenantCommand::Limits { id, limits } => {
-                s.set_limits(&id, limits.limits()).await?;
-                print(json!({"id": id, "limits": limits.limits()}))
+                let Some(t) = s.tenant(&id).await? else {
+                    bail!("no tenant with id {id}");
+                };
+                let l = limits.patch().apply(t.limits);
+                admin.set_limits(&id, l).await?;
+                print(json!({"id": id, "limits": l}))
             }
         }
     })
@@ -167,14 +258,44 @@ pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
 pub(crate) fn key(store: StoreArgs, cmd: KeyCommand) -> Result<()> {
     rt()?.block_on(async {
         let s = store.open().await?;
+        let by = cli_actor();
+        let admin = s.audited(&by);
         match cmd {
-            KeyCommand::Create { tenant, name } => {
-                let (info, secret) = s.create_key(&tenant, &name).await?;
+            KeyCommand::Create {
+                tenant,
+                name,
+                scopes,
+                expires,
+                expires_in_days,
+            } => {
+                let scopes = if scopes.is_empty() {
+                    Scopes::ALL
+                } else {
+                    Scopes::from_names(scopes.iter().map(String::as_str))
+                        .map_err(anyhow::Error::msg)?
+                };
+                let now = tessera_tenancy::now_ms();
+                let expires_ms = match (expires, expires_in_days) {
+                    (Some(t), _) => Some(time_arg(&Some(t), 0)?),
+                    (None, Some(d)) => {
+                        Some(now.saturating_add(d.saturating_mul(86_400_000) as i64))
+                    }
+                    (None, None) => None,
+                };
+                if expires_ms.is_some_and(|e| e <= now) {
+                    bail!("--expires must lie in the future");
+                }
+                let key = NewKey {
+                    name,
+                    scopes,
+                    expires_ms,
+                };
+                let (info, secret) = admin.create_key(&tenant, &key).await?;
                 print(json!({"info": info, "secret": secret}))
             }
             KeyCommand::List { tenant } => print(json!(s.list_keys(tenant.as_deref()).await?)),
             KeyCommand::Revoke { key_id } => {
-                if !s.revoke_key(&key_id).await? {
+                if !admin.revoke_key(&key_id).await? {
                     bail!("no active key with id {key_id}");
                 }
                 print(json!({"key_id": key_id, "revoked": true}))
@@ -183,15 +304,18 @@ pub(crate) fn key(store: StoreArgs, cmd: KeyCommand) -> Result<()> {
     })
 }
 
+pub(crate) fn audit(store: StoreArgs, a: AuditArgs) -> Result<()> {
+    let since = time_arg(&a.since, 0)?;
+    let until = time_arg(&a.until, tessera_tenancy::now_ms() + 1)?;
+    rt()?.block_on(async {
+        let s = store.open().await?;
+        print(json!(s.audit_rows(since, until, a.limit).await?))
+    })
+}
+
 pub(crate) fn usage(store: StoreArgs, a: UsageArgs) -> Result<()> {
-    let time = |v: &Option<String>, default: i64| -> Result<i64> {
-        match v {
-            None => Ok(default),
-            Some(s) => parse_time(s).ok_or_else(|| anyhow::anyhow!("bad time `{s}`")),
-        }
-    };
-    let since = time(&a.since, 0)?;
-    let until = time(&a.until, tessera_tenancy::now_ms() + 1)?;
+    let since = time_arg(&a.since, 0)?;
+    let until = time_arg(&a.until, tessera_tenancy::now_ms() + 1)?;
     let g: GroupBy = a.group_by.parse().map_err(anyhow::Error::msg)?;
     rt()?.block_on(async {
         let s = store.open().await?;

@@ -69,7 +69,7 @@ fn n(v: &Value) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn harness_against_real_server_finds_no_leaks_mismatches_or_usage_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let admin = "tadm_loadtest_ci_token";
+    let admin = "tadm_loadtest_ci_token_0123456789abcdef";
     let (mut child, base) = serve(&dir.path().join("data"), admin, "127.0.0.1:0").await;
     let out = dir.path().join("report");
     let (ok, r, log) = loadtest(
@@ -230,7 +230,7 @@ impl Drop for PidFile {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_killed_and_restarted_mid_run_keeps_the_checks_at_zero() {
     let dir = tempfile::tempdir().unwrap();
-    let admin = "tadm_loadtest_fault_token";
+    let admin = "tadm_loadtest_fault_token_0123456789abcdef";
     let data = dir.path().join("data");
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");

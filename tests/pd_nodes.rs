@@ -770,9 +770,13 @@ async fn a_stalled_decode_node_does_not_stop_the_prefill_node_serving_others() {
     // A long request occupies decode node 0 (fewest outstanding, lowest index), a
     // second long one goes to decode node 1, which then stops: the prefill node
     // computes its prompt and blocks writing the pages to it.
-    let _busy = gateway.stream(&long_prompt(4)).await;
+    let long = |max: usize| {
+        let words: Vec<&str> = std::iter::repeat_n("apple", 1500).collect();
+        json!({"prompt": words.join(" "), "max_tokens": max, "temperature": 0})
+    };
+    let _busy = gateway.stream(&long(4)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut stalled = gateway.stream(&long_prompt(4)).await;
+    let mut stalled = gateway.stream(&long(4)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let pid = decode1.id().unwrap().to_string();
     let stop = |sig: &str| {

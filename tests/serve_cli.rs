@@ -186,7 +186,79 @@ fn tenant_key_and_usage_commands() {
     assert!(ok);
     let (_, v, _) = cli(d, &["tenant", "list"]);
     assert_eq!(v[0]["limits"]["daily_tokens"], 1000);
-    assert_eq!(v[0]["limits"]["requests_per_minute"], 0);
+    // Flags not given keep their value.
+    assert_eq!(v[0]["limits"]["requests_per_minute"], 60);
+    // Created without limit flags: the defaults (built in, or TESSERA_DEFAULT_*).
+    let (ok, v, _) = cli(d, &["tenant", "create", "--name", "plain"]);
+    assert!(ok);
+    assert_eq!(v["tenant"]["limits"]["requests_per_minute"], 600);
+    assert_eq!(v["tenant"]["limits"]["max_concurrent"], 16);
+    let plain = v["tenant"]["id"].as_str().unwrap().to_string();
+    // Scopes and expiry.
+    let (ok, v, err) = cli(
+        d,
+        &[
+            "key",
+            "create",
+            "--tenant",
+            &plain,
+            "--name",
+            "reader",
+            "--scope",
+            "usage:read",
+            "--expires-in-days",
+            "30",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert_eq!(v["info"]["scopes"], serde_json::json!(["usage:read"]));
+    assert!(v["info"]["expires_ms"].as_i64().unwrap() > 0);
+    let (ok, _, err) = cli(
+        d,
+        &["key", "create", "--tenant", &plain, "--scope", "admin"],
+    );
+    assert!(!ok && err.contains("unknown scope `admin`"), "{err}");
+    let (ok, _, err) = cli(
+        d,
+        &[
+            "key",
+            "create",
+            "--tenant",
+            &plain,
+            "--expires",
+            "2001-01-01",
+        ],
+    );
+    assert!(!ok && err.contains("future"), "{err}");
+    // Every change above is in the audit log, as done by the CLI.
+    let (ok, v, _) = cli(d, &["audit"]);
+    assert!(ok);
+    let actions: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            "tenant.create",
+            "key.create",
+            "key.create",
+            "key.revoke",
+            "tenant.suspend",
+            "tenant.limits",
+            "tenant.create",
+            "key.create",
+        ]
+    );
+    assert!(v
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["source"].as_str().unwrap().starts_with("cli:")));
+    let (_, v, _) = cli(d, &["audit", "--limit", "2"]);
+    assert_eq!(v.as_array().unwrap().len(), 2);
     let (ok, v, _) = cli(
         d,
         &[
@@ -203,4 +275,133 @@ fn tenant_key_and_usage_commands() {
     assert_eq!(v["groups"], serde_json::json!([]));
     let (ok, _, err) = cli(d, &["usage", "--tenant", &id, "--group-by", "week"]);
     assert!(!ok && err.contains("group_by"), "{err}");
+}
+
+/// Runs `tessera serve` expecting it to refuse to start; returns its stderr.
+fn serve_refusal(data: &std::path::Path, args: &[&str], env: Option<&str>) -> String {
+    let mut c = std::process::Command::new(BIN);
+    c.args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data)
+        .args(args)
+        .env_remove("TESSERA_STORE")
+        .env_remove("TESSERA_ADMIN_TOKEN");
+    if let Some(t) = env {
+        c.env("TESSERA_ADMIN_TOKEN", t);
+    }
+    let out = c.output().unwrap();
+    assert!(!out.status.success(), "serve started with {args:?} {env:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn serve_refuses_empty_or_short_admin_tokens_naming_the_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let err = serve_refusal(d, &["--admin-token", ""], None);
+    assert!(
+        err.contains("--admin-token") && err.contains("is 0 bytes"),
+        "{err}"
+    );
+    let err = serve_refusal(d, &[], Some("too-short"));
+    assert!(
+        err.contains("TESSERA_ADMIN_TOKEN") && err.contains("is 9 bytes"),
+        "{err}"
+    );
+    // An empty token file (a botched rotation) is refused, not served open.
+    std::fs::create_dir_all(d).unwrap();
+    let file = d.join("admin-token");
+    std::fs::write(&file, "\n").unwrap();
+    let err = serve_refusal(d, &[], None);
+    assert!(
+        err.contains(&file.display().to_string()) && err.contains("is 0 bytes"),
+        "{err}"
+    );
+    let other = d.join("other-token");
+    std::fs::write(&other, "short\n").unwrap();
+    let err = serve_refusal(d, &["--admin-token-file", other.to_str().unwrap()], None);
+    assert!(
+        err.contains("other-token") && err.contains("at least 32"),
+        "{err}"
+    );
+    let err = serve_refusal(
+        d,
+        &["--admin-token", &"a".repeat(40), "--metrics-token", "m"],
+        None,
+    );
+    assert!(err.contains("metrics token"), "{err}");
+    // Nothing was created or served: no store file.
+    assert!(!d.join("tessera.db").exists());
+}
+
+/// CPU seconds (user + system) the process has used, from /proc.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime) are 12 and 13 after the command name.
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// With file descriptors exhausted, the accept loop backs off instead of spinning,
+/// and serves again once descriptors free up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_loop_backs_off_when_out_of_file_descriptors() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cmd = format!(
+        "ulimit -n 192 && exec {BIN} serve --listen 127.0.0.1:0 --data-dir {} --tls self-signed \\
+         --header-timeout-secs 120 --tls-handshake-timeout-secs 120 --keepalive-idle-secs 120",
+        data.display()
+    );
+    let mut child = tokio::process::Command::new("sh")
+        .args(["-c", &cmd])
+        .env_remove("TESSERA_STORE")
+        .env_remove("TESSERA_ADMIN_TOKEN")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(l) = lines.next_line().await.unwrap() {
+            if let Some(u) = l.strip_prefix("tessera: listening on https://") {
+                return u.trim().to_string();
+            }
+        }
+        panic!("serve exited before listening");
+    })
+    .await
+    .expect("serve banner");
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let pid = child.id().unwrap();
+    // More connections than the server has descriptors: it accepts until EMFILE.
+    let mut conns = Vec::new();
+    for _ in 0..300 {
+        conns.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = cpu_secs(pid);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let used = cpu_secs(pid) - before;
+    assert!(
+        used < 0.5,
+        "the server used {used} CPU s in 2 s while out of descriptors"
+    );
+    // While out of descriptors a new client waits in the backlog, unanswered.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut probe = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    probe
+        .write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let waiting = tokio::time::timeout(Duration::from_millis(500), probe.read(&mut buf)).await;
+    assert!(waiting.is_err(), "answered while out of descriptors");
+    // Descriptors free up: it accepts again (and its TLS handshake refuses the
+    // plain-text request at once).
+    drop(conns);
+    let answered = tokio::time::timeout(Duration::from_secs(10), probe.read(&mut buf)).await;
+    assert!(answered.is_ok(), "not accepting after descriptors freed");
+    child.kill().await.unwrap();
 }

@@ -5,7 +5,7 @@
 //! ```
 //!
 //! 1. Auth + limit checks: `Store::authenticate` (SQLite lookup, SHA-256, constant-time
-//!    compare) plus `Limiter::check`, per request, with `--tenants` tenants in the store.
+//!    compare) plus `Limiter::admit` and `Admission::reserve`, per request, with `--tenants` tenants in the store.
 //! 2. Added latency, closed loop: `--requests` short requests (`max_tokens` 1), one
 //!    in flight, alternating straight into the engine (`EngineHandle::submit` with a
 //!    pre-tokenized prompt) and through the gateway over HTTP (auth, validation,
@@ -132,12 +132,13 @@ async fn main() -> anyhow::Result<()> {
         let (_, k) = &keys[(i * 7919) % keys.len()];
         let t = Instant::now();
         let p = store.authenticate(k).await?.map_err(anyhow::Error::msg)?;
-        let permit = state
+        let reservation = state
             .limiter
-            .check(&p.tenant.id, p.tenant.limits, 10, 1)
+            .admit(&p.tenant.id, p.tenant.limits)
+            .and_then(|a| a.reserve(10, 1))
             .map_err(anyhow::Error::msg)?;
         us.push(t.elapsed().as_secs_f64() * 1e6);
-        drop(permit);
+        reservation.settle(10, 1);
     }
     let mean = us.iter().sum::<f64>() / us.len() as f64;
     println!(

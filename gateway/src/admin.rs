@@ -1,33 +1,99 @@
 //! Admin API (`/admin/v1/...`), behind `Authorization: Bearer <admin token>`
 //! compared in constant time. Disabled (404) when no admin token is configured.
+//! Tokens shorter than [`MIN_TOKEN_BYTES`] are refused at start ([`check_token`]),
+//! and a missing or empty `Authorization` header never matches anything.
 //!
 //! - `GET  /admin/v1/tenants`, `POST /admin/v1/tenants` `{name, limits?, create_key?}`
+//!   (missing limit fields take the configured default limits)
 //! - `GET  /admin/v1/tenants/{id}`
 //! - `POST /admin/v1/tenants/{id}/suspend`, `POST /admin/v1/tenants/{id}/activate`
-//! - `PUT  /admin/v1/tenants/{id}/limits` (a [`Limits`] object)
-//! - `GET  /admin/v1/tenants/{id}/keys`, `POST /admin/v1/tenants/{id}/keys` `{name}`
+//! - `PUT  /admin/v1/tenants/{id}/limits` (a partial [`Limits`] object: the fields
+//!   given replace the tenant's, unknown fields are an error)
+//! - `GET  /admin/v1/tenants/{id}/keys`,
+//!   `POST /admin/v1/tenants/{id}/keys` `{name?, scopes?, expires_at? | expires_in_secs?}`
 //! - `POST /admin/v1/keys/{key_id}/revoke`
 //! - `GET  /admin/v1/tenants/{id}/usage?since=&until=&group_by=`
-//! - `GET  /metrics` (Prometheus text format)
+//! - `GET  /admin/v1/audit?since=&until=&limit=` (the audit log, oldest first)
+//! - `GET  /metrics` (Prometheus text format; the admin token or the metrics token)
+//!
+//! Every successful change (tenant create, suspend, activate, limits; key create,
+//! revoke) writes one audit row in the change's transaction: time, action, target,
+//! the admin request's id (its `x-request-id`) and the peer address. Revoking a key
+//! or suspending a tenant also aborts its requests in flight.
 
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::server::{read_body, AppState};
 use crate::workers_ai::envelope;
-use axum::extract::{Path, Query, Request, State};
-use axum::http::HeaderMap;
+use axum::extract::{ConnectInfo, Extension, Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::Router;
 use serde_json::{json, Value};
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
-use tessera_tenancy::{Limits, StoreError, TenantStatus};
+use tessera_tenancy::store::parse_time;
+use tessera_tenancy::{AuditCtx, Limits, LimitsPatch, NewKey, Scopes, StoreError, TenantStatus};
 
-/// The admin routes; every one requires the admin token (checked by
-/// [`require_admin`] before the handler runs).
+/// Shortest accepted admin or metrics token, in bytes.
+pub const MIN_TOKEN_BYTES: usize = 32;
+
+/// An admin or metrics token that cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "refusing to start: the {what} is {len} bytes; it must be at least {MIN_TOKEN_BYTES} \
+     (an empty or short token would let anyone in; generate one with `openssl rand -hex 32`)"
+)]
+pub struct TokenError {
+    /// Which token (`admin token`, or where it came from).
+    pub what: String,
+    /// Its length in bytes (after trimming whitespace).
+    pub len: usize,
+}
+
+/// Checks that token `t` (named `what` in the error) is at least
+/// [`MIN_TOKEN_BYTES`] bytes after trimming surrounding whitespace.
+pub fn check_token(what: &str, t: &str) -> Result<(), TokenError> {
+    let len = t.trim().len();
+    if len < MIN_TOKEN_BYTES {
+        return Err(TokenError {
+            what: what.into(),
+            len,
+        });
+    }
+    Ok(())
+}
+
+/// Who made an admin request: its id and peer address (for the audit row).
+#[derive(Clone, Debug)]
+struct AdminReq {
+    rid: String,
+    source: String,
+}
+
+impl AdminReq {
+    fn audit(&self) -> AuditCtx {
+        AuditCtx {
+            request_id: self.rid.clone(),
+            source: self.source.clone(),
+        }
+    }
+}
+
+/// The admin routes (every one requires the admin token, checked by
+/// [`require_admin`] before the handler runs) and `/metrics` (admin or metrics
+/// token, [`require_metrics`]).
 pub(crate) fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
+    let metrics_route =
+        Router::new()
+            .route("/metrics", get(metrics))
+            .route_layer(middleware::from_fn_with_state(
+                state.clone(),
+                require_metrics,
+            ));
     Router::new()
         .route("/admin/v1/tenants", get(list_tenants).post(create_tenant))
         .route("/admin/v1/tenants/{id}", get(get_tenant))
@@ -40,38 +106,79 @@ pub(crate) fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         )
         .route("/admin/v1/tenants/{id}/usage", get(usage))
         .route("/admin/v1/keys/{key_id}/revoke", post(revoke))
-        .route("/metrics", get(metrics))
+        .route("/admin/v1/audit", get(audit))
         .route_layer(middleware::from_fn_with_state(state, require_admin))
+        .merge(metrics_route)
 }
 
 async fn require_admin(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    match check(&s, req.headers()) {
-        Ok(()) => next.run(req).await,
-        Err(e) => e.into_response_as(Flavor::WorkersAi, ""),
+    guarded(s, req, next, false).await
+}
+
+async fn require_metrics(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    guarded(s, req, next, true).await
+}
+
+/// Checks the token, then runs the handler with an [`AdminReq`] and answers with
+/// its `x-request-id`. A failure is counted (`admin_auth`) and writes nothing.
+async fn guarded(s: Arc<AppState>, mut req: Request, next: Next, metrics_ok: bool) -> Response {
+    let rid = tessera_tenancy::random_hex(16);
+    if let Err(e) = check(&s, req.headers(), metrics_ok) {
+        s.metrics.refused("admin_auth");
+        return e.into_response_as(Flavor::WorkersAi, &rid);
+    }
+    let source = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.to_string())
+        .unwrap_or_else(|| "unknown".into());
+    req.extensions_mut().insert(AdminReq {
+        rid: rid.clone(),
+        source,
+    });
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&rid) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+/// Whether `given` equals the configured `expected` token (constant time in the
+/// token's bytes). An empty side never matches.
+fn token_matches(expected: Option<&str>, given: &str) -> bool {
+    match expected {
+        Some(e) if !e.is_empty() && !given.is_empty() => {
+            given.len() == e.len() && bool::from(given.as_bytes().ct_eq(e.as_bytes()))
+        }
+        _ => false,
     }
 }
 
-fn check(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(expected) = &state.admin_token else {
+fn check(state: &AppState, headers: &HeaderMap, metrics_ok: bool) -> Result<(), ApiError> {
+    let metrics_token = state.metrics_token.as_deref().filter(|_| metrics_ok);
+    if state.admin_token.is_none() && metrics_token.is_none() {
         return Err(ApiError::new(
             ErrorKind::NotFound,
             "admin API is disabled (no admin token configured)",
         ));
-    };
+    }
     let given = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim())
         .unwrap_or("");
-    if given.len() == expected.len() && bool::from(given.as_bytes().ct_eq(expected.as_bytes())) {
+    if token_matches(state.admin_token.as_deref(), given) || token_matches(metrics_token, given) {
         Ok(())
     } else {
         Err(ApiError::new(
             ErrorKind::Unauthenticated,
-            "admin token required",
+            if metrics_ok {
+                "admin or metrics token required"
+            } else {
+                "admin token required"
+            },
         ))
     }
 }
@@ -115,7 +222,15 @@ impl From<StoreError> for Fail {
 
 async fn json_body(state: &AppState, req: Request) -> Result<Value, ApiError> {
     let (parts, body) = req.into_parts();
-    let bytes = read_body(&parts.headers, body, state.max_body_bytes).await?;
+    let read = read_body(&parts.headers, body, state.max_body_bytes);
+    let bytes = tokio::time::timeout(state.deadlines.body_read, read)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                ErrorKind::Timeout,
+                "the request body was not received in time",
+            )
+        })??;
     if bytes.is_empty() {
         return Ok(json!({}));
     }
@@ -135,25 +250,44 @@ async fn list_tenants(State(s): State<Arc<AppState>>) -> Reply {
     Ok(Done(json!(s.store.list_tenants().await?)))
 }
 
-async fn create_tenant(State(s): State<Arc<AppState>>, req: Request) -> Reply {
-    let body = json_body(&s, req).await?;
-    let name = body
-        .get("name")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::field("name", "`name` must be a string"))?;
-    let limits: Limits = match body.get("limits") {
-        None | Some(Value::Null) => Limits::default(),
-        Some(l) => serde_json::from_value(l.clone())
-            .map_err(|e| ApiError::field("limits", format!("`limits`: {e}")))?,
+fn name_field(body: &Value, default: Option<&str>) -> Result<String, ApiError> {
+    let name = match body.get("name") {
+        None | Some(Value::Null) => default
+            .map(String::from)
+            .ok_or_else(|| ApiError::field("name", "`name` must be a string"))?,
+        Some(Value::String(n)) => n.clone(),
+        Some(_) => return Err(ApiError::field("name", "`name` must be a string")),
     };
-    let t = s.store.create_tenant(name, limits).await?;
+    crate::validation::check_len("name", &name)?;
+    Ok(name)
+}
+
+fn limits_patch(v: &Value) -> Result<LimitsPatch, ApiError> {
+    serde_json::from_value(v.clone())
+        .map_err(|e| ApiError::field("limits", format!("`limits`: {e}")))
+}
+
+async fn create_tenant(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    req: Request,
+) -> Reply {
+    let body = json_body(&s, req).await?;
+    let name = name_field(&body, None)?;
+    let limits: Limits = match body.get("limits") {
+        None | Some(Value::Null) => s.default_limits,
+        Some(l) => limits_patch(l)?.apply(s.default_limits),
+    };
+    let by = by.audit();
+    let admin = s.store.audited(&by);
+    let t = admin.create_tenant(&name, limits).await?;
     let mut out = json!({"tenant": t});
     if body
         .get("create_key")
         .and_then(Value::as_bool)
         .unwrap_or(false)
     {
-        let (info, key) = s.store.create_key(&t.id, "default").await?;
+        let (info, key) = admin.create_key(&t.id, &NewKey::named("default")).await?;
         out["key"] = json!({"info": info, "secret": key});
     }
     Ok(Done(out))
@@ -166,24 +300,43 @@ async fn get_tenant(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> R
     }
 }
 
-async fn set_status(s: Arc<AppState>, id: String, st: TenantStatus) -> Reply {
-    s.store.set_status(&id, st).await?;
+async fn set_status(s: Arc<AppState>, by: AdminReq, id: String, st: TenantStatus) -> Reply {
+    s.store.audited(&by.audit()).set_status(&id, st).await?;
+    if st == TenantStatus::Suspended {
+        s.live.kick();
+    }
     Ok(Done(json!({"id": id, "status": st})))
 }
 
-async fn suspend(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Reply {
-    set_status(s, id, TenantStatus::Suspended).await
+async fn suspend(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+) -> Reply {
+    set_status(s, by, id, TenantStatus::Suspended).await
 }
 
-async fn activate(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Reply {
-    set_status(s, id, TenantStatus::Active).await
+async fn activate(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+) -> Reply {
+    set_status(s, by, id, TenantStatus::Active).await
 }
 
-async fn set_limits(State(s): State<Arc<AppState>>, Path(id): Path<String>, req: Request) -> Reply {
+async fn set_limits(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Reply {
     let body = json_body(&s, req).await?;
-    let l: Limits = serde_json::from_value(body)
-        .map_err(|e| ApiError::field("limits", format!("limits: {e}")))?;
-    s.store.set_limits(&id, l).await?;
+    let patch = limits_patch(&body)?;
+    let Some(t) = s.store.tenant(&id).await? else {
+        return Err(StoreError::NoTenant(id).into());
+    };
+    let l = patch.apply(t.limits);
+    s.store.audited(&by.audit()).set_limits(&id, l).await?;
     Ok(Done(json!({"id": id, "limits": l})))
 }
 
@@ -191,25 +344,123 @@ async fn list_keys(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Re
     Ok(Done(json!(s.store.list_keys(Some(&id)).await?)))
 }
 
-async fn create_key(State(s): State<Arc<AppState>>, Path(id): Path<String>, req: Request) -> Reply {
-    let body = json_body(&s, req).await?;
-    let name = body
-        .get("name")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let (info, key) = s.store.create_key(&id, name).await?;
-    Ok(Done(json!({"info": info, "secret": key})))
+/// `scopes` (an array of names, or one space-separated string; default: all) and
+/// the expiry (`expires_at`: Unix seconds, YYYY-MM-DD or RFC 3339; or
+/// `expires_in_secs`), which must lie in the future.
+fn new_key(body: &Value) -> Result<NewKey, ApiError> {
+    let name = name_field(body, Some("default"))?;
+    let scopes = match body.get("scopes") {
+        None | Some(Value::Null) => Scopes::ALL,
+        Some(Value::String(s)) => Scopes::parse(s).map_err(|m| ApiError::field("scopes", m))?,
+        Some(Value::Array(a)) => {
+            let names: Option<Vec<&str>> = a.iter().map(Value::as_str).collect();
+            let names = names
+                .ok_or_else(|| ApiError::field("scopes", "`scopes` must be an array of strings"))?;
+            Scopes::from_names(names)
+                .map_err(|m| ApiError::field("scopes", format!("`scopes`: {m}")))?
+        }
+        Some(_) => {
+            return Err(ApiError::field(
+                "scopes",
+                "`scopes` must be an array of strings",
+            ))
+        }
+    };
+    let now = tessera_tenancy::now_ms();
+    let expires_ms = match (body.get("expires_at"), body.get("expires_in_secs")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::field(
+                "expires_at",
+                "give `expires_at` or `expires_in_secs`, not both",
+            ))
+        }
+        (Some(Value::String(t)), None) => Some(parse_time(t).ok_or_else(|| {
+            ApiError::field(
+                "expires_at",
+                format!(
+                    "`expires_at` must be Unix seconds, YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ. Given: {t}"
+                ),
+            )
+        })?),
+        (Some(Value::Number(n)), None) => Some(
+            n.as_i64()
+                .and_then(|s| s.checked_mul(1000))
+                .ok_or_else(|| ApiError::field("expires_at", "`expires_at` is out of range"))?,
+        ),
+        (Some(_), None) => {
+            return Err(ApiError::field(
+                "expires_at",
+                "`expires_at` must be a string or Unix seconds",
+            ))
+        }
+        (None, Some(v)) => {
+            let secs = v.as_u64().filter(|s| *s > 0).ok_or_else(|| {
+                ApiError::field("expires_in_secs", "`expires_in_secs` must be an integer >= 1")
+            })?;
+            Some(now.saturating_add(secs.saturating_mul(1000).min(i64::MAX as u64) as i64))
+        }
+        (None, None) => None,
+    };
+    if let Some(e) = expires_ms {
+        if e <= now {
+            return Err(ApiError::field(
+                "expires_at",
+                "`expires_at` must lie in the future",
+            ));
+        }
+    }
+    Ok(NewKey {
+        name,
+        scopes,
+        expires_ms,
+    })
 }
 
-async fn revoke(State(s): State<Arc<AppState>>, Path(key_id): Path<String>) -> Reply {
-    if !s.store.revoke_key(&key_id).await? {
+async fn create_key(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Reply {
+    let body = json_body(&s, req).await?;
+    let key = new_key(&body)?;
+    let (info, secret) = s.store.audited(&by.audit()).create_key(&id, &key).await?;
+    Ok(Done(json!({"info": info, "secret": secret})))
+}
+
+async fn revoke(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(key_id): Path<String>,
+) -> Reply {
+    if !s.store.audited(&by.audit()).revoke_key(&key_id).await? {
         return Err(ApiError::new(
             ErrorKind::NotFound,
             format!("no active key with id {key_id}"),
         )
         .into());
     }
+    s.live.kick();
     Ok(Done(json!({"key_id": key_id, "revoked": true})))
+}
+
+/// `GET /admin/v1/audit?since=&until=&limit=`: audit rows in the range (default:
+/// all time), oldest first, at most `limit` (default 100, at most 1000).
+async fn audit(State(s): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Reply {
+    let time = |k: &str, default: i64| crate::usage_api::query_time(&q, k, default);
+    let since = time("since", 0)?;
+    let until = time("until", tessera_tenancy::now_ms() + 1)?;
+    let limit = match q.get("limit") {
+        None => 100,
+        Some(v) => v
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=1000).contains(n))
+            .ok_or_else(|| {
+                ApiError::field("limit", format!("`limit` must be 1..=1000. Given: {v}"))
+            })?,
+    };
+    Ok(Done(json!(s.store.audit_rows(since, until, limit).await?)))
 }
 
 async fn usage(
@@ -217,7 +468,7 @@ async fn usage(
     Path(id): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Reply {
-    let (since, until, g) = crate::usage_api::parse_query(&q)?;
+    let (since, until, g) = crate::usage_api::parse_query(&q, s.usage.max_range)?;
     Ok(Done(
         crate::usage_api::report(&s.store, &id, since, until, g).await?,
     ))

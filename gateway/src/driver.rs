@@ -1,24 +1,39 @@
-//! One driver task per admitted request: it owns the request's stream and its limit
-//! permit, forwards text to the HTTP side, and notices when the client goes away
-//! (the HTTP side dropped its receiver) or the server shuts down, and then cancels the
-//! request. Either way it waits until serving confirms that nothing is held for the
-//! request on any node (I6: every abort acknowledged, every page freed), bounded by
-//! [`RELEASE_WAIT`], before it returns the tenant's permits and writes the usage row,
-//! exactly once, with the tokens computed.
+//! One driver task per admitted request: it owns the request's stream, the
+//! request's limit [`Reservation`] and its registration among the requests in
+//! flight, forwards text to the HTTP side, and ends the request exactly once.
+//!
+//! The request ends when the engine finishes it (done or error), or when the
+//! driver aborts it: the client went away (the HTTP side dropped its receiver),
+//! the server shuts down, a deadline passed (no first token in time, or no end in
+//! time: 408, 3007), or its key stopped being valid (revoked, expired, tenant
+//! suspended: 401/403, 10000). An abort cancels the stream: every node holding the
+//! request aborts it (a queued request is dropped before its prefill starts). Either
+//! way the driver waits until serving confirms the release (every node acknowledged,
+//! every page freed, I6) before the limits are given back and the row is written, so
+//! a request that is still computing keeps its concurrency slot and usage counts what
+//! was computed. The client sees an abort's error at once.
+//!
+//! Charges: prompt tokens once the first token exists (the prompt was computed),
+//! plus every generated token; an abort or failure before the first token charges
+//! nothing. The usage row and the daily quota get the same numbers. The row is
+//! written right after the final message (a client that saw its response end may
+//! see its row a moment later).
 
 use crate::error::{ApiError, ErrorKind};
+use crate::live::LiveGuard;
 use crate::server::{AppState, Ctx};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_serving::{
     FinishReason, RequestStream, ServeError, ServeErrorKind, StreamEvent, Usage,
 };
-use tessera_tenancy::Permit;
+use tessera_tenancy::Reservation;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-/// Longest wait for the nodes to confirm a request's release before its permits and
-/// usage row go ahead anyway (counted in `tessera_release_wait_timeouts_total`).
-pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(10);
+/// Longest wait for serving to confirm a request's release (every node let go)
+/// before its limits are given back and its row written anyway (logged as an error
+/// and counted in `tessera_release_wait_timeouts_total`: a node is stuck).
+pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(30);
 
 /// Messages from the driver to the HTTP side, in order: text, then one `Done` or
 /// `Error`.
@@ -46,31 +61,76 @@ pub(crate) fn finish_label(r: FinishReason) -> &'static str {
     }
 }
 
+/// What an admitted request holds until its row is written.
+pub(crate) struct Held {
+    /// Its limits (slot, token allowances, daily reservation).
+    pub(crate) reservation: Reservation,
+    /// Its registration among the requests in flight (revocation aborts it).
+    pub(crate) live: LiveGuard,
+}
+
+enum End {
+    Done(FinishReason, Usage),
+    Error(ServeError),
+    /// The client went away.
+    Aborted,
+    Shutdown,
+    /// No first token by the first-token deadline (`true`), or no end by the total
+    /// deadline (`false`).
+    Timeout(bool),
+    /// The key stopped being valid.
+    Killed(ApiError),
+}
+
+fn serving_error(ctx: &Ctx, e: &ServeError) -> ApiError {
+    let err = ApiError::serving(e);
+    if err.kind == ErrorKind::Internal {
+        tracing::error!(request_id = %ctx.rid, kind = e.kind().label(), error = %e, "generation failed");
+    } else {
+        // A node's own admission check (I1) or a capacity limit: not our fault.
+        tracing::info!(request_id = %ctx.rid, kind = e.kind().label(), error = %e, "refused or failed by serving");
+    }
+    err
+}
+
 /// Starts the driver; returns the receiver the HTTP side reads.
 pub(crate) fn spawn(
     state: Arc<AppState>,
     ctx: Ctx,
     mut stream: RequestStream,
-    permit: Permit,
+    held: Held,
     prompt_tokens: usize,
 ) -> UnboundedReceiver<Msg> {
     let (tx, rx) = unbounded_channel();
     let inflight = state.inflight_guard();
     let mut abort = state.abort_signal();
+    let Held {
+        reservation,
+        mut live,
+    } = held;
+    let started = tokio::time::Instant::from_std(ctx.started);
+    let first_deadline = started + state.deadlines.first_token;
+    let total_deadline = started + state.deadlines.total;
     tokio::spawn(async move {
         let mut generated = 0usize;
         let mut ttft = None;
-        enum End {
-            Done(FinishReason, Usage),
-            Error(ServeError),
-            Aborted,
-            Shutdown,
-        }
         let end = loop {
+            let deadline = if ttft.is_none() {
+                first_deadline.min(total_deadline)
+            } else {
+                total_deadline
+            };
             tokio::select! {
                 biased;
                 _ = tx.closed() => break End::Aborted,
                 _ = abort.wait_for(|a| *a) => break End::Shutdown,
+                k = live.kill.wait_for(|k| k.is_some()) => {
+                    let e = k.ok().and_then(|k| (*k).clone()).unwrap_or_else(|| {
+                        ApiError::new(ErrorKind::Unauthenticated, "the API key is no longer valid")
+                    });
+                    break End::Killed(e);
+                }
+                _ = tokio::time::sleep_until(deadline) => break End::Timeout(ttft.is_none()),
                 ev = stream.recv() => match ev {
                     Some(StreamEvent::Token { text, .. }) => {
                         generated += 1;
@@ -88,21 +148,53 @@ pub(crate) fn spawn(
                 },
             }
         };
-        let aborted = matches!(end, End::Aborted | End::Shutdown);
+        let ttft_us = ttft.map(|d| d.as_micros() as i64).unwrap_or(0);
+        // The client-visible error of an abort the driver decided, sent at once.
+        let abort_error = match &end {
+            End::Shutdown => Some(ApiError::new(
+                ErrorKind::Unavailable,
+                "the server is shutting down; the request was aborted",
+            )),
+            End::Timeout(true) => Some(ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no first token within the deadline of {} s; the request was aborted",
+                    state.deadlines.first_token.as_secs_f64()
+                ),
+            )),
+            End::Timeout(false) => Some(ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the request exceeded the deadline of {} s; it was aborted",
+                    state.deadlines.total.as_secs_f64()
+                ),
+            )),
+            End::Killed(e) => Some(e.clone()),
+            _ => None,
+        };
+        let aborted = matches!(
+            end,
+            End::Aborted | End::Shutdown | End::Timeout(_) | End::Killed(_)
+        );
         if aborted {
+            if let Some(e) = &abort_error {
+                let _ = tx.send(Msg::Error(e.clone()));
+            }
+            // Abort on every node holding the request (I6).
             stream.cancel();
         }
-        // I6: nothing may still be held for the request on any node before its
-        // permits come back and its usage is recorded.
+        // I6: whatever the end, nothing may still be held for the request on any node
+        // (every abort acknowledged, every page freed) before its limits come back and
+        // its usage is recorded.
         if tokio::time::timeout(RELEASE_WAIT, stream.released())
             .await
             .is_err()
         {
             state.metrics.release_timeout();
-            tracing::warn!(request_id = %ctx.rid, "nodes did not confirm the release in time");
+            tracing::error!(request_id = %ctx.rid, "serving did not confirm the release in time");
         }
-        // Tokens the engine computed before the abort took effect count, even if the
-        // client never saw them.
+        // Tokens the engine sent before the abort took effect were computed even if
+        // nobody saw them.
         if aborted {
             while let Some(ev) = stream.try_recv() {
                 if matches!(ev, StreamEvent::Token { .. }) {
@@ -111,7 +203,7 @@ pub(crate) fn spawn(
             }
         }
         drop(stream);
-        let ttft_us = ttft.map(|d| d.as_micros() as i64).unwrap_or(0);
+        let charged_prompt = if generated > 0 { prompt_tokens } else { 0 };
         let (record, msg) = match end {
             End::Done(reason, u) => (
                 ctx.usage(
@@ -129,18 +221,13 @@ pub(crate) fn spawn(
                 }),
             ),
             End::Error(e) => {
-                let err = ApiError::serving(&e);
-                if err.kind == ErrorKind::Internal {
-                    tracing::error!(request_id = %ctx.rid, kind = e.kind().label(), error = %e, "generation failed");
-                } else {
-                    tracing::info!(request_id = %ctx.rid, kind = e.kind().label(), error = %e, "request refused or failed");
-                }
+                let err = serving_error(&ctx, &e);
                 (
                     ctx.usage(
                         err.kind.status().as_u16(),
                         err.kind.workers_code(),
                         "error",
-                        prompt_tokens,
+                        charged_prompt,
                         generated,
                         ttft_us,
                     ),
@@ -148,37 +235,34 @@ pub(crate) fn spawn(
                 )
             }
             End::Aborted => (
-                ctx.usage(499, 3008, "aborted", prompt_tokens, generated, ttft_us),
+                ctx.usage(499, 3008, "aborted", charged_prompt, generated, ttft_us),
                 None,
             ),
-            End::Shutdown => {
-                let err = ApiError::new(
-                    ErrorKind::Unavailable,
-                    "the server is shutting down; the request was aborted",
-                );
+            End::Shutdown | End::Timeout(_) | End::Killed(_) => {
+                let e = abort_error.expect("set for driver aborts");
                 (
                     ctx.usage(
-                        503,
-                        err.kind.workers_code(),
+                        e.kind.status().as_u16(),
+                        e.kind.workers_code(),
                         "aborted",
-                        prompt_tokens,
+                        charged_prompt,
                         generated,
                         ttft_us,
                     ),
-                    Some(Msg::Error(err)),
+                    None, // already sent
                 )
             }
         };
-        // Release the limits first, so a client that sends its next request as
-        // soon as it sees this one end is not refused by its own finished request;
-        // then answer, then write the row (off the response's critical path; the
-        // in-flight guard keeps shutdown waiting for it).
-        permit.finish(record.input_tokens + record.output_tokens);
-        drop(permit);
+        // Release the limits before the final message, so a client that sends its
+        // next request as soon as it sees this one end is not refused by its own
+        // finished request; then answer, then write the row (off the response's
+        // critical path; the in-flight guard keeps shutdown waiting for it).
+        reservation.settle(record.input_tokens, record.output_tokens);
         if let Some(m) = msg {
             let _ = tx.send(m);
         }
         state.record(&record).await;
+        drop(live);
         drop(inflight);
     });
     rx

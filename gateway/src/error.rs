@@ -22,7 +22,8 @@ pub enum Flavor {
 pub enum ErrorKind {
     /// No, malformed, unknown or revoked API key (401).
     Unauthenticated,
-    /// Key valid but not for this account, or the tenant is suspended (403).
+    /// Key valid but not for this account or outside its scopes, or the tenant is
+    /// suspended (403).
     Forbidden,
     /// Body is not JSON, a field has the wrong type or value (400).
     BadRequest,
@@ -40,6 +41,9 @@ pub enum ErrorKind {
     QuotaExceeded,
     /// The engine is not accepting work (503).
     Unavailable,
+    /// A deadline passed: the body was not received in time, or no first token /
+    /// no complete answer within the request deadline (408, Workers AI 3007).
+    Timeout,
     /// An internal failure, e.g. a KV integrity error (500).
     Internal,
 }
@@ -55,6 +59,7 @@ impl ErrorKind {
             Self::NoSuchModel | Self::NotFound => StatusCode::NOT_FOUND,
             Self::RateLimited | Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Timeout => StatusCode::REQUEST_TIMEOUT,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -69,6 +74,7 @@ impl ErrorKind {
             Self::NotFound => 7000,
             Self::RateLimited | Self::Unavailable => 3040,
             Self::QuotaExceeded => 3036,
+            Self::Timeout => 3007,
             Self::Internal => 3043,
         }
     }
@@ -86,6 +92,7 @@ impl ErrorKind {
             Self::RateLimited => ("requests", "rate_limit_exceeded"),
             Self::QuotaExceeded => ("insufficient_quota", "insufficient_quota"),
             Self::Unavailable => ("server_error", "engine_unavailable"),
+            Self::Timeout => ("timeout_error", "request_timeout"),
             Self::Internal => ("server_error", "internal_error"),
         }
     }

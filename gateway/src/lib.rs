@@ -1,14 +1,19 @@
 //! Tessera gateway: the public HTTP(S) API in front of the model runtime.
 //!
 //! A generation request runs through these phases, in order (see [`server`]):
-//! request id -> authentication ([`tessera_tenancy::Store::authenticate`]) ->
-//! account check (the path's account must be the key's tenant) -> body read with a
-//! size limit -> [`validation`] (typed fields, model lookup in the [`catalog`],
-//! chat template and tokenizer, I1 context check) -> per-tenant limits
-//! ([`tessera_tenancy::Limiter`]) -> engine submit -> one driver task per request
-//! that forwards tokens and writes the usage row exactly once, also when the client
-//! goes away (I6). Errors of every phase are [`error::ApiError`]s; their HTTP status
-//! and the Workers AI / OpenAI error shapes are assigned in one place.
+//! connection limits ([`listener`]: connection cap, TLS-handshake, header and idle
+//! timeouts) -> request id -> path and model-id length -> authentication
+//! ([`tessera_tenancy::Store::authenticate`]), account and scope checks ->
+//! concurrency and requests/minute ([`tessera_tenancy::Limiter::admit`]) -> body
+//! read with a size limit and a deadline -> [`validation`] (typed fields, model
+//! lookup in the [`catalog`], chat template and tokenizer, I1 context check) ->
+//! token limits and the daily quota reserved
+//! ([`tessera_tenancy::Admission::reserve`]) -> engine submit -> one driver task per
+//! request that forwards tokens, enforces the first-token and total deadlines,
+//! aborts when the client goes away or the key stops being valid, and writes the
+//! usage row exactly once (I6). Refusals before admission write no usage row (they
+//! are counted in [`metrics`]). Errors of every phase are [`error::ApiError`]s; their
+//! HTTP status and the Workers AI / OpenAI error shapes are assigned in one place.
 //!
 //! The phases, the usage rows they write and shutdown are drawn in
 //! `gateway/docs/request-lifecycle.md`.
@@ -19,8 +24,12 @@
 //!   `POST /client/v4/accounts/{account_id}/ai/v1/completions`, `POST /v1/completions` (OpenAI),
 //! - `GET /client/v4/accounts/{account_id}/ai/models/search`, `GET /v1/models`,
 //! - `GET /client/v4/accounts/{account_id}/ai/usage?since=&until=&group_by=`,
-//! - `/admin/v1/...` and `GET /metrics` (Prometheus) behind the admin token,
-//!   `GET /healthz`, `GET /readyz`.
+//! - `/admin/v1/...` (with the audit log) behind the admin token, and `GET /metrics`
+//!   (Prometheus) behind the admin or metrics token, on their own listener with
+//!   `admin_listen` ([`admin`]),
+//! - `GET /healthz`, `GET /readyz`.
+//!
+//! The threat model (who can reach what) is `docs/security.md`.
 
 pub mod catalog;
 pub mod error;
@@ -29,12 +38,17 @@ pub mod server;
 pub mod tls;
 pub mod validation;
 
-mod admin;
+pub mod admin;
+pub mod listener;
+
 mod driver;
+mod live;
 mod openai;
 mod usage_api;
 mod workers_ai;
 
+pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES};
 pub use error::{ApiError, ErrorKind};
-pub use server::{AppState, GatewayConfig, Server};
+pub use listener::ConnLimits;
+pub use server::{AppState, Deadlines, GatewayConfig, Server, UsageConfig, MAX_ID_BYTES};
 pub use tls::TlsMode;

@@ -1,9 +1,12 @@
-//! Prometheus metrics in text format at `GET /metrics` (behind the admin token).
+//! Prometheus metrics in text format at `GET /metrics` (behind the admin token or
+//! the metrics token).
 //!
-//! Every inference request ends in exactly one usage row, and every row passes
-//! through [`Metrics::observe`], so request, token, abort and latency metrics agree
-//! with the ledger. Labels are bounded: endpoint and status only (no tenant or
-//! model labels: both come from clients).
+//! Every admitted inference request ends in exactly one usage row, and every row
+//! passes through [`Metrics::observe`], so request, token, abort and latency metrics
+//! agree with the ledger. Requests refused before admission (authentication,
+//! account, scope, limits, over-long paths) write no row; they are counted here by
+//! reason ([`Metrics::refused`]). Labels are bounded: endpoint, status, and fixed
+//! reason and phase names (no tenant or model labels: both come from clients).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -66,6 +69,12 @@ pub struct Metrics {
     release_timeouts: AtomicU64,
     duration: Histogram,
     ttft: Histogram,
+    refused: Mutex<BTreeMap<&'static str, u64>>,
+    conn_timeouts: Mutex<BTreeMap<&'static str, u64>>,
+    connections_open: AtomicU64,
+    connections_total: AtomicU64,
+    accept_errors: AtomicU64,
+    pruned_rows: AtomicU64,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -100,6 +109,58 @@ impl Metrics {
     /// permits and usage row went ahead without the confirmation).
     pub fn release_timeout(&self) {
         self.release_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request refused before admission; `reason` is a fixed label
+    /// (`missing_key`, `wrong_account`, `scope`, `path_too_long`, a limit's label, ...).
+    pub fn refused(&self, reason: &'static str) {
+        *self
+            .refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(reason)
+            .or_default() += 1;
+    }
+
+    /// Refusals so far for `reason`.
+    pub fn refused_count(&self, reason: &str) -> u64 {
+        let m = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(reason).copied().unwrap_or(0)
+    }
+
+    /// Counts a connection closed by a timeout in `phase` (`header`, `tls`, `idle`).
+    pub fn connection_timeout(&self, phase: &'static str) {
+        *self
+            .conn_timeouts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(phase)
+            .or_default() += 1;
+    }
+
+    /// A connection was accepted (`open`) or closed.
+    pub fn connection(&self, open: bool) {
+        if open {
+            self.connections_open.fetch_add(1, Ordering::Relaxed);
+            self.connections_total.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.connections_open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Connections open now.
+    pub fn connections_open(&self) -> u64 {
+        self.connections_open.load(Ordering::Relaxed)
+    }
+
+    /// `accept` failed (e.g. out of file descriptors).
+    pub fn accept_error(&self) {
+        self.accept_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Ledger rows deleted by the retention prune.
+    pub fn pruned(&self, rows: u64) {
+        self.pruned_rows.fetch_add(rows, Ordering::Relaxed);
     }
 
     /// Prometheus text exposition.
@@ -139,15 +200,53 @@ impl Metrics {
             "tessera_aborts_total {}",
             self.aborts.load(Ordering::Relaxed)
         );
-        out.push_str(
-            "# HELP tessera_release_wait_timeouts_total Requests whose nodes did not confirm release (abort or end acknowledged by every node) within the bound.\n",
-        );
-        out.push_str("# TYPE tessera_release_wait_timeouts_total counter\n");
-        let _ = writeln!(
-            out,
-            "tessera_release_wait_timeouts_total {}",
-            self.release_timeouts.load(Ordering::Relaxed)
-        );
+        for (name, help, map, label) in [
+            (
+                "tessera_refused_total",
+                "Requests refused before admission (no usage row), by reason.",
+                &self.refused,
+                "reason",
+            ),
+            (
+                "tessera_connection_timeouts_total",
+                "Connections closed by a timeout, by phase (header, tls, idle).",
+                &self.conn_timeouts,
+                "phase",
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (k, n) in map.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                let _ = writeln!(out, "{name}{{{label}=\"{k}\"}} {n}");
+            }
+        }
+        for (name, help, v) in [
+            (
+                "tessera_connections_total",
+                "Connections accepted.",
+                &self.connections_total,
+            ),
+            (
+                "tessera_accept_errors_total",
+                "Failed accepts (the accept loop backs off on resource errors).",
+                &self.accept_errors,
+            ),
+            (
+                "tessera_usage_rows_pruned_total",
+                "Ledger rows deleted by the retention prune.",
+                &self.pruned_rows,
+            ),
+            (
+                "tessera_release_wait_timeouts_total",
+                "Requests whose nodes did not confirm release (abort or end acknowledged by every node) within the bound.",
+                &self.release_timeouts,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
         self.duration.render(
             &mut out,
             "tessera_request_duration_seconds",
@@ -163,6 +262,11 @@ impl Metrics {
                 "tessera_inflight_requests",
                 "Admitted requests not yet finished.",
                 inflight,
+            ),
+            (
+                "tessera_connections_open",
+                "Client connections open now.",
+                self.connections_open.load(Ordering::Relaxed) as usize,
             ),
             ("tessera_kv_free_pages", "Free KV pages.", engine.free_pages),
             (

@@ -157,8 +157,11 @@ async fn list(
     query: HashMap<String, String>,
 ) -> Response {
     let mut ctx = Ctx::new("models", flavor);
-    if let Err(e) = authenticate(&state, &mut ctx, &headers, account.as_deref()).await {
-        return e.into_response_as(flavor, &ctx.rid);
+    let scope = tessera_tenancy::Scope::Inference;
+    if let Err((reason, e)) =
+        authenticate(&state, &mut ctx, &headers, account.as_deref(), scope).await
+    {
+        return ctx.refuse(&state, reason, e);
     }
     let body = match flavor {
         Flavor::OpenAi => json!({

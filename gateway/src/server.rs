@@ -1,43 +1,115 @@
-//! The HTTP server: state, router, the request phases shared by every generation
-//! endpoint, and the listener (plain HTTP on loopback, or TLS by rustls).
+//! The HTTP server: state, routers, the request phases shared by every generation
+//! endpoint, and the listeners (public, and optionally admin; plain HTTP on
+//! loopback, or TLS by rustls; connection limits in [`crate::listener`]).
 
 use crate::catalog::Catalog;
 use crate::driver::{self, Msg};
 use crate::error::{ApiError, ErrorKind, Flavor};
+use crate::listener::ConnLimits;
+use crate::live::Live;
 use crate::tls::TlsMode;
 use crate::validation::{self, ParsedRequest, Validated};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use futures_util::StreamExt;
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_model::LoadedModel;
 use tessera_serving::EngineHandle;
-use tessera_tenancy::{now_ms, AuthError, Limiter, Principal, Store, UsageRecord};
+use tessera_tenancy::{
+    now_ms, AuthError, LimitError, LimitKind, Limiter, Limits, Principal, Scope, Store, UsageRecord,
+};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::{watch, Notify};
+
+/// Longest accepted path segment, and longest model id, in bytes (longer ones are
+/// refused before any store access).
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Request deadlines (see the README's table of timeouts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadlines {
+    /// Time allowed to receive the whole request body (408, 3007).
+    pub body_read: Duration,
+    /// Time from arrival to the first generated token (then abort: 408, 3007).
+    pub first_token: Duration,
+    /// Time from arrival to the end of the answer (then abort: 408, 3007).
+    pub total: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self {
+            body_read: Duration::from_secs(30),
+            first_token: Duration::from_secs(120),
+            total: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The usage API's own limits and the ledger's retention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UsageConfig {
+    /// Usage-API queries per tenant per minute (0: unlimited).
+    pub queries_per_minute: u32,
+    /// Longest `since..until` range one query may cover; an absent `since` is
+    /// `until` minus this.
+    pub max_range: Duration,
+    /// Ledger rows older than this are deleted (`None`: kept forever).
+    pub retention: Option<Duration>,
+    /// How often the retention prune runs.
+    pub prune_interval: Duration,
+}
+
+impl Default for UsageConfig {
+    fn default() -> Self {
+        Self {
+            queries_per_minute: 60,
+            max_range: Duration::from_secs(31 * 86_400),
+            retention: Some(Duration::from_secs(90 * 86_400)),
+            prune_interval: Duration::from_secs(3600),
+        }
+    }
+}
 
 /// Server settings.
 #[derive(Clone, Debug)]
 pub struct GatewayConfig {
     /// Address to listen on (port 0 picks a free port).
     pub listen: SocketAddr,
+    /// Serve the admin API and `/metrics` on this address instead (then the public
+    /// listener answers 404 there). Same TLS mode and plain-HTTP rule as `listen`.
+    pub admin_listen: Option<SocketAddr>,
     /// TLS mode.
     pub tls: TlsMode,
     /// Serve plain HTTP on a non-loopback address (off: refuse to start).
     pub allow_insecure_http: bool,
     /// Largest accepted request body in bytes.
     pub max_body_bytes: usize,
-    /// Bearer token of the admin API; `None` disables it.
+    /// Bearer token of the admin API (at least [`crate::admin::MIN_TOKEN_BYTES`]
+    /// bytes, else [`Server::bind`] refuses); `None` disables the admin API.
     pub admin_token: Option<String>,
+    /// Bearer token that reads `/metrics` and nothing else (same length rule).
+    pub metrics_token: Option<String>,
+    /// Limits of tenants created through the admin API without (all) limits.
+    pub default_limits: Limits,
+    /// Connection limits (header, TLS and idle timeouts, connection cap).
+    pub conn: ConnLimits,
+    /// Request deadlines.
+    pub deadlines: Deadlines,
+    /// Usage API limits and ledger retention.
+    pub usage: UsageConfig,
+    /// How often the keys of requests in flight are checked for revocation,
+    /// expiry and suspension made elsewhere (the admin API's own changes act at once).
+    pub revocation_poll: Duration,
     /// On shutdown, how long running requests may finish before they are aborted
     /// (their usage rows are still written).
     pub drain_timeout: Duration,
@@ -47,10 +119,17 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
+            admin_listen: None,
             tls: TlsMode::Off,
             allow_insecure_http: false,
             max_body_bytes: 1 << 20,
             admin_token: None,
+            metrics_token: None,
+            default_limits: Limits::NEW_TENANT,
+            conn: ConnLimits::default(),
+            deadlines: Deadlines::default(),
+            usage: UsageConfig::default(),
+            revocation_poll: Duration::from_millis(250),
             drain_timeout: Duration::from_secs(30),
         }
     }
@@ -70,12 +149,23 @@ pub struct AppState {
     pub limiter: Limiter,
     /// Admin API token.
     pub admin_token: Option<String>,
+    /// Metrics-only token.
+    pub metrics_token: Option<String>,
+    /// Limits of new tenants.
+    pub default_limits: Limits,
     /// Body size limit.
     pub max_body_bytes: usize,
+    /// Request deadlines.
+    pub deadlines: Deadlines,
+    /// Usage API limits and retention.
+    pub usage: UsageConfig,
     /// Drain deadline on shutdown.
     pub drain_timeout: Duration,
     /// Prometheus metrics.
     pub metrics: crate::metrics::Metrics,
+    /// Requests in flight by key (revocation and suspension abort them).
+    pub(crate) live: Arc<Live>,
+    revocation_poll: Duration,
     /// Set to true to abort every running request (shutdown after the drain deadline).
     abort_all: watch::Sender<bool>,
     /// Requests whose driver has not yet written the usage row.
@@ -105,9 +195,15 @@ impl AppState {
             catalog: Catalog::single(tessera_model::gguf::DEFAULT_MODEL_ID, context),
             limiter: Limiter::new(),
             admin_token: cfg.admin_token.clone(),
+            metrics_token: cfg.metrics_token.clone(),
+            default_limits: cfg.default_limits,
             max_body_bytes: cfg.max_body_bytes,
+            deadlines: cfg.deadlines,
+            usage: cfg.usage,
             drain_timeout: cfg.drain_timeout,
             metrics: crate::metrics::Metrics::default(),
+            live: Arc::new(Live::default()),
+            revocation_poll: cfg.revocation_poll,
             abort_all: watch::channel(false).0,
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
@@ -257,6 +353,13 @@ impl Ctx {
         e.into_response_as(self.flavor, &self.rid)
     }
 
+    /// A refusal before admission: counted in the metrics by `reason`, rendered,
+    /// and no usage row (anonymous and over-limit traffic writes nothing).
+    pub(crate) fn refuse(&self, state: &AppState, reason: &'static str, e: ApiError) -> Response {
+        state.metrics.refused(reason);
+        e.into_response_as(self.flavor, &self.rid)
+    }
+
     pub(crate) fn header(&self, mut r: Response) -> Response {
         if let Ok(v) = HeaderValue::from_str(&self.rid) {
             r.headers_mut().insert("x-request-id", v);
@@ -271,44 +374,84 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-/// Authentication and the account check; fills `ctx` with the tenant and key.
+/// Authentication, the account check and the scope check; fills `ctx` with the
+/// tenant and key. A failure is a refusal: `(reason label, error)`, no usage row.
 pub(crate) async fn authenticate(
     state: &AppState,
     ctx: &mut Ctx,
     headers: &HeaderMap,
     account: Option<&str>,
-) -> Result<Principal, ApiError> {
-    let token = bearer(headers)
-        .ok_or_else(|| ApiError::new(ErrorKind::Unauthenticated, AuthError::Missing.to_string()))?;
+    scope: Scope,
+) -> Result<Principal, (&'static str, ApiError)> {
+    let missing = AuthError::Missing;
+    let token = bearer(headers).filter(|t| !t.is_empty()).ok_or_else(|| {
+        (
+            missing.label(),
+            ApiError::new(ErrorKind::Unauthenticated, missing.to_string()),
+        )
+    })?;
     let res = state.store.authenticate(token).await.map_err(|e| {
         tracing::error!(error = %e, "store failure during authentication");
-        ApiError::new(ErrorKind::Unavailable, "authentication store unavailable")
+        (
+            "store_unavailable",
+            ApiError::new(ErrorKind::Unavailable, "authentication store unavailable"),
+        )
     })?;
     let p = match res {
         Ok(p) => p,
-        Err(AuthError::Suspended(tenant)) => {
-            ctx.tenant_id = tenant.clone();
-            if let Ok(k) = tessera_tenancy::ApiKey::parse(token) {
-                ctx.key_id = k.key_id().into();
-            }
-            return Err(ApiError::new(
-                ErrorKind::Forbidden,
-                AuthError::Suspended(tenant).to_string(),
-            ));
+        Err(e @ AuthError::Suspended(_)) => {
+            return Err((
+                e.label(),
+                ApiError::new(ErrorKind::Forbidden, e.to_string()),
+            ))
         }
-        Err(e) => return Err(ApiError::new(ErrorKind::Unauthenticated, e.to_string())),
+        Err(e) => {
+            return Err((
+                e.label(),
+                ApiError::new(ErrorKind::Unauthenticated, e.to_string()),
+            ))
+        }
     };
     ctx.tenant_id = p.tenant.id.clone();
     ctx.key_id = p.key_id.clone();
     if let Some(a) = account {
         if a != p.tenant.id {
-            return Err(ApiError::new(
-                ErrorKind::Forbidden,
-                format!("this API key is not valid for account {a}"),
+            return Err((
+                "wrong_account",
+                ApiError::new(
+                    ErrorKind::Forbidden,
+                    format!("this API key is not valid for account {a}"),
+                ),
             ));
         }
     }
+    if !p.scopes.contains(scope) {
+        return Err((
+            "scope",
+            ApiError::new(
+                ErrorKind::Forbidden,
+                format!(
+                    "this API key lacks the `{}` scope (it has: {})",
+                    scope.as_str(),
+                    p.scopes
+                ),
+            ),
+        ));
+    }
     Ok(p)
+}
+
+/// The client error for a limit refusal (429 with `retry-after`).
+pub(crate) fn limit_error(l: &LimitError) -> ApiError {
+    let kind = if l.kind == LimitKind::DailyQuota {
+        ErrorKind::QuotaExceeded
+    } else {
+        ErrorKind::RateLimited
+    };
+    let mut e = ApiError::new(kind, l.to_string());
+    e.retry_after = Some(l.retry_after);
+    e.retryable = l.retryable;
+    e
 }
 
 /// Hard cap of bytes read (and discarded) from an oversized body before answering
@@ -369,7 +512,15 @@ pub(crate) enum Shape {
     Completion,
 }
 
-/// The phases shared by every generation endpoint.
+/// The phases shared by every generation endpoint, in order. Phases 1-3 refuse
+/// without a usage row (counted in the metrics); from phase 4 on every outcome
+/// writes exactly one row.
+///
+/// 1. model id length (path), 2. authentication, account and scope,
+/// 3. concurrency and requests/minute ([`Limiter::admit`]),
+/// 4. body (size limit, read deadline), 5. validation (fields, model, chat
+///    template, tokenizer, I1), 6. token limits and the daily quota reserved
+///    ([`tessera_tenancy::Admission::reserve`]), 7. engine submit, 8. the driver.
 pub(crate) async fn generate(
     state: Arc<AppState>,
     shape: Shape,
@@ -385,21 +536,48 @@ pub(crate) async fn generate(
     };
     let mut ctx = Ctx::new(endpoint, flavor);
     if let Some(m) = &path_model {
+        if let Err(e) = validation::check_len("model", m) {
+            return ctx.refuse(&state, "path_too_long", e);
+        }
         ctx.model = m.clone();
     }
     let (parts, body) = req.into_parts();
-    let principal = match authenticate(&state, &mut ctx, &parts.headers, account.as_deref()).await {
+    let principal = match authenticate(
+        &state,
+        &mut ctx,
+        &parts.headers,
+        account.as_deref(),
+        Scope::Inference,
+    )
+    .await
+    {
         Ok(p) => p,
-        Err(e) => return ctx.fail(&state, e).await,
+        Err((reason, e)) => return ctx.refuse(&state, reason, e),
     };
-    let bytes = match read_body(&parts.headers, body, state.max_body_bytes).await {
-        Ok(b) => b,
-        Err(e) => return ctx.fail(&state, e).await,
+    let tenant = &principal.tenant;
+    let admission = match state.limiter.admit(&tenant.id, tenant.limits) {
+        Ok(a) => a,
+        Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
+    };
+    let read = read_body(&parts.headers, body, state.max_body_bytes);
+    let bytes = match tokio::time::timeout(state.deadlines.body_read, read).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return ctx.fail(&state, e).await,
+        Err(_) => {
+            let e = ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the request body was not received within {} s",
+                    state.deadlines.body_read.as_secs_f64()
+                ),
+            );
+            return ctx.fail(&state, e).await;
+        }
     };
     let parsed: Result<ParsedRequest, ApiError> = validation::parse_object(&bytes).and_then(|o| {
         if let Some(m) = o.get("model").and_then(|m| m.as_str()) {
-            if path_model.is_none() {
-                ctx.model = m.chars().take(200).collect();
+            if path_model.is_none() && m.len() <= MAX_ID_BYTES {
+                ctx.model = m.into();
             }
         }
         match shape {
@@ -414,7 +592,6 @@ pub(crate) async fn generate(
         Ok(p) => p,
         Err(e) => return ctx.fail(&state, e).await,
     };
-    let tenant = &principal.tenant;
     let v: Validated = match validation::validate(
         parsed,
         &state.catalog,
@@ -427,7 +604,6 @@ pub(crate) async fn generate(
     };
     ctx.model = v.model.id.clone();
     let prompt_tokens = v.request.prompt.len();
-    // Per-tenant limits.
     if state.limiter.needs_daily(&tenant.id, tenant.limits) {
         let day_start = tessera_tenancy::limits::utc_day(now_ms()) * 86_400_000;
         match state.store.tokens_since(&tenant.id, day_start).await {
@@ -442,31 +618,27 @@ pub(crate) async fn generate(
         }
     }
     let max_tokens = u32::try_from(v.request.max_tokens).unwrap_or(u32::MAX);
-    let permit = match state.limiter.check(
-        &tenant.id,
-        tenant.limits,
-        u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
-        max_tokens,
-    ) {
-        Ok(p) => p,
-        Err(l) => {
-            let kind = if l.kind == tessera_tenancy::LimitKind::DailyQuota {
-                ErrorKind::QuotaExceeded
-            } else {
-                ErrorKind::RateLimited
-            };
-            let mut e = ApiError::new(kind, l.to_string());
-            e.retry_after = Some(l.retry_after);
-            e.retryable = l.retryable;
-            return ctx.fail(&state, e).await;
-        }
+    let input = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
+    let reservation = match admission.reserve(input, max_tokens) {
+        Ok(r) => r,
+        Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
     };
     // The backend re-checks I1 against its own pool.
     let events = match state.engine.submit(v.request.clone()) {
         Ok(rx) => rx,
-        Err(e) => return ctx.fail(&state, ApiError::serving(&e)).await,
+        Err(e) => {
+            reservation.cancel();
+            return ctx.fail(&state, ApiError::serving(&e)).await;
+        }
     };
-    let out = driver::spawn(state.clone(), ctx.clone(), events, permit, prompt_tokens);
+    let live = state.live.register(&principal.key_id);
+    let out = driver::spawn(
+        state.clone(),
+        ctx.clone(),
+        events,
+        driver::Held { reservation, live },
+        prompt_tokens,
+    );
     let fmt = Formatter {
         shape,
         rid: ctx.rid.clone(),
@@ -625,8 +797,32 @@ async fn fallback(req: Request) -> Response {
     .into_response_as(flavor, "")
 }
 
-/// The router with every endpoint.
-pub fn router(state: Arc<AppState>) -> Router {
+/// Refuses any request with a path segment over [`MAX_ID_BYTES`] before routing,
+/// authentication or any store access (no usage row; counted as `path_too_long`).
+async fn path_guard(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    if let Some(seg) = path.split('/').find(|s| s.len() > MAX_ID_BYTES) {
+        let flavor = if path.starts_with("/v1/") {
+            Flavor::OpenAi
+        } else {
+            Flavor::WorkersAi
+        };
+        let e = ApiError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "a path segment (account id or model id) must be at most {MAX_ID_BYTES} bytes. \
+                 Given: {} bytes",
+                seg.len()
+            ),
+        );
+        state.metrics.refused("path_too_long");
+        return e.into_response_as(flavor, "");
+    }
+    next.run(req).await
+}
+
+/// The public API's routes (no admin routes).
+fn public_routes() -> Router<Arc<AppState>> {
     Router::new()
         .route(
             "/client/v4/accounts/{account_id}/ai/run/{*model}",
@@ -655,21 +851,46 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/client/v4/accounts/{account_id}/ai/usage",
             get(crate::usage_api::usage),
         )
-        .merge(crate::admin::routes(state.clone()))
+}
+
+fn finish(routes: Router<Arc<AppState>>, state: Arc<AppState>) -> Router {
+    routes
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(fallback)
         // Bodies are read by the handlers with their own limit (and a 413 in the
         // API's shape); axum's default 2 MB cap would answer first.
         .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(middleware::from_fn_with_state(state.clone(), path_guard))
         .with_state(state)
+}
+
+/// The router with every endpoint: the public API, the admin API and `/metrics`
+/// (one listener).
+pub fn router(state: Arc<AppState>) -> Router {
+    finish(
+        public_routes().merge(crate::admin::routes(state.clone())),
+        state,
+    )
+}
+
+/// The public API alone (with `--admin-listen`: admin paths answer 404 here).
+pub fn public_router(state: Arc<AppState>) -> Router {
+    finish(public_routes(), state)
+}
+
+/// The admin API and `/metrics` alone (the admin listener), plus health.
+pub fn admin_router(state: Arc<AppState>) -> Router {
+    finish(crate::admin::routes(state.clone()), state)
 }
 
 /// A bound, not yet running server.
 pub struct Server {
     listener: TcpListener,
     router: Router,
+    admin: Option<(TcpListener, Router)>,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    conn: ConnLimits,
     state: Arc<AppState>,
 }
 
@@ -677,25 +898,49 @@ impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
             .field("addr", &self.listener.local_addr().ok())
+            .field("admin_addr", &self.admin_addr())
             .finish()
     }
 }
 
 impl Server {
-    /// Binds the listener (and loads or makes the TLS certificate).
+    /// Checks the tokens (at least [`crate::admin::MIN_TOKEN_BYTES`] bytes each),
+    /// binds the listeners (and loads or makes the TLS certificate).
+    ///
+    /// # Errors
+    /// A short or empty admin or metrics token, plain HTTP on a non-loopback
+    /// address without `allow_insecure_http`, a bind or TLS failure.
     pub async fn bind(cfg: &GatewayConfig, state: Arc<AppState>) -> anyhow::Result<Self> {
+        for (what, t) in [
+            ("admin token", &cfg.admin_token),
+            ("metrics token", &cfg.metrics_token),
+        ] {
+            if let Some(t) = t {
+                crate::admin::check_token(what, t)?;
+            }
+        }
         let tls = crate::tls::acceptor(&cfg.tls)?;
-        if tls.is_none() && !cfg.listen.ip().is_loopback() && !cfg.allow_insecure_http {
-            anyhow::bail!(
-                "refusing to serve plain HTTP on non-loopback address {} (use --tls or --allow-insecure-http)",
-                cfg.listen
-            );
+        for addr in std::iter::once(cfg.listen).chain(cfg.admin_listen) {
+            if tls.is_none() && !addr.ip().is_loopback() && !cfg.allow_insecure_http {
+                anyhow::bail!(
+                    "refusing to serve plain HTTP on non-loopback address {addr} (use --tls or --allow-insecure-http)"
+                );
+            }
         }
         let listener = TcpListener::bind(cfg.listen).await?;
+        let (router, admin) = match cfg.admin_listen {
+            None => (router(state.clone()), None),
+            Some(a) => (
+                public_router(state.clone()),
+                Some((TcpListener::bind(a).await?, admin_router(state.clone()))),
+            ),
+        };
         Ok(Self {
             listener,
-            router: router(state.clone()),
+            router,
+            admin,
             tls,
+            conn: cfg.conn,
             state,
         })
     }
@@ -705,6 +950,11 @@ impl Server {
         self.listener
             .local_addr()
             .expect("bound listener has an address")
+    }
+
+    /// The admin listener's address, when the admin API has its own listener.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().and_then(|(l, _)| l.local_addr().ok())
     }
 
     /// `https` with TLS, else `http`.
@@ -718,78 +968,82 @@ impl Server {
 
     /// Serves until `shutdown` completes, then stops accepting, lets running
     /// requests finish for the drain timeout, aborts the rest (usage rows are
-    /// written for what was computed) and returns.
+    /// written for what was computed) and returns. Also runs, while serving, the
+    /// watcher that aborts requests whose key stopped being valid and the ledger's
+    /// retention prune.
     pub async fn run_until(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
         let state = self.state.clone();
-        let fired = Arc::new(Notify::new());
-        let signal = {
-            let fired = fired.clone();
-            async move {
-                shutdown.await;
-                fired.notify_one();
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = vec![tokio::spawn(crate::live::watch(
+            state.live.clone(),
+            state.store.clone(),
+            state.revocation_poll,
+        ))];
+        if let Some(keep) = state.usage.retention {
+            tasks.push(tokio::spawn(prune(state.clone(), keep)));
+        }
+        let mut loops = vec![tokio::spawn(crate::listener::serve(
+            self.listener,
+            self.router,
+            self.tls.clone(),
+            self.conn,
+            state.clone(),
+            stopped.clone(),
+        ))];
+        if let Some((l, r)) = self.admin {
+            loops.push(tokio::spawn(crate::listener::serve(
+                l,
+                r,
+                self.tls,
+                self.conn,
+                state.clone(),
+                stopped,
+            )));
+        }
+        shutdown.await;
+        let _ = stop.send(true);
+        for l in loops {
+            let _ = l.await;
+        }
+        state.drain().await;
+        // Let the last responses flush and their connections close.
+        for _ in 0..40 {
+            if state.metrics.connections_open() == 0 {
+                break;
             }
-        };
-        match self.tls {
-            None => {
-                let serve = axum::serve(self.listener, self.router)
-                    .with_graceful_shutdown(signal)
-                    .into_future();
-                tokio::pin!(serve);
-                let drained = async {
-                    fired.notified().await;
-                    state.drain().await;
-                };
-                tokio::select! {
-                    r = &mut serve => r?,
-                    _ = drained => {
-                        // Let the last responses flush.
-                        let _ = tokio::time::timeout(Duration::from_secs(2), &mut serve).await;
-                    }
-                }
-            }
-            Some(acceptor) => {
-                tokio::pin!(signal);
-                loop {
-                    let (tcp, peer) = tokio::select! {
-                        _ = &mut signal => break,
-                        r = self.listener.accept() => match r {
-                            Ok(x) => x,
-                            Err(e) => { tracing::warn!(error = %e, "accept failed"); continue; }
-                        },
-                    };
-                    let acceptor = acceptor.clone();
-                    let svc = hyper_util::service::TowerToHyperService::new(self.router.clone());
-                    tokio::spawn(async move {
-                        let tls = match acceptor.accept(tcp).await {
-                            Ok(s) => s,
-                            Err(e) => {
-                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                return;
-                            }
-                        };
-                        let io = hyper_util::rt::TokioIo::new(tls);
-                        if let Err(e) = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(io, svc)
-                            .await
-                        {
-                            tracing::debug!(%peer, error = %e, "connection error");
-                        }
-                    });
-                }
-                state.drain().await;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         // Requests aborted by their clients during shutdown still write their rows.
         state.wait_idle(Duration::from_secs(10)).await;
+        for t in tasks {
+            t.abort();
+        }
         Ok(())
     }
 
     /// Serves forever.
     pub async fn run(self) -> anyhow::Result<()> {
         self.run_until(std::future::pending()).await
+    }
+}
+
+/// The retention prune: deletes ledger rows older than `keep`, at start and every
+/// prune interval.
+async fn prune(state: Arc<AppState>, keep: Duration) {
+    loop {
+        let before = now_ms() - keep.as_millis() as i64;
+        match state.store.prune_usage(before).await {
+            Ok(n) => {
+                state.metrics.pruned(n);
+                if n > 0 {
+                    tracing::info!(rows = n, "pruned usage rows past the retention");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "usage retention prune failed"),
+        }
+        tokio::time::sleep(state.usage.prune_interval).await;
     }
 }

@@ -1,9 +1,11 @@
 //! `GET /client/v4/accounts/{account_id}/ai/usage?since=&until=&group_by=`: the
-//! caller's own usage. The account in the path must be the key's tenant, and the
-//! query reads only that tenant's rows.
+//! caller's own usage. The key needs the `usage:read` scope, the account in the
+//! path must be the key's tenant, and the query reads only that tenant's rows.
+//! Queries have their own per-tenant rate limit and a bounded time range, so the
+//! usage API cannot be used to load the store.
 
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::server::{authenticate, AppState, Ctx};
+use crate::server::{authenticate, limit_error, AppState, Ctx};
 use crate::workers_ai::envelope;
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
@@ -11,13 +13,23 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 use tessera_tenancy::store::{parse_time, rfc3339};
-use tessera_tenancy::{GroupBy, Store, UsageGroup};
+use tessera_tenancy::{GroupBy, Scope, Store, UsageGroup};
 
 /// Parses `since`, `until` (Unix seconds, `YYYY-MM-DD` or RFC 3339 `...Z`; default:
-/// everything up to now) and `group_by` (default `model`).
-pub(crate) fn parse_query(q: &HashMap<String, String>) -> Result<(i64, i64, GroupBy), ApiError> {
-    let time = |k: &str, default: i64| match q.get(k) {
+/// `until` is now, `since` is `until - max_range`) and `group_by` (default `model`).
+/// A range longer than `max_range`, or one that ends before it starts, is a 400
+/// naming `since`.
+/// Query parameter `k` as a time (Unix seconds, `YYYY-MM-DD` or
+/// `YYYY-MM-DDTHH:MM:SSZ`) in Unix ms, or `default` when absent; a 400 naming `k`
+/// when malformed.
+pub(crate) fn query_time(
+    q: &HashMap<String, String>,
+    k: &str,
+    default: i64,
+) -> Result<i64, ApiError> {
+    match q.get(k) {
         None => Ok(default),
         Some(s) => parse_time(s).ok_or_else(|| {
             ApiError::field(
@@ -27,9 +39,37 @@ pub(crate) fn parse_query(q: &HashMap<String, String>) -> Result<(i64, i64, Grou
                 ),
             )
         }),
-    };
-    let since = time("since", 0)?;
+    }
+}
+
+pub(crate) fn parse_query(
+    q: &HashMap<String, String>,
+    max_range: Duration,
+) -> Result<(i64, i64, GroupBy), ApiError> {
+    let time = |k: &str, default: i64| query_time(q, k, default);
     let until = time("until", tessera_tenancy::now_ms() + 1)?;
+    let range_ms = max_range.as_millis().min(i64::MAX as u128) as i64;
+    let since = time("since", until.saturating_sub(range_ms))?;
+    if since > until {
+        return Err(ApiError::field(
+            "since",
+            format!(
+                "`since` must not be after `until`. Given: {} > {}",
+                rfc3339(since),
+                rfc3339(until)
+            ),
+        ));
+    }
+    if until.saturating_sub(since) > range_ms {
+        return Err(ApiError::field(
+            "since",
+            format!(
+                "the range `since`..`until` must be at most {} days. Given: {} days",
+                range_ms / 86_400_000,
+                until.saturating_sub(since) / 86_400_000
+            ),
+        ));
+    }
     let group_by = match q.get("group_by") {
         None => GroupBy::Model,
         Some(g) => g
@@ -89,12 +129,21 @@ pub(crate) async fn usage(
     headers: HeaderMap,
 ) -> Response {
     let mut ctx = Ctx::new("usage", Flavor::WorkersAi);
-    let res = async {
-        let p = authenticate(&state, &mut ctx, &headers, Some(&account)).await?;
-        let (since, until, g) = parse_query(&q)?;
-        report(&state.store, &p.tenant.id, since, until, g).await
+    let p = match authenticate(&state, &mut ctx, &headers, Some(&account), Scope::UsageRead).await {
+        Ok(p) => p,
+        Err((reason, e)) => return ctx.refuse(&state, reason, e),
+    };
+    let t = &p.tenant;
+    if let Err(l) = state
+        .limiter
+        .usage_query(&t.id, t.limits, state.usage.queries_per_minute)
+    {
+        return ctx.refuse(&state, l.kind.label(), limit_error(&l));
     }
-    .await;
+    let res = match parse_query(&q, state.usage.max_range) {
+        Ok((since, until, g)) => report(&state.store, &t.id, since, until, g).await,
+        Err(e) => Err(e),
+    };
     match res {
         Ok(v) => ctx.header(axum::Json(envelope(v)).into_response()),
         Err(e) => e.into_response_as(Flavor::WorkersAi, &ctx.rid),

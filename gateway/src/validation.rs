@@ -299,6 +299,22 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
+/// A 400 naming `field` when `v` is longer than [`crate::MAX_ID_BYTES`] bytes
+/// (ids and names: longer ones are never stored or looked up).
+pub(crate) fn check_len(field: &str, v: &str) -> Result<(), ApiError> {
+    let max = crate::server::MAX_ID_BYTES;
+    if v.len() > max {
+        return Err(ApiError::field(
+            field,
+            format!(
+                "`{field}` must be at most {max} bytes. Given: {} bytes",
+                v.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `POST .../ai/run/{model}`: `{prompt}` (chat-templated unless `raw`) or `{messages}`.
 pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
     let raw = opt_bool(o, "raw")?.unwrap_or(false);
@@ -333,6 +349,7 @@ pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, 
 fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, ApiError> {
     let model =
         opt_string(o, "model")?.ok_or_else(|| ApiError::field("model", "`model` is required"))?;
+    check_len("model", model)?;
     if let Some(n) = opt_uint(o, "n", 1)? {
         if n != 1 {
             return Err(ApiError::field("n", format!("`n` must be 1. Given: {n}")));

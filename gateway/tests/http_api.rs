@@ -7,8 +7,17 @@ use serde_json::{json, Value};
 use std::time::Duration;
 use tessera_tenancy::{Limits, TenantStatus};
 
-/// (name, account in the path, key, body, HTTP status, Workers AI code, tenant of the row)
-type Case<'a> = (&'a str, String, Option<&'a str>, Value, u16, i64, &'a str);
+/// (name, account in the path, key, body, HTTP status, Workers AI code, tenant of
+/// the row, or `None` when the request is refused before admission and writes none)
+type Case<'a> = (
+    &'a str,
+    String,
+    Option<&'a str>,
+    Value,
+    u16,
+    i64,
+    Option<&'a str>,
+);
 
 fn usage_of(v: &Value) -> (i64, i64) {
     (
@@ -252,7 +261,7 @@ async fn openai_shapes_over_http() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auth_and_validation_errors_write_exactly_one_error_row() {
+async fn auth_errors_write_no_row_and_validation_errors_exactly_one() {
     let s = start().await;
     let (b, key_b) = s.tenant_with_key("beta", Limits::default()).await;
     let (susp, key_s) = s.tenant_with_key("suspended", Limits::default()).await;
@@ -270,7 +279,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
     assert_eq!(free_before.free_pages, free_before.capacity_pages);
     // (account, key, body, status, Workers AI code, tenant of the row)
     let mut cases: Vec<Case> = vec![
-        ("no key", a.clone(), None, ok.clone(), 401, 10000, ""),
+        ("no key", a.clone(), None, ok.clone(), 401, 10000, None),
         (
             "wrong key",
             a.clone(),
@@ -278,7 +287,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             ok.clone(),
             401,
             10000,
-            "",
+            None,
         ),
         (
             "malformed key",
@@ -287,7 +296,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             ok.clone(),
             401,
             10000,
-            "",
+            None,
         ),
         (
             "revoked key",
@@ -296,7 +305,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             ok.clone(),
             401,
             10000,
-            "",
+            None,
         ),
         (
             "A's key on B's path",
@@ -305,7 +314,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             ok.clone(),
             403,
             10000,
-            &a,
+            None,
         ),
         (
             "suspended tenant",
@@ -314,7 +323,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             ok.clone(),
             403,
             10000,
-            &susp.id,
+            None,
         ),
     ];
     // Bad bodies on the caller's own account: 400 with a Workers AI code.
@@ -362,7 +371,7 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             body,
             400,
             code,
-            a.as_str(),
+            Some(a.as_str()),
         )
     }));
     let mut rows = s.row_count().await;
@@ -375,6 +384,11 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
             code,
             "{name}: {v}"
         );
+        let Some(row_tenant) = row_tenant else {
+            assert_eq!(s.row_count().await, rows, "{name}: refused, no row");
+            assert!(s.store().usage_row(&rid).await.unwrap().is_none(), "{name}");
+            continue;
+        };
         rows += 1;
         assert_eq!(s.row_count().await, rows, "{name}: exactly one row");
         let row = s.row(&rid).await;
@@ -385,6 +399,18 @@ async fn auth_and_validation_errors_write_exactly_one_error_row() {
         );
         assert_eq!((row.input_tokens, row.output_tokens), (0, 0), "{name}");
         assert_eq!(row.tenant_id, row_tenant, "{name}");
+    }
+    // The refusals are counted by reason instead.
+    let m = &s.state.metrics;
+    for (reason, n) in [
+        ("missing_key", 1),
+        ("invalid_key", 1),
+        ("malformed_key", 1),
+        ("revoked_key", 1),
+        ("wrong_account", 1),
+        ("tenant_suspended", 1),
+    ] {
+        assert_eq!(m.refused_count(reason), n, "{reason}");
     }
     // Bodies that never parse: malformed JSON (400) and 10 MB (413).
     let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(10 << 20));
@@ -679,7 +705,10 @@ async fn rate_limits_return_429_and_spare_other_tenants() {
     assert_eq!(resp.headers()["x-should-retry"], "true");
     let (_, rid, v) = split(resp).await;
     assert_eq!(v["errors"][0]["code"], 3040);
-    assert_eq!(s.row(&rid).await.status, 429);
+    // Refused by a limit before admission: no row, a count by limit.
+    s.settle().await;
+    assert!(s.store().usage_row(&rid).await.unwrap().is_none());
+    assert_eq!(s.state.metrics.refused_count("requests_per_minute"), 1);
     // The unlimited tenant is unaffected.
     for _ in 0..4 {
         assert_eq!(
@@ -767,13 +796,24 @@ async fn rate_limits_return_429_and_spare_other_tenants() {
     );
     let chat =
         json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
-    assert_eq!(s.post(&url, Some(&key_e), &chat).await.0, 200);
-    let (st, _, v) = s.post(&url, Some(&key_e), &chat).await;
+    // prompt + max_tokens is reserved at admission: more than the whole quota, so
+    // refused before it runs, and waiting does not help today.
+    let resp = s
+        .client
+        .post(&url)
+        .bearer_auth(&key_e)
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    let (st, _, v) = split(resp).await;
     assert_eq!(
         (st, v["error"]["code"].as_str()),
         (429, Some("insufficient_quota")),
         "{v}"
     );
+    assert_eq!(s.state.limiter.daily(&e.id).unwrap().used, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -880,7 +920,8 @@ async fn admin_api_manages_tenants_keys_and_limits() {
         )
         .await;
     assert_eq!(st, 200);
-    assert_eq!(v["result"]["totals"]["requests"], 5);
+    // 3 served; the 403 while suspended and the 429 wrote no row.
+    assert_eq!(v["result"]["totals"]["requests"], 3);
     let (_, _, v) = split(
         admin(
             s.client
@@ -902,7 +943,7 @@ async fn admin_api_manages_tenants_keys_and_limits() {
         .unwrap(),
     )
     .await;
-    assert_eq!(v["result"]["totals"]["requests"], 5);
+    assert_eq!(v["result"]["totals"]["requests"], 3);
     // Prometheus metrics agree with the ledger.
     assert_eq!(
         s.client
@@ -930,9 +971,14 @@ async fn admin_api_manages_tenants_keys_and_limits() {
         "{m}"
     );
     assert!(
-        m.contains("tessera_requests_total{endpoint=\"workers_ai.run\",status=\"429\"} 1"),
+        m.contains("tessera_refused_total{reason=\"requests_per_minute\"} 1"),
         "{m}"
     );
+    assert!(
+        m.contains("tessera_refused_total{reason=\"tenant_suspended\"} 1"),
+        "{m}"
+    );
+    assert!(!m.contains("status=\"429\""), "{m}");
     let out: i64 = rows.iter().map(|r| r.output_tokens).sum();
     assert!(
         m.contains(&format!(

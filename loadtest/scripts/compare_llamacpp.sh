@@ -17,7 +17,7 @@ tport=${TESSERA_PORT:-18787}
 lport=${LLAMA_PORT:-18080}
 threads=${THREADS:-2}
 work=$(mktemp -d)
-admin=tadm_bench_$RANDOM$RANDOM
+admin=tadm_bench_$(od -An -N24 -tx1 /dev/urandom | tr -d " \n")
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done

@@ -8,7 +8,8 @@
 //!
 //! ## How the clients count usage
 //!
-//! Every request that got an HTTP status has exactly one ledger row. Per request
+//! Every request the gateway admitted has exactly one ledger row; one it refused
+//! before admission (401, 403, 429: authentication, scope, limits) has none. Per request
 //! the client derives a range `[lo, hi]` for each total (requests, input tokens,
 //! output tokens, errors); the ledger's change over the run must lie inside the
 //! sum of the ranges, per tenant. The ranges are exact (lo = hi) except where the
@@ -17,9 +18,11 @@
 //! | client saw | requests | input | output | errors |
 //! |---|---|---|---|---|
 //! | complete answer | 1 | reported prompt tokens | reported completion tokens | 0 |
-//! | 4xx | 1 | 0 | 0 | 1 |
-//! | 5xx | 1 | 0..=P | 0..=H | 1 |
-//! | disconnect after k text events | 1 | P | k..=H | 0..=1 |
+//! | 401, 403, 429 (refused before admission) | 0 | 0 | 0 | 0 |
+//! | other 4xx (except 408) | 1 | 0 | 0 | 1 |
+//! | 408 (a deadline), 5xx | 1 | 0..=P | 0..=H | 1 |
+//! | disconnect after k >= 1 text events | 1 | P | k..=H | 0..=1 |
+//! | disconnect before any text event | 1 | 0..=P | 0..=H | 0..=1 |
 //! | error event after 200 | 1 | P | k..=H | 1 |
 //! | connection refused | 0 | 0 | 0 | 0 |
 //! | stream cut, or no status otherwise | 0..=1 | 0..=P | 0..=H | 0..=1 |
@@ -30,7 +33,9 @@
 //! tokens it computed, which is at least the k tokens the client saw (each text
 //! event carries at least one token), unless the request finished before the
 //! server noticed the disconnect (then 200 and the full count, still within the
-//! range). Without disconnects and faults every range is exact.
+//! range). The prompt is charged once the first token exists, so a client gone
+//! before any text may be charged nothing. Without disconnects and faults every
+//! range is exact.
 
 use crate::client::{End, Outcome};
 use crate::workload::Workload;
@@ -367,7 +372,8 @@ pub fn expected_for(w: &Workload, solo: &[Option<Outcome>], o: &Outcome) -> Expe
             output_tokens: Range::exact(o.output_tokens()),
             errors: zero,
         },
-        End::HttpError if o.status.is_some_and(|s| s < 500) => ExpectedUsage {
+        End::HttpError if matches!(o.status, Some(401 | 403 | 429)) => ExpectedUsage::default(),
+        End::HttpError if o.status.is_some_and(|s| s < 500 && s != 408) => ExpectedUsage {
             requests: one,
             input_tokens: zero,
             output_tokens: zero,
@@ -381,7 +387,7 @@ pub fn expected_for(w: &Workload, solo: &[Option<Outcome>], o: &Outcome) -> Expe
         },
         End::Disconnected => ExpectedUsage {
             requests: one,
-            input_tokens: p_exact,
+            input_tokens: if seen > 0 { p_exact } else { p_upto },
             output_tokens: Range {
                 lo: seen,
                 hi: h.max(seen),
@@ -668,6 +674,15 @@ mod tests {
         assert_eq!(x.input_tokens, Range::exact(41));
         assert_eq!(x.output_tokens, Range { lo: 3, hi: 10 });
         assert_eq!(x.errors, Range { lo: 0, hi: 1 });
+        // Gone before any text: the prompt may not have been charged.
+        d.text_events = 0;
+        let x0 = expected_for(&w, &solo, &d);
+        assert_eq!(x0.input_tokens, Range { lo: 0, hi: 41 });
+        // Refused before admission (limits, auth): no row at all.
+        let mut limited = outcome(&w, 3, 1, "", 0);
+        limited.end = End::HttpError;
+        limited.status = Some(429);
+        assert_eq!(expected_for(&w, &solo, &limited), ExpectedUsage::default());
         let mut refused = outcome(&w, 3, 1, "", 0);
         refused.end = End::Transport;
         refused.error = Some("connect".into());

@@ -87,6 +87,104 @@ impl ApiKey {
     }
 }
 
+/// One permission a key can carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// Generation and model listing (`ai/run`, chat/completions, completions, models).
+    Inference,
+    /// The tenant's own usage report (`ai/usage`).
+    UsageRead,
+}
+
+impl Scope {
+    /// Every scope, in display order.
+    pub const ALL: [Scope; 2] = [Scope::Inference, Scope::UsageRead];
+
+    /// Stable spelling (`inference`, `usage:read`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Inference => "inference",
+            Self::UsageRead => "usage:read",
+        }
+    }
+
+    fn bit(self) -> u8 {
+        match self {
+            Self::Inference => 1,
+            Self::UsageRead => 2,
+        }
+    }
+}
+
+/// A key's set of scopes (never empty when made by [`Scopes::parse`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Scopes(u8);
+
+impl Scopes {
+    /// Both scopes: what a key gets when none are named.
+    pub const ALL: Scopes = Scopes(3);
+
+    /// Parses scope names separated by spaces or commas (`"inference usage:read"`).
+    /// Errors name the unknown scope; an empty list is an error.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Self::from_names(s.split([' ', ',']).filter(|p| !p.is_empty()))
+    }
+
+    /// Scopes from their names (see [`Scope::as_str`]).
+    pub fn from_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Self, String> {
+        let mut bits = 0;
+        for n in names {
+            let sc = Scope::ALL
+                .into_iter()
+                .find(|s| s.as_str() == n)
+                .ok_or_else(|| format!("unknown scope `{n}` (known: inference, usage:read)"))?;
+            bits |= sc.bit();
+        }
+        if bits == 0 {
+            return Err("a key needs at least one scope (inference, usage:read)".into());
+        }
+        Ok(Self(bits))
+    }
+
+    /// Whether `s` is in the set.
+    pub fn contains(self, s: Scope) -> bool {
+        self.0 & s.bit() != 0
+    }
+
+    /// The names, in [`Scope::ALL`] order.
+    pub fn names(self) -> Vec<&'static str> {
+        Scope::ALL
+            .into_iter()
+            .filter(|s| self.contains(*s))
+            .map(Scope::as_str)
+            .collect()
+    }
+}
+
+impl std::fmt::Display for Scopes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.names().join(" "))
+    }
+}
+
+impl std::fmt::Debug for Scopes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Scopes({self})")
+    }
+}
+
+impl serde::Serialize for Scopes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let names = self.names();
+        let mut seq = s.serialize_seq(Some(names.len()))?;
+        for n in names {
+            seq.serialize_element(n)?;
+        }
+        seq.end()
+    }
+}
+
 fn digest_hex(key_id: &str, secret: &str) -> String {
     let mut h = Sha256::new();
     h.update(b"tessera-key-v1:");
@@ -112,6 +210,24 @@ mod tests {
         let other = ApiKey::generate();
         assert!(!p.verify(&other.digest_hex()));
         assert!(!format!("{p:?}").contains(&s[21..]));
+    }
+
+    #[test]
+    fn scopes_parse_and_print() {
+        let all = Scopes::parse("inference usage:read").unwrap();
+        assert_eq!(all, Scopes::ALL);
+        assert_eq!(Scopes::parse("usage:read,inference").unwrap(), all);
+        let u = Scopes::parse("usage:read").unwrap();
+        assert!(u.contains(Scope::UsageRead) && !u.contains(Scope::Inference));
+        assert_eq!(u.to_string(), "usage:read");
+        assert_eq!(all.to_string(), "inference usage:read");
+        assert_eq!(serde_json::to_string(&u).unwrap(), r#"["usage:read"]"#);
+        assert!(Scopes::parse("")
+            .unwrap_err()
+            .contains("at least one scope"));
+        assert!(Scopes::parse("inference admin")
+            .unwrap_err()
+            .contains("`admin`"));
     }
 
     #[test]

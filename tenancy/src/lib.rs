@@ -2,10 +2,13 @@
 //! ledger, kept in a SQL store (SQLite file by default, PostgreSQL by URL; the same
 //! SQL and migrations for both).
 //!
-//! - [`keys`]: the `tsk_<key_id>_<secret>` format, hashing and constant-time checks.
-//! - [`store`]: [`Store`]: tenants, keys, limits, usage ledger, usage aggregation.
-//! - [`limits`]: [`Limiter`]: per-tenant rate limits (governor), concurrency and the
-//!   daily token quota, with guards that release in `Drop`.
+//! - [`keys`]: the `tsk_<key_id>_<secret>` format, hashing and constant-time checks,
+//!   key [`Scopes`].
+//! - [`store`]: [`Store`]: tenants, keys (scopes, expiry), limits, usage ledger, usage
+//!   aggregation and retention, the admin audit log ([`Store::audited`]).
+//! - [`limits`]: [`Limiter`]: per-tenant rate limits, concurrency and the daily token
+//!   quota, taken in two phases ([`Admission`], then [`Reservation`]) by guards that
+//!   give back what they hold in `Drop`.
 
 pub mod keys;
 pub mod limits;
@@ -13,11 +16,11 @@ pub mod store;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
-pub use keys::{ApiKey, KeyError};
-pub use limits::{LimitError, LimitKind, Limiter, Permit};
+pub use keys::{ApiKey, KeyError, Scope, Scopes};
+pub use limits::{Admission, DailyState, LimitError, LimitKind, Limiter, Reservation};
 pub use store::{
-    AuthError, GroupBy, KeyInfo, Limits, Principal, Store, StoreError, Tenant, TenantStatus,
-    UsageGroup, UsageRecord,
+    AuditCtx, AuditRecord, Audited, AuthError, GroupBy, KeyInfo, Limits, LimitsPatch, NewKey,
+    Principal, Store, StoreError, Tenant, TenantStatus, UsageGroup, UsageRecord,
 };
 
 /// Milliseconds since the Unix epoch, now.

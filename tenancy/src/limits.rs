@@ -1,29 +1,35 @@
 //! Per-tenant limits, enforced in memory by one gateway process.
 //!
-//! [`Limiter::check`] runs the checks in this order and stops at the first failure:
-//! daily token quota, concurrent requests, requests/minute, input tokens/minute,
-//! output tokens/minute (charged with `max_tokens`: the bound of what may be
-//! generated). The rate limits are GCRA buckets from `governor` with a burst of one
-//! minute's allowance. A success returns a [`Permit`] that holds one concurrency
-//! slot until dropped; [`Permit::finish`] adds the request's tokens to the daily
-//! counter. Limits of 0 are unlimited. A tenant's limiter is rebuilt when its
-//! limits change.
+//! A request takes its allowances in two phases, so that no limit can be overdrawn
+//! and a refusal keeps nothing:
+//!
+//! 1. [`Limiter::admit`], before the body is read or tokenized: concurrent requests,
+//!    then requests/minute. The [`Admission`] holds one concurrency slot (given back
+//!    when it drops) and has spent one request.
+//! 2. [`Admission::reserve`], once the prompt is tokenized: input tokens/minute
+//!    (the prompt), output tokens/minute (`max_tokens`, the bound of what may be
+//!    generated) and the daily quota (`prompt + max_tokens` reserved against what
+//!    was used today plus what requests in flight reserved). All three are checked
+//!    and taken under one lock, all or nothing; a refusal also gives back the
+//!    request spent in phase 1, and the slot.
+//! 3. At the end, [`Reservation::settle`] with the real token counts: the daily
+//!    reservation becomes the real count and the unused token allowance goes back to
+//!    the buckets; [`Reservation::cancel`] charges no tokens (nothing was computed).
+//!    A reservation dropped unsettled charges everything it reserved, so a lost
+//!    settle can never let the quota be exceeded.
+//!
+//! Rate limits are token buckets holding one minute's allowance, refilled
+//! continuously. Limits of 0 are unlimited. Changing a tenant's limits updates its
+//! state in place: requests in flight keep counting against the concurrency limit,
+//! bucket levels are kept (clamped to the new size) and reservations stay.
+//!
+//! Every guard ([`Admission`], [`Reservation`]) gives back what it holds in `Drop`;
+//! [`Limiter::inflight`] and [`Limiter::daily`] show it.
 
 use crate::store::Limits;
-use governor::clock::{Clock, DefaultClock};
-use governor::{Quota, RateLimiter};
 use std::collections::HashMap;
-use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
-type Bucket = RateLimiter<
-    governor::state::NotKeyed,
-    governor::state::InMemoryState,
-    DefaultClock,
-    governor::middleware::NoOpMiddleware<<DefaultClock as Clock>::Instant>,
->;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Which limit refused a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +44,8 @@ pub enum LimitKind {
     Concurrency,
     /// Daily token quota.
     DailyQuota,
+    /// Usage-API queries per minute.
+    UsageQueries,
 }
 
 impl LimitKind {
@@ -49,6 +57,7 @@ impl LimitKind {
             Self::OutputTokens => "output_tokens_per_minute",
             Self::Concurrency => "max_concurrent",
             Self::DailyQuota => "daily_tokens",
+            Self::UsageQueries => "usage_queries_per_minute",
         }
     }
 }
@@ -61,67 +70,234 @@ pub struct LimitError {
     pub kind: LimitKind,
     /// How long to wait before a retry can succeed.
     pub retry_after: Duration,
-    /// False when waiting cannot help (the request alone exceeds the limit).
+    /// False when waiting cannot help (the request alone exceeds the limit, or the
+    /// daily quota is spent until 00:00 UTC).
     pub retryable: bool,
     /// Human-readable numbers.
     pub detail: String,
 }
 
-struct TenantLimiter {
-    limits: Limits,
-    requests: Option<Bucket>,
-    input: Option<Bucket>,
-    output: Option<Bucket>,
-    concurrency: Option<Arc<Semaphore>>,
-    /// (UTC day number, tokens used that day); `None` until loaded from the ledger.
-    daily: Mutex<Option<(i64, i64)>>,
+/// The clock of one limiter call: monotonic for the buckets, wall time (Unix ms)
+/// for the UTC day. Tests pass their own.
+#[derive(Clone, Copy, Debug)]
+struct Now {
+    at: Instant,
+    ms: i64,
 }
 
-fn per_minute(n: u32) -> Option<Bucket> {
-    NonZeroU32::new(n).map(|n| RateLimiter::direct(Quota::per_minute(n)))
+impl Now {
+    fn real() -> Self {
+        Self {
+            at: Instant::now(),
+            ms: crate::now_ms(),
+        }
+    }
+}
+
+/// A token bucket of `cap` tokens refilled at `cap` per minute (`cap` is passed in,
+/// so a limit change resizes the bucket without losing its level).
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    level: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    fn full(cap: u32, now: Instant) -> Self {
+        Self {
+            level: f64::from(cap),
+            last: now,
+        }
+    }
+
+    fn refill(&mut self, cap: u32, now: Instant) {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.level = (self.level + dt * f64::from(cap) / 60.0).min(f64::from(cap));
+        self.last = now;
+    }
+
+    /// Whether `n` tokens are available now: `Ok`, `Err(Some(wait))`, or `Err(None)`
+    /// when `n` exceeds the bucket and never fits. Takes nothing.
+    fn check(&mut self, cap: u32, n: u32, now: Instant) -> Result<(), Option<Duration>> {
+        if n > cap {
+            return Err(None);
+        }
+        self.refill(cap, now);
+        let missing = f64::from(n) - self.level;
+        if missing <= 0.0 {
+            Ok(())
+        } else {
+            Err(Some(Duration::from_secs_f64(
+                missing * 60.0 / f64::from(cap),
+            )))
+        }
+    }
+
+    fn take(&mut self, n: u32) {
+        self.level -= f64::from(n);
+    }
+
+    fn give(&mut self, cap: u32, n: u32) {
+        self.level = (self.level + f64::from(n)).min(f64::from(cap));
+    }
+}
+
+/// Today's quota counter of one tenant (see [`Limiter::daily`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DailyState {
+    /// UTC day number ([`utc_day`]).
+    pub day: i64,
+    /// Tokens (input + output) charged today: the ledger's count when loaded, plus
+    /// what requests settled since.
+    pub used: i64,
+    /// Tokens reserved by requests in flight (prompt + max_tokens each).
+    pub reserved: i64,
+}
+
+struct TenantState {
+    limits: Limits,
+    requests: Bucket,
+    input: Bucket,
+    output: Bucket,
+    usage: Bucket,
+    /// Admitted requests not yet finished, whatever the limit (so a limit change
+    /// keeps counting them).
+    inflight: u32,
+    daily: Option<DailyState>,
+}
+
+impl TenantState {
+    fn new(limits: Limits, now: Instant) -> Self {
+        Self {
+            limits,
+            requests: Bucket::full(limits.requests_per_minute, now),
+            input: Bucket::full(limits.input_tokens_per_minute, now),
+            output: Bucket::full(limits.output_tokens_per_minute, now),
+            usage: Bucket {
+                level: f64::INFINITY,
+                last: now,
+            },
+            inflight: 0,
+            daily: None,
+        }
+    }
+
+    /// Applies changed limits in place: levels kept, clamped to the new sizes (a
+    /// limit that was unlimited starts full).
+    fn update(&mut self, limits: Limits, now: Instant) {
+        if self.limits == limits {
+            return;
+        }
+        let old = self.limits;
+        for (b, was, cap) in [
+            (
+                &mut self.requests,
+                old.requests_per_minute,
+                limits.requests_per_minute,
+            ),
+            (
+                &mut self.input,
+                old.input_tokens_per_minute,
+                limits.input_tokens_per_minute,
+            ),
+            (
+                &mut self.output,
+                old.output_tokens_per_minute,
+                limits.output_tokens_per_minute,
+            ),
+        ] {
+            if was == 0 {
+                *b = Bucket::full(cap, now);
+            } else {
+                b.refill(was, now);
+                b.level = b.level.min(f64::from(cap));
+            }
+        }
+        self.limits = limits;
+    }
+
+    /// Today's counter, started at 0 when the day changed (the caller loads it from
+    /// the ledger first at process start: [`Limiter::set_daily_used`]).
+    fn today(&mut self, ms: i64) -> &mut DailyState {
+        let day = utc_day(ms);
+        let d = self.daily.get_or_insert(DailyState {
+            day,
+            used: 0,
+            reserved: 0,
+        });
+        if d.day != day {
+            *d = DailyState {
+                day,
+                used: 0,
+                reserved: 0,
+            };
+        }
+        d
+    }
+}
+
+struct TenantLimiter {
+    state: Mutex<TenantState>,
 }
 
 impl TenantLimiter {
-    fn new(limits: Limits) -> Self {
-        Self {
-            limits,
-            requests: per_minute(limits.requests_per_minute),
-            input: per_minute(limits.input_tokens_per_minute),
-            output: per_minute(limits.output_tokens_per_minute),
-            concurrency: (limits.max_concurrent > 0)
-                .then(|| Arc::new(Semaphore::new(limits.max_concurrent as usize))),
-            daily: Mutex::new(None),
-        }
+    fn lock(&self) -> MutexGuard<'_, TenantState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// What a request holds while it runs: a concurrency slot (released on drop).
-pub struct Permit {
-    _slot: Option<OwnedSemaphorePermit>,
-    tenant: Arc<TenantLimiter>,
+/// One counted request in flight; the count drops with it.
+struct Slot(Arc<TenantLimiter>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.inflight = st.inflight.saturating_sub(1);
+    }
 }
 
-impl std::fmt::Debug for Permit {
+/// Phase 1 passed: one concurrency slot held (released on drop) and one request
+/// spent. [`Admission::reserve`] continues once the prompt is tokenized.
+pub struct Admission {
+    slot: Slot,
+}
+
+impl std::fmt::Debug for Admission {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Permit").finish_non_exhaustive()
+        f.debug_struct("Admission").finish_non_exhaustive()
     }
 }
 
-impl Permit {
-    /// Adds a finished request's tokens to the tenant's daily counter.
-    pub fn finish(&self, tokens: i64) {
-        let mut d = self.tenant.daily.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((day, used)) = d.as_mut() {
-            if *day == utc_day(crate::now_ms()) {
-                *used += tokens;
-            }
-        }
+/// Phase 2 passed: the slot, the token allowances and the daily reservation of one
+/// running request. End it with [`Reservation::settle`] or [`Reservation::cancel`];
+/// dropped unsettled, it charges everything it reserved.
+pub struct Reservation {
+    slot: Slot,
+    input: u32,
+    output: u32,
+    /// (UTC day, tokens reserved that day) when the tenant has a daily quota.
+    daily: Option<(i64, i64)>,
+    open: bool,
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("input", &self.input)
+            .field("output", &self.output)
+            .field("daily", &self.daily)
+            .finish_non_exhaustive()
     }
 }
 
 /// Days since the epoch (UTC) of a Unix-ms time.
 pub fn utc_day(ms: i64) -> i64 {
     ms.div_euclid(86_400_000)
+}
+
+fn until_next_day(ms: i64) -> Duration {
+    let next = (utc_day(ms) + 1) * 86_400_000;
+    Duration::from_millis((next - ms).max(1000) as u64)
 }
 
 /// Per-tenant limiters of one gateway process.
@@ -136,138 +312,317 @@ impl std::fmt::Debug for Limiter {
     }
 }
 
-fn wait_of(e: &governor::NotUntil<<DefaultClock as Clock>::Instant>) -> Duration {
-    e.wait_time_from(DefaultClock::default().now())
-}
-
 impl Limiter {
     /// An empty limiter.
     pub fn new() -> Self {
         Self::default()
     }
 
-    fn tenant(&self, id: &str, limits: Limits) -> Arc<TenantLimiter> {
-        let mut m = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        match m.get(id) {
-            Some(t) if t.limits == limits => t.clone(),
-            _ => {
-                let t = Arc::new(TenantLimiter::new(limits));
-                m.insert(id.into(), t.clone());
-                t
-            }
+    fn tenant(&self, id: &str, limits: Limits, now: Instant) -> Arc<TenantLimiter> {
+        let t = {
+            let mut m = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+            m.entry(id.into())
+                .or_insert_with(|| {
+                    Arc::new(TenantLimiter {
+                        state: Mutex::new(TenantState::new(limits, now)),
+                    })
+                })
+                .clone()
+        };
+        t.lock().update(limits, now);
+        t
+    }
+
+    fn existing(&self, id: &str) -> Option<Arc<TenantLimiter>> {
+        let m = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(id).cloned()
+    }
+
+    /// Phase 1: concurrency, then requests/minute, for a request of tenant `id`
+    /// whose limits are `limits` (as read with its key). Checked and taken together.
+    pub fn admit(&self, id: &str, limits: Limits) -> Result<Admission, LimitError> {
+        self.admit_at(id, limits, Now::real())
+    }
+
+    fn admit_at(&self, id: &str, limits: Limits, now: Now) -> Result<Admission, LimitError> {
+        let t = self.tenant(id, limits, now.at);
+        let mut st = t.lock();
+        if limits.max_concurrent > 0 && st.inflight >= limits.max_concurrent {
+            return Err(LimitError {
+                kind: LimitKind::Concurrency,
+                retry_after: Duration::from_secs(1),
+                retryable: true,
+                detail: format!(
+                    "{} requests already in flight; limit {}",
+                    st.inflight, limits.max_concurrent
+                ),
+            });
         }
+        let cap = limits.requests_per_minute;
+        if cap > 0 {
+            if let Err(wait) = st.requests.check(cap, 1, now.at) {
+                return Err(LimitError {
+                    kind: LimitKind::Requests,
+                    retry_after: wait.unwrap_or(Duration::from_secs(60)),
+                    retryable: true,
+                    detail: format!("limit {cap} requests/minute"),
+                });
+            }
+            st.requests.take(1);
+        }
+        st.inflight += 1;
+        drop(st);
+        Ok(Admission { slot: Slot(t) })
     }
 
     /// Whether the tenant's daily counter must be loaded from the ledger first
     /// (first request of the process or of a new UTC day). Pass the loaded value to
-    /// [`Limiter::set_daily_used`].
+    /// [`Limiter::set_daily_used`] before [`Admission::reserve`].
     pub fn needs_daily(&self, id: &str, limits: Limits) -> bool {
         if limits.daily_tokens == 0 {
             return false;
         }
-        let t = self.tenant(id, limits);
-        let d = t.daily.lock().unwrap_or_else(|e| e.into_inner());
-        !matches!(*d, Some((day, _)) if day == utc_day(crate::now_ms()))
+        let t = self.tenant(id, limits, Instant::now());
+        let st = t.lock();
+        let today = utc_day(crate::now_ms());
+        !matches!(st.daily, Some(d) if d.day == today)
     }
 
-    /// Sets today's used tokens (from the ledger).
+    /// Sets today's used tokens as read from the ledger. The first load of a day
+    /// wins: once the counter holds today (loaded, or started by a reservation),
+    /// later loads are ignored, so no settled or reserved token is lost to a read
+    /// that raced with it.
     pub fn set_daily_used(&self, id: &str, limits: Limits, used: i64) {
-        let t = self.tenant(id, limits);
-        *t.daily.lock().unwrap_or_else(|e| e.into_inner()) = Some((utc_day(crate::now_ms()), used));
+        let t = self.tenant(id, limits, Instant::now());
+        let mut st = t.lock();
+        let today = utc_day(crate::now_ms());
+        if !matches!(st.daily, Some(d) if d.day == today) {
+            st.daily = Some(DailyState {
+                day: today,
+                used,
+                reserved: 0,
+            });
+        }
     }
 
-    /// Checks every limit for a request of `input_tokens` prompt tokens and at most
-    /// `max_tokens` output tokens, consuming rate-limit allowance on success.
-    pub fn check(
+    /// The usage API's own limit: one query of tenant `id`, at most `per_minute`
+    /// a minute (0: unlimited).
+    pub fn usage_query(&self, id: &str, limits: Limits, per_minute: u32) -> Result<(), LimitError> {
+        self.usage_query_at(id, limits, per_minute, Now::real())
+    }
+
+    fn usage_query_at(
         &self,
         id: &str,
         limits: Limits,
-        input_tokens: u32,
-        max_tokens: u32,
-    ) -> Result<Permit, LimitError> {
-        let t = self.tenant(id, limits);
-        if limits.daily_tokens > 0 {
-            let now = crate::now_ms();
-            let d = t.daily.lock().unwrap_or_else(|e| e.into_inner());
-            let used = match *d {
-                Some((day, used)) if day == utc_day(now) => used,
-                _ => 0,
-            };
-            if used >= limits.daily_tokens as i64 {
-                let next_day = (utc_day(now) + 1) * 86_400_000;
-                return Err(LimitError {
-                    kind: LimitKind::DailyQuota,
-                    retry_after: Duration::from_millis((next_day - now).max(1000) as u64),
-                    retryable: false,
-                    detail: format!(
-                        "{used} of {} daily tokens used; the quota resets at 00:00 UTC",
-                        limits.daily_tokens
-                    ),
-                });
-            }
+        per_minute: u32,
+        now: Now,
+    ) -> Result<(), LimitError> {
+        if per_minute == 0 {
+            return Ok(());
         }
-        let slot = match &t.concurrency {
-            Some(s) => Some(s.clone().try_acquire_owned().map_err(|_| LimitError {
-                kind: LimitKind::Concurrency,
-                retry_after: Duration::from_secs(1),
+        let t = self.tenant(id, limits, now.at);
+        let mut st = t.lock();
+        if !st.usage.level.is_finite() {
+            st.usage = Bucket::full(per_minute, now.at);
+        }
+        match st.usage.check(per_minute, 1, now.at) {
+            Ok(()) => {
+                st.usage.take(1);
+                Ok(())
+            }
+            Err(wait) => Err(LimitError {
+                kind: LimitKind::UsageQueries,
+                retry_after: wait.unwrap_or(Duration::from_secs(60)),
                 retryable: true,
-                detail: format!("{} requests already in flight", limits.max_concurrent),
-            })?),
-            None => None,
-        };
-        if let Some(b) = &t.requests {
-            if let Err(e) = b.check() {
-                return Err(LimitError {
-                    kind: LimitKind::Requests,
-                    retry_after: wait_of(&e),
-                    retryable: true,
-                    detail: format!("limit {} requests/minute", limits.requests_per_minute),
-                });
-            }
+                detail: format!("limit {per_minute} usage queries/minute"),
+            }),
         }
-        for (bucket, n, kind, limit) in [
+    }
+
+    /// Admitted requests of tenant `id` not yet finished.
+    pub fn inflight(&self, id: &str) -> u32 {
+        self.existing(id).map_or(0, |t| t.lock().inflight)
+    }
+
+    /// Tenant `id`'s daily counter, if it has one.
+    pub fn daily(&self, id: &str) -> Option<DailyState> {
+        self.existing(id).and_then(|t| t.lock().daily)
+    }
+}
+
+impl Admission {
+    /// Phase 2 for a prompt of `input_tokens` and at most `max_tokens` output
+    /// tokens: input tokens/minute, output tokens/minute and the daily quota, checked
+    /// and taken together. On a refusal the request spent in phase 1 is given back
+    /// and the slot released (this admission is consumed either way).
+    pub fn reserve(self, input_tokens: u32, max_tokens: u32) -> Result<Reservation, LimitError> {
+        self.reserve_at(input_tokens, max_tokens, Now::real())
+    }
+
+    fn reserve_at(self, input: u32, output: u32, now: Now) -> Result<Reservation, LimitError> {
+        let t = self.slot.0.clone();
+        let mut st = t.lock();
+        let limits = st.limits;
+        if let Err(e) = Self::check_tokens(&mut st, input, output, now) {
+            if limits.requests_per_minute > 0 {
+                st.requests.give(limits.requests_per_minute, 1);
+            }
+            drop(st);
+            return Err(e); // `self` drops here: the slot goes back.
+        }
+        if limits.input_tokens_per_minute > 0 {
+            st.input.take(input);
+        }
+        if limits.output_tokens_per_minute > 0 {
+            st.output.take(output);
+        }
+        let daily = (limits.daily_tokens > 0).then(|| {
+            let need = i64::from(input) + i64::from(output);
+            let d = st.today(now.ms);
+            d.reserved += need;
+            (d.day, need)
+        });
+        drop(st);
+        Ok(Reservation {
+            slot: self.slot,
+            input,
+            output,
+            daily,
+            open: true,
+        })
+    }
+
+    fn check_tokens(
+        st: &mut TenantState,
+        input: u32,
+        output: u32,
+        now: Now,
+    ) -> Result<(), LimitError> {
+        let limits = st.limits;
+        for (bucket, n, kind, cap) in [
             (
-                &t.input,
-                input_tokens,
+                &mut st.input,
+                input,
                 LimitKind::InputTokens,
                 limits.input_tokens_per_minute,
             ),
             (
-                &t.output,
-                max_tokens,
+                &mut st.output,
+                output,
                 LimitKind::OutputTokens,
                 limits.output_tokens_per_minute,
             ),
         ] {
-            let (Some(b), Some(n)) = (bucket, NonZeroU32::new(n)) else {
+            if cap == 0 || n == 0 {
                 continue;
-            };
-            match b.check_n(n) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
+            }
+            match bucket.check(cap, n, now.at) {
+                Ok(()) => {}
+                Err(Some(wait)) => {
                     return Err(LimitError {
                         kind,
-                        retry_after: wait_of(&e),
+                        retry_after: wait,
                         retryable: true,
-                        detail: format!("request needs {n} tokens; limit {limit} tokens/minute"),
+                        detail: format!("request needs {n} tokens; limit {cap} tokens/minute"),
                     })
                 }
-                Err(_) => {
+                Err(None) => {
                     return Err(LimitError {
                         kind,
                         retry_after: Duration::from_secs(60),
                         retryable: false,
                         detail: format!(
-                            "request needs {n} tokens, more than the limit of {limit} tokens/minute"
+                            "request needs {n} tokens, more than the limit of {cap} tokens/minute"
                         ),
                     })
                 }
             }
         }
-        Ok(Permit {
-            _slot: slot,
-            tenant: t,
-        })
+        let daily = limits.daily_tokens as i64;
+        if daily > 0 {
+            let need = i64::from(input) + i64::from(output);
+            let d = st.today(now.ms);
+            if d.used + d.reserved + need > daily {
+                // Fits once the requests in flight settle (they may use less than
+                // they reserved): worth a retry soon; else not before tomorrow.
+                let soon = d.used + need <= daily;
+                return Err(LimitError {
+                    kind: LimitKind::DailyQuota,
+                    retry_after: if soon {
+                        Duration::from_secs(1)
+                    } else {
+                        until_next_day(now.ms)
+                    },
+                    retryable: soon,
+                    detail: format!(
+                        "{} of {daily} daily tokens used and {} reserved by requests in flight; \
+                         this request needs {need} (prompt + max_tokens); the quota resets at \
+                         00:00 UTC",
+                        d.used, d.reserved
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Reservation {
+    /// Ends the request with what it really used: `input_used` prompt tokens and
+    /// `output_used` generated tokens (each at most what was reserved). The daily
+    /// counter is charged exactly that; unused token allowance goes back to the
+    /// per-minute buckets; the slot is released.
+    pub fn settle(mut self, input_used: i64, output_used: i64) {
+        self.finish(Some((input_used, output_used)));
+    }
+
+    /// Ends a request that computed nothing (refused by the engine, busy, aborted
+    /// before its prefill): no tokens charged, allowances back, slot released.
+    pub fn cancel(self) {
+        self.settle(0, 0);
+    }
+
+    /// Tokens reserved against the daily quota (0 without one).
+    pub fn reserved_daily(&self) -> i64 {
+        self.daily.map_or(0, |(_, n)| n)
+    }
+
+    fn finish(&mut self, used: Option<(i64, i64)>) {
+        if !self.open {
+            return;
+        }
+        self.open = false;
+        let mut st = self.slot.0.lock();
+        let limits = st.limits;
+        if let Some((day, reserved)) = self.daily {
+            if let Some(d) = st.daily.as_mut().filter(|d| d.day == day) {
+                d.reserved -= reserved;
+                d.used += match used {
+                    Some((i, o)) => (i.max(0) + o.max(0)).min(reserved),
+                    None => reserved,
+                };
+            }
+        }
+        if let Some((i, o)) = used {
+            let back =
+                |held: u32, used: i64| held.saturating_sub(used.clamp(0, i64::from(held)) as u32);
+            if limits.input_tokens_per_minute > 0 {
+                st.input
+                    .give(limits.input_tokens_per_minute, back(self.input, i));
+            }
+            if limits.output_tokens_per_minute > 0 {
+                st.output
+                    .give(limits.output_tokens_per_minute, back(self.output, o));
+            }
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // Unsettled: charge the whole reservation (never less than may have run).
+        self.finish(None);
     }
 }
 
@@ -275,78 +630,222 @@ impl Limiter {
 mod tests {
     use super::*;
 
-    #[test]
-    fn requests_per_minute_and_isolation() {
-        let l = Limiter::new();
-        let lim = Limits {
-            requests_per_minute: 2,
-            ..Limits::default()
-        };
-        assert!(l.check("a", lim, 1, 1).is_ok());
-        assert!(l.check("a", lim, 1, 1).is_ok());
-        let e = l.check("a", lim, 1, 1).unwrap_err();
-        assert_eq!(e.kind, LimitKind::Requests);
-        assert!(e.retryable);
-        assert!(e.retry_after > Duration::from_secs(1) && e.retry_after <= Duration::from_secs(30));
-        // Another tenant with the same limits is unaffected.
-        assert!(l.check("b", lim, 1, 1).is_ok());
+    const DAY0: i64 = 1_767_225_600_000; // 2026-01-01T00:00:00Z
+
+    fn at(base: Instant, secs: f64) -> Now {
+        Now {
+            at: base + Duration::from_secs_f64(secs),
+            ms: DAY0 + (secs * 1000.0) as i64,
+        }
     }
 
     #[test]
-    fn concurrency_released_on_drop() {
+    fn requests_per_minute_refill_and_isolation() {
+        let l = Limiter::new();
+        let t0 = Instant::now();
+        let lim = Limits {
+            requests_per_minute: 2,
+            ..Limits::UNLIMITED
+        };
+        assert!(l.admit_at("a", lim, at(t0, 0.0)).is_ok());
+        assert!(l.admit_at("a", lim, at(t0, 0.0)).is_ok());
+        let e = l.admit_at("a", lim, at(t0, 0.0)).unwrap_err();
+        assert_eq!(e.kind, LimitKind::Requests);
+        assert!(e.retryable);
+        assert_eq!(e.retry_after, Duration::from_secs(30));
+        // Half a minute later one request's worth has refilled, not two.
+        assert!(l.admit_at("a", lim, at(t0, 30.0)).is_ok());
+        assert!(l.admit_at("a", lim, at(t0, 30.0)).is_err());
+        // Another tenant with the same limits is unaffected.
+        assert!(l.admit_at("b", lim, at(t0, 0.0)).is_ok());
+    }
+
+    #[test]
+    fn concurrency_slot_released_on_drop_of_each_guard() {
         let l = Limiter::new();
         let lim = Limits {
             max_concurrent: 1,
-            ..Limits::default()
+            ..Limits::UNLIMITED
         };
-        let p = l.check("a", lim, 1, 1).unwrap();
+        let a = l.admit("a", lim).unwrap();
+        assert_eq!(l.inflight("a"), 1);
+        assert_eq!(l.admit("a", lim).unwrap_err().kind, LimitKind::Concurrency);
+        drop(a);
+        assert_eq!(l.inflight("a"), 0);
+        let r = l.admit("a", lim).unwrap().reserve(1, 1).unwrap();
+        assert_eq!(l.inflight("a"), 1);
+        drop(r);
+        assert_eq!(l.inflight("a"), 0);
+        let r = l.admit("a", lim).unwrap().reserve(1, 1).unwrap();
+        r.settle(1, 1);
+        assert_eq!(l.inflight("a"), 0);
+    }
+
+    #[test]
+    fn changing_limits_keeps_the_inflight_count() {
+        let l = Limiter::new();
+        let one = Limits {
+            max_concurrent: 1,
+            ..Limits::UNLIMITED
+        };
+        let running = l.admit("a", one).unwrap();
+        // New limits (rpm added, still one at a time): the running request counts.
+        let changed = Limits {
+            requests_per_minute: 100,
+            ..one
+        };
         assert_eq!(
-            l.check("a", lim, 1, 1).unwrap_err().kind,
+            l.admit("a", changed).unwrap_err().kind,
             LimitKind::Concurrency
         );
-        drop(p);
-        assert!(l.check("a", lim, 1, 1).is_ok());
+        // Raised to two: exactly one more fits.
+        let two = Limits {
+            max_concurrent: 2,
+            ..changed
+        };
+        let second = l.admit("a", two).unwrap();
+        assert_eq!(l.admit("a", two).unwrap_err().kind, LimitKind::Concurrency);
+        assert_eq!(l.inflight("a"), 2);
+        drop((running, second));
+        assert_eq!(l.inflight("a"), 0);
     }
 
     #[test]
     fn token_limits_and_oversized_requests() {
         let l = Limiter::new();
+        let t0 = Instant::now();
         let lim = Limits {
             input_tokens_per_minute: 100,
             output_tokens_per_minute: 50,
-            ..Limits::default()
+            ..Limits::UNLIMITED
         };
-        let e = l.check("a", lim, 101, 1).unwrap_err();
+        let adm = |n| l.admit_at("a", lim, at(t0, n)).unwrap();
+        let e = adm(0.0).reserve_at(101, 1, at(t0, 0.0)).unwrap_err();
         assert_eq!((e.kind, e.retryable), (LimitKind::InputTokens, false));
-        let e = l.check("a", lim, 1, 51).unwrap_err();
+        let e = adm(0.0).reserve_at(1, 51, at(t0, 0.0)).unwrap_err();
         assert_eq!((e.kind, e.retryable), (LimitKind::OutputTokens, false));
-        assert!(l.check("a", lim, 60, 10).is_ok());
-        let e = l.check("a", lim, 60, 10).unwrap_err();
+        let r = adm(0.0).reserve_at(60, 10, at(t0, 0.0)).unwrap();
+        let e = adm(0.0).reserve_at(60, 10, at(t0, 0.0)).unwrap_err();
         assert_eq!((e.kind, e.retryable), (LimitKind::InputTokens, true));
+        // 20 more input tokens are missing: 12 s at 100/minute.
+        assert_eq!(e.retry_after, Duration::from_secs(12));
+        // Settling below the reservation gives the rest back: the output bucket
+        // held 10, used 2, so 48 of 50 are available again.
+        r.settle(60, 2);
+        assert!(adm(0.0).reserve_at(1, 48, at(t0, 0.0)).is_ok());
     }
 
     #[test]
-    fn daily_quota() {
+    fn a_refusal_in_phase_two_gives_back_the_request_and_the_slot() {
+        let l = Limiter::new();
+        let t0 = Instant::now();
+        let lim = Limits {
+            requests_per_minute: 1,
+            input_tokens_per_minute: 10,
+            max_concurrent: 1,
+            ..Limits::UNLIMITED
+        };
+        let a = l.admit_at("a", lim, at(t0, 0.0)).unwrap();
+        assert_eq!(
+            a.reserve_at(11, 1, at(t0, 0.0)).unwrap_err().kind,
+            LimitKind::InputTokens
+        );
+        assert_eq!(l.inflight("a"), 0);
+        // The one request of this minute is still there.
+        let a = l.admit_at("a", lim, at(t0, 0.0)).unwrap();
+        assert!(a.reserve_at(5, 1, at(t0, 0.0)).is_ok());
+    }
+
+    #[test]
+    fn daily_quota_is_reserved_at_admission_and_settled_exactly() {
         let l = Limiter::new();
         let lim = Limits {
             daily_tokens: 100,
-            ..Limits::default()
+            ..Limits::UNLIMITED
         };
         assert!(l.needs_daily("a", lim));
-        l.set_daily_used("a", lim, 90);
+        l.set_daily_used("a", lim, 40);
         assert!(!l.needs_daily("a", lim));
-        let p = l.check("a", lim, 5, 5).unwrap();
-        p.finish(10);
-        let e = l.check("a", lim, 1, 1).unwrap_err();
+        // A later load of the same day is ignored (first load wins).
+        l.set_daily_used("a", lim, 0);
+        assert_eq!(l.daily("a").unwrap().used, 40);
+        // Two requests of 30 reserved: 40 + 60 = 100 fits exactly; a third does not.
+        let r1 = l.admit("a", lim).unwrap().reserve(10, 20).unwrap();
+        let r2 = l.admit("a", lim).unwrap().reserve(10, 20).unwrap();
+        assert_eq!(l.daily("a").unwrap().reserved, 60);
+        let e = l.admit("a", lim).unwrap().reserve(1, 0).unwrap_err();
+        assert_eq!(e.kind, LimitKind::DailyQuota);
+        // It would fit once the others settle below their reservations: retry soon.
+        assert!(e.retryable);
+        assert_eq!(l.inflight("a"), 2);
+        r1.settle(10, 5);
+        let d = l.daily("a").unwrap();
+        assert_eq!((d.used, d.reserved), (55, 30));
+        // Cancelled: nothing charged.
+        r2.cancel();
+        let d = l.daily("a").unwrap();
+        assert_eq!((d.used, d.reserved), (55, 0));
+        // Dropped unsettled: the whole reservation is charged.
+        drop(l.admit("a", lim).unwrap().reserve(10, 10).unwrap());
+        let d = l.daily("a").unwrap();
+        assert_eq!((d.used, d.reserved), (75, 0));
+        // More than what is left today, with nothing in flight: not before tomorrow.
+        let e = l.admit("a", lim).unwrap().reserve(20, 10).unwrap_err();
         assert_eq!((e.kind, e.retryable), (LimitKind::DailyQuota, false));
         assert!(e.retry_after >= Duration::from_secs(1));
+        assert_eq!(l.inflight("a"), 0);
     }
 
     #[test]
-    fn unlimited_by_default() {
+    fn a_new_day_starts_at_zero_and_old_reservations_settle_into_their_day() {
+        let l = Limiter::new();
+        let t0 = Instant::now();
+        let lim = Limits {
+            daily_tokens: 100,
+            ..Limits::UNLIMITED
+        };
+        let r = l
+            .admit_at("a", lim, at(t0, 0.0))
+            .unwrap()
+            .reserve_at(50, 50, at(t0, 0.0))
+            .unwrap();
+        let next_day = at(t0, 86_400.0);
+        let r2 = l
+            .admit_at("a", lim, next_day)
+            .unwrap()
+            .reserve_at(50, 50, next_day)
+            .unwrap();
+        r.settle(50, 50);
+        let d = l.daily("a").unwrap();
+        assert_eq!((d.day, d.used, d.reserved), (utc_day(next_day.ms), 0, 100));
+        drop(r2);
+    }
+
+    #[test]
+    fn usage_queries_have_their_own_bucket() {
+        let l = Limiter::new();
+        let t0 = Instant::now();
+        let lim = Limits {
+            requests_per_minute: 1,
+            ..Limits::UNLIMITED
+        };
+        assert!(l.usage_query_at("a", lim, 2, at(t0, 0.0)).is_ok());
+        assert!(l.usage_query_at("a", lim, 2, at(t0, 0.0)).is_ok());
+        let e = l.usage_query_at("a", lim, 2, at(t0, 0.0)).unwrap_err();
+        assert_eq!(e.kind, LimitKind::UsageQueries);
+        // Inference is counted apart.
+        assert!(l.admit_at("a", lim, at(t0, 0.0)).is_ok());
+        assert!(l.usage_query_at("a", lim, 2, at(t0, 30.0)).is_ok());
+    }
+
+    #[test]
+    fn unlimited_means_unlimited() {
         let l = Limiter::new();
         for _ in 0..1000 {
-            assert!(l.check("a", Limits::default(), 1000, 1000).is_ok());
+            let r = l.admit("a", Limits::UNLIMITED).unwrap().reserve(1000, 1000);
+            r.unwrap().settle(1000, 1000);
         }
+        assert_eq!(l.inflight("a"), 0);
+        assert_eq!(l.daily("a"), None);
     }
 }

@@ -2,16 +2,23 @@
 //! statements and migrations serves SQLite (`sqlite://path`, the embedded default)
 //! and PostgreSQL (`postgres://...`). Placeholders are `$1, $2, ...` (both accept them).
 
-use crate::keys::ApiKey;
+use crate::keys::{ApiKey, Scopes};
 use crate::now_ms;
 use serde::Serialize;
+use serde_json::json;
 use sqlx::any::{AnyPoolOptions, AnyRow};
-use sqlx::{AnyPool, Row};
+use sqlx::{AnyConnection, AnyPool, Row};
 use std::str::FromStr;
 
 /// Migrations, in order; each runs once, inside a transaction.
-const MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "init", include_str!("../migrations/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "init", include_str!("../migrations/0001_init.sql")),
+    (
+        2,
+        "scopes_audit_retention",
+        include_str!("../migrations/0002_scopes_audit_retention.sql"),
+    ),
+];
 
 /// Store failures.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +52,9 @@ pub enum AuthError {
     /// The key was revoked.
     #[error("API key has been revoked")]
     Revoked,
+    /// The key's expiry time has passed.
+    #[error("API key has expired")]
+    Expired,
     /// The key's tenant is suspended.
     #[error("account {0} is suspended")]
     Suspended(String),
@@ -58,6 +68,7 @@ impl AuthError {
             Self::Malformed => "malformed_key",
             Self::Invalid => "invalid_key",
             Self::Revoked => "revoked_key",
+            Self::Expired => "expired_key",
             Self::Suspended(_) => "tenant_suspended",
         }
     }
@@ -94,9 +105,11 @@ impl FromStr for TenantStatus {
     }
 }
 
-/// Per-tenant limits; 0 means unlimited.
+/// Per-tenant limits; 0 means unlimited. `Default` is [`Limits::UNLIMITED`]; new
+/// tenants get the operator's configured defaults ([`Limits::NEW_TENANT`] unless
+/// configured otherwise), never "unlimited" by omission.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct Limits {
     /// Requests per minute.
     pub requests_per_minute: u32,
@@ -108,6 +121,61 @@ pub struct Limits {
     pub max_concurrent: u32,
     /// Input + output tokens per UTC day.
     pub daily_tokens: u64,
+}
+
+impl Limits {
+    /// No limit at all (every field 0).
+    pub const UNLIMITED: Limits = Limits {
+        requests_per_minute: 0,
+        input_tokens_per_minute: 0,
+        output_tokens_per_minute: 0,
+        max_concurrent: 0,
+        daily_tokens: 0,
+    };
+
+    /// The built-in defaults for a new tenant: 600 requests/minute, 400,000 input
+    /// and 100,000 output tokens/minute, 16 requests at once, 10,000,000 tokens/day.
+    pub const NEW_TENANT: Limits = Limits {
+        requests_per_minute: 600,
+        input_tokens_per_minute: 400_000,
+        output_tokens_per_minute: 100_000,
+        max_concurrent: 16,
+        daily_tokens: 10_000_000,
+    };
+}
+
+/// A partial [`Limits`]: the fields given replace those of a base, the others keep
+/// the base's value. Unknown fields are an error (a typo never reads as "unchanged").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsPatch {
+    /// Requests per minute.
+    pub requests_per_minute: Option<u32>,
+    /// Prompt tokens per minute.
+    pub input_tokens_per_minute: Option<u32>,
+    /// Output tokens per minute.
+    pub output_tokens_per_minute: Option<u32>,
+    /// Requests in flight at once.
+    pub max_concurrent: Option<u32>,
+    /// Input + output tokens per UTC day.
+    pub daily_tokens: Option<u64>,
+}
+
+impl LimitsPatch {
+    /// `base` with this patch's fields replaced.
+    pub fn apply(&self, base: Limits) -> Limits {
+        Limits {
+            requests_per_minute: self.requests_per_minute.unwrap_or(base.requests_per_minute),
+            input_tokens_per_minute: self
+                .input_tokens_per_minute
+                .unwrap_or(base.input_tokens_per_minute),
+            output_tokens_per_minute: self
+                .output_tokens_per_minute
+                .unwrap_or(base.output_tokens_per_minute),
+            max_concurrent: self.max_concurrent.unwrap_or(base.max_concurrent),
+            daily_tokens: self.daily_tokens.unwrap_or(base.daily_tokens),
+        }
+    }
 }
 
 /// A tenant (account).
@@ -146,6 +214,32 @@ pub struct KeyInfo {
     pub created_ms: i64,
     /// Revocation time (Unix ms), if revoked.
     pub revoked_ms: Option<i64>,
+    /// What the key may do.
+    pub scopes: Scopes,
+    /// Expiry time (Unix ms); `None`: never expires.
+    pub expires_ms: Option<i64>,
+}
+
+/// What a new key carries besides its owner.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewKey {
+    /// Label.
+    pub name: String,
+    /// Scopes ([`Scopes::ALL`] by default).
+    pub scopes: Scopes,
+    /// Expiry time (Unix ms); `None`: never expires.
+    pub expires_ms: Option<i64>,
+}
+
+impl NewKey {
+    /// A key named `name` with every scope and no expiry.
+    pub fn named(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            scopes: Scopes::ALL,
+            expires_ms: None,
+        }
+    }
 }
 
 /// An authenticated caller.
@@ -155,6 +249,37 @@ pub struct Principal {
     pub tenant: Tenant,
     /// The key used.
     pub key_id: String,
+    /// The key's scopes.
+    pub scopes: Scopes,
+}
+
+/// Who performs an audited admin action: written into its audit row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuditCtx {
+    /// The admin request's id (`x-request-id`; random per CLI run).
+    pub request_id: String,
+    /// The peer address of the admin request, or `cli:<user>`.
+    pub source: String,
+}
+
+/// One row of the admin audit log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AuditRecord {
+    /// Row id (sorts in time order).
+    pub id: String,
+    /// When (Unix ms).
+    pub at_ms: i64,
+    /// `tenant.create`, `tenant.suspend`, `tenant.activate`, `tenant.limits`,
+    /// `key.create` or `key.revoke`.
+    pub action: String,
+    /// The tenant id or key id acted on.
+    pub target: String,
+    /// The admin request id.
+    pub request_id: String,
+    /// Peer address or `cli:<user>`.
+    pub source: String,
+    /// What was set, as JSON (never a key secret).
+    pub detail: serde_json::Value,
 }
 
 /// One usage-ledger row.
@@ -344,6 +469,10 @@ fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
     })
 }
 
+fn scopes_of(r: &AnyRow) -> Result<Scopes, StoreError> {
+    Scopes::parse(&get_str(r, "scopes")?).map_err(StoreError::Corrupt)
+}
+
 fn key_from_row(r: &AnyRow) -> Result<KeyInfo, StoreError> {
     Ok(KeyInfo {
         key_id: get_str(r, "key_id")?,
@@ -351,7 +480,97 @@ fn key_from_row(r: &AnyRow) -> Result<KeyInfo, StoreError> {
         name: get_str(r, "name")?,
         created_ms: get_i64(r, "created_ms")?,
         revoked_ms: r.try_get::<Option<i64>, _>("revoked_ms")?,
+        scopes: scopes_of(r)?,
+        expires_ms: r.try_get::<Option<i64>, _>("expires_ms")?,
     })
+}
+
+fn audit_from_row(r: &AnyRow) -> Result<AuditRecord, StoreError> {
+    let detail = get_str(r, "detail")?;
+    Ok(AuditRecord {
+        id: get_str(r, "id")?,
+        at_ms: get_i64(r, "at_ms")?,
+        action: get_str(r, "action")?,
+        target: get_str(r, "target")?,
+        request_id: get_str(r, "request_id")?,
+        source: get_str(r, "source")?,
+        detail: serde_json::from_str(&detail)
+            .map_err(|e| StoreError::Corrupt(format!("audit detail: {e}")))?,
+    })
+}
+
+/// Appends one audit row on `conn` (inside the action's transaction).
+async fn audit_in(
+    conn: &mut AnyConnection,
+    by: Option<&AuditCtx>,
+    action: &str,
+    target: &str,
+    detail: serde_json::Value,
+) -> Result<(), StoreError> {
+    let Some(by) = by else {
+        return Ok(());
+    };
+    let us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0);
+    sqlx::query(
+        "INSERT INTO admin_audit (id, at_ms, action, target, request_id, source, detail) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(format!("{us:016x}{}", crate::random_hex(8)))
+    .bind((us / 1000) as i64)
+    .bind(action)
+    .bind(target)
+    .bind(&by.request_id)
+    .bind(&by.source)
+    .bind(detail.to_string())
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// The admin operations of a [`Store`], each writing its audit row in the same
+/// transaction as the change (see [`Store::audited`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Audited<'a> {
+    store: &'a Store,
+    by: &'a AuditCtx,
+}
+
+impl Audited<'_> {
+    /// [`Store::create_tenant`], audited as `tenant.create`.
+    pub async fn create_tenant(&self, name: &str, limits: Limits) -> Result<Tenant, StoreError> {
+        self.store
+            .create_tenant_as(Some(self.by), name, limits)
+            .await
+    }
+
+    /// [`Store::set_status`], audited as `tenant.suspend` / `tenant.activate`.
+    pub async fn set_status(&self, id: &str, status: TenantStatus) -> Result<(), StoreError> {
+        self.store.set_status_as(Some(self.by), id, status).await
+    }
+
+    /// [`Store::set_limits`], audited as `tenant.limits`.
+    pub async fn set_limits(&self, id: &str, l: Limits) -> Result<(), StoreError> {
+        self.store.set_limits_as(Some(self.by), id, l).await
+    }
+
+    /// [`Store::create_key_with`], audited as `key.create` (the secret is not logged).
+    pub async fn create_key(
+        &self,
+        tenant_id: &str,
+        key: &NewKey,
+    ) -> Result<(KeyInfo, String), StoreError> {
+        self.store
+            .create_key_as(Some(self.by), tenant_id, key)
+            .await
+    }
+
+    /// [`Store::revoke_key`], audited as `key.revoke` (only when a key was revoked).
+    pub async fn revoke_key(&self, key_id: &str) -> Result<bool, StoreError> {
+        self.store.revoke_key_as(Some(self.by), key_id).await
+    }
 }
 
 fn usage_from_row(r: &AnyRow) -> Result<UsageRecord, StoreError> {
@@ -462,8 +681,25 @@ impl Store {
         sqlx::query("SELECT 1").fetch_one(&self.pool).await.is_ok()
     }
 
-    /// Creates an active tenant with a fresh account id.
+    /// The admin operations, audited as done `by` (one audit row per change, in
+    /// the change's transaction). The unaudited methods below are for tests and
+    /// tools that are not admin actions.
+    pub fn audited<'a>(&'a self, by: &'a AuditCtx) -> Audited<'a> {
+        Audited { store: self, by }
+    }
+
+    /// Creates an active tenant with a fresh account id (not audited; see
+    /// [`Store::audited`]).
     pub async fn create_tenant(&self, name: &str, limits: Limits) -> Result<Tenant, StoreError> {
+        self.create_tenant_as(None, name, limits).await
+    }
+
+    async fn create_tenant_as(
+        &self,
+        by: Option<&AuditCtx>,
+        name: &str,
+        limits: Limits,
+    ) -> Result<Tenant, StoreError> {
         let t = Tenant {
             id: crate::random_hex(16),
             name: name.into(),
@@ -491,6 +727,8 @@ impl Store {
         .bind(limits.daily_tokens as i64)
         .execute(&mut *tx)
         .await?;
+        let detail = json!({"name": name, "limits": limits});
+        audit_in(&mut tx, by, "tenant.create", &t.id, detail).await?;
         tx.commit().await?;
         Ok(t)
     }
@@ -515,21 +753,50 @@ impl Store {
         row.as_ref().map(tenant_from_row).transpose()
     }
 
-    /// Sets a tenant's status; effective on its next request.
+    /// Sets a tenant's status (not audited; see [`Store::audited`]); effective on
+    /// its next request, and a running gateway aborts the tenant's requests in
+    /// flight when it sees a suspension.
     pub async fn set_status(&self, id: &str, status: TenantStatus) -> Result<(), StoreError> {
+        self.set_status_as(None, id, status).await
+    }
+
+    async fn set_status_as(
+        &self,
+        by: Option<&AuditCtx>,
+        id: &str,
+        status: TenantStatus,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
         let r = sqlx::query("UPDATE tenants SET status = $1 WHERE id = $2")
             .bind(status.as_str())
             .bind(id)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
         if r.rows_affected() == 0 {
             return Err(StoreError::NoTenant(id.into()));
         }
+        let action = match status {
+            TenantStatus::Active => "tenant.activate",
+            TenantStatus::Suspended => "tenant.suspend",
+        };
+        audit_in(&mut tx, by, action, id, json!({"status": status})).await?;
+        tx.commit().await?;
         Ok(())
     }
 
-    /// Replaces a tenant's limits; effective on its next request.
+    /// Replaces a tenant's limits (not audited; see [`Store::audited`]); effective
+    /// on its next request.
     pub async fn set_limits(&self, id: &str, l: Limits) -> Result<(), StoreError> {
+        self.set_limits_as(None, id, l).await
+    }
+
+    async fn set_limits_as(
+        &self,
+        by: Option<&AuditCtx>,
+        id: &str,
+        l: Limits,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
         let r = sqlx::query(
             "UPDATE tenant_limits SET requests_per_minute = $1, input_tokens_per_minute = $2, \
              output_tokens_per_minute = $3, max_concurrent = $4, daily_tokens = $5 WHERE tenant_id = $6",
@@ -540,43 +807,81 @@ impl Store {
         .bind(l.max_concurrent as i64)
         .bind(l.daily_tokens as i64)
         .bind(id)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
         if r.rows_affected() == 0 {
             return Err(StoreError::NoTenant(id.into()));
         }
+        audit_in(&mut tx, by, "tenant.limits", id, json!({"limits": l})).await?;
+        tx.commit().await?;
         Ok(())
     }
 
-    /// Creates a key for `tenant_id`; returns its metadata and the full key string,
-    /// which is shown once and never stored.
+    /// Creates a key with every scope and no expiry for `tenant_id` (not audited);
+    /// see [`Store::create_key_with`].
     pub async fn create_key(
         &self,
         tenant_id: &str,
         name: &str,
     ) -> Result<(KeyInfo, String), StoreError> {
-        if self.tenant(tenant_id).await?.is_none() {
+        self.create_key_as(None, tenant_id, &NewKey::named(name))
+            .await
+    }
+
+    /// Creates a key for `tenant_id` with `key`'s scopes and expiry (not audited;
+    /// see [`Store::audited`]); returns its metadata and the full key string, which
+    /// is shown once and never stored.
+    pub async fn create_key_with(
+        &self,
+        tenant_id: &str,
+        key: &NewKey,
+    ) -> Result<(KeyInfo, String), StoreError> {
+        self.create_key_as(None, tenant_id, key).await
+    }
+
+    async fn create_key_as(
+        &self,
+        by: Option<&AuditCtx>,
+        tenant_id: &str,
+        new: &NewKey,
+    ) -> Result<(KeyInfo, String), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let exists = sqlx::query("SELECT id FROM tenants WHERE id = $1")
+            .bind(tenant_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if exists.is_none() {
             return Err(StoreError::NoTenant(tenant_id.into()));
         }
         let key = ApiKey::generate();
         let info = KeyInfo {
             key_id: key.key_id().into(),
             tenant_id: tenant_id.into(),
-            name: name.into(),
+            name: new.name.clone(),
             created_ms: now_ms(),
             revoked_ms: None,
+            scopes: new.scopes,
+            expires_ms: new.expires_ms,
         };
         sqlx::query(
-            "INSERT INTO api_keys (key_id, tenant_id, name, secret_sha256, created_ms) \
-             VALUES ($1, $2, $3, $4, $5)",
+            "INSERT INTO api_keys (key_id, tenant_id, name, secret_sha256, created_ms, scopes, \
+             expires_ms) VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
         .bind(&info.key_id)
         .bind(&info.tenant_id)
         .bind(&info.name)
         .bind(key.digest_hex())
         .bind(info.created_ms)
-        .execute(&self.pool)
+        .bind(info.scopes.to_string())
+        .bind(info.expires_ms)
+        .execute(&mut *tx)
         .await?;
+        let detail = json!({
+            "tenant_id": tenant_id, "name": new.name, "scopes": new.scopes,
+            "expires_ms": new.expires_ms,
+        });
+        audit_in(&mut tx, by, "key.create", &info.key_id, detail).await?;
+        tx.commit().await?;
         Ok((info, key.expose()))
     }
 
@@ -604,7 +909,7 @@ impl Store {
 
     /// Keys, of one tenant or of all.
     pub async fn list_keys(&self, tenant_id: Option<&str>) -> Result<Vec<KeyInfo>, StoreError> {
-        let cols = "key_id, tenant_id, name, created_ms, revoked_ms";
+        let cols = "key_id, tenant_id, name, created_ms, revoked_ms, scopes, expires_ms";
         let rows = self
             .select_for_tenant(
                 &format!("SELECT {cols} FROM api_keys"),
@@ -615,17 +920,78 @@ impl Store {
         rows.iter().map(key_from_row).collect()
     }
 
-    /// Revokes a key; returns false if no active key has that id. Effective on the
-    /// next request (every request reads the key's row).
+    /// Revokes a key (not audited; see [`Store::audited`]); returns false if no
+    /// active key has that id. Effective on the next request (every request reads
+    /// the key's row), and a running gateway aborts the key's requests in flight.
     pub async fn revoke_key(&self, key_id: &str) -> Result<bool, StoreError> {
+        self.revoke_key_as(None, key_id).await
+    }
+
+    async fn revoke_key_as(&self, by: Option<&AuditCtx>, key_id: &str) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
         let r = sqlx::query(
             "UPDATE api_keys SET revoked_ms = $1 WHERE key_id = $2 AND revoked_ms IS NULL",
         )
         .bind(now_ms())
         .bind(key_id)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
-        Ok(r.rows_affected() > 0)
+        let revoked = r.rows_affected() > 0;
+        if revoked {
+            audit_in(&mut tx, by, "key.revoke", key_id, json!({})).await?;
+        }
+        tx.commit().await?;
+        Ok(revoked)
+    }
+
+    /// Of `key_ids`, those that can no longer authenticate (revoked, expired, the
+    /// tenant suspended, or gone), each with the reason. One query per 100 ids.
+    pub async fn invalid_keys(
+        &self,
+        key_ids: &[String],
+    ) -> Result<Vec<(String, AuthError)>, StoreError> {
+        let mut out = Vec::new();
+        let now = now_ms();
+        for chunk in key_ids.chunks(100) {
+            let marks: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
+            let q = format!(
+                "SELECT k.key_id, k.revoked_ms, k.expires_ms, t.id, t.status FROM api_keys k \
+                 JOIN tenants t ON t.id = k.tenant_id WHERE k.key_id IN ({})",
+                marks.join(", ")
+            );
+            let mut query = sqlx::query(&q);
+            for k in chunk {
+                query = query.bind(k);
+            }
+            let rows = query.fetch_all(&self.pool).await?;
+            let mut seen = std::collections::HashSet::new();
+            for r in &rows {
+                let key_id = get_str(r, "key_id")?;
+                seen.insert(key_id.clone());
+                let why = if r.try_get::<Option<i64>, _>("revoked_ms")?.is_some() {
+                    Some(AuthError::Revoked)
+                } else if r
+                    .try_get::<Option<i64>, _>("expires_ms")?
+                    .is_some_and(|e| e <= now)
+                {
+                    Some(AuthError::Expired)
+                } else if get_str(r, "status")?.parse::<TenantStatus>()? == TenantStatus::Suspended
+                {
+                    Some(AuthError::Suspended(get_str(r, "id")?))
+                } else {
+                    None
+                };
+                if let Some(w) = why {
+                    out.push((key_id, w));
+                }
+            }
+            for k in chunk {
+                if !seen.contains(k) {
+                    out.push((k.clone(), AuthError::Invalid));
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Resolves a presented key string to its tenant. The secret is checked by
@@ -639,7 +1005,7 @@ impl Store {
             return Ok(Err(AuthError::Malformed));
         };
         let q = format!(
-            "SELECT k.secret_sha256, k.revoked_ms, {TENANT_COLS} FROM api_keys k \
+            "SELECT k.secret_sha256, k.revoked_ms, k.expires_ms, k.scopes, {TENANT_COLS} FROM api_keys k \
              JOIN tenants t ON t.id = k.tenant_id JOIN tenant_limits l ON l.tenant_id = t.id \
              WHERE k.key_id = $1"
         );
@@ -658,6 +1024,12 @@ impl Store {
         if row.try_get::<Option<i64>, _>("revoked_ms")?.is_some() {
             return Ok(Err(AuthError::Revoked));
         }
+        if row
+            .try_get::<Option<i64>, _>("expires_ms")?
+            .is_some_and(|e| e <= now_ms())
+        {
+            return Ok(Err(AuthError::Expired));
+        }
         let tenant = tenant_from_row(&row)?;
         if tenant.status == TenantStatus::Suspended {
             return Ok(Err(AuthError::Suspended(tenant.id)));
@@ -665,6 +1037,7 @@ impl Store {
         Ok(Ok(Principal {
             tenant,
             key_id: key.key_id().into(),
+            scopes: scopes_of(&row)?,
         }))
     }
 
@@ -721,6 +1094,35 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(usage_from_row).transpose()
+    }
+
+    /// Deletes ledger rows created before `before_ms` (the retention prune);
+    /// returns how many.
+    pub async fn prune_usage(&self, before_ms: i64) -> Result<u64, StoreError> {
+        let r = sqlx::query("DELETE FROM usage_ledger WHERE created_ms < $1")
+            .bind(before_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected())
+    }
+
+    /// Audit rows in `[since_ms, until_ms)`, oldest first, at most `limit`.
+    pub async fn audit_rows(
+        &self,
+        since_ms: i64,
+        until_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<AuditRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, at_ms, action, target, request_id, source, detail FROM admin_audit \
+             WHERE at_ms >= $1 AND at_ms < $2 ORDER BY id LIMIT $3",
+        )
+        .bind(since_ms)
+        .bind(until_ms)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(audit_from_row).collect()
     }
 
     /// Input + output tokens of `tenant_id` since `since_ms`.

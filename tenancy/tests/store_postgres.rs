@@ -14,3 +14,10 @@ async fn postgres_store_contract() {
     let again = tessera_tenancy::Store::connect(&url).await.unwrap();
     assert!(again.list_tenants().await.unwrap().len() >= 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_scopes_audit_and_retention() {
+    let (_server, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_admin_contract(&store).await;
+}

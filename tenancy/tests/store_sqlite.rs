@@ -14,3 +14,11 @@ async fn sqlite_store_contract() {
     let again = tessera_tenancy::Store::connect(&url).await.unwrap();
     assert_eq!(again.list_tenants().await.unwrap().len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_scopes_audit_and_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_admin_contract(&store).await;
+}

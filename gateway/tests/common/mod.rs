@@ -12,7 +12,8 @@ use tessera_serving::EngineHandle;
 use tessera_tenancy::{Limits, Store, Tenant, UsageRecord};
 
 pub const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
-pub const ADMIN: &str = "test-admin-token";
+/// The admin token of test servers (at least 32 bytes, as the server requires).
+pub const ADMIN: &str = "test-admin-token-0123456789abcdef0123";
 
 pub fn model_path() -> PathBuf {
     std::env::var_os("TESSERA_MODEL")
@@ -27,6 +28,8 @@ pub fn model_path() -> PathBuf {
 
 pub struct TestServer {
     pub base: String,
+    /// The admin listener's base URL, when the config asked for one.
+    pub admin_base: Option<String>,
     pub addr: std::net::SocketAddr,
     pub state: Arc<AppState>,
     pub tenant: Tenant,
@@ -48,15 +51,27 @@ pub async fn start_with(cfg: GatewayConfig) -> TestServer {
 }
 
 /// Starts the server on the store at `url` (default: a SQLite file in a temp dir).
-pub async fn start_with_store(mut cfg: GatewayConfig, url: Option<String>) -> TestServer {
+pub async fn start_with_store(cfg: GatewayConfig, url: Option<String>) -> TestServer {
+    start_full(cfg, url, EngineConfig::default()).await
+}
+
+/// Starts the server with a co-located engine configured as `engine`.
+pub async fn start_with_engine(cfg: GatewayConfig, engine: EngineConfig) -> TestServer {
+    start_full(cfg, None, engine).await
+}
+
+async fn start_full(mut cfg: GatewayConfig, url: Option<String>, ecfg: EngineConfig) -> TestServer {
     let dir = tempfile::tempdir().unwrap();
     let url =
         url.unwrap_or_else(|| format!("sqlite://{}", dir.path().join("tessera.db").display()));
     let store = Store::connect(&url).await.unwrap();
     let model = LoadedModel::load(&model_path()).expect("model (run `tessera model fetch`)");
-    let engine = EngineHandle::spawn(&model, EngineConfig::default());
+    let engine = EngineHandle::spawn(&model, ecfg);
     cfg.listen = "127.0.0.1:0".parse().unwrap();
-    cfg.admin_token = Some(ADMIN.into());
+    if cfg.admin_listen.is_some() {
+        cfg.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    cfg.admin_token.get_or_insert_with(|| ADMIN.into());
     if let TlsMode::SelfSigned(None) = cfg.tls {
         cfg.tls = TlsMode::SelfSigned(Some(dir.path().join("cert.pem")));
     }
@@ -64,6 +79,9 @@ pub async fn start_with_store(mut cfg: GatewayConfig, url: Option<String>) -> Te
     let server = Server::bind(&cfg, state.clone()).await.unwrap();
     let addr = server.local_addr();
     let base = format!("{}://{}", server.scheme(), addr);
+    let admin_base = server
+        .admin_addr()
+        .map(|a| format!("{}://{a}", server.scheme()));
     let (shutdown, rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(server.run_until(async move {
         let _ = rx.await;
@@ -75,6 +93,7 @@ pub async fn start_with_store(mut cfg: GatewayConfig, url: Option<String>) -> Te
     let (_, key) = store.create_key(&tenant.id, "test").await.unwrap();
     TestServer {
         base,
+        admin_base,
         addr,
         state,
         tenant,
@@ -127,9 +146,11 @@ impl TestServer {
         split(r.send().await.unwrap()).await
     }
 
-    /// The request's ledger row (written right after the response ends: polls).
+    /// The request's ledger row (written once the response ended and serving
+    /// confirmed the release, which after an abort can take an engine step: polls,
+    /// up to 30 s).
     pub async fn row(&self, rid: &str) -> UsageRecord {
-        for _ in 0..400 {
+        for _ in 0..6000 {
             if let Some(r) = self.store().usage_row(rid).await.unwrap() {
                 return r;
             }
@@ -146,6 +167,57 @@ impl TestServer {
     pub async fn row_count(&self) -> usize {
         self.settle().await;
         self.store().usage_rows(None).await.unwrap().len()
+    }
+
+    /// A request to the admin API (on the admin listener when there is one) with
+    /// the admin token.
+    pub fn admin(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let base = self.admin_base.as_deref().unwrap_or(&self.base);
+        self.client
+            .request(method, format!("{base}{path}"))
+            .bearer_auth(ADMIN)
+    }
+
+    /// An admin GET; returns status, x-request-id and body JSON.
+    pub async fn admin_get(&self, path: &str) -> (u16, String, serde_json::Value) {
+        split(self.admin(reqwest::Method::GET, path).send().await.unwrap()).await
+    }
+
+    /// Starts a streaming generation for `account` with `key`; returns the open
+    /// response after its first frame.
+    pub async fn open_stream(
+        &self,
+        account: &str,
+        key: &str,
+        max_tokens: u32,
+    ) -> reqwest::Response {
+        self.open_stream_with_first(account, key, max_tokens)
+            .await
+            .0
+    }
+
+    /// [`Self::open_stream`], also returning the first chunk's text.
+    pub async fn open_stream_with_first(
+        &self,
+        account: &str,
+        key: &str,
+        max_tokens: u32,
+    ) -> (reqwest::Response, String) {
+        let body = serde_json::json!({
+            "prompt": "Count from 1 to 1000, separated by commas.",
+            "max_tokens": max_tokens, "stream": true,
+        });
+        let mut resp = self
+            .client
+            .post(self.run_url(account))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let first = resp.chunk().await.unwrap().expect("first frame");
+        (resp, String::from_utf8_lossy(&first).into_owned())
     }
 
     pub fn account_url(&self, path: &str) -> String {
@@ -166,6 +238,22 @@ impl TestServer {
         }
         panic!("engine not idle: {:?}", self.state.engine.stats());
     }
+}
+
+/// Reads the rest of a stream; returns its text.
+pub async fn rest_of(mut resp: reqwest::Response) -> String {
+    let mut body = String::new();
+    while let Ok(Some(c)) = resp.chunk().await {
+        body.push_str(&String::from_utf8_lossy(&c));
+    }
+    body
+}
+
+/// The last SSE frame's JSON.
+pub fn last_frame(body: &str) -> serde_json::Value {
+    let last = body.trim_end().rsplit("\n\n").next().unwrap_or_default();
+    serde_json::from_str(last.strip_prefix("data: ").unwrap_or(last))
+        .unwrap_or_else(|_| panic!("bad last frame in {body:?}"))
 }
 
 pub async fn split(resp: reqwest::Response) -> (u16, String, serde_json::Value) {

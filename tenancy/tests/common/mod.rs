@@ -1,7 +1,9 @@
 //! The store contract both backends must meet (same SQL for SQLite and PostgreSQL).
 
 use tessera_tenancy::store::rfc3339;
-use tessera_tenancy::{AuthError, GroupBy, Limits, Store, TenantStatus, UsageRecord};
+use tessera_tenancy::{
+    AuditCtx, AuthError, GroupBy, Limits, NewKey, Scope, Scopes, Store, TenantStatus, UsageRecord,
+};
 
 #[allow(clippy::too_many_arguments)] // a table row, one argument per column
 fn row(
@@ -268,4 +270,145 @@ pub(crate) async fn store_contract(store: &Store) {
     assert_eq!(b_sum[0].input_tokens, 1000);
     assert_eq!(store.tokens_since(&a.id, t0).await.unwrap(), 25);
     assert!(store.ping().await);
+}
+
+/// Key scopes and expiry, the audit log (one row per successful audited action,
+/// none for unaudited calls or failed actions), the revocation check used for
+/// requests in flight, and the retention prune.
+pub(crate) async fn store_admin_contract(store: &Store) {
+    let by = AuditCtx {
+        request_id: tessera_tenancy::random_hex(16),
+        source: "127.0.0.1:4242".into(),
+    };
+    let start = tessera_tenancy::now_ms();
+    let admin = store.audited(&by);
+    let t = admin
+        .create_tenant("audited", Limits::NEW_TENANT)
+        .await
+        .unwrap();
+    assert_eq!(t.limits, Limits::NEW_TENANT);
+    // Scopes and expiry round-trip; existing-style keys get both scopes.
+    let read_only = NewKey {
+        name: "reader".into(),
+        scopes: Scopes::parse("usage:read").unwrap(),
+        expires_ms: None,
+    };
+    let (ki, kr) = admin.create_key(&t.id, &read_only).await.unwrap();
+    assert_eq!(ki.scopes, read_only.scopes);
+    let p = store.authenticate(&kr).await.unwrap().unwrap();
+    assert!(p.scopes.contains(Scope::UsageRead) && !p.scopes.contains(Scope::Inference));
+    let (_, full) = store.create_key(&t.id, "full").await.unwrap();
+    assert_eq!(
+        store.authenticate(&full).await.unwrap().unwrap().scopes,
+        Scopes::ALL
+    );
+    let expired = NewKey {
+        name: "old".into(),
+        scopes: Scopes::ALL,
+        expires_ms: Some(tessera_tenancy::now_ms() - 1),
+    };
+    let (ke, secret_e) = store.create_key_with(&t.id, &expired).await.unwrap();
+    assert_eq!(
+        store.authenticate(&secret_e).await.unwrap(),
+        Err(AuthError::Expired)
+    );
+    let listed = store.list_keys(Some(&t.id)).await.unwrap();
+    let le = listed.iter().find(|k| k.key_id == ke.key_id).unwrap();
+    assert_eq!(le.expires_ms, expired.expires_ms);
+    // The revocation check for requests in flight.
+    let full_id = full[4..20].to_string();
+    let ids = vec![
+        ki.key_id.clone(),
+        full_id.clone(),
+        ke.key_id.clone(),
+        "f".repeat(16),
+    ];
+    let mut bad = store.invalid_keys(&ids).await.unwrap();
+    bad.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut want = vec![
+        (ke.key_id.clone(), AuthError::Expired),
+        ("f".repeat(16), AuthError::Invalid),
+    ];
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(bad, want);
+    assert!(admin.revoke_key(&ki.key_id).await.unwrap());
+    assert!(
+        !admin.revoke_key(&ki.key_id).await.unwrap(),
+        "already revoked"
+    );
+    admin
+        .set_status(&t.id, TenantStatus::Suspended)
+        .await
+        .unwrap();
+    let bad = store
+        .invalid_keys(std::slice::from_ref(&full_id))
+        .await
+        .unwrap();
+    assert_eq!(bad, vec![(full_id, AuthError::Suspended(t.id.clone()))]);
+    admin.set_status(&t.id, TenantStatus::Active).await.unwrap();
+    let new = Limits {
+        daily_tokens: 5,
+        ..Limits::NEW_TENANT
+    };
+    admin.set_limits(&t.id, new).await.unwrap();
+    // Failed actions write nothing.
+    assert!(admin
+        .set_status("nope", TenantStatus::Active)
+        .await
+        .is_err());
+    assert!(admin.create_key("nope", &NewKey::named("x")).await.is_err());
+    // Audit: exactly the successful audited actions, in order, with who and what.
+    let rows: Vec<_> = store
+        .audit_rows(start, tessera_tenancy::now_ms() + 1, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.request_id == by.request_id)
+        .collect();
+    let actions: Vec<_> = rows
+        .iter()
+        .map(|r| (r.action.as_str(), r.target.as_str()))
+        .collect();
+    assert_eq!(
+        actions,
+        vec![
+            ("tenant.create", t.id.as_str()),
+            ("key.create", ki.key_id.as_str()),
+            ("key.revoke", ki.key_id.as_str()),
+            ("tenant.suspend", t.id.as_str()),
+            ("tenant.activate", t.id.as_str()),
+            ("tenant.limits", t.id.as_str()),
+        ]
+    );
+    assert!(rows
+        .iter()
+        .all(|r| r.source == "127.0.0.1:4242" && r.at_ms >= start));
+    assert_eq!(rows[1].detail["scopes"], serde_json::json!(["usage:read"]));
+    assert_eq!(rows[5].detail["limits"]["daily_tokens"], 5);
+    assert!(
+        !rows[1].detail.to_string().contains(&kr[21..]),
+        "no secret in the audit log"
+    );
+    assert_eq!(
+        store
+            .audit_rows(start, tessera_tenancy::now_ms() + 1, 2)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+    // Retention: rows before the cut go, later ones stay.
+    let old = row(&format!("{}-old", t.id), &t.id, "k", "m", 200, 1, 1, 1_000);
+    let recent = row(&format!("{}-new", t.id), &t.id, "k", "m", 200, 1, 1, start);
+    store.record_usage(&old).await.unwrap();
+    store.record_usage(&recent).await.unwrap();
+    assert!(store.prune_usage(946_684_800_000).await.unwrap() >= 1); // 2000-01-01
+    let left: Vec<_> = store
+        .usage_rows(Some(&t.id))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.request_id)
+        .collect();
+    assert_eq!(left, vec![recent.request_id]);
 }
