@@ -9,13 +9,13 @@
 use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::error::ServeError;
-use crate::links::{PdCounters, Reply, ReplyTo, TransferFault};
+use crate::links::{PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
 use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use crate::routing::Router;
 use crate::stream::RequestStream;
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use tessera_engine::{AdmissionLimits, Engine, EngineConfig, GenerateRequest, PdAdmission};
 use tessera_model::LoadedModel;
@@ -72,8 +72,6 @@ struct Nodes {
     counters: Arc<PdCounters>,
     faults: Faults,
     router: Router,
-    /// The `Arc` this lives in (transports outlive the call that made them).
-    self_ref: Weak<Nodes>,
 }
 
 /// The in-process coordinator as a node's reply link.
@@ -91,17 +89,36 @@ impl Nodes {
     }
 }
 
-impl PrefillLinks for Nodes {
+/// The in-process name of prefill node `index` (what a decode node checks pages and
+/// commits against).
+fn prefill_name(index: usize) -> String {
+    format!("prefill-{index}")
+}
+
+/// One in-process prefill node's view of the decode nodes.
+struct InprocPrefill {
+    nodes: Arc<Nodes>,
+    index: usize,
+}
+
+impl InprocPrefill {
+    fn from(&self) -> WriterLink {
+        WriterLink {
+            name: prefill_name(self.index),
+            link: None,
+        }
+    }
+}
+
+impl PrefillLinks for InprocPrefill {
     fn transport(
         &self,
         decode: usize,
         fault: Option<TransferFault>,
         dest: &[DestPage],
     ) -> Result<Box<dyn KvTransport>, TransportError> {
-        let nodes = self
-            .self_ref
-            .upgrade()
-            .ok_or_else(|| TransportError::PeerGone("the cluster is shutting down".into()))?;
+        let nodes = self.nodes.clone();
+        let from = self.from();
         let last_page = dest.last().map(|d| d.page);
         Ok(Box::new(InprocTransport::new(Box::new(move |mut l| {
             match fault {
@@ -120,21 +137,28 @@ impl PrefillLinks for Nodes {
                     bytes: l.bytes.clone(),
                 });
             }
-            nodes
-                .decode
-                .get(decode)
-                .is_some_and(|d| !d.is_down() && d.send(DecodeCmd::Land(l)))
+            nodes.decode.get(decode).is_some_and(|d| {
+                !d.is_down()
+                    && d.send(DecodeCmd::Land {
+                        landing: l,
+                        from: from.clone(),
+                    })
+            })
         }))))
     }
 
     fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
-        self.decode
-            .get(decode)
-            .is_some_and(|d| d.send(DecodeCmd::FromPrefill { msg, rng_pos }))
+        self.nodes.decode.get(decode).is_some_and(|d| {
+            d.send(DecodeCmd::FromPrefill {
+                msg,
+                rng_pos,
+                from: self.from(),
+            })
+        })
     }
 
     fn take_fault(&self) -> Option<TransferFault> {
-        self.faults.next.lock().unwrap().take()
+        self.nodes.faults.next.lock().unwrap().take()
     }
 }
 
@@ -145,10 +169,12 @@ impl CoordLinks for Nodes {
                 body,
                 client,
                 submitted,
+                prefill,
             } => Some(RequestBody {
                 req: body,
                 sink: Box::new(client),
                 submitted,
+                writer: Some(prefill_name(prefill)),
             }),
             _ => None,
         };
@@ -223,7 +249,7 @@ impl PdCluster {
         };
         let mut decode_parts = Vec::new();
         let mut prefill_parts = Vec::new();
-        let nodes = Arc::new_cyclic(|me| {
+        let nodes = Arc::new({
             let decode_slots = decode
                 .iter()
                 .map(|cfg| {
@@ -252,7 +278,6 @@ impl PdCluster {
                 counters: Arc::new(PdCounters::default()),
                 faults: Faults::default(),
                 router: Router::new(prefill.len(), decode.len()),
-                self_ref: me.clone(),
             }
         });
         for (i, (e, rx)) in decode_parts.into_iter().enumerate() {
@@ -267,7 +292,10 @@ impl PdCluster {
             *nodes.decode[i].thread.lock().unwrap() = Some(t);
         }
         for (i, (e, rx, self_tx)) in prefill_parts.into_iter().enumerate() {
-            let links: Arc<dyn PrefillLinks> = nodes.clone();
+            let links: Arc<dyn PrefillLinks> = Arc::new(InprocPrefill {
+                nodes: nodes.clone(),
+                index: i,
+            });
             let node = PrefillLoop::new(links, self_tx);
             let t = spawn_node(
                 format!("tessera-prefill-{i}"),
@@ -369,14 +397,34 @@ impl PdCluster {
     /// stray write; fault-injection tests only).
     #[doc(hidden)]
     pub fn deliver_write(&self, index: usize, write: PageLanding) {
-        self.nodes.decode[index].send(DecodeCmd::Land(write));
+        self.nodes.decode[index].send(DecodeCmd::Land {
+            landing: write,
+            from: WriterLink {
+                name: prefill_name(0),
+                link: None,
+            },
+        });
     }
 
-    /// Delivers a raw protocol message to decode node `index` as a prefill node would
+    /// Delivers a raw protocol message to decode node `index` as prefill node 0 would
     /// (a forged or stale commit; fault-injection tests only).
     #[doc(hidden)]
     pub fn deliver_to_decode(&self, index: usize, msg: Msg) {
-        self.nodes.decode[index].send(DecodeCmd::FromPrefill { msg, rng_pos: 0 });
+        self.deliver_to_decode_from(index, msg, &prefill_name(0));
+    }
+
+    /// [`Self::deliver_to_decode`] as if it came from the node named `from`
+    /// (`prefill-N` in one process).
+    #[doc(hidden)]
+    pub fn deliver_to_decode_from(&self, index: usize, msg: Msg, from: &str) {
+        self.nodes.decode[index].send(DecodeCmd::FromPrefill {
+            msg,
+            rng_pos: 0,
+            from: WriterLink {
+                name: from.to_string(),
+                link: None,
+            },
+        });
     }
 
     /// Kills a node as a crash would (fault injection): its thread stops at once and

@@ -20,11 +20,13 @@ use tessera_transfer::protocol::{Coordinator, Msg, Outcome, Output, ReqId, Role}
 /// decode node chosen for the prefill.
 pub(crate) enum Extra {
     None,
-    /// With `Prealloc`: the request and its stream (without the release guard).
+    /// With `Prealloc`: the request, its stream (without the release guard) and the
+    /// prefill node assigned to write its pages.
     Decode {
         body: GenerateRequest,
         client: ClientSink,
         submitted: Instant,
+        prefill: usize,
     },
     /// With `Prefill`: the request and the decode node that reserved the pages.
     Prefill {
@@ -278,6 +280,7 @@ fn execute(
                         body: r.body.clone(),
                         client: r.client.detached(),
                         submitted: r.submitted,
+                        prefill: r.prefill,
                     },
                     _ => Extra::None,
                 };

@@ -7,8 +7,8 @@
 //! queue, so no socket write ever blocks the engine.
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
-use crate::links::{PdCounters, ReplyTo, TransferFault};
-use crate::net::{connect, read_frame, Conn, Frame, WireEvent};
+use crate::links::{PdCounters, ReplyTo, TransferFault, WriterLink};
+use crate::net::{connect, read_frame, Conn, Control, Frame, WireEvent};
 use crate::node_loop::{run_node, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use std::collections::HashMap;
@@ -122,6 +122,7 @@ pub fn run_node_process(
         _ => {
             let (tx, rx) = mpsc::channel();
             let links: Arc<dyn PrefillLinks> = Arc::new(PeerLinks {
+                name: opts.listen.clone(),
                 peers: opts.decode_peers.clone(),
                 conns: opts.decode_peers.iter().map(|_| Mutex::new(None)).collect(),
                 ucx,
@@ -212,9 +213,24 @@ fn serve_connection(
 ) -> io::Result<()> {
     let conn = Conn::new(stream.try_clone()?)?;
     let mut r = BufReader::new(stream);
-    let (Frame::Hello { from }, _) = read_frame(&mut r)? else {
+    let (Frame::Hello { from, name }, _) = read_frame(&mut r)? else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "expected hello"));
     };
+    // A prefill peer's name: what decode records name as a request's writer.
+    let peer_name = name
+        .clone()
+        .or_else(|| r.get_ref().peer_addr().ok().map(|a| a.to_string()))
+        .unwrap_or_default();
+    let writer = WriterLink {
+        name: peer_name.clone(),
+        link: Some(conn.clone()),
+    };
+    if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, cmds) {
+        let _ = tx.send(DecodeCmd::WriterLink {
+            name: peer_name.clone(),
+            lost: false,
+        });
+    }
     if from == Role::Prefill && matches!(cmds, NodeCmds::Decode(_)) {
         conn.try_send(
             &Frame::Region {
@@ -231,7 +247,13 @@ fn serve_connection(
             Err(e) => break Err(e),
         };
         let sent = match (frame, cmds, from) {
-            (Frame::Control { msg, body, .. }, NodeCmds::Decode(tx), Role::Coordinator) => {
+            (
+                Frame::Control(Control {
+                    msg, body, prefill, ..
+                }),
+                NodeCmds::Decode(tx),
+                Role::Coordinator,
+            ) => {
                 let req = msg.req();
                 if !carried.contains(&req) {
                     carried.push(req);
@@ -244,6 +266,7 @@ fn serve_connection(
                             req,
                         }),
                         submitted: Instant::now(),
+                        writer: prefill,
                     }),
                     _ => None,
                 };
@@ -254,16 +277,18 @@ fn serve_connection(
                 })
                 .is_ok()
             }
-            (Frame::Control { msg, rng_pos, .. }, NodeCmds::Decode(tx), Role::Prefill) => tx
-                .send(DecodeCmd::FromPrefill {
+            (Frame::Control(Control { msg, rng_pos, .. }), NodeCmds::Decode(tx), Role::Prefill) => {
+                tx.send(DecodeCmd::FromPrefill {
                     msg,
                     rng_pos: rng_pos.unwrap_or(0),
+                    from: writer.clone(),
                 })
-                .is_ok(),
+                .is_ok()
+            }
             (
-                Frame::Control {
+                Frame::Control(Control {
                     msg, body, decode, ..
-                },
+                }),
                 NodeCmds::Prefill(tx),
                 Role::Coordinator,
             ) => {
@@ -279,11 +304,14 @@ fn serve_connection(
                 .is_ok()
             }
             (Frame::Land { req, dest }, NodeCmds::Decode(tx), Role::Prefill) => tx
-                .send(DecodeCmd::Land(PageLanding {
-                    req,
-                    dest,
-                    bytes: payload,
-                }))
+                .send(DecodeCmd::Land {
+                    landing: PageLanding {
+                        req,
+                        dest,
+                        bytes: payload,
+                    },
+                    from: writer.clone(),
+                })
                 .is_ok(),
             (Frame::Flush { id }, NodeCmds::Decode(tx), Role::Prefill) => {
                 let c = conn.clone();
@@ -304,6 +332,13 @@ fn serve_connection(
         }
     };
     conn.close();
+    if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, cmds) {
+        // Nothing it issued on this link can land any more.
+        let _ = tx.send(DecodeCmd::WriterLink {
+            name: peer_name,
+            lost: true,
+        });
+    }
     // The coordinator is gone: nobody will finish or abort its requests, so the
     // protocol aborts them (answers into the closed connection are dropped).
     if from == Role::Coordinator {
@@ -328,6 +363,8 @@ struct Peer {
 
 /// How a prefill node process reaches the decode nodes of its deployment.
 struct PeerLinks {
+    /// This prefill node's name (its listen address).
+    name: String,
     peers: Vec<String>,
     /// One slot per decode node, each with its own lock: connecting to one node never
     /// waits on another.
@@ -357,6 +394,7 @@ impl PeerLinks {
         if !conn.try_send(
             &Frame::Hello {
                 from: Role::Prefill,
+                name: Some(self.name.clone()),
             },
             &[],
         ) {
@@ -423,12 +461,10 @@ impl PrefillLinks for PeerLinks {
     fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
         self.peer(decode).is_ok_and(|p| {
             p.conn.send(
-                &Frame::Control {
-                    msg,
-                    body: None,
-                    decode: None,
+                &Frame::Control(Control {
                     rng_pos: Some(rng_pos),
-                },
+                    ..Control::new(msg)
+                }),
                 &[],
             )
         })

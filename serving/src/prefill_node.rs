@@ -11,7 +11,7 @@
 //! engine keeps serving everyone else.
 
 use crate::error::refusal;
-use crate::links::{settle, ExpiryClock, ReplyTo, TransferFault};
+use crate::links::{ExpiryClock, ReplyTo, TransferFault};
 use crate::node_loop::NodeLoop;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,7 +21,8 @@ use tessera_engine::kv_transfer::{ExportError, ExportedPage};
 use tessera_engine::{Engine, FirstToken, GenerateRequest};
 use tessera_model::kv::SeqId;
 use tessera_transfer::protocol::{
-    FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId, Role,
+    FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId,
+    RequestState, Role,
 };
 use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
 
@@ -94,6 +95,10 @@ enum Job {
     /// Send a control message (after the puts queued before it).
     Send { msg: Msg, rng_pos: u128 },
 }
+
+/// How often a prefill node renews the decode reservations of the requests it works
+/// on (well inside the decode node's lease).
+const RENEW_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Jobs a worker queues before the node fails new transfers to that decode node.
 const WORKER_QUEUE: usize = 256;
@@ -285,6 +290,7 @@ pub(crate) struct PrefillLoop {
     records: HashMap<ReqId, PrefillRecord>,
     io: NodeIo,
     crashed: bool,
+    last_renew: std::time::Instant,
     clock: ExpiryClock,
 }
 
@@ -302,6 +308,7 @@ impl PrefillLoop {
                 drained_now: Vec::new(),
             },
             crashed: false,
+            last_renew: std::time::Instant::now(),
             clock: ExpiryClock::new(),
         }
     }
@@ -353,11 +360,15 @@ impl PrefillLoop {
                     };
                     let decode = r.decode;
                     let rng_pos = r.first.map_or(0, |f| f.rng_word_pos);
-                    let copies = if r.fault == Some(TransferFault::DuplicateCommit) {
-                        2
-                    } else {
-                        1
-                    };
+                    let duplicate = r.fault == Some(TransferFault::DuplicateCommit)
+                        && matches!(msg, Msg::Commit { .. });
+                    let mut msg = msg;
+                    if let (Some(TransferFault::FirstTokenOutOfVocab), Msg::Commit { first_token, .. }) =
+                        (r.fault, &mut msg)
+                    {
+                        *first_token = u32::MAX;
+                    }
+                    let copies = if duplicate { 2 } else { 1 };
                     for _ in 0..copies {
                         let job = Job::Send {
                             msg: msg.clone(),
@@ -381,8 +392,47 @@ impl PrefillLoop {
         self.settle(req);
     }
 
+    /// Drops what a request's record holds once it is terminal, and the record once
+    /// the protocol forgot it: until then the node may still have to tell the decode
+    /// node `WriterQuiet` (its coordinator lost), which needs the decode node's index.
     fn settle(&mut self, req: ReqId) {
-        settle(self.proto.records(), &mut self.records, req);
+        let live = self.proto.records().state(req).map(|s| !s.is_terminal());
+        match (live, self.records.get_mut(&req)) {
+            (None, _) => {
+                self.records.remove(&req);
+            }
+            (Some(false), Some(r)) => {
+                r.export = None;
+                r.dest = Vec::new();
+                r.body.prompt = Vec::new();
+                r.body.stop = Vec::new();
+            }
+            _ => {}
+        }
+    }
+
+    /// Every few seconds: a renewal of the decode reservation of every request still
+    /// being computed or drained here, so its lease does not run out while it waits
+    /// for this node.
+    fn renew_leases(&mut self) {
+        if self.last_renew.elapsed() < RENEW_EVERY {
+            return;
+        }
+        self.last_renew = std::time::Instant::now();
+        let working: Vec<(ReqId, usize)> = self
+            .proto
+            .records()
+            .states()
+            .filter(|(_, s)| !s.is_terminal())
+            .filter_map(|(req, _)| self.records.get(&req).map(|r| (req, r.decode)))
+            .collect();
+        for (req, decode) in working {
+            let job = Job::Send {
+                msg: Msg::Renew { req },
+                rng_pos: 0,
+            };
+            let _ = self.io.submit(decode, job);
+        }
     }
 
     /// Prefills the engine finished: their pages are copied out and the protocol
@@ -424,7 +474,10 @@ impl PrefillLoop {
     }
 
     fn expire_tombstones(&mut self) {
-        self.clock.expire(self.proto.records_mut());
+        let records = self.proto.records_mut();
+        self.clock.tick(|now, ttl| {
+            records.expire(now, ttl);
+        });
     }
 }
 
@@ -485,5 +538,6 @@ impl NodeLoop for PrefillLoop {
     fn after_step(&mut self, engine: &mut Engine) {
         self.computed(engine);
         self.expire_tombstones();
+        self.renew_leases();
     }
 }
