@@ -363,8 +363,10 @@ impl PrefillLoop {
                     let duplicate = r.fault == Some(TransferFault::DuplicateCommit)
                         && matches!(msg, Msg::Commit { .. });
                     let mut msg = msg;
-                    if let (Some(TransferFault::FirstTokenOutOfVocab), Msg::Commit { first_token, .. }) =
-                        (r.fault, &mut msg)
+                    if let (
+                        Some(TransferFault::FirstTokenOutOfVocab),
+                        Msg::Commit { first_token, .. },
+                    ) = (r.fault, &mut msg)
                     {
                         *first_token = u32::MAX;
                     }
