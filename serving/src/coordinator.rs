@@ -25,11 +25,15 @@ pub(crate) enum Extra {
         body: GenerateRequest,
         client: ClientSink,
         submitted: Instant,
+        /// The request's W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
     /// With `Prefill`: the request and the decode node that reserved the pages.
     Prefill {
         body: GenerateRequest,
         decode: usize,
+        /// The request's W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
 }
 
@@ -42,6 +46,8 @@ pub(crate) enum CoordCmd {
         client: ClientSink,
         prefill: usize,
         decode: usize,
+        /// The submitter's span as a W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
     /// A node's reply.
     FromNode(Msg),
@@ -114,6 +120,7 @@ impl Submitter {
             client,
             prefill,
             decode,
+            trace: crate::telemetry::traceparent(),
         };
         if let Err(mpsc::SendError(CoordCmd::Start { client, .. })) = self.tx.send(start) {
             links.router().release(prefill, decode);
@@ -149,6 +156,8 @@ struct CoordReq {
     decode_down: bool,
     /// Last message from a node about this request (or its start).
     last_heard: Instant,
+    /// The request's W3C `traceparent`, sent to both nodes.
+    trace: Option<String>,
 }
 
 /// How often the coordinator looks for clients that went away and dead nodes.
@@ -181,6 +190,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                 client,
                 prefill,
                 decode,
+                trace,
             }) => {
                 let mut out = Vec::new();
                 let proto = Coordinator::start(
@@ -202,6 +212,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         prefill_down: false,
                         decode_down: false,
                         last_heard: Instant::now(),
+                        trace,
                     },
                 );
                 execute(&*nodes, &mut reqs, req, out);
@@ -278,6 +289,7 @@ fn execute(
                         body: r.body.clone(),
                         client: r.client.detached(),
                         submitted: r.submitted,
+                        trace: r.trace.clone(),
                     },
                     _ => Extra::None,
                 };
@@ -293,6 +305,7 @@ fn execute(
                     Msg::Prefill { .. } => Extra::Prefill {
                         body: r.body.clone(),
                         decode: r.decode,
+                        trace: r.trace.clone(),
                     },
                     _ => Extra::None,
                 };

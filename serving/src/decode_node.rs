@@ -10,6 +10,7 @@
 
 use crate::error::refusal;
 use crate::links::{settle, ExpiryClock, PdCounters, ReplyTo};
+use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -32,6 +33,8 @@ pub(crate) struct RequestBody {
     pub(crate) req: GenerateRequest,
     pub(crate) sink: Box<dyn EventSink>,
     pub(crate) submitted: Instant,
+    /// The request's W3C `traceparent` (traces on).
+    pub(crate) trace: Option<String>,
 }
 
 /// A decode node's commands.
@@ -52,6 +55,9 @@ pub(crate) enum DecodeCmd {
     CoordinatorLost(ReqId),
     /// Stop at once, as a crash would (tests).
     Crash,
+    /// Run on the engine between steps (fault-injection tests: a planted block-table
+    /// bug).
+    WithEngine(Box<dyn FnOnce(&mut Engine) + Send>),
 }
 
 /// What the driver keeps per request beside the protocol's record.
@@ -59,6 +65,10 @@ struct DecodeRecord {
     reply: ReplyTo,
     /// Until adopted.
     body: Option<RequestBody>,
+    /// The request's trace parent, and the span of its current phase (`queue` until
+    /// the pages are reserved, `decode` from adoption to the end); dropping ends it.
+    trace: Option<String>,
+    span: Option<tracing::Span>,
 }
 
 /// The sequence id a request's pages carry on this node: the request id, unique
@@ -142,6 +152,9 @@ impl DecodeEnv for EngineEnv<'_> {
             .engine
             .admit(body.req)
             .map_err(|e| internal(format!("re-admission failed: {e}")))?;
+        if let Some(r) = self.records.get_mut(&req) {
+            r.span = crate::telemetry::child_span("decode", req.0, r.trace.as_deref());
+        }
         self.engine.adopt(
             seq_of(req),
             Import {
@@ -166,17 +179,20 @@ pub(crate) struct DecodeLoop {
     proto: DecodeNode,
     records: HashMap<ReqId, DecodeRecord>,
     counters: Arc<PdCounters>,
+    metrics: NodeHandles,
     crashed: bool,
     clock: ExpiryClock,
 }
 
 impl DecodeLoop {
-    /// A decode node's loop, counting into `counters`.
-    pub(crate) fn new(counters: Arc<PdCounters>) -> Self {
+    /// A decode node's loop, counting into `counters` (the deployment's) and
+    /// `metrics` (this node's series).
+    pub(crate) fn new(counters: Arc<PdCounters>, metrics: NodeHandles) -> Self {
         Self {
             proto: DecodeNode::new(),
             records: HashMap::new(),
             counters,
+            metrics,
             crashed: false,
             clock: ExpiryClock::new(),
         }
@@ -211,9 +227,19 @@ impl DecodeLoop {
         r
     }
 
-    fn emit(&self, reply: Option<&ReplyTo>, out: Vec<Output>) {
+    /// Ends a request's `queue` span once its pages are reserved.
+    fn reserved(&mut self, msg: &Msg) {
+        if let Msg::Descriptor { req, .. } = msg {
+            if let Some(r) = self.records.get_mut(req) {
+                r.span = None;
+            }
+        }
+    }
+
+    fn emit(&mut self, reply: Option<&ReplyTo>, out: Vec<Output>) {
         for o in out {
             if let Output::Send { msg, .. } = o {
+                self.reserved(&msg);
                 // A decode node only ever answers coordinators.
                 match reply {
                     Some(r) => {
@@ -244,6 +270,7 @@ impl DecodeLoop {
         for o in out {
             if let Output::Send { msg, .. } = o {
                 let req = msg.req();
+                self.reserved(&msg);
                 if let Some(r) = self.records.get(&req) {
                     r.reply.send(msg);
                 }
@@ -281,11 +308,18 @@ impl NodeLoop for DecodeLoop {
                     // replaces the body and stream the request already has.
                     Some(r) => r.reply = reply.clone(),
                     None if self.proto.records().state(req).is_none() => {
+                        let trace = body.as_ref().and_then(|b| b.trace.clone());
                         self.records.insert(
                             req,
                             DecodeRecord {
                                 reply: reply.clone(),
                                 body,
+                                span: crate::telemetry::child_span(
+                                    "queue",
+                                    req.0,
+                                    trace.as_deref(),
+                                ),
+                                trace,
                             },
                         );
                     }
@@ -313,12 +347,14 @@ impl NodeLoop for DecodeLoop {
                     self.counters
                         .commits_rejected
                         .fetch_add(1, Ordering::Relaxed);
+                    self.metrics.commit_rejected(&e);
                     tracing::warn!(?req, error = %e, "refused a KV transfer commit");
                 }
             }
             DecodeCmd::Land(l) => {
                 if let Err(e) = engine.land(&l) {
                     self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.late_write_dropped();
                     tracing::warn!(req = l.req, error = %e, "dropped a KV page write");
                 }
             }
@@ -329,6 +365,7 @@ impl NodeLoop for DecodeLoop {
                 });
             }
             DecodeCmd::Crash => self.crashed = true,
+            DecodeCmd::WithEngine(f) => f(engine),
         }
         self.expire_tombstones();
     }

@@ -49,6 +49,10 @@ pub(crate) enum Frame {
         decode: Option<usize>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         rng_pos: Option<u128>,
+        /// The request's W3C `traceparent` (with `Prealloc` and `Prefill`, when the
+        /// gateway exports traces), so the node's spans join the request's trace.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trace: Option<String>,
     },
     /// One page write; the payload is the page.
     Land { req: u64, dest: DestPage },
@@ -71,6 +75,7 @@ impl Frame {
             body: None,
             decode: None,
             rng_pos: None,
+            trace: None,
         }
     }
 }

@@ -100,12 +100,17 @@ impl RemoteCoordLinks {
 
 impl CoordLinks for RemoteCoordLinks {
     fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let body = match extra {
-            Extra::Decode { body, client, .. } => {
+        let (body, trace) = match extra {
+            Extra::Decode {
+                body,
+                client,
+                trace,
+                ..
+            } => {
                 self.streams.lock().unwrap().insert(msg.req(), client);
-                Some(body)
+                (Some(body), trace)
             }
-            _ => None,
+            _ => (None, None),
         };
         self.send(
             Role::Decode,
@@ -115,14 +120,19 @@ impl CoordLinks for RemoteCoordLinks {
                 body,
                 decode: None,
                 rng_pos: None,
+                trace,
             },
         )
     }
 
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let (body, decode) = match extra {
-            Extra::Prefill { body, decode } => (Some(body), Some(decode)),
-            _ => (None, None),
+        let (body, decode, trace) = match extra {
+            Extra::Prefill {
+                body,
+                decode,
+                trace,
+            } => (Some(body), Some(decode), trace),
+            _ => (None, None, None),
         };
         self.send(
             Role::Prefill,
@@ -132,6 +142,7 @@ impl CoordLinks for RemoteCoordLinks {
                 body,
                 decode,
                 rng_pos: None,
+                trace,
             },
         )
     }
