@@ -10,6 +10,7 @@ use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::error::ServeError;
 use crate::links::{PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
+use crate::metrics::{NodeHandles, NodeMetrics};
 use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use crate::routing::Router;
@@ -32,9 +33,9 @@ struct NodeSlot<C> {
 }
 
 impl<C> NodeSlot<C> {
-    /// The slot of a node about to run `e`, fed by `tx`.
-    fn new(e: &Engine, tx: mpsc::Sender<C>) -> Self {
-        let shared = Arc::new(Shared::default());
+    /// The slot of a node about to run `e`, fed by `tx`, publishing into `metrics`.
+    fn new(e: &Engine, tx: mpsc::Sender<C>, metrics: NodeHandles) -> Self {
+        let shared = Arc::new(Shared::with_metrics(metrics));
         shared.publish(e, 0);
         Self {
             tx,
@@ -72,6 +73,11 @@ struct Nodes {
     counters: Arc<PdCounters>,
     faults: Faults,
     router: Router,
+    /// Every node's series (`prefill-N`, `decode-N`).
+    metrics: Arc<NodeMetrics>,
+    /// Each node's handles, by role and index.
+    prefill_metrics: Vec<NodeHandles>,
+    decode_metrics: Vec<NodeHandles>,
 }
 
 /// The in-process coordinator as a node's reply link.
@@ -170,11 +176,13 @@ impl CoordLinks for Nodes {
                 client,
                 submitted,
                 prefill,
+                trace,
             } => Some(RequestBody {
                 req: body,
                 sink: Box::new(client),
                 submitted,
                 writer: Some(prefill_name(prefill)),
+                trace,
             }),
             _ => None,
         };
@@ -187,7 +195,11 @@ impl CoordLinks for Nodes {
 
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
         let body = match extra {
-            Extra::Prefill { body, decode } => Some((body, decode)),
+            Extra::Prefill {
+                body,
+                decode,
+                trace,
+            } => Some((body, decode, trace)),
             _ => None,
         };
         self.prefill[index].send(PrefillCmd::FromCoordinator {
@@ -249,24 +261,35 @@ impl PdCluster {
         };
         let mut decode_parts = Vec::new();
         let mut prefill_parts = Vec::new();
+        let metrics = Arc::new(NodeMetrics::new());
+        let decode_metrics: Vec<NodeHandles> = (0..decode.len())
+            .map(|i| metrics.node(&format!("decode-{i}"), "decode"))
+            .collect();
+        let prefill_metrics: Vec<NodeHandles> = (0..prefill.len())
+            .map(|i| metrics.node(&format!("prefill-{i}"), "prefill"))
+            .collect();
         let nodes = Arc::new({
             let decode_slots = decode
                 .iter()
-                .map(|cfg| {
+                .zip(&decode_metrics)
+                .map(|(cfg, m)| {
                     let mut e = engine(cfg);
                     e.track_ended();
+                    e.set_metrics(m.engine_metrics());
                     let (tx, rx) = mpsc::channel();
-                    let s = NodeSlot::new(&e, tx);
+                    let s = NodeSlot::new(&e, tx, m.clone());
                     decode_parts.push((e, rx));
                     s
                 })
                 .collect();
             let prefill_slots = prefill
                 .iter()
-                .map(|cfg| {
-                    let e = engine(cfg);
+                .zip(&prefill_metrics)
+                .map(|(cfg, m)| {
+                    let mut e = engine(cfg);
+                    e.set_metrics(m.engine_metrics());
                     let (tx, rx) = mpsc::channel();
-                    let s = NodeSlot::new(&e, tx.clone());
+                    let s = NodeSlot::new(&e, tx.clone(), m.clone());
                     prefill_parts.push((e, rx, tx));
                     s
                 })
@@ -278,10 +301,13 @@ impl PdCluster {
                 counters: Arc::new(PdCounters::default()),
                 faults: Faults::default(),
                 router: Router::new(prefill.len(), decode.len()),
+                metrics,
+                prefill_metrics,
+                decode_metrics,
             }
         });
         for (i, (e, rx)) in decode_parts.into_iter().enumerate() {
-            let node = DecodeLoop::new(nodes.counters.clone());
+            let node = DecodeLoop::new(nodes.counters.clone(), nodes.decode_metrics[i].clone());
             let t = spawn_node(
                 format!("tessera-decode-{i}"),
                 e,
@@ -296,7 +322,7 @@ impl PdCluster {
                 nodes: nodes.clone(),
                 index: i,
             });
-            let node = PrefillLoop::new(links, self_tx);
+            let node = PrefillLoop::new(links, self_tx, nodes.prefill_metrics[i].clone());
             let t = spawn_node(
                 format!("tessera-prefill-{i}"),
                 e,
@@ -366,6 +392,18 @@ impl PdCluster {
     /// Protocol error counters.
     pub fn counters(&self) -> &PdCounters {
         &self.nodes.counters
+    }
+
+    /// Every node's metrics (`node` labels `prefill-N`, `decode-N`).
+    pub fn metrics(&self) -> &NodeMetrics {
+        &self.nodes.metrics
+    }
+
+    /// Runs `f` on decode node `index`'s engine between two of its steps (fault
+    /// injection: a planted block-table bug; tests only).
+    #[doc(hidden)]
+    pub fn with_decode_engine(&self, index: usize, f: impl FnOnce(&mut Engine) + Send + 'static) {
+        self.nodes.decode[index].send(DecodeCmd::WithEngine(Box::new(f)));
     }
 
     /// Makes the next transfer suffer `fault` (fault-injection tests only).

@@ -27,11 +27,15 @@ pub(crate) enum Extra {
         client: ClientSink,
         submitted: Instant,
         prefill: usize,
+        /// The request's W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
     /// With `Prefill`: the request and the decode node that reserved the pages.
     Prefill {
         body: GenerateRequest,
         decode: usize,
+        /// The request's W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
 }
 
@@ -44,6 +48,8 @@ pub(crate) enum CoordCmd {
         client: ClientSink,
         prefill: usize,
         decode: usize,
+        /// The submitter's span as a W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
     /// A node's reply.
     FromNode(Msg),
@@ -116,6 +122,7 @@ impl Submitter {
             client,
             prefill,
             decode,
+            trace: crate::telemetry::traceparent(),
         };
         if let Err(mpsc::SendError(CoordCmd::Start { client, .. })) = self.tx.send(start) {
             links.router().release(prefill, decode);
@@ -151,6 +158,8 @@ struct CoordReq {
     decode_down: bool,
     /// Last message from a node about this request (or its start).
     last_heard: Instant,
+    /// The request's W3C `traceparent`, sent to both nodes.
+    trace: Option<String>,
 }
 
 /// How often the coordinator looks for clients that went away and dead nodes.
@@ -183,6 +192,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                 client,
                 prefill,
                 decode,
+                trace,
             }) => {
                 let mut out = Vec::new();
                 let proto = Coordinator::start(
@@ -204,6 +214,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         prefill_down: false,
                         decode_down: false,
                         last_heard: Instant::now(),
+                        trace,
                     },
                 );
                 execute(&*nodes, &mut reqs, req, out);
@@ -281,6 +292,7 @@ fn execute(
                         client: r.client.detached(),
                         submitted: r.submitted,
                         prefill: r.prefill,
+                        trace: r.trace.clone(),
                     },
                     _ => Extra::None,
                 };
@@ -296,6 +308,7 @@ fn execute(
                     Msg::Prefill { .. } => Extra::Prefill {
                         body: r.body.clone(),
                         decode: r.decode,
+                        trace: r.trace.clone(),
                     },
                     _ => Extra::None,
                 };

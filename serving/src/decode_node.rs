@@ -10,6 +10,7 @@
 
 use crate::error::refusal;
 use crate::links::{settle, ExpiryClock, PdCounters, ReplyTo, WriterLink};
+use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -35,6 +36,8 @@ pub(crate) struct RequestBody {
     /// The prefill node the coordinator assigned (its writer), when known: pages and
     /// the commit are accepted from it alone.
     pub(crate) writer: Option<String>,
+    /// The request's W3C `traceparent` (traces on).
+    pub(crate) trace: Option<String>,
 }
 
 /// How long a reservation waits for its commit or a renewal before its lease runs out.
@@ -68,6 +71,9 @@ pub(crate) enum DecodeCmd {
     CoordinatorLost(ReqId),
     /// Stop at once, as a crash would (tests).
     Crash,
+    /// Run on the engine between steps (fault-injection tests: a planted block-table
+    /// bug).
+    WithEngine(Box<dyn FnOnce(&mut Engine) + Send>),
 }
 
 /// What the driver keeps per request beside the protocol's record.
@@ -79,6 +85,10 @@ struct DecodeRecord {
     writer: Option<String>,
     /// When the reservation's lease was last granted or renewed.
     lease_from: Instant,
+    /// The request's trace parent, and the span of its current phase (`queue` until
+    /// the pages are reserved, `decode` from adoption to the end); dropping ends it.
+    trace: Option<String>,
+    span: Option<tracing::Span>,
 }
 
 /// The sequence id a request's pages carry on this node: the request id, unique
@@ -186,6 +196,9 @@ impl DecodeEnv for EngineEnv<'_> {
             .engine
             .admit(body.req)
             .map_err(|e| internal(format!("re-admission failed: {e}")))?;
+        if let Some(r) = self.records.get_mut(&req) {
+            r.span = crate::telemetry::child_span("decode", req.0, r.trace.as_deref());
+        }
         self.engine.adopt(
             seq_of(req),
             Import {
@@ -217,6 +230,7 @@ pub(crate) struct DecodeLoop {
     proto: DecodeNode,
     records: HashMap<ReqId, DecodeRecord>,
     counters: Arc<PdCounters>,
+    metrics: NodeHandles,
     crashed: bool,
     clock: ExpiryClock,
     /// Prefill nodes whose link is closed now.
@@ -225,12 +239,14 @@ pub(crate) struct DecodeLoop {
 }
 
 impl DecodeLoop {
-    /// A decode node's loop, counting into `counters`.
-    pub(crate) fn new(counters: Arc<PdCounters>) -> Self {
+    /// A decode node's loop, counting into `counters` (the deployment's) and
+    /// `metrics` (this node's series).
+    pub(crate) fn new(counters: Arc<PdCounters>, metrics: NodeHandles) -> Self {
         Self {
             proto: DecodeNode::new(),
             records: HashMap::new(),
             counters,
+            metrics,
             crashed: false,
             clock: ExpiryClock::new(),
             gone_writers: HashSet::new(),
@@ -268,9 +284,19 @@ impl DecodeLoop {
         r
     }
 
-    fn emit(&self, reply: Option<&ReplyTo>, out: Vec<Output>) {
+    /// Ends a request's `queue` span once its pages are reserved.
+    fn reserved(&mut self, msg: &Msg) {
+        if let Msg::Descriptor { req, .. } = msg {
+            if let Some(r) = self.records.get_mut(req) {
+                r.span = None;
+            }
+        }
+    }
+
+    fn emit(&mut self, reply: Option<&ReplyTo>, out: Vec<Output>) {
         for o in out {
             if let Output::Send { msg, .. } = o {
+                self.reserved(&msg);
                 // A decode node only ever answers coordinators.
                 match reply {
                     Some(r) => {
@@ -302,6 +328,7 @@ impl DecodeLoop {
         for o in out {
             if let Output::Send { msg, .. } = o {
                 let req = msg.req();
+                self.reserved(&msg);
                 if let Some(r) = self.records.get(&req) {
                     r.reply.send(msg);
                 }
@@ -397,6 +424,7 @@ impl NodeLoop for DecodeLoop {
                     Some(r) => r.reply = reply.clone(),
                     None if self.proto.records().state(req).is_none() => {
                         let writer = body.as_ref().and_then(|b| b.writer.clone());
+                        let trace = body.as_ref().and_then(|b| b.trace.clone());
                         self.records.insert(
                             req,
                             DecodeRecord {
@@ -404,6 +432,12 @@ impl NodeLoop for DecodeLoop {
                                 body,
                                 writer,
                                 lease_from: Instant::now(),
+                                span: crate::telemetry::child_span(
+                                    "queue",
+                                    req.0,
+                                    trace.as_deref(),
+                                ),
+                                trace,
                             },
                         );
                     }
@@ -438,6 +472,7 @@ impl NodeLoop for DecodeLoop {
                             self.counters
                                 .commits_rejected
                                 .fetch_add(1, Ordering::Relaxed);
+                            self.metrics.commit_rejected(&e);
                             tracing::warn!(?req, error = %e, "refused a KV transfer commit");
                         }
                     }
@@ -484,6 +519,7 @@ impl NodeLoop for DecodeLoop {
                         | DecodeState::CommitFailed(_),
                     ) => {
                         self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
+                        self.metrics.late_write_dropped();
                         tracing::debug!(?req, "dropped a late KV page write");
                     }
                     _ => {
@@ -516,6 +552,7 @@ impl NodeLoop for DecodeLoop {
                 });
             }
             DecodeCmd::Crash => self.crashed = true,
+            DecodeCmd::WithEngine(f) => f(engine),
         }
         self.expire_tombstones();
         self.check_leases(engine);

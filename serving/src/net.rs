@@ -72,6 +72,10 @@ pub(crate) struct Control {
     pub(crate) rng_pos: Option<u128>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) prefill: Option<String>,
+    /// The request's W3C `traceparent` (with `Prealloc` and `Prefill`, when the
+    /// gateway exports traces), so the node's spans join the request's trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) trace: Option<String>,
 }
 
 impl Control {
@@ -83,6 +87,7 @@ impl Control {
             decode: None,
             rng_pos: None,
             prefill: None,
+            trace: None,
         }
     }
 }

@@ -8,6 +8,7 @@
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::links::{PdCounters, ReplyTo, TransferFault, WriterLink};
+use crate::metrics::{serve_metrics, NodeMetrics};
 use crate::net::{connect, read_frame, Conn, Control, Frame, WireEvent};
 use crate::node_loop::{run_node, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
@@ -55,6 +56,9 @@ pub struct NodeOptions {
     pub decode_peers: Vec<String>,
     /// Pool and batch sizes.
     pub engine: EngineConfig,
+    /// Serve `GET /metrics` (plain HTTP, read-only) on this address; `None`: no
+    /// metrics listener.
+    pub metrics_listen: Option<String>,
 }
 
 /// The engine configuration of one of `pool`'s nodes: the pool's page size and pool
@@ -73,15 +77,16 @@ enum NodeCmds {
     Prefill(mpsc::Sender<PrefillCmd>),
 }
 
-/// Runs one node until the process is killed: binds `opts.listen`, then serves
-/// protocol connections. Calls `ready` with the bound address once listening.
+/// Runs one node until the process is killed: binds `opts.listen` (and
+/// `opts.metrics_listen`), then serves protocol connections. Calls `ready` with the
+/// bound control address and the metrics address once listening.
 ///
-/// Errors: the role is not prefill or decode, the address cannot be bound, UCX is
+/// Errors: the role is not prefill or decode, an address cannot be bound, UCX is
 /// asked for and unavailable.
 pub fn run_node_process(
     model: &LoadedModel,
     opts: NodeOptions,
-    ready: impl FnOnce(std::net::SocketAddr),
+    ready: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
 ) -> io::Result<()> {
     if opts.role == Role::Coordinator {
         return Err(io::Error::new(
@@ -90,11 +95,23 @@ pub fn run_node_process(
         ));
     }
     let listener = TcpListener::bind(&opts.listen)?;
+    let metrics_listener = match &opts.metrics_listen {
+        Some(a) => Some(TcpListener::bind(a)?),
+        None => None,
+    };
     let mut engine = Engine::new(
         model.llama.clone(),
         model.tokenizer.clone(),
         opts.engine.clone(),
     );
+    let metrics = Arc::new(NodeMetrics::new());
+    let role_label = if opts.role == Role::Decode {
+        "decode"
+    } else {
+        "prefill"
+    };
+    let handles = metrics.node(&opts.listen, role_label);
+    engine.set_metrics(handles.engine_metrics());
     let ucx = match opts.transport {
         TransportKind::Ucx => Some(
             UcxContext::new()
@@ -107,11 +124,11 @@ pub fn run_node_process(
         _ => None,
     };
     let counters = Arc::new(PdCounters::default());
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared::with_metrics(handles.clone()));
     let cmds = match opts.role {
         Role::Decode => {
             let (tx, rx) = mpsc::channel();
-            let node = DecodeLoop::new(counters.clone());
+            let node = DecodeLoop::new(counters.clone(), handles.clone());
             let sh = shared.clone();
             engine.track_ended();
             std::thread::Builder::new()
@@ -127,7 +144,7 @@ pub fn run_node_process(
                 conns: opts.decode_peers.iter().map(|_| Mutex::new(None)).collect(),
                 ucx,
             });
-            let node = PrefillLoop::new(links, tx.clone());
+            let node = PrefillLoop::new(links, tx.clone(), handles.clone());
             let sh = shared.clone();
             std::thread::Builder::new()
                 .name("tessera-prefill".into())
@@ -137,7 +154,17 @@ pub fn run_node_process(
     };
     let cmds = Arc::new(cmds);
     let region = Arc::new(region);
-    ready(listener.local_addr()?);
+    let metrics_addr = match metrics_listener {
+        Some(l) => {
+            let addr = l.local_addr()?;
+            std::thread::Builder::new()
+                .name("tessera-metrics".into())
+                .spawn(move || serve_metrics(l, metrics))?;
+            Some(addr)
+        }
+        None => None,
+    };
+    ready(listener.local_addr()?, metrics_addr);
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
         let (cmds, region) = (cmds.clone(), region.clone());
@@ -249,7 +276,11 @@ fn serve_connection(
         let sent = match (frame, cmds, from) {
             (
                 Frame::Control(Control {
-                    msg, body, prefill, ..
+                    msg,
+                    body,
+                    prefill,
+                    trace,
+                    ..
                 }),
                 NodeCmds::Decode(tx),
                 Role::Coordinator,
@@ -267,6 +298,7 @@ fn serve_connection(
                         }),
                         submitted: Instant::now(),
                         writer: prefill,
+                        trace: valid_traceparent(trace),
                     }),
                     _ => None,
                 };
@@ -287,7 +319,11 @@ fn serve_connection(
             }
             (
                 Frame::Control(Control {
-                    msg, body, decode, ..
+                    msg,
+                    body,
+                    decode,
+                    trace,
+                    ..
                 }),
                 NodeCmds::Prefill(tx),
                 Role::Coordinator,
@@ -299,7 +335,9 @@ fn serve_connection(
                 tx.send(PrefillCmd::FromCoordinator {
                     msg,
                     reply: reply.clone(),
-                    body: body.zip(decode),
+                    body: body
+                        .zip(decode)
+                        .map(|(b, d)| (b, d, valid_traceparent(trace))),
                 })
                 .is_ok()
             }
@@ -350,6 +388,24 @@ fn serve_connection(
         }
     }
     result
+}
+
+/// A peer's `traceparent`, kept only when it is one: `00-<32 hex>-<16 hex>-<2 hex>`
+/// (55 bytes). Anything else is dropped, so a peer cannot make the node log or
+/// export arbitrary text.
+fn valid_traceparent(t: Option<String>) -> Option<String> {
+    let t = t?;
+    let b = t.as_bytes();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().all(|c| c.is_ascii_hexdigit());
+    let ok = b.len() == 55
+        && b[2] == b'-'
+        && b[35] == b'-'
+        && b[52] == b'-'
+        && hex(0..2)
+        && hex(3..35)
+        && hex(36..52)
+        && hex(53..55);
+    ok.then_some(t)
 }
 
 /// A prefill node's connection to one decode node.

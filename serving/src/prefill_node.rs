@@ -12,6 +12,7 @@
 
 use crate::error::refusal;
 use crate::links::{ExpiryClock, ReplyTo, TransferFault};
+use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,7 +53,8 @@ pub(crate) enum PrefillCmd {
     FromCoordinator {
         msg: Msg,
         reply: ReplyTo,
-        body: Option<(GenerateRequest, usize)>,
+        /// The body, the decode node chosen, the W3C `traceparent` (traces on).
+        body: Option<(GenerateRequest, usize, Option<String>)>,
     },
     /// A transfer worker drained (or failed) every put of a request.
     Drained(ReqId, Result<(), FailReason>),
@@ -76,6 +78,10 @@ struct PrefillRecord {
     /// Set on abort: the worker skips the puts it has not issued yet.
     cancel: Arc<AtomicBool>,
     fault: Option<TransferFault>,
+    /// The request's trace parent, and the span of its current phase (`prefill`
+    /// until computed, `transfer` until drained); dropping ends it.
+    trace: Option<String>,
+    span: Option<tracing::Span>,
 }
 
 fn seq_of(req: ReqId) -> SeqId {
@@ -109,7 +115,7 @@ struct TransferWorker {
 }
 
 impl TransferWorker {
-    fn spawn(links: Arc<dyn PrefillLinks>, decode: usize) -> Self {
+    fn spawn(links: Arc<dyn PrefillLinks>, decode: usize, metrics: NodeHandles) -> Self {
         let (tx, rx) = mpsc::sync_channel::<Job>(WORKER_QUEUE);
         let spawned = std::thread::Builder::new()
             .name(format!("tessera-transfer-{decode}"))
@@ -123,8 +129,13 @@ impl TransferWorker {
                             fault,
                             done,
                         } => {
+                            let started = std::time::Instant::now();
                             let result = transfer(&*links, decode, req, &pages, &cancel, fault)
                                 .map_err(|e| FailReason::new(FailKind::Transport, e.to_string()));
+                            if let Ok(bytes) = result {
+                                metrics.transferred(bytes, started.elapsed());
+                            }
+                            let result = result.map(|_| ());
                             let _ = done.send(PrefillCmd::Drained(req, result));
                         }
                         Job::Send { msg, rng_pos } => {
@@ -143,7 +154,7 @@ impl TransferWorker {
 }
 
 /// Puts every page (until cancelled) and flushes: on return nothing issued can still
-/// land.
+/// land. Returns the bytes put.
 fn transfer(
     links: &dyn PrefillLinks,
     decode: usize,
@@ -151,16 +162,19 @@ fn transfer(
     pages: &[ExportedPage],
     cancel: &AtomicBool,
     fault: Option<TransferFault>,
-) -> Result<(), TransportError> {
+) -> Result<u64, TransportError> {
     let dest: Vec<DestPage> = pages.iter().map(|p| p.dest).collect();
     let mut t = links.transport(decode, fault, &dest)?;
+    let mut bytes = 0u64;
     for p in pages {
         if cancel.load(Ordering::Acquire) {
             break;
         }
         t.put(req.0, p.dest, &p.bytes)?;
+        bytes += p.bytes.len() as u64;
     }
-    t.flush()
+    t.flush()?;
+    Ok(bytes)
 }
 
 /// The prefill node's [`PrefillEnv`] over its engine and transfer workers.
@@ -177,14 +191,17 @@ struct NodeIo {
     self_tx: mpsc::Sender<PrefillCmd>,
     /// Drains with nothing in flight, reported right after the protocol call.
     drained_now: Vec<(ReqId, Result<(), FailReason>)>,
+    /// This node's series (transfer workers count bytes and time).
+    metrics: NodeHandles,
 }
 
 impl NodeIo {
     fn worker(&mut self, decode: usize) -> &TransferWorker {
         let links = self.links.clone();
+        let metrics = self.metrics.clone();
         self.workers
             .entry(decode)
-            .or_insert_with(|| TransferWorker::spawn(links, decode))
+            .or_insert_with(|| TransferWorker::spawn(links, decode, metrics))
     }
 
     /// Queues `job` for decode node `decode`'s worker; false when its queue is full
@@ -296,8 +313,12 @@ pub(crate) struct PrefillLoop {
 
 impl PrefillLoop {
     /// A prefill node's loop; `self_tx` is its own command queue (transfer workers
-    /// report through it).
-    pub(crate) fn new(links: Arc<dyn PrefillLinks>, self_tx: mpsc::Sender<PrefillCmd>) -> Self {
+    /// report through it); transfers count into `metrics`.
+    pub(crate) fn new(
+        links: Arc<dyn PrefillLinks>,
+        self_tx: mpsc::Sender<PrefillCmd>,
+        metrics: NodeHandles,
+    ) -> Self {
         Self {
             proto: PrefillNode::new(),
             records: HashMap::new(),
@@ -306,6 +327,7 @@ impl PrefillLoop {
                 workers: HashMap::new(),
                 self_tx,
                 drained_now: Vec::new(),
+                metrics,
             },
             crashed: false,
             last_renew: std::time::Instant::now(),
@@ -457,6 +479,7 @@ impl PrefillLoop {
                 Ok((first, pages)) => {
                     let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
                     r.export = Some(pages);
+                    r.span = crate::telemetry::child_span("transfer", req.0, r.trace.as_deref());
                     self.with_proto(engine, req, None, |p, env, out| {
                         p.on_computed(req, first.token, &sums, env, out)
                     });
@@ -497,7 +520,9 @@ impl NodeLoop for PrefillLoop {
                 }
                 match (self.records.get_mut(&req), body) {
                     (Some(r), _) => r.reply = reply.clone(),
-                    (None, Some((body, decode))) if self.proto.records().state(req).is_none() => {
+                    (None, Some((body, decode, trace)))
+                        if self.proto.records().state(req).is_none() =>
+                    {
                         self.records.insert(
                             req,
                             PrefillRecord {
@@ -509,6 +534,12 @@ impl NodeLoop for PrefillLoop {
                                 export: None,
                                 cancel: Arc::new(AtomicBool::new(false)),
                                 fault: None,
+                                span: crate::telemetry::child_span(
+                                    "prefill",
+                                    req.0,
+                                    trace.as_deref(),
+                                ),
+                                trace,
                             },
                         );
                     }
@@ -519,6 +550,9 @@ impl NodeLoop for PrefillLoop {
                 });
             }
             PrefillCmd::Drained(req, result) => {
+                if let Some(r) = self.records.get_mut(&req) {
+                    r.span = None;
+                }
                 self.with_proto(engine, req, None, |p, env, out| {
                     p.on_drained(req, result, env, out)
                 });

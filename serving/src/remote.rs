@@ -101,20 +101,22 @@ impl RemoteCoordLinks {
 
 impl CoordLinks for RemoteCoordLinks {
     fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let (body, prefill) = match extra {
+        let (body, prefill, trace) = match extra {
             Extra::Decode {
                 body,
                 client,
                 prefill,
+                trace,
                 ..
             } => {
                 self.streams.lock().unwrap().insert(msg.req(), client);
                 (
                     Some(body),
                     self.prefill.get(prefill).map(|n| n.addr.clone()),
+                    trace,
                 )
             }
-            _ => (None, None),
+            _ => (None, None, None),
         };
         self.send(
             Role::Decode,
@@ -122,15 +124,20 @@ impl CoordLinks for RemoteCoordLinks {
             &Frame::Control(Control {
                 body,
                 prefill,
+                trace,
                 ..Control::new(msg)
             }),
         )
     }
 
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let (body, decode) = match extra {
-            Extra::Prefill { body, decode } => (Some(body), Some(decode)),
-            _ => (None, None),
+        let (body, decode, trace) = match extra {
+            Extra::Prefill {
+                body,
+                decode,
+                trace,
+            } => (Some(body), Some(decode), trace),
+            _ => (None, None, None),
         };
         self.send(
             Role::Prefill,
@@ -138,6 +145,7 @@ impl CoordLinks for RemoteCoordLinks {
             &Frame::Control(Control {
                 body,
                 decode,
+                trace,
                 ..Control::new(msg)
             }),
         )
