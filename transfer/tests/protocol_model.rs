@@ -869,9 +869,11 @@ impl Model for PdModel {
                 }
                 st.writes.clear();
                 st.net.retain(|(to, _)| *to != role);
+                // A crashed node's pending notices die with it.
                 st.notices.retain(|(n, _)| {
-                    !matches!(n, Notice::CoordinatorLost(r) if *r == role)
-                        && !(role == Role::Decode && *n == Notice::WriterLost)
+                    let about_it = matches!(n, Notice::CoordinatorLost(r) if *r == role)
+                        || (role == Role::Decode && *n == Notice::WriterLost);
+                    !about_it
                 });
             }
             Action::CoordinatorCrash => {
