@@ -82,7 +82,11 @@ async fn start_full(
     let store = Store::connect(&url).await.unwrap();
     let model = LoadedModel::load(&model_path()).expect("model (run `tessera model fetch`)");
     let engine = if pd {
-        EngineHandle::spawn_disaggregated(&model, std::slice::from_ref(&ecfg), std::slice::from_ref(&ecfg))
+        EngineHandle::spawn_disaggregated(
+            &model,
+            std::slice::from_ref(&ecfg),
+            std::slice::from_ref(&ecfg),
+        )
     } else {
         EngineHandle::spawn(&model, ecfg)
     };
