@@ -144,7 +144,7 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
         weights_mb,
     );
     let pool = engine.kv().pool();
-    let pool_mb = (pool.capacity() * pool.layout().page_elems() * 2) as f64 / 1e6;
+    let pool_mb = (pool.capacity() * pool.layout().page_bytes()) as f64 / 1e6;
     emit(
         "kv_pool_mb",
         serde_json::json!({"tokens": pool.capacity_tokens()}),

@@ -16,7 +16,6 @@ use crate::pd::inproc::PageLanding;
 use crate::pd::transport::{DestPage, KvTransport, TransportError};
 use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::tokenizer::Tokenizer;
-use half::f16;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -465,7 +464,7 @@ impl Engine {
     /// reserved with the tag the write names (a late write after its reservation
     /// ended is dropped: the epoch moved on).
     pub fn land(&mut self, landing: &PageLanding) -> Result<(), LandError> {
-        let want = self.kv.layout().page_elems() * 2;
+        let want = self.kv.layout().page_bytes();
         if landing.bytes.len() != want {
             return Err(LandError::WrongSize {
                 got: landing.bytes.len(),
@@ -480,9 +479,7 @@ impl Engine {
         let dst = pool
             .page_data_mut(r)
             .ok_or(LandError::NotReserved { page: r.page })?;
-        for (d, b) in dst.iter_mut().zip(landing.bytes.chunks_exact(2)) {
-            *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
-        }
+        dst.copy_from_slice(&landing.bytes);
         Ok(())
     }
 
@@ -493,7 +490,7 @@ impl Engine {
             page: dest.page,
             tag: dest.tag,
         })?;
-        Some(page_checksum(f16_bytes(page)))
+        Some(page_checksum(page))
     }
 
     /// Decode role: starts decoding a sequence whose prompt pages were transferred
@@ -836,14 +833,6 @@ pub fn page_checksum(bytes: &[u8]) -> u32 {
     }
 }
 
-/// Raw little-endian bytes of f16 values (the transfer format of a page).
-pub fn f16_bytes(v: &[f16]) -> &[u8] {
-    // SAFETY: f16 is a plain 2-byte value (repr(transparent) over u16) with no
-    // padding; u8 has alignment 1; the length is exactly the same memory.
-    // Little-endian is the byte order of every target we build for (x86-64).
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
 /// Writes a prefill sequence's prompt pages into the destination pages: checks each
 /// source page's tag first (I3), zeroes slots past the prompt in the last page (no
 /// stale bytes leave the node), checksums what is sent, then flushes.
@@ -863,7 +852,7 @@ fn export_pages(
     tessera_kernels::attention::verify_tags(kv.pool().tags(), &table[..n])?;
     let layout = *kv.layout();
     let used_in_last = s.prompt.len() - (n - 1) * layout.page_size;
-    let mut scratch: Vec<f16> = Vec::new();
+    let mut scratch: Vec<u8> = Vec::new();
     let mut pages = Vec::with_capacity(n);
     for (i, (r, dest)) in table[..n].iter().zip(&job.dest).enumerate() {
         let data = kv.pool().page_data(*r).ok_or(IntegrityError {
@@ -875,17 +864,13 @@ fn export_pages(
         let data = if i + 1 == n && used_in_last < layout.page_size {
             scratch.clear();
             scratch.extend_from_slice(data);
-            let kv_dim = layout.kv_dim();
-            for part in scratch.chunks_exact_mut(layout.page_size * kv_dim) {
-                part[used_in_last * kv_dim..].fill(f16::ZERO);
-            }
+            layout.clear_slots_from(&mut scratch, used_in_last);
             &scratch[..]
         } else {
             data
         };
-        let bytes = f16_bytes(data);
-        job.transport.put(job.req, *dest, bytes)?;
-        pages.push((*dest, page_checksum(bytes)));
+        job.transport.put(job.req, *dest, data)?;
+        pages.push((*dest, page_checksum(data)));
     }
     job.transport.flush()?;
     Ok(pages)

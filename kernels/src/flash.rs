@@ -1,0 +1,738 @@
+//! Tiled paged attention with an online softmax ("flash attention" on CPU).
+//!
+//! K and V are 8-bit in the page (one `f32` scale per token and KV head, see
+//! [`KvLayout`]); queries are quantized to 8 bits per row and head, so `q . k` is
+//! one exact integer dot product (`vpdpbusd` on AVX-512 VNNI: 64 byte products per
+//! instruction, 16 keys of a page per register) times two scales. Each page is
+//! read once per tile of query rows; its scores update the row's running maximum
+//! `m`, sum `l` and output `o` in place (Milakov & Gimelshein 2018; Dao et al.
+//! 2022), so nothing grows with the context but the loop count.
+//!
+//! The arithmetic of one row, fixed whatever its batch mates and however a
+//! prefill is cut into query blocks, tiles or tasks (batch invariance):
+//! 1. `q8 = round(q / dq)` with `dq = max|q| / 127`; the softmax scale
+//!    `log2(e) / sqrt(head_dim)` is folded into `dq`, so scores are in base 2.
+//! 2. Keys are visited in chunks of [`CHUNK_KEYS`] (page-aligned), each from a
+//!    fresh state `(m, l, o) = (-inf, 0, 0)`; within a chunk, in groups of
+//!    [`GROUP_PAGES`] pages (aligned to the chunk start), over the slots below
+//!    the row's key count: `s_j = (sum q8 . k8_j) * (dq * dk_j)`,
+//!    `m' = max(m, max s_j)`, `a = 2^(m - m')`, `p_j = 2^(s_j - m')`,
+//!    `l = l a + sum p_j`, `o = o a`, then per page, with `w_j = p_j * dv_j`
+//!    quantized to `u_j = round(255 w_j / max w)`:
+//!    `o += (max w / 255) * sum_j u_j v8_j` (again one integer dot product).
+//! 3. Chunk states are merged in key order; `out = o / l`.
+//!
+//! Chunks exist so that a long context read by few rows (batch-1 decode) can be
+//! split across threads without changing a bit: tasks compute chunk states, a
+//! second pass merges them in the same order a single task would.
+
+use crate::attention::{verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv};
+use crate::dot::{isa, Isa};
+
+/// Keys per chunk (rounded down to whole pages, at least one page).
+pub(crate) const CHUNK_KEYS: usize = 256;
+/// Pages per softmax update: the running maximum, rescale and 8-bit
+/// probabilities are computed once per group of pages (aligned to chunk starts).
+const GROUP_PAGES: usize = 4;
+/// Query tokens per unit of work (one unit: these tokens x one KV head).
+const QUERY_BLOCK: usize = 16;
+
+/// How [`run`] executes its units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Exec {
+    /// On the calling thread.
+    Serial,
+    /// On the global pool; chunk-split when there are few units.
+    Parallel,
+    /// On the global pool, always chunk-split (tests: must equal the others).
+    #[cfg_attr(not(test), allow(dead_code))]
+    ParallelSplit,
+}
+
+/// Byte geometry of a page's head blocks.
+#[derive(Clone, Copy, Debug)]
+struct Geo {
+    ps: usize,
+    hd: usize,
+    page_bytes: usize,
+    head_bytes: usize,
+    k_scale: usize,
+    v_off: usize,
+    v_scale: usize,
+    chunk_pages: usize,
+}
+
+impl Geo {
+    fn new(l: &KvLayout) -> Self {
+        Self {
+            ps: l.page_size,
+            hd: l.head_dim,
+            page_bytes: l.page_bytes(),
+            head_bytes: l.head_block_bytes(),
+            k_scale: l.k_scale_offset(),
+            v_off: l.v_offset(),
+            v_scale: l.v_scale_offset(),
+            chunk_pages: (CHUNK_KEYS / l.page_size).max(1),
+        }
+    }
+}
+
+/// The head blocks one unit reads: KV head `head` (layer-major index) of the
+/// pages of one block table.
+struct Src<'a> {
+    geo: &'a Geo,
+    data: &'a [u8],
+    table: &'a [BlockRef],
+    head: usize,
+}
+
+impl Src<'_> {
+    /// Byte offset of logical block `b`'s head block in the pool.
+    #[inline(always)]
+    fn at(&self, b: usize) -> usize {
+        let at =
+            self.table[b].page as usize * self.geo.page_bytes + self.head * self.geo.head_bytes;
+        assert!(
+            at + self.geo.head_bytes <= self.data.len(),
+            "page outside the pool"
+        );
+        at
+    }
+}
+
+/// The query rows of one unit (tokens `t0..t1` of a job x the query heads of one
+/// KV head), quantized.
+struct Rows {
+    /// `[r, hd]` 8-bit queries.
+    qq: Vec<i8>,
+    /// Per row: query scale times `log2(e) / sqrt(hd)`.
+    dq: Vec<f32>,
+    /// Per row: `sum(qq)` (K is offset by 128 in the page).
+    qsum: Vec<i32>,
+    /// Per row: keys attended.
+    nk: Vec<usize>,
+}
+
+/// Running softmax state of `r` rows: `m`, `l` and `o` (`[r, hd]`).
+#[derive(Clone, Debug)]
+struct State {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    o: Vec<f32>,
+}
+
+impl State {
+    fn empty(r: usize, hd: usize) -> Self {
+        Self {
+            m: vec![f32::NEG_INFINITY; r],
+            l: vec![0.0; r],
+            o: vec![0.0; r * hd],
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Unit {
+    job: usize,
+    g: usize,
+    t0: usize,
+    t1: usize,
+    chunks: usize,
+    cost: usize,
+}
+
+/// Base pointer of a job's output, shared by units that write disjoint cells.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: units write disjoint (token, head) cells of buffers that outlive the
+// parallel regions.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Runs every job (see `attention::paged_attention_jobs`).
+pub(crate) fn run(
+    pool: PoolKv,
+    n_heads: usize,
+    jobs: &mut [AttnJob],
+    exec: Exec,
+) -> Vec<Result<(), IntegrityError>> {
+    let l = pool.layout;
+    let (hd, kvh, ps) = (l.head_dim, l.kv_heads, l.page_size);
+    assert!(
+        kvh > 0 && n_heads.is_multiple_of(kvh),
+        "heads {n_heads} / kv heads {kvh}"
+    );
+    assert!(hd.is_multiple_of(4), "head_dim must be a multiple of 4");
+    let row = n_heads * hd;
+    let geo = Geo::new(l);
+    let mut results = Vec::with_capacity(jobs.len());
+    let mut units = Vec::new();
+    for (ji, job) in jobs.iter_mut().enumerate() {
+        let m = job.n_keys.len();
+        assert_eq!(job.q.len(), m * row, "query shape");
+        assert_eq!(job.out.len(), m * row, "output shape");
+        let max_keys = job.n_keys.iter().copied().max().unwrap_or(0);
+        let n_pages = max_keys.div_ceil(ps);
+        assert!(
+            job.table.len() >= n_pages,
+            "block table shorter than the keys"
+        );
+        assert!(
+            pool.data.len() >= pool.tags.len() * geo.page_bytes,
+            "pool data shorter than its pages"
+        );
+        if let Err(e) = verify_tags(pool.tags, &job.table[..n_pages]) {
+            job.out.fill(0.0);
+            results.push(Err(e));
+            continue;
+        }
+        results.push(Ok(()));
+        for t0 in (0..m).step_by(QUERY_BLOCK) {
+            let t1 = (t0 + QUERY_BLOCK).min(m);
+            let keys = job.n_keys[t0..t1].iter().copied().max().unwrap_or(0);
+            let cost = job.n_keys[t0..t1].iter().sum::<usize>() + 16 * (t1 - t0);
+            for g in 0..kvh {
+                units.push(Unit {
+                    job: ji,
+                    g,
+                    t0,
+                    t1,
+                    chunks: keys.div_ceil(ps).div_ceil(geo.chunk_pages),
+                    cost,
+                });
+            }
+        }
+    }
+    // Longest first, so the pool's in-order claiming balances the tail.
+    units.sort_by_key(|u| std::cmp::Reverse(u.cost));
+    let outs: Vec<OutPtr> = jobs
+        .iter_mut()
+        .map(|j| OutPtr(j.out.as_mut_ptr()))
+        .collect();
+    let jobs: &[AttnJob] = jobs;
+    let kernel = Kernel::pick(&geo);
+    let group = n_heads / kvh;
+
+    let rows_of = |u: &Unit| -> Rows {
+        let job = &jobs[u.job];
+        let r = (u.t1 - u.t0) * group;
+        let mut rows = Rows {
+            qq: vec![0; r * hd],
+            dq: vec![0.0; r],
+            qsum: vec![0; r],
+            nk: vec![0; r],
+        };
+        let scale = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        for i in 0..r {
+            let (t, h) = (u.t0 + i / group, u.g * group + i % group);
+            let q = &job.q[t * row + h * hd..t * row + (h + 1) * hd];
+            let qq = &mut rows.qq[i * hd..(i + 1) * hd];
+            rows.dq[i] = crate::attention::quantize_i8(q, qq) * scale;
+            rows.qsum[i] = qq.iter().map(|&v| v as i32).sum();
+            rows.nk[i] = job.n_keys[t];
+        }
+        rows
+    };
+    let chunk = |u: &Unit, rows: &Rows, c: usize| -> State {
+        let src = Src {
+            geo: &geo,
+            data: pool.data,
+            table: jobs[u.job].table,
+            head: pool.layer * kvh + u.g,
+        };
+        kernel.chunk(&src, rows, c)
+    };
+    let finish = |u: &Unit, total: &State| {
+        let base = outs[u.job].get();
+        for i in 0..total.m.len() {
+            let (t, h) = (u.t0 + i / group, u.g * group + i % group);
+            // SAFETY: (t, h) lies inside job u.job's output ([m, row]), and no other
+            // unit writes token t of head h (units split tokens and KV heads).
+            let out = unsafe { std::slice::from_raw_parts_mut(base.add(t * row + h * hd), hd) };
+            let li = total.l[i];
+            let inv = if li > 0.0 { 1.0 / li } else { 0.0 };
+            for (o, &v) in out.iter_mut().zip(&total.o[i * hd..(i + 1) * hd]) {
+                *o = v * inv;
+            }
+        }
+    };
+    let whole = |u: &Unit| {
+        let rows = rows_of(u);
+        let mut total = State::empty(rows.nk.len(), hd);
+        for c in 0..u.chunks {
+            merge(&mut total, &chunk(u, &rows, c), hd);
+        }
+        finish(u, &total);
+    };
+
+    let threads = crate::pool::global().threads();
+    let split = match exec {
+        Exec::Serial => false,
+        Exec::Parallel => units.len() < 2 * threads && units.iter().any(|u| u.chunks > 1),
+        Exec::ParallelSplit => true,
+    };
+    match exec {
+        Exec::Serial => units.iter().for_each(whole),
+        _ if !split => crate::pool::global().parallel_for(units.len(), |i| whole(&units[i])),
+        _ => {
+            // Tasks compute chunk states; a second region merges them in key order.
+            let mut first = Vec::with_capacity(units.len() + 1);
+            let mut n = 0;
+            for u in &units {
+                first.push(n);
+                n += u.chunks;
+            }
+            first.push(n);
+            let states: Vec<std::sync::Mutex<Option<State>>> =
+                (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+            crate::pool::global().parallel_for(n, |task| {
+                let ui = first.partition_point(|&f| f <= task) - 1;
+                let u = &units[ui];
+                let st = chunk(u, &rows_of(u), task - first[ui]);
+                *states[task].lock().expect("chunk state lock") = Some(st);
+            });
+            crate::pool::global().parallel_for(units.len(), |ui| {
+                let u = &units[ui];
+                let r = (u.t1 - u.t0) * group;
+                let mut total = State::empty(r, hd);
+                for s in &states[first[ui]..first[ui + 1]] {
+                    let st = s.lock().expect("chunk state lock").take();
+                    merge(&mut total, &st.expect("every chunk ran"), hd);
+                }
+                finish(u, &total);
+            });
+        }
+    }
+    results
+}
+
+/// Folds chunk state `c` (keys after those of `t`) into `t`, row by row.
+fn merge(t: &mut State, c: &State, hd: usize) {
+    for i in 0..t.m.len() {
+        if c.m[i] == f32::NEG_INFINITY {
+            continue;
+        }
+        let m = t.m[i].max(c.m[i]);
+        let (a, b) = (exp2(t.m[i] - m), exp2(c.m[i] - m));
+        t.m[i] = m;
+        t.l[i] = t.l[i] * a + c.l[i] * b;
+        for (x, &y) in t.o[i * hd..(i + 1) * hd]
+            .iter_mut()
+            .zip(&c.o[i * hd..(i + 1) * hd])
+        {
+            *x = *x * a + y * b;
+        }
+    }
+}
+
+/// Taylor coefficients of `2^f = e^(f ln 2)`, degree 7 (|f| <= 1/2: relative
+/// error below 1e-8, under `f32` rounding).
+const EXP2_C: [f32; 8] = [
+    1.0,
+    std::f32::consts::LN_2,
+    0.240_226_5,
+    0.055_504_11,
+    0.009_618_129,
+    0.001_333_355_8,
+    0.000_154_035_3,
+    0.000_015_252_734,
+];
+
+/// `2^x` for `x <= 0` (softmax arguments); 0 below -126 and for NaN.
+#[inline(always)]
+fn exp2(x: f32) -> f32 {
+    // Written so that NaN takes this branch too.
+    if x.is_nan() || x < -126.0 {
+        return 0.0;
+    }
+    let n = x.round_ties_even();
+    let f = x - n;
+    let mut p = EXP2_C[7];
+    for &c in EXP2_C[..7].iter().rev() {
+        p = p * f + c;
+    }
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// The chunk kernel chosen for this machine and page shape.
+#[derive(Clone, Copy, Debug)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512 VNNI with `hd / 16` output registers per row.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Kernel {
+    fn pick(geo: &Geo) -> Self {
+        match isa() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni if geo.ps <= 16 && (geo.hd == 64 || geo.hd == 128) => Self::Avx512,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni | Isa::Avx2 => Self::Avx2,
+            _ => Self::Portable,
+        }
+    }
+
+    /// State of every row over chunk `c` of its keys, from a fresh start.
+    fn chunk(self, src: &Src, rows: &Rows, c: usize) -> State {
+        let geo = src.geo;
+        let mut st = State::empty(rows.nk.len(), geo.hd);
+        let pages = c * geo.chunk_pages..(c + 1) * geo.chunk_pages;
+        match self {
+            Self::Portable => chunk_portable(src, rows, pages, &mut st),
+            // SAFETY: `isa()` verified avx2, fma and f16c.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { chunk_avx2(src, rows, pages, &mut st) },
+            // SAFETY: `isa()` verified AVX-512 F/BW/VL/VNNI; `pick` checked the shape.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe {
+                if geo.hd == 64 {
+                    avx512::chunk::<4, 4>(src, rows, pages, &mut st)
+                } else {
+                    avx512::chunk::<2, 8>(src, rows, pages, &mut st)
+                }
+            },
+        }
+        st
+    }
+}
+
+/// Keys of a row in page `b` (0 when the row ends before it).
+#[inline(always)]
+fn own_keys(nk: usize, b: usize, ps: usize) -> usize {
+    nk.saturating_sub(b * ps).min(ps)
+}
+
+/// `sum a_i b_i` of 4 products of bytes (exact: |sum| < 2^18), without overflow
+/// checks so that the loops around it vectorize.
+#[inline(always)]
+fn dot4(a: [i32; 4], b: [i32; 4]) -> i32 {
+    let p = |i: usize| a[i].wrapping_mul(b[i]);
+    p(0).wrapping_add(p(1))
+        .wrapping_add(p(2).wrapping_add(p(3)))
+}
+
+/// Little-endian `f32` at byte `at`.
+#[inline(always)]
+fn f32_at(b: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// [`chunk_portable`] compiled for AVX2, so its loops vectorize.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mut State) {
+    chunk_portable(src, rows, pages, st)
+}
+
+/// The reference kernel: the module's arithmetic, one row at a time, page
+/// groups as in the AVX-512 kernel.
+#[inline(always)]
+fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mut State) {
+    let geo = src.geo;
+    let (ps, hd) = (geo.ps, geo.hd);
+    let gk = GROUP_PAGES * geo.ps.next_multiple_of(4);
+    // Scores, V scales and 8-bit weights of one page group (slots padded to 4).
+    let (mut s, mut dv, mut u) = (vec![0f32; gk], vec![0f32; gk], vec![0i32; gk]);
+    let mut isum = vec![0i32; ps];
+    let mut acc = vec![0i32; hd];
+    let p4 = ps.next_multiple_of(4);
+    for i in 0..rows.nk.len() {
+        let qq = &rows.qq[i * hd..(i + 1) * hd];
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+        let o = &mut st.o[i * hd..(i + 1) * hd];
+        let mut b0 = pages.start;
+        while b0 < pages.end {
+            let b1 = (b0 + GROUP_PAGES).min(pages.end);
+            if own_keys(rows.nk[i], b0, ps) == 0 {
+                break;
+            }
+            let mut mp = f32::NEG_INFINITY;
+            for b in b0..b1 {
+                let own = own_keys(rows.nk[i], b, ps);
+                if own == 0 {
+                    break;
+                }
+                let at = src.at(b);
+                let hb = &src.data[at..at + geo.head_bytes];
+                isum[..own].fill(0);
+                for (quad, q) in qq.chunks_exact(4).enumerate() {
+                    let k = &hb[quad * ps * 4..quad * ps * 4 + own * 4];
+                    for (a, k) in isum.iter_mut().zip(k.chunks_exact(4)) {
+                        *a = a.wrapping_add(dot4(
+                            [k[0] as i32, k[1] as i32, k[2] as i32, k[3] as i32],
+                            [q[0] as i32, q[1] as i32, q[2] as i32, q[3] as i32],
+                        ));
+                    }
+                }
+                let g = (b - b0) * p4;
+                for j in 0..own {
+                    let x = (isum[j] - 128 * rows.qsum[i]) as f32;
+                    s[g + j] = x * (rows.dq[i] * f32_at(hb, geo.k_scale + j * 4));
+                    dv[g + j] = f32_at(hb, geo.v_scale + j * 4);
+                    mp = mp.max(s[g + j]);
+                }
+            }
+            let m_new = m.max(mp);
+            let alpha = exp2(m - m_new);
+            m = m_new;
+            let mut sum = 0f32;
+            o.iter_mut().for_each(|x| *x *= alpha);
+            for b in b0..b1 {
+                let (own, g) = (own_keys(rows.nk[i], b, ps), (b - b0) * p4);
+                if own == 0 {
+                    break;
+                }
+                // Probabilities times V scales, as 8-bit fractions of the page's maximum.
+                let mut wmax = 0f32;
+                for j in g..g + own {
+                    let p = exp2(s[j] - m_new);
+                    sum += p;
+                    s[j] = p * dv[j];
+                    wmax = wmax.max(s[j]);
+                }
+                if wmax.is_nan() || wmax <= 0.0 {
+                    continue;
+                }
+                let (sc, inv) = (wmax / 255.0, 255.0 / wmax);
+                u[g..g + p4].fill(0);
+                for j in g..g + own {
+                    u[j] = ((s[j] * inv).round_ties_even() as i32).min(255);
+                }
+                acc.fill(0);
+                let at = src.at(b) + geo.v_off;
+                for quad in 0..own.div_ceil(4) {
+                    let w = &u[g + quad * 4..g + quad * 4 + 4];
+                    let v = &src.data[at + quad * hd * 4..at + (quad + 1) * hd * 4];
+                    for (a, v) in acc.iter_mut().zip(v.chunks_exact(4)) {
+                        let v = [v[0] as i8, v[1] as i8, v[2] as i8, v[3] as i8];
+                        *a = a.wrapping_add(dot4([w[0], w[1], w[2], w[3]], v.map(|x| x as i32)));
+                    }
+                }
+                for (x, &a) in o.iter_mut().zip(&acc) {
+                    *x += a as f32 * sc;
+                }
+            }
+            l = l * alpha + sum;
+            b0 = b1;
+        }
+        st.m[i] = m;
+        st.l[i] = l;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// `2^x` in every lane for `x <= 0`; 0 below -126 and for NaN.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exp2_ps(x: __m512) -> __m512 {
+        let lo = _mm512_set1_ps(-126.0);
+        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
+        let x = _mm512_max_ps(x, lo);
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm512_sub_ps(x, n);
+        let mut p = _mm512_set1_ps(EXP2_C[7]);
+        for &c in EXP2_C[..7].iter().rev() {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n))
+    }
+
+    /// `T` rows at a time (`NC = hd / 16` output registers per row); every row's
+    /// instructions are the same whatever `T` and its tile mates are.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn chunk<const T: usize, const NC: usize>(
+        src: &Src,
+        rows: &Rows,
+        pages: std::ops::Range<usize>,
+        st: &mut State,
+    ) {
+        let r = rows.nk.len();
+        let mut i = 0;
+        while i < r {
+            match r - i {
+                1 => tile::<1, NC>(src, rows, pages.clone(), st, i),
+                2 => tile::<2, NC>(src, rows, pages.clone(), st, i),
+                3 if T >= 3 => tile::<3, NC>(src, rows, pages.clone(), st, i),
+                _ => tile::<T, NC>(src, rows, pages.clone(), st, i),
+            }
+            i += (r - i).min(T);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn tile<const T: usize, const NC: usize>(
+        src: &Src,
+        rows: &Rows,
+        pages: std::ops::Range<usize>,
+        st: &mut State,
+        i0: usize,
+    ) {
+        const GP: usize = GROUP_PAGES;
+        let geo = src.geo;
+        let (ps, hd) = (geo.ps, geo.hd);
+        debug_assert_eq!(hd, NC * 16);
+        let lanes: __mmask16 = ((1u32 << ps) - 1) as u16;
+        let qq: [*const i32; T] =
+            std::array::from_fn(|t| rows.qq[(i0 + t) * hd..].as_ptr().cast::<i32>());
+        let nk: [usize; T] = std::array::from_fn(|t| rows.nk[i0 + t]);
+        let dq: [__m512; T] = std::array::from_fn(|t| _mm512_set1_ps(rows.dq[i0 + t]));
+        let qoff: [__m512i; T] =
+            std::array::from_fn(|t| _mm512_set1_epi32(128 * rows.qsum[i0 + t]));
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        // A chunk starts from the empty state (m = -inf, l = 0, o = 0).
+        let mut m = [f32::NEG_INFINITY; T];
+        let mut lv = [_mm512_setzero_ps(); T];
+        let mut o = [[_mm512_setzero_ps(); NC]; T];
+        let mut b0 = pages.start;
+        while b0 < pages.end {
+            let b1 = (b0 + GP).min(pages.end);
+            let own: [[usize; GP]; T] = std::array::from_fn(|t| {
+                std::array::from_fn(|gi| {
+                    if b0 + gi < b1 {
+                        own_keys(nk[t], b0 + gi, ps)
+                    } else {
+                        0
+                    }
+                })
+            });
+            // Pages of the group that some row of the tile reads.
+            let npg = (0..GP)
+                .take_while(|&gi| (0..T).any(|t| own[t][gi] > 0))
+                .count();
+            if npg == 0 {
+                break;
+            }
+            let valid: [[__mmask16; GP]; T] = std::array::from_fn(|t| {
+                std::array::from_fn(|gi| ((1u32 << own[t][gi]) - 1) as u16)
+            });
+            let mut hb = [std::ptr::null::<u8>(); GP];
+            let mut s = [[neg_inf; GP]; T];
+            let mut dv = [_mm512_setzero_ps(); GP];
+            for gi in 0..npg {
+                // SAFETY: `Src::at` checked that the head block [at, at + head_bytes)
+                // is inside the pool; every load below stays inside it (masked to
+                // `ps` slots, V quads below slots4 / 4).
+                hb[gi] = unsafe { src.data.as_ptr().add(src.at(b0 + gi)) };
+                // Scores: 16 slots per register, 4 dimensions per vpdpbusd lane.
+                let mut acc = [_mm512_setzero_si512(); T];
+                let mut kp = hb[gi];
+                for quad in 0..hd / 4 {
+                    // SAFETY: see `hb`; rows have hd query bytes (hd / 4 quads).
+                    let k = unsafe { _mm512_maskz_loadu_epi32(lanes, kp.cast()) };
+                    for t in 0..T {
+                        let q4 = unsafe { std::ptr::read_unaligned(qq[t].add(quad)) };
+                        acc[t] = _mm512_dpbusd_epi32(acc[t], k, _mm512_set1_epi32(q4));
+                    }
+                    kp = kp.wrapping_add(ps * 4);
+                }
+                // SAFETY: see `hb`.
+                let dk = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.k_scale).cast()) };
+                dv[gi] = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.v_scale).cast()) };
+                for t in 0..T {
+                    let x = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t], qoff[t]));
+                    let x = _mm512_mul_ps(x, _mm512_mul_ps(dq[t], dk));
+                    s[t][gi] = _mm512_mask_blend_ps(valid[t][gi], neg_inf, x);
+                }
+            }
+            let mut u = [[[0u8; 16]; GP]; T];
+            let mut alpha = [1f32; T];
+            let mut sc = [[0f32; GP]; T];
+            for t in 0..T {
+                if own[t][0] == 0 {
+                    continue;
+                }
+                let mx = s[t][1..npg]
+                    .iter()
+                    .fold(s[t][0], |a, &b| _mm512_max_ps(a, b));
+                let mp = _mm512_reduce_max_ps(mx);
+                let m_new = m[t].max(mp);
+                alpha[t] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[t] - m_new)));
+                m[t] = m_new;
+                let mut psum = _mm512_setzero_ps();
+                for gi in 0..npg {
+                    let p = exp2_ps(_mm512_sub_ps(s[t][gi], _mm512_set1_ps(m_new)));
+                    psum = _mm512_add_ps(psum, p);
+                    // Probabilities times V scales, as 8-bit fractions of the page's
+                    // maximum.
+                    let w = _mm512_maskz_mul_ps(valid[t][gi], p, dv[gi]);
+                    let wmax = _mm512_reduce_max_ps(w);
+                    if wmax > 0.0 {
+                        sc[t][gi] = wmax / 255.0;
+                        let q = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(255.0 / wmax)));
+                        let q = _mm512_min_epi32(q, _mm512_set1_epi32(255));
+                        // SAFETY: 16 bytes into a 16-byte array.
+                        unsafe {
+                            _mm_storeu_si128(u[t][gi].as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q))
+                        };
+                    }
+                }
+                lv[t] = _mm512_fmadd_ps(lv[t], _mm512_set1_ps(alpha[t]), psum);
+            }
+            // Values: 4 slots per vpdpbusd lane, 16 dimensions per register; each
+            // page's integer sums scaled by its own weight scale.
+            for t in 0..T {
+                if own[t][0] > 0 {
+                    let a = _mm512_set1_ps(alpha[t]);
+                    o[t] = o[t].map(|x| _mm512_mul_ps(x, a));
+                }
+            }
+            for gi in 0..npg {
+                let most = (0..T).map(|t| own[t][gi]).max().unwrap_or(0);
+                let mut acc = [[_mm512_setzero_si512(); NC]; T];
+                let mut vp = hb[gi].wrapping_add(geo.v_off);
+                for quad in 0..most.div_ceil(4) {
+                    // SAFETY: see `hb`.
+                    let v: [__m512i; NC] = std::array::from_fn(|c| unsafe {
+                        _mm512_loadu_si512(vp.add(c * 64).cast())
+                    });
+                    for t in 0..T {
+                        if own[t][gi] <= quad * 4 {
+                            continue;
+                        }
+                        // SAFETY: quad < 4 within the 16-byte array.
+                        let u4 = unsafe {
+                            std::ptr::read_unaligned(u[t][gi].as_ptr().cast::<i32>().add(quad))
+                        };
+                        let u4 = _mm512_set1_epi32(u4);
+                        for c in 0..NC {
+                            acc[t][c] = _mm512_dpbusd_epi32(acc[t][c], u4, v[c]);
+                        }
+                    }
+                    vp = vp.wrapping_add(hd * 4);
+                }
+                for t in 0..T {
+                    if own[t][gi] == 0 {
+                        continue;
+                    }
+                    let s = _mm512_set1_ps(sc[t][gi]);
+                    for c in 0..NC {
+                        o[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][c]), s, o[t][c]);
+                    }
+                }
+            }
+            b0 = b1;
+        }
+        for t in 0..T {
+            st.m[i0 + t] = m[t];
+            st.l[i0 + t] = _mm512_reduce_add_ps(lv[t]);
+            for (c, &oc) in o[t].iter().enumerate() {
+                // SAFETY: row i0 + t has hd = NC * 16 outputs.
+                unsafe { _mm512_storeu_ps(st.o[(i0 + t) * hd + c * 16..].as_mut_ptr(), oc) };
+            }
+        }
+    }
+}
