@@ -1,9 +1,10 @@
 //! Llama-architecture forward pass over the paged KV cache.
 //!
 //! Weights come from a GGUF file (candle-core's GGUF reader; tensor names and
-//! metadata keys as written by llama.cpp's `convert_hf_to_gguf.py`). `Q4_1` and
-//! `Q8_0` matrices use our kernels directly; any other type is dequantized to
-//! `f32` at load. The math follows llama.cpp's `llm_build_llama`: RMSNorm, Q/K/V,
+//! metadata keys as written by llama.cpp's `convert_hf_to_gguf.py`). `Q4_0`,
+//! `Q4_1` and `Q8_0` matrices use our kernels directly (repacked at load into
+//! interleaved tiles); other quantized types are requantized to `Q8_0` at load and
+//! unquantized ones (`F32`, `F16`, `BF16`) kept in `f32`. The math follows llama.cpp's `llm_build_llama`: RMSNorm, Q/K/V,
 //! normal-mode RoPE, grouped-query attention, output projection, SwiGLU FFN,
 //! residuals, final RMSNorm and the LM head (tied to the embeddings when the file
 //! has no `output.weight`).
@@ -14,6 +15,7 @@ use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 use std::io::{Read, Seek};
 use tessera_kernels::ops::{rms_norm, swiglu, Rope};
+use tessera_kernels::quant::QFormat;
 use tessera_kernels::{
     paged_attention_jobs, Activations, AttnJob, IntegrityError, KvLayout, PoolKv, QMatrix,
 };
@@ -195,16 +197,21 @@ fn read_matrix<R: Read + Seek>(
             problem: format!("shape {dims:?}, expected [{rows}, {cols}]"),
         });
     }
+    let dense = || -> Result<Vec<f32>, ModelError> {
+        Ok(t.dequantize(&candle_core::Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    };
     Ok(match t.dtype() {
-        GgmlDType::Q4_1 => QMatrix::from_q4_1_bytes(&t.data()?, rows, cols)?,
-        GgmlDType::Q8_0 => QMatrix::from_q8_0_bytes(&t.data()?, rows, cols)?,
-        _ => {
-            let v = t
-                .dequantize(&candle_core::Device::Cpu)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            QMatrix::from_f32(v, rows, cols)?
+        GgmlDType::Q4_0 => QMatrix::from_gguf_bytes(QFormat::Q4_0, &t.data()?, rows, cols)?,
+        GgmlDType::Q4_1 => QMatrix::from_gguf_bytes(QFormat::Q4_1, &t.data()?, rows, cols)?,
+        GgmlDType::Q8_0 => QMatrix::from_gguf_bytes(QFormat::Q8_0, &t.data()?, rows, cols)?,
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+            QMatrix::from_f32(dense()?, rows, cols)?
         }
+        // Other quantized types (K-quants, Q5_x, ...): already lossy, so they run
+        // on the 8-bit kernels, requantized to Q8_0 at load.
+        _ => QMatrix::requantize_q8_0(&dense()?, rows, cols)?,
     })
 }
 

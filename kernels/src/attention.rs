@@ -641,6 +641,28 @@ mod tests {
     }
 
     #[test]
+    fn the_dispatched_kernel_equals_the_portable_one_bitwise() {
+        // Same arithmetic in every instruction-set path, so outputs do not depend
+        // on the machine (CI also runs this with TESSERA_ISA=avx2 and =scalar).
+        for page_size in [16, 12, 4] {
+            let (layout, n_heads) = (smollm_layout(page_size), 9);
+            let row = n_heads * 64;
+            let f = fixture(layout, 700 / page_size + 1, 700, 0x33, 12);
+            let mut rng = ChaCha8Rng::seed_from_u64(13);
+            let n_keys = [1, 5, 16, 63, 64, 65, 256, 257, 700];
+            let q = queries(&mut rng, n_keys.len(), row, 4.0);
+            let run = |portable: bool| {
+                crate::flash::FORCE_PORTABLE.with(|c| c.set(portable));
+                let mut out = vec![0f32; q.len()];
+                paged_attention_block(&q, &n_keys, n_heads, f.kv(1), &mut out).unwrap();
+                crate::flash::FORCE_PORTABLE.with(|c| c.set(false));
+                out
+            };
+            assert_eq!(bits(&run(false)), bits(&run(true)), "page size {page_size}");
+        }
+    }
+
+    #[test]
     fn stale_bytes_past_the_keys_do_not_change_the_result() {
         // 0xFF scales are NaN; stale values must be neither read into the result
         // nor multiplied by zero (0 * NaN would poison it).

@@ -18,8 +18,9 @@
 //!    the row's key count: `s_j = (sum q8 . k8_j) * (dq * dk_j)`,
 //!    `m' = max(m, max s_j)`, `a = 2^(m - m')`, `p_j = 2^(s_j - m')`,
 //!    `l = l a + sum p_j`, `o = o a`, then per page, with `w_j = p_j * dv_j`
-//!    quantized to `u_j = round(255 w_j / max w)`:
-//!    `o += (max w / 255) * sum_j u_j v8_j` (again one integer dot product).
+//!    quantized to 16 bits, `u_j = round(65535 w_j / max w)`:
+//!    `o += (max w / 65535) * sum_j u_j v8_j` (exact integers: two `vpdpbusd`
+//!    passes, high and low bytes of `u`).
 //! 3. Chunk states are merged in key order; `out = o / l`.
 //!
 //! Chunks exist so that a long context read by few rows (batch-1 decode) can be
@@ -34,6 +35,8 @@ pub(crate) const CHUNK_KEYS: usize = 256;
 /// Pages per softmax update: the running maximum, rescale and 8-bit
 /// probabilities are computed once per group of pages (aligned to chunk starts).
 const GROUP_PAGES: usize = 4;
+/// Largest 16-bit probability weight (`u_j = round(W_MAX * w_j / max w)`).
+const W_MAX: f32 = 65535.0;
 /// Query tokens per unit of work (one unit: these tokens x one KV head).
 const QUERY_BLOCK: usize = 16;
 
@@ -354,9 +357,18 @@ fn exp2(x: f32) -> f32 {
     let f = x - n;
     let mut p = EXP2_C[7];
     for &c in EXP2_C[..7].iter().rev() {
-        p = p * f + c;
+        p = p.mul_add(f, c);
     }
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Sum of 16 values in the tree order of the AVX-512 kernel's reduction:
+/// halves, quarters, then pairs.
+#[inline(always)]
+fn reduce16(v: &[f32]) -> f32 {
+    let a: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
+    let b: [f32; 4] = std::array::from_fn(|i| a[i] + a[i + 4]);
+    (b[0] + b[2]) + (b[1] + b[3])
 }
 
 /// The chunk kernel chosen for this machine and page shape.
@@ -370,8 +382,18 @@ enum Kernel {
     Avx512,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: run the portable kernel whatever the machine supports.
+    pub(crate) static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 impl Kernel {
     fn pick(geo: &Geo) -> Self {
+        #[cfg(test)]
+        if FORCE_PORTABLE.with(|f| f.get()) {
+            return Self::Portable;
+        }
         match isa() {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if geo.ps <= 16 && (geo.hd == 64 || geo.hd == 128) => Self::Avx512,
@@ -445,9 +467,14 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
     let mut isum = vec![0i32; ps];
     let mut acc = vec![0i32; hd];
     let p4 = ps.next_multiple_of(4);
+    // Running sums of probabilities per slot lane, reduced at the end of the
+    // chunk (as the AVX-512 kernel keeps them in a register).
+    let lanes = ps.next_multiple_of(16);
+    let (mut lv, mut psum) = (vec![0f32; lanes], vec![0f32; lanes]);
     for i in 0..rows.nk.len() {
         let qq = &rows.qq[i * hd..(i + 1) * hd];
-        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+        let mut m = f32::NEG_INFINITY;
+        lv.fill(0.0);
         let o = &mut st.o[i * hd..(i + 1) * hd];
         let mut b0 = pages.start;
         while b0 < pages.end {
@@ -484,28 +511,28 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
             let m_new = m.max(mp);
             let alpha = exp2(m - m_new);
             m = m_new;
-            let mut sum = 0f32;
+            psum.fill(0.0);
             o.iter_mut().for_each(|x| *x *= alpha);
             for b in b0..b1 {
                 let (own, g) = (own_keys(rows.nk[i], b, ps), (b - b0) * p4);
                 if own == 0 {
                     break;
                 }
-                // Probabilities times V scales, as 8-bit fractions of the page's maximum.
+                // Probabilities times V scales, as 16-bit fractions of the page's maximum.
                 let mut wmax = 0f32;
                 for j in g..g + own {
                     let p = exp2(s[j] - m_new);
-                    sum += p;
+                    psum[j - g] += p;
                     s[j] = p * dv[j];
                     wmax = wmax.max(s[j]);
                 }
                 if wmax.is_nan() || wmax <= 0.0 {
                     continue;
                 }
-                let (sc, inv) = (wmax / 255.0, 255.0 / wmax);
+                let (sc, inv) = (wmax / W_MAX, W_MAX / wmax);
                 u[g..g + p4].fill(0);
                 for j in g..g + own {
-                    u[j] = ((s[j] * inv).round_ties_even() as i32).min(255);
+                    u[j] = ((s[j] * inv).round_ties_even() as i32).min(W_MAX as i32);
                 }
                 acc.fill(0);
                 let at = src.at(b) + geo.v_off;
@@ -518,14 +545,16 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
                     }
                 }
                 for (x, &a) in o.iter_mut().zip(&acc) {
-                    *x += a as f32 * sc;
+                    *x = (a as f32).mul_add(sc, *x);
                 }
             }
-            l = l * alpha + sum;
+            for (l, &p) in lv.iter_mut().zip(&psum) {
+                *l = l.mul_add(alpha, p);
+            }
             b0 = b1;
         }
         st.m[i] = m;
-        st.l[i] = l;
+        st.l[i] = lv.chunks_exact(16).map(reduce16).sum();
     }
 }
 
@@ -548,6 +577,17 @@ mod avx512 {
             p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
         }
         _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n))
+    }
+
+    /// Sum of the 16 lanes in the order of [`reduce16`].
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce_add(v: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let a = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+        let b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+        _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)))
     }
 
     /// `T` rows at a time (`NC = hd / 16` output registers per row); every row's
@@ -648,7 +688,9 @@ mod avx512 {
                     s[t][gi] = _mm512_mask_blend_ps(valid[t][gi], neg_inf, x);
                 }
             }
+            // 16-bit weights as high and low bytes (two integer passes).
             let mut u = [[[0u8; 16]; GP]; T];
+            let mut ul = [[[0u8; 16]; GP]; T];
             let mut alpha = [1f32; T];
             let mut sc = [[0f32; GP]; T];
             for t in 0..T {
@@ -666,18 +708,21 @@ mod avx512 {
                 for gi in 0..npg {
                     let p = exp2_ps(_mm512_sub_ps(s[t][gi], _mm512_set1_ps(m_new)));
                     psum = _mm512_add_ps(psum, p);
-                    // Probabilities times V scales, as 8-bit fractions of the page's
-                    // maximum.
+                    // Probabilities times V scales, as 16-bit fractions of the
+                    // page's maximum.
                     let w = _mm512_maskz_mul_ps(valid[t][gi], p, dv[gi]);
                     let wmax = _mm512_reduce_max_ps(w);
                     if wmax > 0.0 {
-                        sc[t][gi] = wmax / 255.0;
-                        let q = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(255.0 / wmax)));
-                        let q = _mm512_min_epi32(q, _mm512_set1_epi32(255));
-                        // SAFETY: 16 bytes into a 16-byte array.
+                        sc[t][gi] = wmax / W_MAX;
+                        let q = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(W_MAX / wmax)));
+                        let q = _mm512_min_epi32(q, _mm512_set1_epi32(W_MAX as i32));
+                        let hi = _mm512_cvtepi32_epi8(_mm512_srli_epi32::<8>(q));
+                        let lo = _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255)));
+                        // SAFETY: 16 bytes into 16-byte arrays.
                         unsafe {
-                            _mm_storeu_si128(u[t][gi].as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q))
-                        };
+                            _mm_storeu_si128(u[t][gi].as_mut_ptr().cast(), hi);
+                            _mm_storeu_si128(ul[t][gi].as_mut_ptr().cast(), lo);
+                        }
                     }
                 }
                 lv[t] = _mm512_fmadd_ps(lv[t], _mm512_set1_ps(alpha[t]), psum);
@@ -693,6 +738,7 @@ mod avx512 {
             for gi in 0..npg {
                 let most = (0..T).map(|t| own[t][gi]).max().unwrap_or(0);
                 let mut acc = [[_mm512_setzero_si512(); NC]; T];
+                let mut acl = [[_mm512_setzero_si512(); NC]; T];
                 let mut vp = hb[gi].wrapping_add(geo.v_off);
                 for quad in 0..most.div_ceil(4) {
                     // SAFETY: see `hb`.
@@ -703,16 +749,27 @@ mod avx512 {
                         if own[t][gi] <= quad * 4 {
                             continue;
                         }
-                        // SAFETY: quad < 4 within the 16-byte array.
-                        let u4 = unsafe {
-                            std::ptr::read_unaligned(u[t][gi].as_ptr().cast::<i32>().add(quad))
+                        // SAFETY: quad < 4 within the 16-byte arrays.
+                        let (h4, l4) = unsafe {
+                            (
+                                std::ptr::read_unaligned(u[t][gi].as_ptr().cast::<i32>().add(quad)),
+                                std::ptr::read_unaligned(
+                                    ul[t][gi].as_ptr().cast::<i32>().add(quad),
+                                ),
+                            )
                         };
-                        let u4 = _mm512_set1_epi32(u4);
+                        let (h4, l4) = (_mm512_set1_epi32(h4), _mm512_set1_epi32(l4));
                         for c in 0..NC {
-                            acc[t][c] = _mm512_dpbusd_epi32(acc[t][c], u4, v[c]);
+                            acc[t][c] = _mm512_dpbusd_epi32(acc[t][c], h4, v[c]);
+                            acl[t][c] = _mm512_dpbusd_epi32(acl[t][c], l4, v[c]);
                         }
                     }
                     vp = vp.wrapping_add(hd * 4);
+                }
+                for t in 0..T {
+                    for c in 0..NC {
+                        acc[t][c] = _mm512_add_epi32(_mm512_slli_epi32::<8>(acc[t][c]), acl[t][c]);
+                    }
                 }
                 for t in 0..T {
                     if own[t][gi] == 0 {
@@ -728,7 +785,7 @@ mod avx512 {
         }
         for t in 0..T {
             st.m[i0 + t] = m[t];
-            st.l[i0 + t] = _mm512_reduce_add_ps(lv[t]);
+            st.l[i0 + t] = reduce_add(lv[t]);
             for (c, &oc) in o[t].iter().enumerate() {
                 // SAFETY: row i0 + t has hd = NC * 16 outputs.
                 unsafe { _mm512_storeu_ps(st.o[(i0 + t) * hd + c * 16..].as_mut_ptr(), oc) };
