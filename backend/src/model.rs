@@ -14,7 +14,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 use std::io::{Read, Seek};
-use tessera_kernels::ops::{rms_norm, swiglu, Rope};
+use tessera_kernels::ops::{rms_norm, swiglu_rows, Rope};
 use tessera_kernels::quant::QFormat;
 use tessera_kernels::{
     paged_attention_jobs, Activations, AttnJob, IntegrityError, KvLayout, PoolKv, QMatrix,
@@ -392,13 +392,7 @@ impl Llama {
             rms_norm(&x, &l.ffn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
             l.gate_up.matmul(&acts, &mut gate_up);
-            for (g, gu) in gate
-                .chunks_exact_mut(cfg.ffn)
-                .zip(gate_up.chunks_exact(2 * cfg.ffn))
-            {
-                g.copy_from_slice(&gu[..cfg.ffn]);
-                swiglu(g, &gu[cfg.ffn..]);
-            }
+            swiglu_rows(&gate_up, cfg.ffn, &mut gate);
             acts.set(&gate, n, cfg.ffn);
             l.down.matmul(&acts, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);

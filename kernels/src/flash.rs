@@ -283,32 +283,40 @@ pub(crate) fn run(
         Exec::Serial => units.iter().for_each(whole),
         _ if !split => crate::pool::global().parallel_for(units.len(), |i| whole(&units[i])),
         _ => {
-            // Tasks compute chunk states; a second region merges them in key order.
-            let mut first = Vec::with_capacity(units.len() + 1);
-            let mut n = 0;
-            for u in &units {
-                first.push(n);
-                n += u.chunks;
-            }
-            first.push(n);
-            let states: Vec<std::sync::Mutex<Option<State>>> =
-                (0..n).map(|_| std::sync::Mutex::new(None)).collect();
-            crate::pool::global().parallel_for(n, |task| {
-                let ui = first.partition_point(|&f| f <= task) - 1;
-                let u = &units[ui];
-                let st = chunk(u, &rows_of(u), task - first[ui]);
-                *states[task].lock().expect("chunk state lock") = Some(st);
-            });
-            crate::pool::global().parallel_for(units.len(), |ui| {
-                let u = &units[ui];
-                let r = (u.t1 - u.t0) * group;
-                let mut total = State::empty(r, hd);
-                for s in &states[first[ui]..first[ui + 1]] {
-                    let st = s.lock().expect("chunk state lock").take();
-                    merge(&mut total, &st.expect("every chunk ran"), hd);
+            // Tasks compute runs of consecutive chunk states (each chunk from a
+            // fresh state); the caller then merges every unit's states in key
+            // order, exactly as `whole` does.
+            let per_unit = (4 * threads).div_ceil(units.len()).max(1);
+            let mut tasks: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+            for (ui, u) in units.iter().enumerate() {
+                let step = u.chunks.div_ceil(per_unit).max(1);
+                for c0 in (0..u.chunks).step_by(step) {
+                    tasks.push((ui, c0..(c0 + step).min(u.chunks)));
                 }
-                finish(u, &total);
+            }
+            let states: Vec<std::sync::Mutex<Vec<State>>> = tasks
+                .iter()
+                .map(|_| std::sync::Mutex::new(Vec::new()))
+                .collect();
+            crate::pool::global().parallel_for(tasks.len(), |ti| {
+                let (ui, cs) = &tasks[ti];
+                let u = &units[*ui];
+                let rows = rows_of(u);
+                let out: Vec<State> = cs.clone().map(|c| chunk(u, &rows, c)).collect();
+                *states[ti].lock().expect("chunk state lock") = out;
             });
+            let mut totals: Vec<State> = units
+                .iter()
+                .map(|u| State::empty((u.t1 - u.t0) * group, hd))
+                .collect();
+            for ((ui, _), st) in tasks.iter().zip(states) {
+                for c in st.into_inner().expect("chunk state lock") {
+                    merge(&mut totals[*ui], &c, hd);
+                }
+            }
+            for (u, total) in units.iter().zip(&totals) {
+                finish(u, total);
+            }
         }
     }
     results

@@ -96,13 +96,36 @@ impl Activations {
         self.d.resize(n * bpr, 0.0);
         self.s.resize(n * bpr, 0.0);
         self.sum.resize(n * bpr, 0);
-        self.qs
-            .chunks_mut(cols)
-            .zip(self.d.chunks_mut(bpr))
-            .zip(self.s.chunks_mut(bpr))
-            .zip(self.sum.chunks_mut(bpr))
-            .zip(x.chunks(cols))
-            .for_each(|((((q, d), s), sum), row)| quantize_row_q8_split(row, q, d, s, sum));
+        // Rows are independent: split them over the pool when there are many.
+        let pool = crate::pool::global();
+        let per = n.div_ceil(pool.threads()).max(16);
+        let (qs, d, s, sum) = (
+            SyncPtr(self.qs.as_mut_ptr()),
+            SyncPtr(self.d.as_mut_ptr()),
+            SyncPtr(self.s.as_mut_ptr()),
+            SyncPtr(self.sum.as_mut_ptr()),
+        );
+        let rows = |c: usize| {
+            for r in c * per..((c + 1) * per).min(n) {
+                // SAFETY: row r's ranges lie inside the buffers sized above, and no
+                // other task touches row r.
+                let (q, d, s, sum) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(qs.at(r * cols), cols),
+                        std::slice::from_raw_parts_mut(d.at(r * bpr), bpr),
+                        std::slice::from_raw_parts_mut(s.at(r * bpr), bpr),
+                        std::slice::from_raw_parts_mut(sum.at(r * bpr), bpr),
+                    )
+                };
+                quantize_row_q8_split(&x[r * cols..(r + 1) * cols], q, d, s, sum);
+            }
+        };
+        let chunks = n.div_ceil(per);
+        if chunks > 1 {
+            pool.parallel_for(chunks, rows);
+        } else {
+            rows(0);
+        }
     }
 
     /// Number of rows.
@@ -125,16 +148,16 @@ impl Activations {
     }
 }
 
-/// Raw output pointer shared by the workers; each writes disjoint columns.
+/// Raw pointer into a buffer shared by pool tasks that write disjoint parts.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: workers write disjoint (row, column) cells of a buffer that outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+struct SyncPtr<T>(*mut T);
+// SAFETY: tasks write disjoint ranges of a buffer that outlives the region.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
 
-impl OutPtr {
+impl<T> SyncPtr<T> {
     /// Pointer to element `idx` (a method, so closures capture the whole wrapper).
-    fn at(self, idx: usize) -> *mut f32 {
+    fn at(self, idx: usize) -> *mut T {
         // SAFETY: callers pass in-bounds indices.
         unsafe { self.0.add(idx) }
     }
@@ -330,15 +353,19 @@ impl QMatrix {
         // Work units of whole tiles (16 rows), a few per thread.
         let tiles = rows.div_ceil(TILE);
         let chunk = (tiles / (pool.threads() * 8)).clamp(1, 16);
-        let ptr = OutPtr(out.as_mut_ptr());
+        let ptr = SyncPtr(out.as_mut_ptr());
         pool.parallel_for(tiles.div_ceil(chunk), |c| {
             let (t0, t1) = (c * chunk, ((c + 1) * chunk).min(tiles));
             let mut i = 0;
             while i < x.n {
                 let take = (x.n - i).min(GROUP);
-                self.panel(t0..t1, x, i, take, |j, r, v| {
-                    // SAFETY: (i + r, j) is in bounds and owned by this chunk.
-                    unsafe { *ptr.at((i + r) * rows + j) = v };
+                self.panel(t0..t1, x, i, take, |r, j0, v| {
+                    // SAFETY: row i + r, columns j0..j0 + v.len() are in bounds and
+                    // owned by this chunk (its tiles).
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(ptr.at((i + r) * rows + j0), v.len())
+                    };
+                    o.copy_from_slice(v);
                 });
                 i += take;
             }
@@ -346,7 +373,8 @@ impl QMatrix {
     }
 
     /// Dots weight tiles `ts` with activation rows `i..i+take` (`take <= GROUP`),
-    /// calling `out(j, r, value)` for each weight row `j < rows` of those tiles.
+    /// calling `out(r, j0, values)` with the outputs of rows `j0..j0 + values.len()`
+    /// (within `0..rows`) for activation row `i + r`.
     #[inline]
     fn panel(
         &self,
@@ -354,7 +382,7 @@ impl QMatrix {
         x: &Activations,
         i: usize,
         take: usize,
-        mut out: impl FnMut(usize, usize, f32),
+        mut out: impl FnMut(usize, usize, &[f32]),
     ) {
         let rows = self.rows;
         let bpr = self.cols / QK;
@@ -371,13 +399,10 @@ impl QMatrix {
                             $($n => {
                                 let xs: [ActRow; $n] = std::array::from_fn(|k| x.q8_row(i + k));
                                 panel::<$n>(w, ts, xs, |t, v| {
+                                    let j0 = t * TILE;
+                                    let n = (rows - j0).min(TILE);
                                     for (r, vr) in v.iter().enumerate() {
-                                        for (lane, &val) in vr.iter().enumerate() {
-                                            let j = t * TILE + lane;
-                                            if j < rows {
-                                                out(j, r, val);
-                                            }
-                                        }
+                                        out(r, j0, &vr[..n]);
                                     }
                                 });
                             })+
@@ -391,7 +416,7 @@ impl QMatrix {
                 for j in ts.start * TILE..(ts.end * TILE).min(rows) {
                     let w = &v[j * self.cols..(j + 1) * self.cols];
                     for r in 0..take {
-                        out(j, r, dot_f32::<1>(w, [x.f32_row(i + r)])[0]);
+                        out(r, j, &dot_f32::<1>(w, [x.f32_row(i + r)]));
                     }
                 }
             }
