@@ -19,7 +19,7 @@ mod common;
 
 use common::*;
 use serde_json::Value;
-use tessera_backend::kv::{KvManager, PagePool, SeqId};
+use tessera_backend::kv::SeqId;
 use tessera_backend::model::BatchRow;
 use tessera_backend::sampling::argmax;
 
@@ -51,24 +51,8 @@ fn greedy_with_logits(
     prompt: &[u32],
     n: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let layout = m.config().kv_layout(16);
-    let mut kv = KvManager::new(PagePool::new(
-        layout,
-        (prompt.len() + n).div_ceil(16),
-        false,
-    ));
+    let (mut kv, mut rows) = direct_kv(m, prompt, prompt.len() + n);
     let seq = SeqId(1);
-    kv.reserve(seq, 1, prompt.len() + n).unwrap();
-    let mut rows: Vec<BatchRow> = prompt
-        .iter()
-        .enumerate()
-        .map(|(pos, &token)| BatchRow {
-            seq,
-            token,
-            pos,
-            want_logits: pos + 1 == prompt.len(),
-        })
-        .collect();
     let (mut out, mut all) = (Vec::new(), Vec::new());
     for step in 0..n {
         let fwd = m.llama.forward(&rows, &mut kv);

@@ -8,8 +8,6 @@ use candle_core::quantized::gguf_file::{self, Content};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use common::*;
-use tessera_backend::kv::{KvManager, PagePool, SeqId};
-use tessera_backend::model::BatchRow;
 use tessera_backend::{EngineConfig, LoadedModel};
 
 /// Writes the shipped model with every `Q4_1` tensor requantized to `Q4_0` (the
@@ -45,23 +43,7 @@ fn q4_0_copy(dir: &std::path::Path) -> std::path::PathBuf {
 
 /// Next-token logits after `prompt`.
 fn logits(m: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
-    let mut kv = KvManager::new(PagePool::new(
-        m.config().kv_layout(16),
-        prompt.len().div_ceil(16),
-        false,
-    ));
-    let seq = SeqId(1);
-    kv.reserve(seq, 1, prompt.len()).unwrap();
-    let rows: Vec<BatchRow> = prompt
-        .iter()
-        .enumerate()
-        .map(|(pos, &token)| BatchRow {
-            seq,
-            token,
-            pos,
-            want_logits: pos + 1 == prompt.len(),
-        })
-        .collect();
+    let (mut kv, rows) = direct_kv(m, prompt, prompt.len());
     let out = m.llama.forward(&rows, &mut kv);
     out.logits.into_iter().next().unwrap().1
 }

@@ -94,3 +94,35 @@ pub fn chat_prompt(m: &LoadedModel, user: &str) -> Vec<u32> {
         .unwrap();
     m.tokenizer.encode(&text, true).unwrap()
 }
+
+/// A KV manager holding one reserved sequence (`SeqId(1)`, tenant 1) of `tokens`
+/// tokens for direct forward passes, and the prefill rows of `prompt` (logits for
+/// the last one only).
+pub fn direct_kv(
+    m: &LoadedModel,
+    prompt: &[u32],
+    tokens: usize,
+) -> (
+    tessera_backend::kv::KvManager,
+    Vec<tessera_backend::model::BatchRow>,
+) {
+    use tessera_backend::kv::{KvManager, PagePool, SeqId};
+    let mut kv = KvManager::new(PagePool::new(
+        m.config().kv_layout(16),
+        tokens.div_ceil(16),
+        false,
+    ));
+    let seq = SeqId(1);
+    kv.reserve(seq, 1, tokens).unwrap();
+    let rows = prompt
+        .iter()
+        .enumerate()
+        .map(|(pos, &token)| tessera_backend::model::BatchRow {
+            seq,
+            token,
+            pos,
+            want_logits: pos + 1 == prompt.len(),
+        })
+        .collect();
+    (kv, rows)
+}
