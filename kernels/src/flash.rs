@@ -598,6 +598,35 @@ mod avx512 {
         _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)))
     }
 
+    /// The maximum of each of up to 4 registers (exact, so it equals one
+    /// `_mm512_reduce_max_ps` per register), sharing the shuffles.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce_max_rows<const T: usize>(v: [__m512; T]) -> [f32; T] {
+        debug_assert!(T <= 4);
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let r = |i: usize| if i < T { v[i] } else { ninf };
+        // 128-bit blocks [a0 a1 a2 a3] of a and b -> max(a0, a2), max(a1, a3), same for b.
+        let half = |a: __m512, b: __m512| {
+            _mm512_max_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        };
+        let (t01, t23) = (half(r(0), r(1)), half(r(2), r(3)));
+        // Block i now holds row i's maximum over 4 lanes.
+        let u = _mm512_max_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(t01, t23),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(t01, t23),
+        );
+        let u = _mm512_max_ps(u, _mm512_permute_ps::<0b01_00_11_10>(u));
+        let u = _mm512_max_ps(u, _mm512_permute_ps::<0b10_11_00_01>(u));
+        let mut out = [0f32; 16];
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), u) };
+        std::array::from_fn(|t| out[4 * t])
+    }
+
     /// `T` rows at a time (`NC = hd / 16` output registers per row); every row's
     /// instructions are the same whatever `T` and its tile mates are.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
@@ -638,8 +667,9 @@ mod avx512 {
             std::array::from_fn(|t| rows.qq[(i0 + t) * hd..].as_ptr().cast::<i32>());
         let nk: [usize; T] = std::array::from_fn(|t| rows.nk[i0 + t]);
         let dq: [__m512; T] = std::array::from_fn(|t| _mm512_set1_ps(rows.dq[i0 + t]));
+        // K is stored offset by 128: the integer sums start at -128 * sum(q).
         let qoff: [__m512i; T] =
-            std::array::from_fn(|t| _mm512_set1_epi32(128 * rows.qsum[i0 + t]));
+            std::array::from_fn(|t| _mm512_set1_epi32(-128 * rows.qsum[i0 + t]));
         let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
         // A chunk starts from the empty state (m = -inf, l = 0, o = 0).
         let mut m = [f32::NEG_INFINITY; T];
@@ -676,7 +706,7 @@ mod avx512 {
                 // `ps` slots, V quads below slots4 / 4).
                 hb[gi] = unsafe { src.data.as_ptr().add(src.at(b0 + gi)) };
                 // Scores: 16 slots per register, 4 dimensions per vpdpbusd lane.
-                let mut acc = [_mm512_setzero_si512(); T];
+                let mut acc = qoff;
                 let mut kp = hb[gi];
                 for quad in 0..hd / 4 {
                     // SAFETY: see `hb`; rows have hd query bytes (hd / 4 quads).
@@ -691,7 +721,7 @@ mod avx512 {
                 let dk = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.k_scale).cast()) };
                 dv[gi] = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.v_scale).cast()) };
                 for t in 0..T {
-                    let x = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t], qoff[t]));
+                    let x = _mm512_cvtepi32_ps(acc[t]);
                     let x = _mm512_mul_ps(x, _mm512_mul_ps(dq[t], dk));
                     s[t][gi] = _mm512_mask_blend_ps(valid[t][gi], neg_inf, x);
                 }
@@ -699,41 +729,58 @@ mod avx512 {
             // 16-bit weights as high and low bytes (two integer passes).
             let mut u = [[[0u8; 16]; GP]; T];
             let mut ul = [[[0u8; 16]; GP]; T];
-            let mut alpha = [1f32; T];
             let mut sc = [[0f32; GP]; T];
-            for t in 0..T {
-                if own[t][0] == 0 {
-                    continue;
-                }
-                let mx = s[t][1..npg]
+            // Maxima of all rows of the tile in one reduction (exact: the same
+            // values as one reduction per row).
+            let mx: [__m512; T] = std::array::from_fn(|t| {
+                s[t][1..npg]
                     .iter()
-                    .fold(s[t][0], |a, &b| _mm512_max_ps(a, b));
-                let mp = _mm512_reduce_max_ps(mx);
-                let m_new = m[t].max(mp);
-                alpha[t] = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(m[t] - m_new)));
-                m[t] = m_new;
-                let mut psum = _mm512_setzero_ps();
-                for gi in 0..npg {
-                    let p = exp2_ps(_mm512_sub_ps(s[t][gi], _mm512_set1_ps(m_new)));
-                    psum = _mm512_add_ps(psum, p);
+                    .fold(s[t][0], |a, &b| _mm512_max_ps(a, b))
+            });
+            let mp = reduce_max_rows(mx);
+            let m_new: [f32; T] = std::array::from_fn(|t| m[t].max(mp[t]));
+            // alpha = 2^(m - m') for every row in one evaluation (lane t).
+            let mut d = [0f32; 16];
+            for t in 0..T {
+                d[t] = m[t] - m_new[t];
+            }
+            // SAFETY: 16 floats.
+            let e = exp2_ps(unsafe { _mm512_loadu_ps(d.as_ptr()) });
+            let mut alpha = [0f32; 16];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(alpha.as_mut_ptr(), e) };
+            let mut psum = [_mm512_setzero_ps(); T];
+            for gi in 0..npg {
+                let w: [__m512; T] = std::array::from_fn(|t| {
+                    let p = exp2_ps(_mm512_sub_ps(s[t][gi], _mm512_set1_ps(m_new[t])));
+                    psum[t] = _mm512_add_ps(psum[t], p);
                     // Probabilities times V scales, as 16-bit fractions of the
                     // page's maximum.
-                    let w = _mm512_maskz_mul_ps(valid[t][gi], p, dv[gi]);
-                    let wmax = _mm512_reduce_max_ps(w);
-                    if wmax > 0.0 {
-                        sc[t][gi] = wmax / W_MAX;
-                        let q = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(W_MAX / wmax)));
-                        let q = _mm512_min_epi32(q, _mm512_set1_epi32(W_MAX as i32));
-                        let hi = _mm512_cvtepi32_epi8(_mm512_srli_epi32::<8>(q));
-                        let lo = _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255)));
-                        // SAFETY: 16 bytes into 16-byte arrays.
-                        unsafe {
-                            _mm_storeu_si128(u[t][gi].as_mut_ptr().cast(), hi);
-                            _mm_storeu_si128(ul[t][gi].as_mut_ptr().cast(), lo);
-                        }
+                    _mm512_maskz_mul_ps(valid[t][gi], p, dv[gi])
+                });
+                let wmax = reduce_max_rows(w);
+                for t in 0..T {
+                    if own[t][gi] == 0 || wmax[t].is_nan() || wmax[t] <= 0.0 {
+                        continue;
+                    }
+                    sc[t][gi] = wmax[t] / W_MAX;
+                    let q =
+                        _mm512_cvtps_epi32(_mm512_mul_ps(w[t], _mm512_set1_ps(W_MAX / wmax[t])));
+                    let q = _mm512_min_epi32(q, _mm512_set1_epi32(W_MAX as i32));
+                    let hi = _mm512_cvtepi32_epi8(_mm512_srli_epi32::<8>(q));
+                    let lo = _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255)));
+                    // SAFETY: 16 bytes into 16-byte arrays.
+                    unsafe {
+                        _mm_storeu_si128(u[t][gi].as_mut_ptr().cast(), hi);
+                        _mm_storeu_si128(ul[t][gi].as_mut_ptr().cast(), lo);
                     }
                 }
-                lv[t] = _mm512_fmadd_ps(lv[t], _mm512_set1_ps(alpha[t]), psum);
+            }
+            for t in 0..T {
+                if own[t][0] > 0 {
+                    lv[t] = _mm512_fmadd_ps(lv[t], _mm512_set1_ps(alpha[t]), psum[t]);
+                    m[t] = m_new[t];
+                }
             }
             // Values: 4 slots per vpdpbusd lane, 16 dimensions per register; each
             // page's integer sums scaled by its own weight scale.
