@@ -340,7 +340,7 @@ pub fn paged_attention_block(
 
 /// Attention for every job of a forward pass at once, on the global thread pool
 /// (work is split by job, query block, KV head and, when there is little of it,
-/// by 256-key chunk). Returns one result per job: a job whose pages fail the tag
+/// by 512-key chunk). Returns one result per job: a job whose pages fail the tag
 /// check (I3) gets [`IntegrityError`], zero output, and no page of it is read; the
 /// other jobs are unaffected. Each row's result is the same bits as
 /// [`paged_attention`] for that row alone.
@@ -468,10 +468,10 @@ mod tests {
 
     #[test]
     fn attention_matches_exact_softmax_over_the_stored_values() {
-        // Keys span several pages and two 256-key chunks; GQA with 9 query heads.
+        // Keys span many pages and two 512-key chunks; GQA with 9 query heads.
         let (layout, n_heads) = (smollm_layout(16), 9);
-        let n_keys = 300;
-        let f = fixture(layout, 19, n_keys, 0, 1);
+        let n_keys = 700;
+        let f = fixture(layout, 44, n_keys, 0, 1);
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         let row = n_heads * 64;
         let q = queries(&mut rng, 1, row, 1.5);
@@ -569,7 +569,7 @@ mod tests {
             let f = fixture(layout, 600 / page_size + 1, 600, 0x5A, 4);
             let mut rng = ChaCha8Rng::seed_from_u64(5);
             let row = n_heads * 64;
-            // Positions inside pages, at page ends and across the 256-key chunk line.
+            // Positions inside pages, at page ends, and across the 512-key chunk line.
             let n_keys = [1, 3, 16, 17, 255, 256, 257, 300, 511, 512, 513, 600];
             let q = queries(&mut rng, n_keys.len(), row, 2.0);
             let mut block = vec![0f32; q.len()];

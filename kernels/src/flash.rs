@@ -31,7 +31,7 @@ use crate::attention::{verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout,
 use crate::dot::{isa, Isa};
 
 /// Keys per chunk (rounded down to whole pages, at least one page).
-pub(crate) const CHUNK_KEYS: usize = 256;
+pub(crate) const CHUNK_KEYS: usize = 512;
 /// Pages per softmax update: the running maximum, rescale and 8-bit
 /// probabilities are computed once per group of pages (aligned to chunk starts).
 const GROUP_PAGES: usize = 4;
