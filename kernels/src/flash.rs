@@ -19,8 +19,8 @@
 //!    `m' = max(m, max s_j)`, `a = 2^(m - m')`, `p_j = 2^(s_j - m')`,
 //!    `l = l a + sum p_j`, `o = o a`, then per page, with `w_j = p_j * dv_j`
 //!    quantized to 16 bits, `u_j = round(65535 w_j / max w)`:
-//!    `o += (max w / 65535) * sum_j u_j v8_j` (exact integers: two `vpdpbusd`
-//!    passes, high and low bytes of `u`).
+//!    `o += (max w / 65535) * sum_j u_j v8_j` (exact integers: two passes over
+//!    the high and low bytes of `u`, `vpdpbusd` on AVX-512, `vpmaddwd` on AVX2).
 //! 3. Chunk states are merged in key order; `out = o / l`.
 //!
 //! Chunks exist so that a long context read by few rows (batch-1 decode) can be
@@ -35,7 +35,7 @@ pub(crate) const CHUNK_KEYS: usize = 512;
 /// Pages per softmax update: the running maximum, rescale and 8-bit
 /// probabilities are computed once per group of pages (aligned to chunk starts).
 const GROUP_PAGES: usize = 4;
-/// Largest 16-bit probability weight (`u_j = round(W_MAX * w_j / max w)`).
+/// Largest probability weight (`u_j = round(W_MAX * w_j / max w)`): 16 bits.
 const W_MAX: f32 = 65535.0;
 /// Query tokens per unit of work (one unit: these tokens x one KV head).
 const QUERY_BLOCK: usize = 16;
@@ -406,7 +406,11 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni if geo.ps <= 16 && (geo.hd == 64 || geo.hd == 128) => Self::Avx512,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni | Isa::Avx2 => Self::Avx2,
+            Isa::Avx512Vnni | Isa::Avx2
+                if (geo.ps == 8 || geo.ps == 16) && geo.hd.is_multiple_of(8) =>
+            {
+                Self::Avx2
+            }
             _ => Self::Portable,
         }
     }
@@ -456,11 +460,187 @@ fn f32_at(b: &[u8], at: usize) -> f32 {
     f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-/// [`chunk_portable`] compiled for AVX2, so its loops vectorize.
+/// The AVX2 kernel (page sizes 8 and 16, `head_dim` a multiple of 8): one row at
+/// a time, 8 slots per register; per row the operations of [`chunk_portable`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mut State) {
-    chunk_portable(src, rows, pages, st)
+    use std::arch::x86_64::*;
+    let geo = src.geo;
+    let (ps, hd) = (geo.ps, geo.hd);
+    let halves = ps / 8;
+    let ones = _mm256_set1_epi16(1);
+    let flip = _mm256_set1_epi8(-128);
+    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+    let lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    // `2^x` per lane as `exp2` computes it.
+    let exp2v = |x: __m256| {
+        let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-126.0));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-126.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm256_sub_ps(x, n);
+        let mut p = _mm256_set1_ps(EXP2_C[7]);
+        for &c in EXP2_C[..7].iter().rev() {
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+        }
+        let pow = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow)), keep)
+    };
+    let hmax = |v: __m256| {
+        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+    };
+    for i in 0..rows.nk.len() {
+        let qq = rows.qq[i * hd..].as_ptr().cast::<i32>();
+        let dq = _mm256_set1_ps(rows.dq[i]);
+        let mut m = f32::NEG_INFINITY;
+        let mut lv = [_mm256_setzero_ps(); 2];
+        let o = &mut st.o[i * hd..(i + 1) * hd];
+        let mut b0 = pages.start;
+        while b0 < pages.end && own_keys(rows.nk[i], b0, ps) > 0 {
+            let b1 = (b0 + GROUP_PAGES).min(pages.end);
+            let mut s = [[neg_inf; 2]; GROUP_PAGES];
+            let mut dv = [[_mm256_setzero_ps(); 2]; GROUP_PAGES];
+            let mut at = [0usize; GROUP_PAGES];
+            let mut own = [0usize; GROUP_PAGES];
+            let mut mp = f32::NEG_INFINITY;
+            for b in b0..b1 {
+                let g = b - b0;
+                own[g] = own_keys(rows.nk[i], b, ps);
+                if own[g] == 0 {
+                    break;
+                }
+                at[g] = src.at(b);
+                let hb = src.data[at[g]..at[g] + geo.head_bytes].as_ptr();
+                for h in 0..halves {
+                    let mut isum = _mm256_setzero_si256();
+                    for quad in 0..hd / 4 {
+                        // SAFETY: the head block holds hd/4 rows of ps*4 K bytes;
+                        // the row has hd query bytes.
+                        let (k, q4) = unsafe {
+                            (
+                                _mm256_loadu_si256(hb.add(quad * ps * 4 + h * 32).cast()),
+                                _mm256_set1_epi32(std::ptr::read_unaligned(qq.add(quad))),
+                            )
+                        };
+                        // q * k with k signed (stored k ^ 0x80): |q| * (k * sign(q)).
+                        let k = _mm256_xor_si256(k, flip);
+                        let p16 =
+                            _mm256_maddubs_epi16(_mm256_abs_epi8(q4), _mm256_sign_epi8(k, q4));
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, ones));
+                    }
+                    // SAFETY: ps K scales and ps V scales in the head block.
+                    let (dk, v) = unsafe {
+                        (
+                            _mm256_loadu_ps(hb.add(geo.k_scale + h * 32).cast()),
+                            _mm256_loadu_ps(hb.add(geo.v_scale + h * 32).cast()),
+                        )
+                    };
+                    let x = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dq, dk));
+                    let valid = _mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(own[g] as i32 - 8 * h as i32),
+                        lane_ids,
+                    );
+                    s[g][h] = _mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(valid));
+                    dv[g][h] = _mm256_and_ps(v, _mm256_castsi256_ps(valid));
+                    mp = mp.max(hmax(s[g][h]));
+                }
+            }
+            let m_new = m.max(mp);
+            let alpha = exp2(m - m_new);
+            m = m_new;
+            let a = _mm256_set1_ps(alpha);
+            for x in o.chunks_exact_mut(8) {
+                // SAFETY: 8 floats.
+                unsafe {
+                    _mm256_storeu_ps(
+                        x.as_mut_ptr(),
+                        _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr()), a),
+                    )
+                };
+            }
+            let mut psum = [_mm256_setzero_ps(); 2];
+            for g in 0..b1 - b0 {
+                if own[g] == 0 {
+                    break;
+                }
+                let mut w = [_mm256_setzero_ps(); 2];
+                let mut wmax = 0f32;
+                for h in 0..halves {
+                    let p = exp2v(_mm256_sub_ps(s[g][h], _mm256_set1_ps(m_new)));
+                    psum[h] = _mm256_add_ps(psum[h], p);
+                    w[h] = _mm256_mul_ps(p, dv[g][h]);
+                    wmax = wmax.max(hmax(w[h]));
+                }
+                if wmax.is_nan() || wmax <= 0.0 {
+                    continue;
+                }
+                let (sc, inv) = (wmax / W_MAX, _mm256_set1_ps(W_MAX / wmax));
+                let lim = _mm256_set1_epi32(W_MAX as i32);
+                let u: [__m256i; 2] = std::array::from_fn(|h| {
+                    if h < halves {
+                        _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[h], inv)), lim)
+                    } else {
+                        _mm256_setzero_si256()
+                    }
+                });
+                // The 16 weights' high and low bytes as i16, in slot order.
+                let byte = _mm256_set1_epi32(255);
+                let split = |f: &dyn Fn(__m256i) -> __m256i| -> [__m256i; 4] {
+                    let v = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(f(u[0]), f(u[1])));
+                    let mut uw = [0i64; 4];
+                    // SAFETY: 32 bytes into a 32-byte array.
+                    unsafe { _mm256_storeu_si256(uw.as_mut_ptr().cast(), v) };
+                    std::array::from_fn(|j| _mm256_set1_epi64x(uw[j]))
+                };
+                let uh = split(&|x| _mm256_srli_epi32::<8>(x));
+                let ul = split(&|x| _mm256_and_si256(x, byte));
+                let nq = own[g].div_ceil(4);
+                let vp = src.data
+                    [at[g] + geo.v_off..at[g] + geo.v_off + hd * geo.ps.next_multiple_of(4)]
+                    .as_ptr();
+                let sc4 = _mm_set1_ps(sc);
+                for d4 in 0..hd / 4 {
+                    // Dimensions 4*d4..4*d4+4: lanes are (dimension, slot pair).
+                    let (mut hi, mut lo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for j in 0..nq {
+                        // SAFETY: quad j < slots4 / 4 holds hd * 4 V bytes.
+                        let v = unsafe { _mm_loadu_si128(vp.add(j * hd * 4 + d4 * 16).cast()) };
+                        let v = _mm256_cvtepi8_epi16(v);
+                        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(v, uh[j]));
+                        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(v, ul[j]));
+                    }
+                    let acc = _mm256_add_epi32(_mm256_slli_epi32::<8>(hi), lo);
+                    let t = _mm256_hadd_epi32(acc, acc);
+                    let sums = _mm_unpacklo_epi64(
+                        _mm256_castsi256_si128(t),
+                        _mm256_extracti128_si256::<1>(t),
+                    );
+                    let x = o[d4 * 4..].as_mut_ptr();
+                    // SAFETY: 4 floats of the row.
+                    unsafe {
+                        _mm_storeu_ps(x, _mm_fmadd_ps(_mm_cvtepi32_ps(sums), sc4, _mm_loadu_ps(x)))
+                    };
+                }
+            }
+            for h in 0..2 {
+                lv[h] = _mm256_fmadd_ps(lv[h], a, psum[h]);
+            }
+            b0 = b1;
+        }
+        st.m[i] = m;
+        let mut l16 = [0f32; 16];
+        // SAFETY: 16 floats.
+        unsafe {
+            _mm256_storeu_ps(l16.as_mut_ptr(), lv[0]);
+            _mm256_storeu_ps(l16[8..].as_mut_ptr(), lv[1]);
+        }
+        st.l[i] = reduce16(&l16);
+    }
 }
 
 /// The reference kernel: the module's arithmetic, one row at a time, page
