@@ -1,6 +1,11 @@
-//! `tessera bench`: engine throughput on this machine (prefill tokens/s, decode
-//! tokens/s at batch 1 and batch N), printed as JSON lines that
-//! `scripts/bench.sh` puts beside llama.cpp's figures from the same run.
+//! `tessera bench`: engine throughput on this machine, printed as JSON lines that
+//! `scripts/bench.sh` and `scripts/bench_long.sh` put beside llama.cpp's figures
+//! from the same run:
+//! - prefill tokens/s of one prompt (time to its first token) at `--prompt-tokens`
+//!   and at each of `--prefill-lengths` (default 512, 2,048, 6,000);
+//! - decode tokens/s at batch 1 (after the `--prompt-tokens` prompt) and batch N;
+//! - decode TPOT at `--tpot-context` tokens of context (default 4,000): one
+//!   sequence, `--tpot-tokens` tokens generated after a prompt of that length.
 
 use crate::generate::model_path;
 use anyhow::Result;
@@ -29,6 +34,19 @@ pub(crate) struct BenchArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Prompt lengths for the long-prompt prefill measurements (comma-separated;
+    /// `0` for none).
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,6000")]
+    prefill_lengths: Vec<usize>,
+    /// Context (prompt) length for the decode TPOT measurement (0: skip).
+    #[arg(long, default_value_t = 4000)]
+    tpot_context: usize,
+    /// Tokens generated for the TPOT measurement.
+    #[arg(long, default_value_t = 64)]
+    tpot_tokens: usize,
+    /// Skip the short measurements (256-token prefill, decode at batch 1 and N).
+    #[arg(long)]
+    long_only: bool,
 }
 
 /// Deterministic prompt of `n` ordinary tokens (a fixed text repeated), `salt` varies it.
@@ -105,21 +123,40 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
     // Warm-up: page in weights, start the thread pool.
     run_batch(&mut engine, vec![request(prompt(&m, 32, 0), 4)]);
 
-    let mut prefill = Vec::new();
-    for rep in 0..a.reps {
-        let (ttft, _, _) = run_batch(
-            &mut engine,
-            vec![request(prompt(&m, a.prompt_tokens, rep), 1)],
+    let lengths = (!a.long_only).then_some(a.prompt_tokens);
+    for n in lengths
+        .into_iter()
+        .chain(a.prefill_lengths.iter().copied().filter(|&n| n > 0))
+    {
+        let mut rates = Vec::new();
+        for rep in 0..a.reps {
+            let (ttft, _, _) = run_batch(&mut engine, vec![request(prompt(&m, n, rep), 1)]);
+            rates.push(n as f64 / ttft.as_secs_f64());
+        }
+        let rate = median(rates);
+        emit(
+            "prefill_tok_s",
+            serde_json::json!({"prompt_tokens": n, "ttft_ms": n as f64 / rate * 1e3}),
+            rate,
         );
-        prefill.push(a.prompt_tokens as f64 / ttft.as_secs_f64());
     }
-    emit(
-        "prefill_tok_s",
-        serde_json::json!({"prompt_tokens": a.prompt_tokens}),
-        median(prefill),
-    );
 
-    for batch in [1, a.batch] {
+    if a.tpot_context > 0 {
+        let mut tpots = Vec::new();
+        for rep in 0..a.reps {
+            let req = request(prompt(&m, a.tpot_context, rep + 50), a.tpot_tokens + 1);
+            let (_, decode, tokens) = run_batch(&mut engine, vec![req]);
+            tpots.push(decode.as_secs_f64() * 1e3 / tokens as f64);
+        }
+        emit(
+            "decode_tpot_ms",
+            serde_json::json!({"batch": 1, "context_tokens": a.tpot_context,
+                "decode_tokens": a.tpot_tokens}),
+            median(tpots),
+        );
+    }
+
+    for batch in [1, a.batch].into_iter().filter(|_| !a.long_only) {
         let mut rates = Vec::new();
         for rep in 0..a.reps {
             // Batch 1 continues after a full-length prompt, batch N after 16-token
@@ -145,7 +182,7 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
         weights_mb,
     );
     let pool = engine.kv().pool();
-    let pool_mb = (pool.capacity() * pool.layout().page_elems() * 2) as f64 / 1e6;
+    let pool_mb = (pool.capacity() * pool.layout().page_bytes()) as f64 / 1e6;
     emit(
         "kv_pool_mb",
         serde_json::json!({"tokens": pool.capacity_tokens()}),

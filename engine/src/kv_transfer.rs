@@ -10,7 +10,6 @@
 use crate::admission::Admitted;
 use crate::engine::{accept_token, Accepted, Engine, SeqEnd, SeqRole};
 use crate::sink::EventSink;
-use half::f16;
 use std::time::Instant;
 use tessera_kernels::{BlockRef, IntegrityError};
 use tessera_model::kv::{PoolError, SeqId};
@@ -19,8 +18,9 @@ use tessera_transfer::checksum::page_checksum;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::transport::DestPage;
 
-/// One page of a prefill's export: where it goes, its bytes (the transfer format, f16
-/// little-endian, `layout.page_elems() * 2` bytes) and their CRC-32C.
+/// One page of a prefill's export: where it goes, its bytes (the pool's page format,
+/// `layout.page_bytes()` bytes: 8-bit K/V with per-slot scales, see
+/// `tessera_kernels::attention::KvLayout`) and their CRC-32C.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedPage {
     /// Destination page and the tag the decode node expects.
@@ -95,14 +95,6 @@ impl std::fmt::Debug for Import {
     }
 }
 
-/// Raw little-endian bytes of f16 values (the transfer format of a page).
-pub fn f16_bytes(v: &[f16]) -> &[u8] {
-    // SAFETY: f16 is a plain 2-byte value (repr(transparent) over u16) with no
-    // padding; u8 has alignment 1; the length is exactly the same memory.
-    // Little-endian is the byte order of every target we build for (x86-64).
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
 impl Engine {
     /// Prefill role: copies computed prefill `seq`'s prompt pages out for the
     /// destination pages `dest` (one per prompt page, in logical order): checks each
@@ -141,12 +133,9 @@ impl Engine {
                     found: self.kv.pool().tags()[r.page as usize],
                 })
             })?;
-            let mut bytes = f16_bytes(data).to_vec();
+            let mut bytes = data.to_vec();
             if i + 1 == n && used_in_last < layout.page_size {
-                let part = layout.page_size * layout.kv_dim() * 2;
-                for chunk in bytes.chunks_exact_mut(part) {
-                    chunk[used_in_last * layout.kv_dim() * 2..].fill(0);
-                }
+                layout.clear_slots_from(&mut bytes, used_in_last);
             }
             let checksum = page_checksum(&bytes);
             pages.push(ExportedPage {
@@ -188,7 +177,7 @@ impl Engine {
     /// reserved with the tag the write names (a late write after its reservation
     /// ended is dropped: the epoch moved on).
     pub fn land(&mut self, landing: &PageLanding) -> Result<(), LandError> {
-        let want = self.kv.layout().page_elems() * 2;
+        let want = self.kv.layout().page_bytes();
         if landing.bytes.len() != want {
             return Err(LandError::WrongSize {
                 got: landing.bytes.len(),
@@ -203,9 +192,7 @@ impl Engine {
         let dst = pool
             .page_data_mut(r)
             .ok_or(LandError::NotReserved { page: r.page })?;
-        for (d, b) in dst.iter_mut().zip(landing.bytes.chunks_exact(2)) {
-            *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
-        }
+        dst.copy_from_slice(&landing.bytes);
         Ok(())
     }
 
@@ -216,7 +203,7 @@ impl Engine {
             page: dest.page,
             tag: dest.tag,
         })?;
-        Some(page_checksum(f16_bytes(page)))
+        Some(page_checksum(page))
     }
 
     /// Decode role: starts decoding a sequence whose prompt pages were transferred

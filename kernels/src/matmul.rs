@@ -7,9 +7,11 @@
 //! the reduction, so each `Y[i, j]` is computed by the same instructions in the
 //! same order whatever `n` is and whoever else is in the batch.
 
-use crate::dot::{dot_f32, panel_q4_1, panel_q8_0, Q4_1Matrix, Q8_0Matrix};
-use crate::quant::{quantize_row_q8_split, ActRow, BlockQ4_1, BlockQ8_0, QK};
-use half::f16;
+use crate::dot::{dot_f32, panel, Tiles};
+use crate::quant::{
+    dequantize_block, quantize_block_q8_0, quantize_row_q8_split, repack, unpack_block, ActRow,
+    QFormat, QK, TILE,
+};
 
 /// Errors building a weight matrix.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -38,27 +40,18 @@ pub enum MatrixError {
     },
 }
 
-/// Weight storage formats with a native kernel. Quantized formats are kept as
-/// structure-of-arrays (the GGUF bytes regrouped, not re-quantized), row-major.
+/// Weight storage formats with a native kernel.
 #[derive(Debug)]
 pub enum Weights {
-    /// GGML `Q4_1`: 16 nibble bytes, one `d` and one `m` per 32 weights.
-    Q4_1 {
-        /// Packed nibbles, `rows * cols / 2` bytes.
-        qs: Vec<u8>,
-        /// Scales, `rows * cols / 32`.
-        d: Vec<f16>,
-        /// Offsets, `rows * cols / 32`.
-        m: Vec<f16>,
+    /// A GGML block format, repacked at load into tiles of 16 interleaved rows
+    /// ([`crate::quant::repack`]; same bytes per weight as the GGUF file).
+    Quant {
+        /// Block format.
+        format: QFormat,
+        /// `ceil(rows / 16) * cols / 32` records, tile-major.
+        tiles: Vec<u8>,
     },
-    /// GGML `Q8_0`: 32 `i8` and one `d` per 32 weights.
-    Q8_0 {
-        /// Values, `rows * cols`.
-        qs: Vec<i8>,
-        /// Scales, `rows * cols / 32`.
-        d: Vec<f16>,
-    },
-    /// Plain `f32` (any other GGUF type, dequantized at load).
+    /// Plain `f32` (unquantized GGUF types, dequantized at load).
     F32(Vec<f32>),
 }
 
@@ -79,6 +72,7 @@ pub struct Activations {
     qs: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
+    sum: Vec<i32>,
 }
 
 impl Activations {
@@ -101,12 +95,37 @@ impl Activations {
         self.qs.resize(n * cols, 0);
         self.d.resize(n * bpr, 0.0);
         self.s.resize(n * bpr, 0.0);
-        self.qs
-            .chunks_mut(cols)
-            .zip(self.d.chunks_mut(bpr))
-            .zip(self.s.chunks_mut(bpr))
-            .zip(x.chunks(cols))
-            .for_each(|(((q, d), s), row)| quantize_row_q8_split(row, q, d, s));
+        self.sum.resize(n * bpr, 0);
+        // Rows are independent: split them over the pool when there are many.
+        let pool = crate::pool::global();
+        let per = n.div_ceil(pool.threads()).max(16);
+        let (qs, d, s, sum) = (
+            SyncPtr(self.qs.as_mut_ptr()),
+            SyncPtr(self.d.as_mut_ptr()),
+            SyncPtr(self.s.as_mut_ptr()),
+            SyncPtr(self.sum.as_mut_ptr()),
+        );
+        let rows = |c: usize| {
+            for r in c * per..((c + 1) * per).min(n) {
+                // SAFETY: row r's ranges lie inside the buffers sized above, and no
+                // other task touches row r.
+                let (q, d, s, sum) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(qs.at(r * cols), cols),
+                        std::slice::from_raw_parts_mut(d.at(r * bpr), bpr),
+                        std::slice::from_raw_parts_mut(s.at(r * bpr), bpr),
+                        std::slice::from_raw_parts_mut(sum.at(r * bpr), bpr),
+                    )
+                };
+                quantize_row_q8_split(&x[r * cols..(r + 1) * cols], q, d, s, sum);
+            }
+        };
+        let chunks = n.div_ceil(per);
+        if chunks > 1 {
+            pool.parallel_for(chunks, rows);
+        } else {
+            rows(0);
+        }
     }
 
     /// Number of rows.
@@ -120,6 +139,7 @@ impl Activations {
             qs: &self.qs[r * self.cols..(r + 1) * self.cols],
             d: &self.d[r * bpr..(r + 1) * bpr],
             s: &self.s[r * bpr..(r + 1) * bpr],
+            sum: &self.sum[r * bpr..(r + 1) * bpr],
         }
     }
 
@@ -128,67 +148,92 @@ impl Activations {
     }
 }
 
-/// Raw output pointer shared by the workers; each writes disjoint columns.
+/// Raw pointer into a buffer shared by pool tasks that write disjoint parts.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: workers write disjoint (row, column) cells of a buffer that outlives them.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+struct SyncPtr<T>(*mut T);
+// SAFETY: tasks write disjoint ranges of a buffer that outlives the region.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
 
-impl OutPtr {
+impl<T> SyncPtr<T> {
     /// Pointer to element `idx` (a method, so closures capture the whole wrapper).
-    fn at(self, idx: usize) -> *mut f32 {
+    fn at(self, idx: usize) -> *mut T {
         // SAFETY: callers pass in-bounds indices.
         unsafe { self.0.add(idx) }
     }
 }
 
 impl QMatrix {
-    /// Builds a matrix from GGUF bytes of a `Q4_1` tensor.
-    pub fn from_q4_1_bytes(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, MatrixError> {
-        let blocks = Self::check(bytes.len(), rows, cols, BlockQ4_1::BYTES, "Q4_1")?;
-        let (mut qs, mut d, mut m) = (
-            Vec::with_capacity(blocks * 16),
-            Vec::with_capacity(blocks),
-            Vec::with_capacity(blocks),
-        );
-        for b in bytes
-            .chunks_exact(BlockQ4_1::BYTES)
-            .take(blocks)
-            .map(BlockQ4_1::from_bytes)
-        {
-            qs.extend_from_slice(&b.qs);
-            d.push(b.d);
-            m.push(b.m);
+    /// Builds a matrix from the GGUF bytes of a tensor in `format` (row-major,
+    /// `rows * cols / 32` blocks), repacking it into tiles.
+    pub fn from_gguf_bytes(
+        format: QFormat,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, MatrixError> {
+        if !cols.is_multiple_of(QK) {
+            return Err(MatrixError::Cols { cols });
+        }
+        let expected = rows * cols / QK * format.block_bytes();
+        if bytes.len() != expected {
+            return Err(MatrixError::Size {
+                got: bytes.len(),
+                expected,
+                rows,
+                cols,
+                format: format.name(),
+            });
         }
         Ok(Self {
             rows,
             cols,
-            weights: Weights::Q4_1 { qs, d, m },
+            weights: Weights::Quant {
+                format,
+                tiles: repack(format, bytes, rows, cols),
+            },
         })
+    }
+
+    /// Builds a matrix from GGUF bytes of a `Q4_0` tensor.
+    pub fn from_q4_0_bytes(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, MatrixError> {
+        Self::from_gguf_bytes(QFormat::Q4_0, bytes, rows, cols)
+    }
+
+    /// Builds a matrix from GGUF bytes of a `Q4_1` tensor.
+    pub fn from_q4_1_bytes(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, MatrixError> {
+        Self::from_gguf_bytes(QFormat::Q4_1, bytes, rows, cols)
     }
 
     /// Builds a matrix from GGUF bytes of a `Q8_0` tensor.
     pub fn from_q8_0_bytes(bytes: &[u8], rows: usize, cols: usize) -> Result<Self, MatrixError> {
-        let blocks = Self::check(bytes.len(), rows, cols, BlockQ8_0::BYTES, "Q8_0")?;
-        let (mut qs, mut d) = (Vec::with_capacity(blocks * QK), Vec::with_capacity(blocks));
-        for b in bytes
-            .chunks_exact(BlockQ8_0::BYTES)
-            .take(blocks)
-            .map(BlockQ8_0::from_bytes)
-        {
-            qs.extend_from_slice(&b.qs);
-            d.push(b.d);
-        }
-        Ok(Self {
-            rows,
-            cols,
-            weights: Weights::Q8_0 { qs, d },
-        })
+        Self::from_gguf_bytes(QFormat::Q8_0, bytes, rows, cols)
     }
 
     /// Builds a matrix from `f32` values (`[rows, cols]`, row-major).
     pub fn from_f32(data: Vec<f32>, rows: usize, cols: usize) -> Result<Self, MatrixError> {
+        Self::check_f32(&data, rows, cols)?;
+        Ok(Self {
+            rows,
+            cols,
+            weights: Weights::F32(data),
+        })
+    }
+
+    /// Quantizes `f32` values (`[rows, cols]`, row-major) to `Q8_0` as GGML does:
+    /// for weights of a lossy GGUF type without a kernel here (K-quants and
+    /// others), so they run on the 8-bit kernels instead of `f32` loops.
+    pub fn requantize_q8_0(data: &[f32], rows: usize, cols: usize) -> Result<Self, MatrixError> {
+        Self::check_f32(data, rows, cols)?;
+        let bb = QFormat::Q8_0.block_bytes();
+        let mut bytes = vec![0u8; rows * cols / QK * bb];
+        for (x, out) in data.chunks_exact(QK).zip(bytes.chunks_exact_mut(bb)) {
+            quantize_block_q8_0(x, out);
+        }
+        Self::from_gguf_bytes(QFormat::Q8_0, &bytes, rows, cols)
+    }
+
+    fn check_f32(data: &[f32], rows: usize, cols: usize) -> Result<(), MatrixError> {
         if data.len() != rows * cols {
             return Err(MatrixError::Size {
                 got: data.len() * 4,
@@ -201,82 +246,62 @@ impl QMatrix {
         if !cols.is_multiple_of(QK) {
             return Err(MatrixError::Cols { cols });
         }
-        Ok(Self {
-            rows,
-            cols,
-            weights: Weights::F32(data),
-        })
+        Ok(())
     }
 
-    fn check(
-        got: usize,
-        rows: usize,
-        cols: usize,
-        block_bytes: usize,
-        format: &'static str,
-    ) -> Result<usize, MatrixError> {
-        if !cols.is_multiple_of(QK) {
-            return Err(MatrixError::Cols { cols });
+    /// The GGUF bytes of the whole matrix, row-major (quantized formats only).
+    fn gguf_bytes(&self, format: QFormat, tiles: &[u8]) -> Vec<u8> {
+        let (bpr, bb) = (self.cols / QK, format.block_bytes());
+        let mut out = vec![0u8; self.rows * bpr * bb];
+        for (i, blk) in out.chunks_exact_mut(bb).enumerate() {
+            unpack_block(format, tiles, bpr, i / bpr, i % bpr, blk);
         }
-        let blocks = rows * cols / QK;
-        let expected = blocks * block_bytes;
-        if got != expected {
-            return Err(MatrixError::Size {
-                got,
-                expected,
-                rows,
-                cols,
-                format,
-            });
-        }
-        Ok(blocks)
+        out
     }
 
-    /// Stacks matrices with equal `cols` and format along the output dimension
-    /// (e.g. Q, K and V into one QKV matrix, so one pass reads one input once).
-    /// Falls back to `f32` when formats differ.
+    /// Stacks matrices with equal `cols` along the output dimension (e.g. Q, K and
+    /// V into one QKV matrix, so one pass reads one input once). Parts of one
+    /// format keep it (exactly); quantized parts of different formats are
+    /// requantized to `Q8_0`; any `f32` part makes the result `f32`.
     pub fn concat_rows(parts: Vec<QMatrix>) -> Result<Self, MatrixError> {
         let cols = parts.first().map_or(0, |p| p.cols);
         if let Some(p) = parts.iter().find(|p| p.cols != cols) {
             return Err(MatrixError::Cols { cols: p.cols });
         }
         let rows = parts.iter().map(|p| p.rows).sum();
-        let same = |f: fn(&Weights) -> bool| parts.iter().all(|p| f(&p.weights));
-        let weights = if same(|w| matches!(w, Weights::Q4_1 { .. })) {
-            let (mut qs, mut d, mut m) = (Vec::new(), Vec::new(), Vec::new());
-            for p in parts {
-                if let Weights::Q4_1 { qs: a, d: b, m: c } = p.weights {
-                    qs.extend(a);
-                    d.extend(b);
-                    m.extend(c);
-                }
-            }
-            Weights::Q4_1 { qs, d, m }
-        } else if same(|w| matches!(w, Weights::Q8_0 { .. })) {
-            let (mut qs, mut d) = (Vec::new(), Vec::new());
-            for p in parts {
-                if let Weights::Q8_0 { qs: a, d: b } = p.weights {
-                    qs.extend(a);
-                    d.extend(b);
-                }
-            }
-            Weights::Q8_0 { qs, d }
-        } else {
+        let formats: Vec<Option<QFormat>> = parts
+            .iter()
+            .map(|p| match &p.weights {
+                Weights::Quant { format, .. } => Some(*format),
+                Weights::F32(_) => None,
+            })
+            .collect();
+        let dense = |parts: &[QMatrix]| {
             let mut v = vec![0f32; rows * cols];
-            let mut at = 0;
-            for p in &parts {
-                for r in 0..p.rows {
-                    p.dequantize_row(r, &mut v[at * cols..(at + 1) * cols]);
-                    at += 1;
-                }
+            for (r, out) in parts
+                .iter()
+                .flat_map(|p| (0..p.rows).map(move |r| (p, r)))
+                .zip(v.chunks_exact_mut(cols))
+            {
+                r.0.dequantize_row(r.1, out);
             }
-            Weights::F32(v)
+            v
         };
-        Ok(Self {
-            rows,
-            cols,
-            weights,
-        })
+        match formats[..] {
+            [Some(f), ..] if formats.iter().all(|g| *g == Some(f)) => {
+                let mut bytes = Vec::new();
+                for p in &parts {
+                    if let Weights::Quant { tiles, .. } = &p.weights {
+                        bytes.extend(p.gguf_bytes(f, tiles));
+                    }
+                }
+                Self::from_gguf_bytes(f, &bytes, rows, cols)
+            }
+            _ if formats.iter().all(|g| g.is_some()) => {
+                Self::requantize_q8_0(&dense(&parts), rows, cols)
+            }
+            _ => Self::from_f32(dense(&parts), rows, cols),
+        }
     }
 
     /// Output features.
@@ -298,8 +323,7 @@ impl QMatrix {
     pub fn weight_bytes(&self) -> usize {
         let blocks = self.rows * self.cols / QK;
         match &self.weights {
-            Weights::Q4_1 { .. } => blocks * BlockQ4_1::BYTES,
-            Weights::Q8_0 { .. } => blocks * BlockQ8_0::BYTES,
+            Weights::Quant { format, .. } => blocks * format.block_bytes(),
             Weights::F32(_) => self.rows * self.cols * 4,
         }
     }
@@ -308,21 +332,12 @@ impl QMatrix {
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let bpr = self.cols / QK;
         match &self.weights {
-            Weights::Q4_1 { qs, d, m } => {
-                for (b, o) in (r * bpr..(r + 1) * bpr).zip(out.chunks_exact_mut(QK)) {
-                    let (d, m) = (d[b].to_f32(), m[b].to_f32());
-                    for j in 0..QK / 2 {
-                        o[j] = (qs[b * 16 + j] & 0x0F) as f32 * d + m;
-                        o[j + QK / 2] = (qs[b * 16 + j] >> 4) as f32 * d + m;
-                    }
-                }
-            }
-            Weights::Q8_0 { qs, d } => {
-                for (b, o) in (r * bpr..(r + 1) * bpr).zip(out.chunks_exact_mut(QK)) {
-                    let d = d[b].to_f32();
-                    for (oj, &q) in o.iter_mut().zip(&qs[b * QK..(b + 1) * QK]) {
-                        *oj = q as f32 * d;
-                    }
+            Weights::Quant { format, tiles } => {
+                let mut blk = [0u8; 34];
+                let blk = &mut blk[..format.block_bytes()];
+                for (b, o) in out.chunks_exact_mut(QK).enumerate().take(bpr) {
+                    unpack_block(*format, tiles, bpr, r, b, blk);
+                    dequantize_block(*format, blk, o);
                 }
             }
             Weights::F32(v) => out.copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
@@ -335,58 +350,73 @@ impl QMatrix {
         assert_eq!(out.len(), x.n * self.rows, "output shape");
         let rows = self.rows;
         let pool = crate::pool::global();
-        let chunk = (rows / (pool.threads() * 8)).clamp(4, 256);
-        let ptr = OutPtr(out.as_mut_ptr());
-        let n_chunks = rows.div_ceil(chunk);
-        pool.parallel_for(n_chunks, |c| {
-            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(rows));
+        // Work units of whole tiles (16 rows), a few per thread.
+        let tiles = rows.div_ceil(TILE);
+        let chunk = (tiles / (pool.threads() * 8)).clamp(1, 16);
+        let ptr = SyncPtr(out.as_mut_ptr());
+        pool.parallel_for(tiles.div_ceil(chunk), |c| {
+            let (t0, t1) = (c * chunk, ((c + 1) * chunk).min(tiles));
             let mut i = 0;
             while i < x.n {
                 let take = (x.n - i).min(GROUP);
-                self.panel(j0..j1, x, i, take, |j, r, v| {
-                    // SAFETY: (i + r, j) is in bounds and owned by this chunk.
-                    unsafe { *ptr.at((i + r) * rows + j) = v };
+                self.panel(t0..t1, x, i, take, |r, j0, v| {
+                    // SAFETY: row i + r, columns j0..j0 + v.len() are in bounds and
+                    // owned by this chunk (its tiles).
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(ptr.at((i + r) * rows + j0), v.len())
+                    };
+                    o.copy_from_slice(v);
                 });
                 i += take;
             }
         });
     }
 
-    /// Dots weight rows `js` with activation rows `i..i+take` (`take <= GROUP`),
-    /// calling `out(j, r, value)` for each.
+    /// Dots weight tiles `ts` with activation rows `i..i+take` (`take <= GROUP`),
+    /// calling `out(r, j0, values)` with the outputs of rows `j0..j0 + values.len()`
+    /// (within `0..rows`) for activation row `i + r`.
     #[inline]
     fn panel(
         &self,
-        js: std::ops::Range<usize>,
+        ts: std::ops::Range<usize>,
         x: &Activations,
         i: usize,
         take: usize,
-        mut out: impl FnMut(usize, usize, f32),
+        mut out: impl FnMut(usize, usize, &[f32]),
     ) {
+        let rows = self.rows;
         let bpr = self.cols / QK;
-        macro_rules! group {
-            ($panel:ident, $w:expr, $($n:literal)+) => {
-                match take {
-                    $($n => {
-                        let rows: [_; $n] = std::array::from_fn(|k| x.q8_row(i + k));
-                        $panel::<$n>($w, js, rows, |j, v| v.iter().enumerate().for_each(|(r, &v)| out(j, r, v)));
-                    })+
-                    _ => unreachable!("group size {take}"),
-                }
-            };
-        }
         match &self.weights {
-            Weights::Q4_1 { qs, d, m } => {
-                group!(panel_q4_1, Q4_1Matrix { qs, d, m, bpr }, 1 2 3 4 5 6 7 8)
-            }
-            Weights::Q8_0 { qs, d } => {
-                group!(panel_q8_0, Q8_0Matrix { qs, d, bpr }, 1 2 3 4 5 6 7 8)
+            Weights::Quant { format, tiles } => {
+                let w = Tiles {
+                    format: *format,
+                    data: tiles,
+                    bpr,
+                };
+                macro_rules! group {
+                    ($($n:literal)+) => {
+                        match take {
+                            $($n => {
+                                let xs: [ActRow; $n] = std::array::from_fn(|k| x.q8_row(i + k));
+                                panel::<$n>(w, ts, xs, |t, v| {
+                                    let j0 = t * TILE;
+                                    let n = (rows - j0).min(TILE);
+                                    for (r, vr) in v.iter().enumerate() {
+                                        out(r, j0, &vr[..n]);
+                                    }
+                                });
+                            })+
+                            _ => unreachable!("group size {take}"),
+                        }
+                    };
+                }
+                group!(1 2 3 4 5 6 7 8)
             }
             Weights::F32(v) => {
-                for j in js {
+                for j in ts.start * TILE..(ts.end * TILE).min(rows) {
                     let w = &v[j * self.cols..(j + 1) * self.cols];
                     for r in 0..take {
-                        out(j, r, dot_f32::<1>(w, [x.f32_row(i + r)])[0]);
+                        out(r, j, &dot_f32::<1>(w, [x.f32_row(i + r)]));
                     }
                 }
             }
@@ -405,15 +435,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     fn q4_1_matrix(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> QMatrix {
-        let mut bytes = Vec::new();
-        for _ in 0..rows * cols / QK {
-            bytes.extend_from_slice(&f16::from_f32(rng.random_range(0.001..0.05)).to_le_bytes());
-            bytes.extend_from_slice(&f16::from_f32(rng.random_range(-0.3..0.0)).to_le_bytes());
-            for _ in 0..16 {
-                bytes.push(rng.random());
-            }
-        }
-        QMatrix::from_q4_1_bytes(&bytes, rows, cols).unwrap()
+        QMatrix::from_q4_1_bytes(&gguf(rng, QFormat::Q4_1, rows, cols), rows, cols).unwrap()
     }
 
     #[test]
@@ -457,6 +479,99 @@ mod tests {
                 let want: f32 = wrow.iter().zip(xr).map(|(a, b)| a * b).sum();
                 let mag: f32 = wrow.iter().zip(xr).map(|(a, b)| (a * b).abs()).sum();
                 assert!((out[i * rows + j] - want).abs() < 0.01 * mag + 1e-4);
+            }
+        }
+    }
+
+    /// Random GGUF bytes in `format` (sane scales).
+    fn gguf(rng: &mut ChaCha8Rng, format: QFormat, rows: usize, cols: usize) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for _ in 0..rows * cols / QK {
+            bytes.extend_from_slice(&f16::from_f32(rng.random_range(0.001..0.05)).to_le_bytes());
+            match format {
+                QFormat::Q4_1 => {
+                    let m = f16::from_f32(rng.random_range(-0.3..0.0));
+                    bytes.extend_from_slice(&m.to_le_bytes());
+                    bytes.extend((0..16).map(|_| rng.random::<u8>()));
+                }
+                QFormat::Q4_0 => bytes.extend((0..16).map(|_| rng.random::<u8>())),
+                QFormat::Q8_0 => {
+                    bytes.extend((0..32).map(|_| rng.random_range(-127i8..=127) as u8))
+                }
+            }
+        }
+        bytes
+    }
+
+    fn run(w: &QMatrix, x: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0f32; n * w.rows()];
+        w.matmul(&Activations::new(x, n, w.cols()), &mut out);
+        out
+    }
+
+    #[test]
+    fn stacked_matrices_equal_their_parts_bitwise() {
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let cols = 64;
+        let x: Vec<f32> = (0..5 * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+        for format in [QFormat::Q4_0, QFormat::Q4_1, QFormat::Q8_0] {
+            // 20 and 7 rows: the parts' tiles do not line up with the stack's.
+            let parts: Vec<Vec<u8>> = [20, 7]
+                .iter()
+                .map(|&r| gguf(&mut rng, format, r, cols))
+                .collect();
+            let mk = |b: &[u8], r| QMatrix::from_gguf_bytes(format, b, r, cols).unwrap();
+            let stacked = QMatrix::concat_rows(vec![mk(&parts[0], 20), mk(&parts[1], 7)]).unwrap();
+            assert!(matches!(stacked.weights(), Weights::Quant { format: f, .. } if *f == format));
+            let (a, b, both) = (
+                run(&mk(&parts[0], 20), &x, 5),
+                run(&mk(&parts[1], 7), &x, 5),
+                run(&stacked, &x, 5),
+            );
+            for i in 0..5 {
+                let want: Vec<u32> = a[i * 20..(i + 1) * 20]
+                    .iter()
+                    .chain(&b[i * 7..(i + 1) * 7])
+                    .map(|v| v.to_bits())
+                    .collect();
+                let got: Vec<u32> = both[i * 27..(i + 1) * 27]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{format:?} row {i}");
+            }
+            let (mut r1, mut r2) = (vec![0f32; cols], vec![0f32; cols]);
+            stacked.dequantize_row(22, &mut r1);
+            mk(&parts[1], 7).dequantize_row(2, &mut r2);
+            assert_eq!(r1, r2);
+        }
+    }
+
+    #[test]
+    fn mixed_formats_stack_as_q8_0_close_to_the_parts() {
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        let cols = 96;
+        let a =
+            QMatrix::from_q4_0_bytes(&gguf(&mut rng, QFormat::Q4_0, 16, cols), 16, cols).unwrap();
+        let b = QMatrix::from_q8_0_bytes(&gguf(&mut rng, QFormat::Q8_0, 5, cols), 5, cols).unwrap();
+        let (mut wa, mut wb) = (vec![0f32; cols], vec![0f32; cols]);
+        a.dequantize_row(3, &mut wa);
+        b.dequantize_row(4, &mut wb);
+        let s = QMatrix::concat_rows(vec![a, b]).unwrap();
+        assert!(matches!(
+            s.weights(),
+            Weights::Quant {
+                format: QFormat::Q8_0,
+                ..
+            }
+        ));
+        let mut w = vec![0f32; cols];
+        for (row, want) in [(3, &wa), (20, &wb)] {
+            s.dequantize_row(row, &mut w);
+            let amax = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (g, e) in w.iter().zip(want.iter()) {
+                // Half a Q8_0 step of the block's range, plus f16 rounding of d.
+                assert!((g - e).abs() <= amax / 127.0 * 0.51 + 1e-6, "{g} vs {e}");
             }
         }
     }

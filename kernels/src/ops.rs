@@ -33,15 +33,59 @@ impl Rope {
     /// (`[n_heads * head_dim]`) by `pos * inv_freq[i]`: GGML's "normal" RoPE mode,
     /// which llama GGUF files expect (their Q/K weights are permuted for it).
     pub fn apply(&self, x: &mut [f32], pos: usize) {
+        // The angles depend on the position only: once for all heads.
+        let sc: Vec<(f32, f32)> = self
+            .inv_freq
+            .iter()
+            .map(|&f| (pos as f32 * f).sin_cos())
+            .collect();
         for head in x.chunks_exact_mut(self.head_dim) {
-            for (i, &f) in self.inv_freq.iter().enumerate() {
-                let theta = pos as f32 * f;
-                let (s, c) = theta.sin_cos();
+            for (i, &(s, c)) in sc.iter().enumerate() {
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
                 head[2 * i] = a * c - b * s;
                 head[2 * i + 1] = a * s + b * c;
             }
         }
+    }
+}
+
+/// SwiGLU over rows of a stacked gate/up projection: for each row `r` of
+/// `gate_up` (`[n, 2 * ffn]`: gate then up), `out[r] = silu(gate) * up`
+/// (`out`: `[n, ffn]`). Rows run in parallel on the global pool; each row's
+/// values are exactly those of [`swiglu`].
+pub fn swiglu_rows(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
+    let n = out.len() / ffn.max(1);
+    assert_eq!(gate_up.len(), 2 * n * ffn, "gate/up shape");
+    assert_eq!(out.len(), n * ffn, "output shape");
+    let pool = crate::pool::global();
+    let per = n.div_ceil(pool.threads()).max(8);
+    let base = RowsPtr(out.as_mut_ptr());
+    let rows = |c: usize| {
+        for r in c * per..((c + 1) * per).min(n) {
+            // SAFETY: row r of `out` is in bounds and written by this task only.
+            let g = unsafe { std::slice::from_raw_parts_mut(base.at(r * ffn), ffn) };
+            let gu = &gate_up[2 * r * ffn..2 * (r + 1) * ffn];
+            g.copy_from_slice(&gu[..ffn]);
+            swiglu(g, &gu[ffn..]);
+        }
+    };
+    match n.div_ceil(per) {
+        0 => {}
+        1 => rows(0),
+        chunks => pool.parallel_for(chunks, rows),
+    }
+}
+
+/// Base pointer of a row-major buffer whose rows pool tasks write disjointly.
+#[derive(Clone, Copy)]
+struct RowsPtr(*mut f32);
+// SAFETY: tasks write disjoint rows of a buffer that outlives the region.
+unsafe impl Send for RowsPtr {}
+unsafe impl Sync for RowsPtr {}
+impl RowsPtr {
+    fn at(self, i: usize) -> *mut f32 {
+        // SAFETY: callers pass in-bounds indices.
+        unsafe { self.0.add(i) }
     }
 }
 
@@ -77,6 +121,21 @@ mod tests {
         // Pair 0 rotates by exactly 17 radians.
         let (s, c) = 17f32.sin_cos();
         assert!((x[0] - (x0[0] * c - x0[1] * s)).abs() < 1e-5);
+    }
+
+    #[test]
+    fn swiglu_rows_equal_row_by_row_swiglu() {
+        let (n, ffn) = (37, 24);
+        let gu: Vec<f32> = (0..2 * n * ffn)
+            .map(|i| (i % 17) as f32 * 0.3 - 2.0)
+            .collect();
+        let mut out = vec![0f32; n * ffn];
+        swiglu_rows(&gu, ffn, &mut out);
+        for r in 0..n {
+            let mut g = gu[2 * r * ffn..(2 * r + 1) * ffn].to_vec();
+            swiglu(&mut g, &gu[(2 * r + 1) * ffn..2 * (r + 1) * ffn]);
+            assert_eq!(&out[r * ffn..(r + 1) * ffn], &g[..]);
+        }
     }
 
     #[test]

@@ -1,73 +1,188 @@
-//! Quantized block formats and activation quantization.
+//! Quantized block formats, their repacked (interleaved) form, and activation
+//! quantization.
 //!
 //! Weight formats follow GGML's on-disk layouts (llama.cpp `ggml/src/ggml-common.h`):
-//! - `Q4_1`: 32 weights per block, `w = d * q + m` with `q` in `0..16`; 20 bytes:
-//!   `d: f16, m: f16, qs: [u8; 16]` where `qs[j] & 0x0F` is weight `j` and
-//!   `qs[j] >> 4` is weight `j + 16`.
-//! - `Q8_0`: 32 weights per block, `w = d * q` with `q: i8`; 34 bytes: `d: f16, qs: [i8; 32]`.
+//! - `Q4_0`: 32 weights per block, `w = d * (q - 8)` with `q` in `0..16`; 18 bytes:
+//!   `d: f16, qs: [u8; 16]` where `qs[j] & 0x0F` is weight `j` and `qs[j] >> 4` is
+//!   weight `j + 16`.
+//! - `Q4_1`: `w = d * q + m`; 20 bytes: `d: f16, m: f16, qs: [u8; 16]` (nibbles as `Q4_0`).
+//! - `Q8_0`: `w = d * q` with `q: i8`; 34 bytes: `d: f16, qs: [i8; 32]`.
 //!
-//! Activations are quantized per row to [`BlockQ8`]: 32 values per block,
-//! `x ~= d * q` with `q: i8`, plus `s = d * sum(q)` (needed by `Q4_1`'s offset term).
-//! Unlike GGML's `Q8_1` we keep `d` and `s` in `f32`.
+//! At load, matrices are repacked into tiles of [`TILE`] rows ([`repack`]): for
+//! each tile and block, one record holding the 16 rows' values interleaved in
+//! groups of 4 (so one 64-byte register holds 4 consecutive weights of each of 16
+//! rows: one `vpdpbusd` lane per output row), then their scales. For `Q4_x` the
+//! record's values are the rows' `qs` bytes regrouped: register `p` (0..4) holds
+//! bytes `4p..4p+4` of every row, whose low nibbles are weights `4p..4p+4` and high
+//! nibbles weights `16+4p..16+4p+4`. `Q8_0` values are stored offset-binary
+//! (`q ^ 0x80`, i.e. `q + 128` as `u8`). Record bytes:
+//! - `Q4_0`: 256 value bytes, 16 `d` (`f16`): 288 = 16 x 18;
+//! - `Q4_1`: 256, 16 `d`, 16 `m`: 320 = 16 x 20;
+//! - `Q8_0`: 512, 16 `d`: 544 = 16 x 34.
+//!
+//! Activations are quantized per row: 32 values per block, `x ~= d * q` with
+//! `q: i8`, plus the block's integer sum `sum(q)` and `s = d * sum(q)` (for the
+//! `Q4_x` offset terms). Unlike GGML's `Q8_1` we keep `d` and `s` in `f32`.
 
 use half::f16;
 
 /// Values per quantization block (all formats here).
 pub const QK: usize = 32;
 
-/// One `Q4_1` weight block (GGML layout, 20 bytes).
-#[derive(Clone, Copy, Debug)]
-#[repr(C)]
-pub struct BlockQ4_1 {
-    /// Scale.
-    pub d: f16,
-    /// Offset (minimum).
-    pub m: f16,
-    /// Packed 4-bit values: low nibbles are weights 0..16, high nibbles 16..32.
-    pub qs: [u8; QK / 2],
+/// Weight rows per repacked tile (one AVX-512 register of outputs).
+pub const TILE: usize = 16;
+
+/// A quantized weight format with a native kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QFormat {
+    /// GGML `Q4_0`.
+    Q4_0,
+    /// GGML `Q4_1`.
+    Q4_1,
+    /// GGML `Q8_0`.
+    Q8_0,
 }
 
-/// One `Q8_0` weight block (GGML layout, 34 bytes).
-#[derive(Clone, Copy, Debug)]
-#[repr(C)]
-pub struct BlockQ8_0 {
-    /// Scale.
-    pub d: f16,
-    /// Signed 8-bit values.
-    pub qs: [i8; QK],
+impl QFormat {
+    /// GGML's name of the format.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q8_0 => "Q8_0",
+        }
+    }
+
+    /// Bytes of one block in a GGUF file.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q8_0 => 34,
+        }
+    }
+
+    /// Value bytes of one repacked record (16 rows x one block).
+    pub fn value_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 | Self::Q4_1 => 256,
+            Self::Q8_0 => 512,
+        }
+    }
+
+    /// Bytes of one repacked record: values, then 16 `d`, then (`Q4_1`) 16 `m`.
+    pub fn record_bytes(self) -> usize {
+        TILE * self.block_bytes()
+    }
+
+    /// What the stored unsigned values must be lowered by to give the signed
+    /// quant: 8 for `Q4_0`, 128 for `Q8_0` (offset-binary), 0 for `Q4_1`.
+    pub fn int_offset(self) -> i32 {
+        match self {
+            Self::Q4_0 => 8,
+            Self::Q4_1 => 0,
+            Self::Q8_0 => 128,
+        }
+    }
 }
 
-/// One block of a quantized activation row (our format, 40 bytes).
-#[derive(Clone, Copy, Debug, Default)]
-#[repr(C)]
-pub struct BlockQ8 {
-    /// Scale: `x ~= d * q`.
-    pub d: f32,
-    /// `d * sum(qs)`, used by the `Q4_1` offset term.
-    pub s: f32,
-    /// Signed 8-bit values in `-127..=127`.
-    pub qs: [i8; QK],
+/// Dequantizes one GGUF block of `format` (`format.block_bytes()` bytes) into 32 floats.
+pub fn dequantize_block(format: QFormat, b: &[u8], out: &mut [f32]) {
+    let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    match format {
+        QFormat::Q4_0 | QFormat::Q4_1 => {
+            let (m, qs) = match format {
+                QFormat::Q4_1 => (f16::from_le_bytes([b[2], b[3]]).to_f32(), &b[4..20]),
+                _ => (-8.0 * d, &b[2..18]),
+            };
+            for j in 0..QK / 2 {
+                out[j] = (qs[j] & 0x0F) as f32 * d + m;
+                out[j + QK / 2] = (qs[j] >> 4) as f32 * d + m;
+            }
+        }
+        QFormat::Q8_0 => {
+            for (o, &q) in out.iter_mut().zip(&b[2..34]) {
+                *o = q as i8 as f32 * d;
+            }
+        }
+    }
 }
 
-/// One weight row of `Q4_1` blocks in structure-of-arrays form (same bytes as
-/// GGUF, regrouped so SIMD loads are contiguous): `qs` holds 16 bytes per block.
-#[derive(Clone, Copy, Debug)]
-pub struct Q4_1Row<'a> {
-    /// Packed nibbles, 16 bytes per block (GGML order within a block).
-    pub qs: &'a [u8],
-    /// Block scales.
-    pub d: &'a [f16],
-    /// Block offsets.
-    pub m: &'a [f16],
+/// Quantizes 32 floats into one GGUF `Q8_0` block (34 bytes), as GGML does:
+/// `d = max|x| / 127`, `q = round(x / d)`.
+pub fn quantize_block_q8_0(x: &[f32], out: &mut [u8]) {
+    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    out[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for (o, &v) in out[2..34].iter_mut().zip(x) {
+        *o = (v * id).round() as i8 as u8;
+    }
 }
 
-/// One weight row of `Q8_0` blocks in structure-of-arrays form.
-#[derive(Clone, Copy, Debug)]
-pub struct Q8_0Row<'a> {
-    /// Values, 32 per block.
-    pub qs: &'a [i8],
-    /// Block scales.
-    pub d: &'a [f16],
+/// Repacks a row-major GGUF matrix (`rows x cols`, `cols / 32` blocks per row) of
+/// `format` into tiles (see the module docs); rows past `rows` in the last tile are
+/// zero (scale 0). `bytes.len()` must be `rows * cols / 32 * format.block_bytes()`.
+pub fn repack(format: QFormat, bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let (bb, bpr) = (format.block_bytes(), cols / QK);
+    assert_eq!(bytes.len(), rows * bpr * bb, "GGUF matrix bytes");
+    let (vb, rec) = (format.value_bytes(), format.record_bytes());
+    let tiles = rows.div_ceil(TILE);
+    let mut out = vec![0u8; tiles * bpr * rec];
+    for row in 0..rows {
+        let (t, lane) = (row / TILE, row % TILE);
+        for b in 0..bpr {
+            let src = &bytes[(row * bpr + b) * bb..][..bb];
+            let dst = &mut out[(t * bpr + b) * rec..][..rec];
+            dst[vb + lane * 2..vb + lane * 2 + 2].copy_from_slice(&src[0..2]);
+            let qs = match format {
+                QFormat::Q4_0 => &src[2..18],
+                QFormat::Q4_1 => {
+                    dst[vb + 32 + lane * 2..vb + 34 + lane * 2].copy_from_slice(&src[2..4]);
+                    &src[4..20]
+                }
+                QFormat::Q8_0 => &src[2..34],
+            };
+            for (g, q4) in qs.chunks_exact(4).enumerate() {
+                let at = (g * TILE + lane) * 4;
+                for (e, &q) in q4.iter().enumerate() {
+                    dst[at + e] = if format == QFormat::Q8_0 { q ^ 0x80 } else { q };
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The GGUF bytes of block `b` of row `row` of a repacked matrix (`bpr` blocks per
+/// row) into `out` (`format.block_bytes()` long): the inverse of [`repack`].
+pub fn unpack_block(
+    format: QFormat,
+    tiles: &[u8],
+    bpr: usize,
+    row: usize,
+    b: usize,
+    out: &mut [u8],
+) {
+    let (vb, rec) = (format.value_bytes(), format.record_bytes());
+    let (t, lane) = (row / TILE, row % TILE);
+    let src = &tiles[(t * bpr + b) * rec..][..rec];
+    out[0..2].copy_from_slice(&src[vb + lane * 2..vb + lane * 2 + 2]);
+    let qs = match format {
+        QFormat::Q4_0 => &mut out[2..18],
+        QFormat::Q4_1 => {
+            out[2..4].copy_from_slice(&src[vb + 32 + lane * 2..vb + 34 + lane * 2]);
+            &mut out[4..20]
+        }
+        QFormat::Q8_0 => &mut out[2..34],
+    };
+    for (g, q4) in qs.chunks_exact_mut(4).enumerate() {
+        let at = (g * TILE + lane) * 4;
+        for (e, q) in q4.iter_mut().enumerate() {
+            let v = src[at + e];
+            *q = if format == QFormat::Q8_0 { v ^ 0x80 } else { v };
+        }
+    }
 }
 
 /// One quantized activation row in structure-of-arrays form.
@@ -79,181 +194,144 @@ pub struct ActRow<'a> {
     pub d: &'a [f32],
     /// `d * sum(qs)` per block.
     pub s: &'a [f32],
-}
-
-impl<'a> Q4_1Row<'a> {
-    /// Blocks in the row.
-    pub fn blocks(&self) -> usize {
-        self.d.len()
-    }
-
-    /// The row from block `b` on.
-    pub fn from_block(&self, b: usize) -> Self {
-        Self {
-            qs: &self.qs[b * QK / 2..],
-            d: &self.d[b..],
-            m: &self.m[b..],
-        }
-    }
-}
-
-impl<'a> Q8_0Row<'a> {
-    /// Blocks in the row.
-    pub fn blocks(&self) -> usize {
-        self.d.len()
-    }
-
-    /// The row from block `b` on.
-    pub fn from_block(&self, b: usize) -> Self {
-        Self {
-            qs: &self.qs[b * QK..],
-            d: &self.d[b..],
-        }
-    }
-}
-
-impl<'a> ActRow<'a> {
-    /// The row from block `b` on.
-    pub fn from_block(&self, b: usize) -> Self {
-        Self {
-            qs: &self.qs[b * QK..],
-            d: &self.d[b..],
-            s: &self.s[b..],
-        }
-    }
+    /// `sum(qs)` per block.
+    pub sum: &'a [i32],
 }
 
 /// Quantizes one activation row (length a multiple of [`QK`]) into split arrays:
-/// `qs` (`x.len()` values), `d` and `s` (`x.len() / QK` each). Same rounding as
-/// [`quantize_row_q8`].
-pub fn quantize_row_q8_split(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+/// `qs` (`x.len()` values), and per block (`x.len() / QK` each) the scale `d`, the
+/// integer sum `sum` and `s = d * sum`. Symmetric 8-bit, round half away from
+/// zero; deterministic and row-local, which keeps matmuls batch-invariant.
+pub fn quantize_row_q8_split(
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    sum: &mut [i32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dot::isa() != crate::dot::Isa::Scalar {
+        // SAFETY: `isa()` verified avx2 and fma. Same results: rounding is exact.
+        return unsafe { quantize_avx2(x, qs, d, s, sum) };
+    }
+    quantize(x, qs, d, s, sum)
+}
+
+/// [`quantize`] compiled for AVX2, so its loops vectorize.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sum: &mut [i32]) {
+    quantize(x, qs, d, s, sum)
+}
+
+#[inline(always)]
+fn quantize(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sum: &mut [i32]) {
     for (b, xs) in x.chunks_exact(QK).enumerate() {
-        let amax = xs.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        // Eight running maxima (the maximum does not depend on the order), so the
+        // loop vectorizes.
+        let mut m8 = [0f32; 8];
+        for c in xs.chunks_exact(8) {
+            for (m, &v) in m8.iter_mut().zip(c) {
+                *m = m.max(v.abs());
+            }
+        }
+        let amax = m8.iter().fold(0f32, |a, &v| a.max(v));
         let db = amax / 127.0;
         let id = if db > 0.0 { 1.0 / db } else { 0.0 };
-        let mut sum = 0i32;
+        let mut total = 0i32;
         for (q, &v) in qs[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
-            let qi = (v * id).round() as i32;
+            // |v * id| <= 127 by construction; max/min (unlike `clamp`) also map
+            // NaN (to -127) and make the conversion branch-free, so the loop
+            // vectorizes.
+            #[allow(clippy::manual_clamp)]
+            let r = (v * id).round().max(-127.0).min(127.0);
+            // SAFETY: `r` is finite and within i32.
+            let qi = unsafe { r.to_int_unchecked::<i32>() };
             *q = qi as i8;
-            sum += qi;
+            total = total.wrapping_add(qi);
         }
         d[b] = db;
-        s[b] = db * sum as f32;
-    }
-}
-
-impl BlockQ4_1 {
-    /// Bytes per block in a GGUF file.
-    pub const BYTES: usize = 20;
-
-    /// Parses one block from its 20 GGUF bytes.
-    pub fn from_bytes(b: &[u8]) -> Self {
-        let mut qs = [0u8; QK / 2];
-        qs.copy_from_slice(&b[4..20]);
-        Self {
-            d: f16::from_le_bytes([b[0], b[1]]),
-            m: f16::from_le_bytes([b[2], b[3]]),
-            qs,
-        }
-    }
-
-    /// Dequantizes the block into 32 floats.
-    pub fn dequantize(&self, out: &mut [f32]) {
-        let (d, m) = (self.d.to_f32(), self.m.to_f32());
-        for j in 0..QK / 2 {
-            out[j] = (self.qs[j] & 0x0F) as f32 * d + m;
-            out[j + QK / 2] = (self.qs[j] >> 4) as f32 * d + m;
-        }
-    }
-}
-
-impl BlockQ8_0 {
-    /// Bytes per block in a GGUF file.
-    pub const BYTES: usize = 34;
-
-    /// Parses one block from its 34 GGUF bytes.
-    pub fn from_bytes(b: &[u8]) -> Self {
-        let mut qs = [0i8; QK];
-        for (q, &byte) in qs.iter_mut().zip(&b[2..34]) {
-            *q = byte as i8;
-        }
-        Self {
-            d: f16::from_le_bytes([b[0], b[1]]),
-            qs,
-        }
-    }
-
-    /// Dequantizes the block into 32 floats.
-    pub fn dequantize(&self, out: &mut [f32]) {
-        let d = self.d.to_f32();
-        for (o, &q) in out.iter_mut().zip(&self.qs) {
-            *o = q as f32 * d;
-        }
-    }
-}
-
-/// Quantizes one activation row (length a multiple of [`QK`]) into `out`
-/// (`x.len() / QK` blocks), symmetric 8-bit with round-to-nearest.
-///
-/// Deterministic and row-local: the result depends on `x` only, which keeps
-/// matmuls batch-invariant.
-pub fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
-    debug_assert_eq!(x.len() % QK, 0);
-    debug_assert_eq!(out.len(), x.len() / QK);
-    for (block, xs) in out.iter_mut().zip(x.chunks_exact(QK)) {
-        let amax = xs.iter().fold(0f32, |a, &v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in block.qs.iter_mut().zip(xs) {
-            let qi = (v * id).round() as i32;
-            *q = qi as i8;
-            sum += qi;
-        }
-        block.d = d;
-        block.s = d * sum as f32;
+        s[b] = db * total as f32;
+        sum[b] = total;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     #[test]
     fn q8_round_trip_error_is_within_half_a_step() {
         let x: Vec<f32> = (0..64)
             .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.13)
             .collect();
-        let mut q = vec![BlockQ8::default(); 2];
-        quantize_row_q8(&x, &mut q);
-        for (b, xs) in q.iter().zip(x.chunks_exact(QK)) {
-            let sum: i32 = b.qs.iter().map(|&v| v as i32).sum();
-            assert_eq!(b.s, b.d * sum as f32);
-            for (&qv, &xv) in b.qs.iter().zip(xs) {
-                assert!((qv as f32 * b.d - xv).abs() <= b.d * 0.5 + 1e-6);
+        let (mut qs, mut d, mut s, mut sum) = (vec![0i8; 64], [0f32; 2], [0f32; 2], [0i32; 2]);
+        quantize_row_q8_split(&x, &mut qs, &mut d, &mut s, &mut sum);
+        for b in 0..2 {
+            let q = &qs[b * 32..(b + 1) * 32];
+            assert_eq!(sum[b], q.iter().map(|&v| v as i32).sum::<i32>());
+            assert_eq!(s[b], d[b] * sum[b] as f32);
+            for (&qv, &xv) in q.iter().zip(&x[b * 32..]) {
+                assert!((qv as f32 * d[b] - xv).abs() <= d[b] * 0.5 + 1e-6);
             }
         }
     }
 
     #[test]
     fn zero_row_quantizes_to_zero_scale() {
-        let mut q = vec![BlockQ8::default(); 1];
-        quantize_row_q8(&[0.0; QK], &mut q);
-        assert_eq!(q[0].d, 0.0);
-        assert!(q[0].qs.iter().all(|&v| v == 0));
+        let (mut qs, mut d, mut s, mut sum) = ([1i8; 32], [1f32], [1f32], [1i32]);
+        quantize_row_q8_split(&[0.0; 32], &mut qs, &mut d, &mut s, &mut sum);
+        assert_eq!((d[0], s[0], sum[0]), (0.0, 0.0, 0));
+        assert!(qs.iter().all(|&v| v == 0));
     }
 
     #[test]
-    fn q4_1_dequantizes_nibbles_in_ggml_order() {
-        let mut bytes = [0u8; 20];
-        bytes[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
-        bytes[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
-        bytes[4] = 0x3A; // weight 0 = 0xA, weight 16 = 0x3
-        let b = BlockQ4_1::from_bytes(&bytes);
+    fn nibbles_dequantize_in_ggml_order() {
+        let mut q41 = [0u8; 20];
+        q41[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        q41[2..4].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        q41[4] = 0x3A; // weight 0 = 0xA, weight 16 = 0x3
         let mut out = [0f32; QK];
-        b.dequantize(&mut out);
-        assert_eq!(out[0], 10.0 * 0.5 - 1.0);
-        assert_eq!(out[16], 3.0 * 0.5 - 1.0);
-        assert_eq!(out[1], -1.0);
+        dequantize_block(QFormat::Q4_1, &q41, &mut out);
+        assert_eq!(
+            (out[0], out[16], out[1]),
+            (10.0 * 0.5 - 1.0, 3.0 * 0.5 - 1.0, -1.0)
+        );
+        let mut q40 = [0u8; 18];
+        q40[0..2].copy_from_slice(&f16::from_f32(0.25).to_le_bytes());
+        q40[2] = 0x3A;
+        dequantize_block(QFormat::Q4_0, &q40, &mut out);
+        assert_eq!(
+            (out[0], out[16], out[1]),
+            (2.0 * 0.25, -5.0 * 0.25, -8.0 * 0.25)
+        );
+    }
+
+    #[test]
+    fn repack_and_unpack_round_trip_every_block() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        for format in [QFormat::Q4_0, QFormat::Q4_1, QFormat::Q8_0] {
+            // 37 rows: two full tiles and a partial one.
+            let (rows, cols) = (37, 96);
+            let bytes: Vec<u8> = (0..rows * 3 * format.block_bytes())
+                .map(|_| rng.random())
+                .collect();
+            let tiles = repack(format, &bytes, rows, cols);
+            assert_eq!(tiles.len(), 3 * 3 * format.record_bytes());
+            let mut back = vec![0u8; format.block_bytes()];
+            for row in 0..rows {
+                for b in 0..3 {
+                    unpack_block(format, &tiles, 3, row, b, &mut back);
+                    let at = (row * 3 + b) * format.block_bytes();
+                    assert_eq!(
+                        back,
+                        &bytes[at..at + format.block_bytes()],
+                        "{format:?} {row} {b}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -1,9 +1,10 @@
 //! Llama-architecture forward pass over the paged KV cache.
 //!
 //! Weights come from a GGUF file (candle-core's GGUF reader; tensor names and
-//! metadata keys as written by llama.cpp's `convert_hf_to_gguf.py`). `Q4_1` and
-//! `Q8_0` matrices use our kernels directly; any other type is dequantized to
-//! `f32` at load. The math follows llama.cpp's `llm_build_llama`: RMSNorm, Q/K/V,
+//! metadata keys as written by llama.cpp's `convert_hf_to_gguf.py`). `Q4_0`,
+//! `Q4_1` and `Q8_0` matrices use our kernels directly (repacked at load into
+//! interleaved tiles); other quantized types are requantized to `Q8_0` at load and
+//! unquantized ones (`F32`, `F16`, `BF16`) kept in `f32`. The math follows llama.cpp's `llm_build_llama`: RMSNorm, Q/K/V,
 //! normal-mode RoPE, grouped-query attention, output projection, SwiGLU FFN,
 //! residuals, final RMSNorm and the LM head (tied to the embeddings when the file
 //! has no `output.weight`).
@@ -11,13 +12,12 @@
 use crate::kv::{KvManager, SeqId};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
-use half::f16;
 use std::collections::HashMap;
 use std::io::{Read, Seek};
-use std::sync::Mutex;
-use tessera_kernels::ops::{rms_norm, swiglu, Rope};
+use tessera_kernels::ops::{rms_norm, swiglu_rows, Rope};
+use tessera_kernels::quant::QFormat;
 use tessera_kernels::{
-    paged_attention_block, Activations, IntegrityError, KvLayout, QMatrix, SeqKv,
+    paged_attention_jobs, Activations, AttnJob, IntegrityError, KvLayout, PoolKv, QMatrix,
 };
 
 /// Errors loading a model.
@@ -153,22 +153,6 @@ pub struct Llama {
     rope: Rope,
 }
 
-/// Most query rows of one sequence attended together (bounds the score buffer to
-/// `ATTN_BLOCK * heads * context` floats).
-const ATTN_BLOCK: usize = 16;
-
-/// Base pointer of a row-major output shared by pool tasks that write disjoint rows.
-#[derive(Clone, Copy)]
-struct RowsPtr(*mut f32);
-// SAFETY: tasks write disjoint rows of a buffer that outlives the parallel region.
-unsafe impl Send for RowsPtr {}
-unsafe impl Sync for RowsPtr {}
-impl RowsPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// One token of a forward batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchRow {
@@ -213,16 +197,21 @@ fn read_matrix<R: Read + Seek>(
             problem: format!("shape {dims:?}, expected [{rows}, {cols}]"),
         });
     }
+    let dense = || -> Result<Vec<f32>, ModelError> {
+        Ok(t.dequantize(&candle_core::Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    };
     Ok(match t.dtype() {
-        GgmlDType::Q4_1 => QMatrix::from_q4_1_bytes(&t.data()?, rows, cols)?,
-        GgmlDType::Q8_0 => QMatrix::from_q8_0_bytes(&t.data()?, rows, cols)?,
-        _ => {
-            let v = t
-                .dequantize(&candle_core::Device::Cpu)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            QMatrix::from_f32(v, rows, cols)?
+        GgmlDType::Q4_0 => QMatrix::from_gguf_bytes(QFormat::Q4_0, &t.data()?, rows, cols)?,
+        GgmlDType::Q4_1 => QMatrix::from_gguf_bytes(QFormat::Q4_1, &t.data()?, rows, cols)?,
+        GgmlDType::Q8_0 => QMatrix::from_gguf_bytes(QFormat::Q8_0, &t.data()?, rows, cols)?,
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+            QMatrix::from_f32(dense()?, rows, cols)?
         }
+        // Other quantized types (K-quants, Q5_x, ...): already lossy, so they run
+        // on the 8-bit kernels, requantized to Q8_0 at load.
+        _ => QMatrix::requantize_q8_0(&dense()?, rows, cols)?,
     })
 }
 
@@ -347,70 +336,53 @@ impl Llama {
                     failed.insert(r.seq, err);
                     continue;
                 }
-                let slot = r.pos % ps;
-                let ko = layout.offset(e.page as usize, li, false) + slot * kvd;
-                let vo = layout.offset(e.page as usize, li, true) + slot * kvd;
-                for j in 0..kvd {
-                    data[ko + j] = f16::from_f32(k[i * kvd + j]);
-                    data[vo + j] = f16::from_f32(v[i * kvd + j]);
-                }
+                let pb = layout.page_bytes();
+                let page = &mut data[e.page as usize * pb..(e.page as usize + 1) * pb];
+                let (kr, vr) = (&k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd]);
+                layout.write_token(page, li, r.pos % ps, kr, vr);
             }
 
-            let (data, tags) = (kv.pool().data(), kv.pool().tags());
-            // Runs of consecutive rows of one sequence (a prefill chunk) are attended
-            // together in blocks, so each page is converted once per block.
-            let mut blocks: Vec<(usize, usize)> = Vec::new();
+            // Runs of consecutive rows of one sequence (a prefill chunk, or one
+            // decode token) are one attention job; the kernel splits them further.
+            let mut runs: Vec<(usize, usize)> = Vec::new();
             for (i, r) in rows.iter().enumerate() {
-                match blocks.last_mut() {
-                    Some((s, len))
-                        if rows[*s].seq == r.seq && *len < ATTN_BLOCK && *s + *len == i =>
-                    {
-                        *len += 1
-                    }
-                    _ => blocks.push((i, 1)),
+                match runs.last_mut() {
+                    Some((s, len)) if rows[*s].seq == r.seq && *s + *len == i => *len += 1,
+                    _ => runs.push((i, 1)),
                 }
             }
-            let errors: Vec<Mutex<Option<IntegrityError>>> =
-                blocks.iter().map(|_| Mutex::new(None)).collect();
-            let out_ptr = RowsPtr(attn.as_mut_ptr());
-            tessera_kernels::pool::global().parallel_for(blocks.len(), |bi| {
-                let (start, len) = blocks[bi];
-                let seq = rows[start].seq;
-                // SAFETY: block bi writes only rows start..start+len of `attn`, which
-                // outlives the region; blocks are disjoint.
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(out_ptr.get().add(start * d), len * d)
-                };
-                if failed.contains_key(&seq) {
-                    out.fill(0.0);
-                    return;
-                }
-                let table = kv.table(seq).unwrap_or(&[]);
-                let n_keys: Vec<usize> =
-                    rows[start..start + len].iter().map(|r| r.pos + 1).collect();
-                let qb = &q[start * d..(start + len) * d];
-                if let Err(e) = paged_attention_block(
-                    qb,
-                    &n_keys,
-                    nh,
-                    SeqKv {
-                        layout: &layout,
-                        data,
-                        tags,
-                        table,
-                        layer: li,
-                    },
-                    out,
-                ) {
-                    *errors[bi].lock().unwrap() = Some(e);
-                }
-            });
-            let results = errors
+            let runs: Vec<(usize, usize)> = runs
                 .into_iter()
-                .enumerate()
-                .map(|(bi, e)| e.into_inner().unwrap().map(|e| (rows[blocks[bi].0].seq, e)));
-            for (seq, e) in results.flatten() {
-                failed.entry(seq).or_insert(e);
+                .filter(|(s, _)| !failed.contains_key(&rows[*s].seq))
+                .collect();
+            let n_keys: Vec<usize> = rows.iter().map(|r| r.pos + 1).collect();
+            attn.fill(0.0);
+            let mut jobs = Vec::with_capacity(runs.len());
+            let mut rest = &mut attn[..];
+            let mut at = 0;
+            for &(start, len) in &runs {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut((start - at) * d);
+                let (out, tail) = tail.split_at_mut(len * d);
+                rest = tail;
+                at = start + len;
+                jobs.push(AttnJob {
+                    q: &q[start * d..(start + len) * d],
+                    n_keys: &n_keys[start..start + len],
+                    table: kv.table(rows[start].seq).unwrap_or(&[]),
+                    out,
+                });
+            }
+            let pool = PoolKv {
+                layout: &layout,
+                data: kv.pool().data(),
+                tags: kv.pool().tags(),
+                layer: li,
+            };
+            let results = paged_attention_jobs(pool, nh, &mut jobs);
+            for (&(start, _), res) in runs.iter().zip(results) {
+                if let Err(e) = res {
+                    failed.entry(rows[start].seq).or_insert(e);
+                }
             }
 
             acts.set(&attn, n, d);
@@ -420,13 +392,7 @@ impl Llama {
             rms_norm(&x, &l.ffn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
             l.gate_up.matmul(&acts, &mut gate_up);
-            for (g, gu) in gate
-                .chunks_exact_mut(cfg.ffn)
-                .zip(gate_up.chunks_exact(2 * cfg.ffn))
-            {
-                g.copy_from_slice(&gu[..cfg.ffn]);
-                swiglu(g, &gu[cfg.ffn..]);
-            }
+            swiglu_rows(&gate_up, cfg.ffn, &mut gate);
             acts.set(&gate, n, cfg.ffn);
             l.down.matmul(&acts, &mut proj);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);

@@ -40,18 +40,18 @@ pub fn chat_prompt(m: &LoadedModel, user: &str) -> Vec<u32> {
     m.tokenizer.encode(&text, true).unwrap()
 }
 
-/// Greedy decoding of `n` tokens straight through the forward pass (one sequence,
-/// its own pool, no engine): the token ids and the logits each was chosen from.
-pub fn greedy_with_logits(m: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let layout = m.config().kv_layout(16);
+/// A KV manager holding one reserved sequence (`SeqId(1)`, tenant 1) of `tokens`
+/// tokens for direct forward passes (no engine), and the prefill rows of `prompt`
+/// (logits for the last one only).
+pub fn direct_kv(m: &LoadedModel, prompt: &[u32], tokens: usize) -> (KvManager, Vec<BatchRow>) {
     let mut kv = KvManager::new(PagePool::new(
-        layout,
-        (prompt.len() + n).div_ceil(16),
+        m.config().kv_layout(16),
+        tokens.div_ceil(16),
         false,
     ));
     let seq = SeqId(1);
-    kv.reserve(seq, 1, prompt.len() + n).unwrap();
-    let mut rows: Vec<BatchRow> = prompt
+    kv.reserve(seq, 1, tokens).unwrap();
+    let rows = prompt
         .iter()
         .enumerate()
         .map(|(pos, &token)| BatchRow {
@@ -61,6 +61,14 @@ pub fn greedy_with_logits(m: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32
             want_logits: pos + 1 == prompt.len(),
         })
         .collect();
+    (kv, rows)
+}
+
+/// Greedy decoding of `n` tokens straight through the forward pass (one sequence,
+/// its own pool, no engine): the token ids and the logits each was chosen from.
+pub fn greedy_with_logits(m: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let (mut kv, mut rows) = direct_kv(m, prompt, prompt.len() + n);
+    let seq = SeqId(1);
     let (mut out, mut all) = (Vec::new(), Vec::new());
     for step in 0..n {
         let fwd = m.llama.forward(&rows, &mut kv);

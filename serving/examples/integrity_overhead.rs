@@ -111,7 +111,7 @@ fn main() {
     // The checksums' share, measured directly: every prompt page is checksummed
     // twice (prefill over the source bytes, decode over the landed bytes).
     let layout = model.llama.config().kv_layout(16);
-    let page = vec![0x5au8; layout.page_elems() * 2];
+    let page = vec![0x5au8; layout.page_bytes()];
     let samples = 2000;
     let t = Instant::now();
     let mut acc = 0u32;

@@ -183,7 +183,7 @@ pub fn run_node_process(
 fn register_pool(ctx: &UcxContext, engine: &Engine) -> io::Result<UcxRegionDescriptor> {
     let pool = engine.kv().pool();
     let data = pool.data();
-    let page_bytes = pool.layout().page_elems() * 2;
+    let page_bytes = pool.layout().page_bytes();
     let base = std::ptr::NonNull::new(data.as_ptr() as *mut u8)
         .ok_or_else(|| io::Error::other("empty KV pool"))?;
     // SAFETY: the pool's page memory is allocated once and never moves or shrinks

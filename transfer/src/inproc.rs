@@ -11,7 +11,7 @@ pub struct PageLanding {
     pub req: u64,
     /// Destination page and the tag it must still carry when the bytes land.
     pub dest: DestPage,
-    /// Exactly one page of K/V data (`layout.page_elems() * 2` bytes, f16 LE).
+    /// Exactly one page of K/V data (`layout.page_bytes()` bytes, see `KvLayout`).
     pub bytes: Vec<u8>,
 }
 

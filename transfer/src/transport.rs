@@ -48,7 +48,7 @@ pub enum TransportError {
 ///   complete at the destination (or has failed). Only then may the source release
 ///   its pages or send `Commit`.
 pub trait KvTransport: Send {
-    /// Starts writing `bytes` (exactly one page: `layout.page_elems() * 2` bytes) into
+    /// Starts writing `bytes` (exactly one page: `layout.page_bytes()` bytes) into
     /// destination page `dest` of request `req`.
     fn put(&mut self, req: u64, dest: DestPage, bytes: &[u8]) -> Result<(), TransportError>;
 

@@ -1,7 +1,6 @@
 //! The KV page pool: fixed pages allocated once, a free list, per-page tags and
 //! epochs (DESIGN.md §5). Only this module touches the free list.
 
-use half::f16;
 use tessera_kernels::{BlockRef, KvLayout, PageTag};
 
 /// Errors from the page pool.
@@ -35,13 +34,14 @@ pub enum PoolError {
 
 /// Fixed-size pool of KV pages with owner tags.
 ///
-/// Memory: `pages * layout.page_elems()` `f16` values, allocated once at start.
+/// Memory: `pages * layout.page_bytes()` bytes (8-bit K/V with per-token scales,
+/// see [`KvLayout`]), allocated once at start.
 /// Allocation writes the owner's tag into the page; free bumps the page's epoch and
 /// clears the tag, so any block-table entry made before the free stops validating.
 #[derive(Debug)]
 pub struct PagePool {
     layout: KvLayout,
-    data: Vec<f16>,
+    data: Vec<u8>,
     tags: Vec<PageTag>,
     epochs: Vec<u32>,
     free: Vec<u32>,
@@ -55,7 +55,7 @@ impl PagePool {
     pub fn new(layout: KvLayout, pages: usize, scrub_on_free: bool) -> Self {
         Self {
             layout,
-            data: vec![f16::ZERO; pages * layout.page_elems()],
+            data: vec![0; pages * layout.page_bytes()],
             tags: vec![PageTag::default(); pages],
             epochs: vec![0; pages],
             // Reversed so that page 0 is handed out first.
@@ -133,8 +133,8 @@ impl PagePool {
             ..PageTag::default()
         };
         if self.scrub_on_free {
-            let n = self.layout.page_elems();
-            self.data[p * n..(p + 1) * n].fill(f16::ZERO);
+            let n = self.layout.page_bytes();
+            self.data[p * n..(p + 1) * n].fill(0);
         }
         self.held[p] = false;
         self.free.push(r.page);
@@ -166,12 +166,12 @@ impl PagePool {
     }
 
     /// All page data (read side of the attention kernel).
-    pub fn data(&self) -> &[f16] {
+    pub fn data(&self) -> &[u8] {
         &self.data
     }
 
     /// Mutable page data and the tags, for writers that must check tags first.
-    pub fn data_and_tags_mut(&mut self) -> (&mut [f16], &[PageTag]) {
+    pub fn data_and_tags_mut(&mut self) -> (&mut [u8], &[PageTag]) {
         (&mut self.data, &self.tags)
     }
 
@@ -182,16 +182,16 @@ impl PagePool {
         p < self.tags.len() && self.held[p] && self.tags[p] == r.tag
     }
 
-    /// The `layout.page_elems()` values of `page`, if it holds `r`'s tag.
-    pub fn page_data(&self, r: BlockRef) -> Option<&[f16]> {
-        let n = self.layout.page_elems();
+    /// The `layout.page_bytes()` bytes of `page`, if it holds `r`'s tag.
+    pub fn page_data(&self, r: BlockRef) -> Option<&[u8]> {
+        let n = self.layout.page_bytes();
         let p = r.page as usize;
         self.holds(r).then(|| &self.data[p * n..(p + 1) * n])
     }
 
-    /// Mutable values of `page`, if it holds `r`'s tag.
-    pub fn page_data_mut(&mut self, r: BlockRef) -> Option<&mut [f16]> {
-        let n = self.layout.page_elems();
+    /// Mutable bytes of `page`, if it holds `r`'s tag.
+    pub fn page_data_mut(&mut self, r: BlockRef) -> Option<&mut [u8]> {
+        let n = self.layout.page_bytes();
         let p = r.page as usize;
         if !self.holds(r) {
             return None;
@@ -245,9 +245,9 @@ mod tests {
     fn scrub_zeroes_freed_pages() {
         let mut p = PagePool::new(layout(), 1, true);
         let r = p.alloc(1, 1, 0, 1).unwrap()[0];
-        p.data_and_tags_mut().0.fill(f16::ONE);
+        p.data_and_tags_mut().0.fill(1);
         p.free(r).unwrap();
-        assert!(p.data().iter().all(|v| *v == f16::ZERO));
+        assert!(p.data().iter().all(|v| *v == 0));
     }
 
     #[derive(Debug, Clone)]

@@ -1,0 +1,1030 @@
+//! Tiled paged attention with an online softmax ("flash attention" on CPU).
+//!
+//! K and V are 8-bit in the page (one `f32` scale per token and KV head, see
+//! [`KvLayout`]); queries are quantized to 8 bits per row and head, so `q . k` is
+//! one exact integer dot product (`vpdpbusd` on AVX-512 VNNI: 64 byte products per
+//! instruction, 16 keys of a page per register) times two scales. Each page is
+//! read once per tile of query rows; its scores update the row's running maximum
+//! `m`, sum `l` and output `o` in place (Milakov & Gimelshein 2018; Dao et al.
+//! 2022), so nothing grows with the context but the loop count.
+//!
+//! The arithmetic of one row, fixed whatever its batch mates and however a
+//! prefill is cut into query blocks, tiles or tasks (batch invariance):
+//! 1. `q8 = round(q / dq)` with `dq = max|q| / 127`; the softmax scale
+//!    `log2(e) / sqrt(head_dim)` is folded into `dq`, so scores are in base 2.
+//! 2. Keys are visited in chunks of [`CHUNK_KEYS`] (page-aligned), each from a
+//!    fresh state `(m, l, o) = (-inf, 0, 0)`; within a chunk, in groups of
+//!    [`GROUP_PAGES`] pages (aligned to the chunk start), over the slots below
+//!    the row's key count: `s_j = (sum q8 . k8_j) * (dq * dk_j)`,
+//!    `m' = max(m, max s_j)`, `a = 2^(m - m')`, `p_j = 2^(s_j - m')`,
+//!    `l = l a + sum p_j`, `o = o a`, then per page, with `w_j = p_j * dv_j`
+//!    quantized to 16 bits, `u_j = round(65535 w_j / max w)`:
+//!    `o += (max w / 65535) * sum_j u_j v8_j` (exact integers: two passes over
+//!    the high and low bytes of `u`, `vpdpbusd` on AVX-512, `vpmaddwd` on AVX2).
+//! 3. Chunk states are merged in key order; `out = o / l`.
+//!
+//! Chunks exist so that a long context read by few rows (batch-1 decode) can be
+//! split across threads without changing a bit: tasks compute chunk states, a
+//! second pass merges them in the same order a single task would.
+
+use crate::attention::{verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv};
+use crate::dot::{isa, Isa};
+
+/// Keys per chunk (rounded down to whole pages, at least one page).
+pub(crate) const CHUNK_KEYS: usize = 512;
+/// Pages per softmax update: the running maximum, rescale and 8-bit
+/// probabilities are computed once per group of pages (aligned to chunk starts).
+const GROUP_PAGES: usize = 4;
+/// Largest probability weight (`u_j = round(W_MAX * w_j / max w)`): 16 bits.
+const W_MAX: f32 = 65535.0;
+/// Query tokens per unit of work (one unit: these tokens x one KV head).
+const QUERY_BLOCK: usize = 16;
+
+/// How [`run`] executes its units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Exec {
+    /// On the calling thread.
+    Serial,
+    /// On the global pool; chunk-split when there are few units.
+    Parallel,
+    /// On the global pool, always chunk-split (tests: must equal the others).
+    #[cfg_attr(not(test), allow(dead_code))]
+    ParallelSplit,
+}
+
+/// Byte geometry of a page's head blocks.
+#[derive(Clone, Copy, Debug)]
+struct Geo {
+    ps: usize,
+    hd: usize,
+    page_bytes: usize,
+    head_bytes: usize,
+    k_scale: usize,
+    v_off: usize,
+    v_scale: usize,
+    chunk_pages: usize,
+}
+
+impl Geo {
+    fn new(l: &KvLayout) -> Self {
+        Self {
+            ps: l.page_size,
+            hd: l.head_dim,
+            page_bytes: l.page_bytes(),
+            head_bytes: l.head_block_bytes(),
+            k_scale: l.k_scale_offset(),
+            v_off: l.v_offset(),
+            v_scale: l.v_scale_offset(),
+            chunk_pages: (CHUNK_KEYS / l.page_size).max(1),
+        }
+    }
+}
+
+/// The head blocks one unit reads: KV head `head` (layer-major index) of the
+/// pages of one block table.
+struct Src<'a> {
+    geo: &'a Geo,
+    data: &'a [u8],
+    table: &'a [BlockRef],
+    head: usize,
+}
+
+impl Src<'_> {
+    /// Byte offset of logical block `b`'s head block in the pool.
+    #[inline(always)]
+    fn at(&self, b: usize) -> usize {
+        let at =
+            self.table[b].page as usize * self.geo.page_bytes + self.head * self.geo.head_bytes;
+        assert!(
+            at + self.geo.head_bytes <= self.data.len(),
+            "page outside the pool"
+        );
+        at
+    }
+}
+
+/// The query rows of one unit (tokens `t0..t1` of a job x the query heads of one
+/// KV head), quantized.
+struct Rows {
+    /// `[r, hd]` 8-bit queries.
+    qq: Vec<i8>,
+    /// Per row: query scale times `log2(e) / sqrt(hd)`.
+    dq: Vec<f32>,
+    /// Per row: `sum(qq)` (K is offset by 128 in the page).
+    qsum: Vec<i32>,
+    /// Per row: keys attended.
+    nk: Vec<usize>,
+}
+
+/// Running softmax state of `r` rows: `m`, `l` and `o` (`[r, hd]`).
+#[derive(Clone, Debug)]
+struct State {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    o: Vec<f32>,
+}
+
+impl State {
+    fn empty(r: usize, hd: usize) -> Self {
+        Self {
+            m: vec![f32::NEG_INFINITY; r],
+            l: vec![0.0; r],
+            o: vec![0.0; r * hd],
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Unit {
+    job: usize,
+    g: usize,
+    t0: usize,
+    t1: usize,
+    chunks: usize,
+    cost: usize,
+}
+
+/// Base pointer of a job's output, shared by units that write disjoint cells.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: units write disjoint (token, head) cells of buffers that outlive the
+// parallel regions.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Runs every job (see `attention::paged_attention_jobs`).
+pub(crate) fn run(
+    pool: PoolKv,
+    n_heads: usize,
+    jobs: &mut [AttnJob],
+    exec: Exec,
+) -> Vec<Result<(), IntegrityError>> {
+    let l = pool.layout;
+    let (hd, kvh, ps) = (l.head_dim, l.kv_heads, l.page_size);
+    assert!(
+        kvh > 0 && n_heads.is_multiple_of(kvh),
+        "heads {n_heads} / kv heads {kvh}"
+    );
+    assert!(hd.is_multiple_of(4), "head_dim must be a multiple of 4");
+    let row = n_heads * hd;
+    let geo = Geo::new(l);
+    let mut results = Vec::with_capacity(jobs.len());
+    let mut units = Vec::new();
+    for (ji, job) in jobs.iter_mut().enumerate() {
+        let m = job.n_keys.len();
+        assert_eq!(job.q.len(), m * row, "query shape");
+        assert_eq!(job.out.len(), m * row, "output shape");
+        let max_keys = job.n_keys.iter().copied().max().unwrap_or(0);
+        let n_pages = max_keys.div_ceil(ps);
+        assert!(
+            job.table.len() >= n_pages,
+            "block table shorter than the keys"
+        );
+        assert!(
+            pool.data.len() >= pool.tags.len() * geo.page_bytes,
+            "pool data shorter than its pages"
+        );
+        if let Err(e) = verify_tags(pool.tags, &job.table[..n_pages]) {
+            job.out.fill(0.0);
+            results.push(Err(e));
+            continue;
+        }
+        results.push(Ok(()));
+        for t0 in (0..m).step_by(QUERY_BLOCK) {
+            let t1 = (t0 + QUERY_BLOCK).min(m);
+            let keys = job.n_keys[t0..t1].iter().copied().max().unwrap_or(0);
+            let cost = job.n_keys[t0..t1].iter().sum::<usize>() + 16 * (t1 - t0);
+            for g in 0..kvh {
+                units.push(Unit {
+                    job: ji,
+                    g,
+                    t0,
+                    t1,
+                    chunks: keys.div_ceil(ps).div_ceil(geo.chunk_pages),
+                    cost,
+                });
+            }
+        }
+    }
+    // Longest first, so the pool's in-order claiming balances the tail.
+    units.sort_by_key(|u| std::cmp::Reverse(u.cost));
+    let outs: Vec<OutPtr> = jobs
+        .iter_mut()
+        .map(|j| OutPtr(j.out.as_mut_ptr()))
+        .collect();
+    let jobs: &[AttnJob] = jobs;
+    let kernel = Kernel::pick(&geo);
+    let group = n_heads / kvh;
+
+    let rows_of = |u: &Unit| -> Rows {
+        let job = &jobs[u.job];
+        let r = (u.t1 - u.t0) * group;
+        let mut rows = Rows {
+            qq: vec![0; r * hd],
+            dq: vec![0.0; r],
+            qsum: vec![0; r],
+            nk: vec![0; r],
+        };
+        let scale = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        for i in 0..r {
+            let (t, h) = (u.t0 + i / group, u.g * group + i % group);
+            let q = &job.q[t * row + h * hd..t * row + (h + 1) * hd];
+            let qq = &mut rows.qq[i * hd..(i + 1) * hd];
+            rows.dq[i] = crate::attention::quantize_i8(q, qq) * scale;
+            rows.qsum[i] = qq.iter().map(|&v| v as i32).sum();
+            rows.nk[i] = job.n_keys[t];
+        }
+        rows
+    };
+    let chunk = |u: &Unit, rows: &Rows, c: usize| -> State {
+        let src = Src {
+            geo: &geo,
+            data: pool.data,
+            table: jobs[u.job].table,
+            head: pool.layer * kvh + u.g,
+        };
+        kernel.chunk(&src, rows, c)
+    };
+    let finish = |u: &Unit, total: &State| {
+        let base = outs[u.job].get();
+        for i in 0..total.m.len() {
+            let (t, h) = (u.t0 + i / group, u.g * group + i % group);
+            // SAFETY: (t, h) lies inside job u.job's output ([m, row]), and no other
+            // unit writes token t of head h (units split tokens and KV heads).
+            let out = unsafe { std::slice::from_raw_parts_mut(base.add(t * row + h * hd), hd) };
+            let li = total.l[i];
+            let inv = if li > 0.0 { 1.0 / li } else { 0.0 };
+            for (o, &v) in out.iter_mut().zip(&total.o[i * hd..(i + 1) * hd]) {
+                *o = v * inv;
+            }
+        }
+    };
+    let whole = |u: &Unit| {
+        let rows = rows_of(u);
+        let mut total = State::empty(rows.nk.len(), hd);
+        for c in 0..u.chunks {
+            merge(&mut total, &chunk(u, &rows, c), hd);
+        }
+        finish(u, &total);
+    };
+
+    let threads = crate::pool::global().threads();
+    let split = match exec {
+        Exec::Serial => false,
+        Exec::Parallel => units.len() < 2 * threads && units.iter().any(|u| u.chunks > 1),
+        Exec::ParallelSplit => true,
+    };
+    match exec {
+        Exec::Serial => units.iter().for_each(whole),
+        _ if !split => crate::pool::global().parallel_for(units.len(), |i| whole(&units[i])),
+        _ => {
+            // Tasks compute runs of consecutive chunk states (each chunk from a
+            // fresh state); the caller then merges every unit's states in key
+            // order, exactly as `whole` does.
+            let per_unit = (4 * threads).div_ceil(units.len()).max(1);
+            let mut tasks: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+            for (ui, u) in units.iter().enumerate() {
+                let step = u.chunks.div_ceil(per_unit).max(1);
+                for c0 in (0..u.chunks).step_by(step) {
+                    tasks.push((ui, c0..(c0 + step).min(u.chunks)));
+                }
+            }
+            let states: Vec<std::sync::Mutex<Vec<State>>> = tasks
+                .iter()
+                .map(|_| std::sync::Mutex::new(Vec::new()))
+                .collect();
+            crate::pool::global().parallel_for(tasks.len(), |ti| {
+                let (ui, cs) = &tasks[ti];
+                let u = &units[*ui];
+                let rows = rows_of(u);
+                let out: Vec<State> = cs.clone().map(|c| chunk(u, &rows, c)).collect();
+                *states[ti].lock().expect("chunk state lock") = out;
+            });
+            let mut totals: Vec<State> = units
+                .iter()
+                .map(|u| State::empty((u.t1 - u.t0) * group, hd))
+                .collect();
+            for ((ui, _), st) in tasks.iter().zip(states) {
+                for c in st.into_inner().expect("chunk state lock") {
+                    merge(&mut totals[*ui], &c, hd);
+                }
+            }
+            for (u, total) in units.iter().zip(&totals) {
+                finish(u, total);
+            }
+        }
+    }
+    results
+}
+
+/// Folds chunk state `c` (keys after those of `t`) into `t`, row by row.
+fn merge(t: &mut State, c: &State, hd: usize) {
+    for i in 0..t.m.len() {
+        if c.m[i] == f32::NEG_INFINITY {
+            continue;
+        }
+        let m = t.m[i].max(c.m[i]);
+        let (a, b) = (exp2(t.m[i] - m), exp2(c.m[i] - m));
+        t.m[i] = m;
+        t.l[i] = t.l[i] * a + c.l[i] * b;
+        for (x, &y) in t.o[i * hd..(i + 1) * hd]
+            .iter_mut()
+            .zip(&c.o[i * hd..(i + 1) * hd])
+        {
+            *x = *x * a + y * b;
+        }
+    }
+}
+
+/// Taylor coefficients of `2^f = e^(f ln 2)`, degree 7 (|f| <= 1/2: relative
+/// error below 1e-8, under `f32` rounding).
+const EXP2_C: [f32; 8] = [
+    1.0,
+    std::f32::consts::LN_2,
+    0.240_226_5,
+    0.055_504_11,
+    0.009_618_129,
+    0.001_333_355_8,
+    0.000_154_035_3,
+    0.000_015_252_734,
+];
+
+/// `2^x` for `x <= 0` (softmax arguments); 0 below -126 and for NaN.
+#[inline(always)]
+fn exp2(x: f32) -> f32 {
+    // Written so that NaN takes this branch too.
+    if x.is_nan() || x < -126.0 {
+        return 0.0;
+    }
+    let n = x.round_ties_even();
+    let f = x - n;
+    let mut p = EXP2_C[7];
+    for &c in EXP2_C[..7].iter().rev() {
+        p = p.mul_add(f, c);
+    }
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Sum of 16 values in the tree order of the AVX-512 kernel's reduction:
+/// halves, quarters, then pairs.
+#[inline(always)]
+fn reduce16(v: &[f32]) -> f32 {
+    let a: [f32; 8] = std::array::from_fn(|i| v[i] + v[i + 8]);
+    let b: [f32; 4] = std::array::from_fn(|i| a[i] + a[i + 4]);
+    (b[0] + b[2]) + (b[1] + b[3])
+}
+
+/// The chunk kernel chosen for this machine and page shape.
+#[derive(Clone, Copy, Debug)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512 VNNI with `hd / 16` output registers per row.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: run the portable kernel whatever the machine supports.
+    pub(crate) static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl Kernel {
+    fn pick(geo: &Geo) -> Self {
+        #[cfg(test)]
+        if FORCE_PORTABLE.with(|f| f.get()) {
+            return Self::Portable;
+        }
+        match isa() {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni if geo.ps <= 16 && (geo.hd == 64 || geo.hd == 128) => Self::Avx512,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni | Isa::Avx2
+                if (geo.ps == 8 || geo.ps == 16) && geo.hd.is_multiple_of(8) =>
+            {
+                Self::Avx2
+            }
+            _ => Self::Portable,
+        }
+    }
+
+    /// State of every row over chunk `c` of its keys, from a fresh start.
+    fn chunk(self, src: &Src, rows: &Rows, c: usize) -> State {
+        let geo = src.geo;
+        let mut st = State::empty(rows.nk.len(), geo.hd);
+        let pages = c * geo.chunk_pages..(c + 1) * geo.chunk_pages;
+        match self {
+            Self::Portable => chunk_portable(src, rows, pages, &mut st),
+            // SAFETY: `isa()` verified avx2, fma and f16c.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { chunk_avx2(src, rows, pages, &mut st) },
+            // SAFETY: `isa()` verified AVX-512 F/BW/VL/VNNI; `pick` checked the shape.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe {
+                if geo.hd == 64 {
+                    avx512::chunk::<4, 4>(src, rows, pages, &mut st)
+                } else {
+                    avx512::chunk::<2, 8>(src, rows, pages, &mut st)
+                }
+            },
+        }
+        st
+    }
+}
+
+/// Keys of a row in page `b` (0 when the row ends before it).
+#[inline(always)]
+fn own_keys(nk: usize, b: usize, ps: usize) -> usize {
+    nk.saturating_sub(b * ps).min(ps)
+}
+
+/// `sum a_i b_i` of 4 products of bytes (exact: |sum| < 2^18), without overflow
+/// checks so that the loops around it vectorize.
+#[inline(always)]
+fn dot4(a: [i32; 4], b: [i32; 4]) -> i32 {
+    let p = |i: usize| a[i].wrapping_mul(b[i]);
+    p(0).wrapping_add(p(1))
+        .wrapping_add(p(2).wrapping_add(p(3)))
+}
+
+/// Little-endian `f32` at byte `at`.
+#[inline(always)]
+fn f32_at(b: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The AVX2 kernel (page sizes 8 and 16, `head_dim` a multiple of 8): one row at
+/// a time, 8 slots per register; per row the operations of [`chunk_portable`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mut State) {
+    use std::arch::x86_64::*;
+    let geo = src.geo;
+    let (ps, hd) = (geo.ps, geo.hd);
+    let halves = ps / 8;
+    let ones = _mm256_set1_epi16(1);
+    let flip = _mm256_set1_epi8(-128);
+    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+    let lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    // `2^x` per lane as `exp2` computes it.
+    let exp2v = |x: __m256| {
+        let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(-126.0));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-126.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm256_sub_ps(x, n);
+        let mut p = _mm256_set1_ps(EXP2_C[7]);
+        for &c in EXP2_C[..7].iter().rev() {
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+        }
+        let pow = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow)), keep)
+    };
+    let hmax = |v: __m256| {
+        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+    };
+    for i in 0..rows.nk.len() {
+        let qq = rows.qq[i * hd..].as_ptr().cast::<i32>();
+        let dq = _mm256_set1_ps(rows.dq[i]);
+        let mut m = f32::NEG_INFINITY;
+        let mut lv = [_mm256_setzero_ps(); 2];
+        let o = &mut st.o[i * hd..(i + 1) * hd];
+        let mut b0 = pages.start;
+        while b0 < pages.end && own_keys(rows.nk[i], b0, ps) > 0 {
+            let b1 = (b0 + GROUP_PAGES).min(pages.end);
+            let mut s = [[neg_inf; 2]; GROUP_PAGES];
+            let mut dv = [[_mm256_setzero_ps(); 2]; GROUP_PAGES];
+            let mut at = [0usize; GROUP_PAGES];
+            let mut own = [0usize; GROUP_PAGES];
+            let mut mp = f32::NEG_INFINITY;
+            for b in b0..b1 {
+                let g = b - b0;
+                own[g] = own_keys(rows.nk[i], b, ps);
+                if own[g] == 0 {
+                    break;
+                }
+                at[g] = src.at(b);
+                let hb = src.data[at[g]..at[g] + geo.head_bytes].as_ptr();
+                for h in 0..halves {
+                    let mut isum = _mm256_setzero_si256();
+                    for quad in 0..hd / 4 {
+                        // SAFETY: the head block holds hd/4 rows of ps*4 K bytes;
+                        // the row has hd query bytes.
+                        let (k, q4) = unsafe {
+                            (
+                                _mm256_loadu_si256(hb.add(quad * ps * 4 + h * 32).cast()),
+                                _mm256_set1_epi32(std::ptr::read_unaligned(qq.add(quad))),
+                            )
+                        };
+                        // q * k with k signed (stored k ^ 0x80): |q| * (k * sign(q)).
+                        let k = _mm256_xor_si256(k, flip);
+                        let p16 =
+                            _mm256_maddubs_epi16(_mm256_abs_epi8(q4), _mm256_sign_epi8(k, q4));
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, ones));
+                    }
+                    // SAFETY: ps K scales and ps V scales in the head block.
+                    let (dk, v) = unsafe {
+                        (
+                            _mm256_loadu_ps(hb.add(geo.k_scale + h * 32).cast()),
+                            _mm256_loadu_ps(hb.add(geo.v_scale + h * 32).cast()),
+                        )
+                    };
+                    let x = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dq, dk));
+                    let valid = _mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(own[g] as i32 - 8 * h as i32),
+                        lane_ids,
+                    );
+                    s[g][h] = _mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(valid));
+                    dv[g][h] = _mm256_and_ps(v, _mm256_castsi256_ps(valid));
+                    mp = mp.max(hmax(s[g][h]));
+                }
+            }
+            let m_new = m.max(mp);
+            let alpha = exp2(m - m_new);
+            m = m_new;
+            let a = _mm256_set1_ps(alpha);
+            for x in o.chunks_exact_mut(8) {
+                // SAFETY: 8 floats.
+                unsafe {
+                    _mm256_storeu_ps(
+                        x.as_mut_ptr(),
+                        _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr()), a),
+                    )
+                };
+            }
+            let mut psum = [_mm256_setzero_ps(); 2];
+            for g in 0..b1 - b0 {
+                if own[g] == 0 {
+                    break;
+                }
+                let mut w = [_mm256_setzero_ps(); 2];
+                let mut wmax = 0f32;
+                for h in 0..halves {
+                    let p = exp2v(_mm256_sub_ps(s[g][h], _mm256_set1_ps(m_new)));
+                    psum[h] = _mm256_add_ps(psum[h], p);
+                    w[h] = _mm256_mul_ps(p, dv[g][h]);
+                    wmax = wmax.max(hmax(w[h]));
+                }
+                if wmax.is_nan() || wmax <= 0.0 {
+                    continue;
+                }
+                let (sc, inv) = (wmax / W_MAX, _mm256_set1_ps(W_MAX / wmax));
+                let lim = _mm256_set1_epi32(W_MAX as i32);
+                let u: [__m256i; 2] = std::array::from_fn(|h| {
+                    if h < halves {
+                        _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(w[h], inv)), lim)
+                    } else {
+                        _mm256_setzero_si256()
+                    }
+                });
+                // The 16 weights' high and low bytes as i16, in slot order.
+                let byte = _mm256_set1_epi32(255);
+                let split = |f: &dyn Fn(__m256i) -> __m256i| -> [__m256i; 4] {
+                    let v = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(f(u[0]), f(u[1])));
+                    let mut uw = [0i64; 4];
+                    // SAFETY: 32 bytes into a 32-byte array.
+                    unsafe { _mm256_storeu_si256(uw.as_mut_ptr().cast(), v) };
+                    std::array::from_fn(|j| _mm256_set1_epi64x(uw[j]))
+                };
+                let uh = split(&|x| _mm256_srli_epi32::<8>(x));
+                let ul = split(&|x| _mm256_and_si256(x, byte));
+                let nq = own[g].div_ceil(4);
+                let vp = src.data
+                    [at[g] + geo.v_off..at[g] + geo.v_off + hd * geo.ps.next_multiple_of(4)]
+                    .as_ptr();
+                let sc4 = _mm_set1_ps(sc);
+                for d4 in 0..hd / 4 {
+                    // Dimensions 4*d4..4*d4+4: lanes are (dimension, slot pair).
+                    let (mut hi, mut lo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for j in 0..nq {
+                        // SAFETY: quad j < slots4 / 4 holds hd * 4 V bytes.
+                        let v = unsafe { _mm_loadu_si128(vp.add(j * hd * 4 + d4 * 16).cast()) };
+                        let v = _mm256_cvtepi8_epi16(v);
+                        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(v, uh[j]));
+                        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(v, ul[j]));
+                    }
+                    let acc = _mm256_add_epi32(_mm256_slli_epi32::<8>(hi), lo);
+                    let t = _mm256_hadd_epi32(acc, acc);
+                    let sums = _mm_unpacklo_epi64(
+                        _mm256_castsi256_si128(t),
+                        _mm256_extracti128_si256::<1>(t),
+                    );
+                    let x = o[d4 * 4..].as_mut_ptr();
+                    // SAFETY: 4 floats of the row.
+                    unsafe {
+                        _mm_storeu_ps(x, _mm_fmadd_ps(_mm_cvtepi32_ps(sums), sc4, _mm_loadu_ps(x)))
+                    };
+                }
+            }
+            for h in 0..2 {
+                lv[h] = _mm256_fmadd_ps(lv[h], a, psum[h]);
+            }
+            b0 = b1;
+        }
+        st.m[i] = m;
+        let mut l16 = [0f32; 16];
+        // SAFETY: 16 floats.
+        unsafe {
+            _mm256_storeu_ps(l16.as_mut_ptr(), lv[0]);
+            _mm256_storeu_ps(l16[8..].as_mut_ptr(), lv[1]);
+        }
+        st.l[i] = reduce16(&l16);
+    }
+}
+
+/// The reference kernel: the module's arithmetic, one row at a time, page
+/// groups as in the AVX-512 kernel.
+#[inline(always)]
+fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mut State) {
+    let geo = src.geo;
+    let (ps, hd) = (geo.ps, geo.hd);
+    let gk = GROUP_PAGES * geo.ps.next_multiple_of(4);
+    // Scores, V scales and 8-bit weights of one page group (slots padded to 4).
+    let (mut s, mut dv, mut u) = (vec![0f32; gk], vec![0f32; gk], vec![0i32; gk]);
+    let mut isum = vec![0i32; ps];
+    let mut acc = vec![0i32; hd];
+    let p4 = ps.next_multiple_of(4);
+    // Running sums of probabilities per slot lane, reduced at the end of the
+    // chunk (as the AVX-512 kernel keeps them in a register).
+    let lanes = ps.next_multiple_of(16);
+    let (mut lv, mut psum) = (vec![0f32; lanes], vec![0f32; lanes]);
+    for i in 0..rows.nk.len() {
+        let qq = &rows.qq[i * hd..(i + 1) * hd];
+        let mut m = f32::NEG_INFINITY;
+        lv.fill(0.0);
+        let o = &mut st.o[i * hd..(i + 1) * hd];
+        let mut b0 = pages.start;
+        while b0 < pages.end {
+            let b1 = (b0 + GROUP_PAGES).min(pages.end);
+            if own_keys(rows.nk[i], b0, ps) == 0 {
+                break;
+            }
+            let mut mp = f32::NEG_INFINITY;
+            for b in b0..b1 {
+                let own = own_keys(rows.nk[i], b, ps);
+                if own == 0 {
+                    break;
+                }
+                let at = src.at(b);
+                let hb = &src.data[at..at + geo.head_bytes];
+                isum[..own].fill(0);
+                for (quad, q) in qq.chunks_exact(4).enumerate() {
+                    let k = &hb[quad * ps * 4..quad * ps * 4 + own * 4];
+                    for (a, k) in isum.iter_mut().zip(k.chunks_exact(4)) {
+                        *a = a.wrapping_add(dot4(
+                            [k[0] as i32, k[1] as i32, k[2] as i32, k[3] as i32],
+                            [q[0] as i32, q[1] as i32, q[2] as i32, q[3] as i32],
+                        ));
+                    }
+                }
+                let g = (b - b0) * p4;
+                for j in 0..own {
+                    let x = (isum[j] - 128 * rows.qsum[i]) as f32;
+                    s[g + j] = x * (rows.dq[i] * f32_at(hb, geo.k_scale + j * 4));
+                    dv[g + j] = f32_at(hb, geo.v_scale + j * 4);
+                    mp = mp.max(s[g + j]);
+                }
+            }
+            let m_new = m.max(mp);
+            let alpha = exp2(m - m_new);
+            m = m_new;
+            psum.fill(0.0);
+            o.iter_mut().for_each(|x| *x *= alpha);
+            for b in b0..b1 {
+                let (own, g) = (own_keys(rows.nk[i], b, ps), (b - b0) * p4);
+                if own == 0 {
+                    break;
+                }
+                // Probabilities times V scales, as 16-bit fractions of the page's maximum.
+                let mut wmax = 0f32;
+                for j in g..g + own {
+                    let p = exp2(s[j] - m_new);
+                    psum[j - g] += p;
+                    s[j] = p * dv[j];
+                    wmax = wmax.max(s[j]);
+                }
+                if wmax.is_nan() || wmax <= 0.0 {
+                    continue;
+                }
+                let (sc, inv) = (wmax / W_MAX, W_MAX / wmax);
+                u[g..g + p4].fill(0);
+                for j in g..g + own {
+                    u[j] = ((s[j] * inv).round_ties_even() as i32).min(W_MAX as i32);
+                }
+                acc.fill(0);
+                let at = src.at(b) + geo.v_off;
+                for quad in 0..own.div_ceil(4) {
+                    let w = &u[g + quad * 4..g + quad * 4 + 4];
+                    let v = &src.data[at + quad * hd * 4..at + (quad + 1) * hd * 4];
+                    for (a, v) in acc.iter_mut().zip(v.chunks_exact(4)) {
+                        let v = [v[0] as i8, v[1] as i8, v[2] as i8, v[3] as i8];
+                        *a = a.wrapping_add(dot4([w[0], w[1], w[2], w[3]], v.map(|x| x as i32)));
+                    }
+                }
+                for (x, &a) in o.iter_mut().zip(&acc) {
+                    *x = (a as f32).mul_add(sc, *x);
+                }
+            }
+            for (l, &p) in lv.iter_mut().zip(&psum) {
+                *l = l.mul_add(alpha, p);
+            }
+            b0 = b1;
+        }
+        st.m[i] = m;
+        st.l[i] = lv.chunks_exact(16).map(reduce16).sum();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// `2^x` in every lane for `x <= 0`; 0 below -126 and for NaN.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exp2_ps(x: __m512) -> __m512 {
+        let lo = _mm512_set1_ps(-126.0);
+        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lo);
+        let x = _mm512_max_ps(x, lo);
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm512_sub_ps(x, n);
+        let mut p = _mm512_set1_ps(EXP2_C[7]);
+        for &c in EXP2_C[..7].iter().rev() {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n))
+    }
+
+    /// Sum of the 16 lanes in the order of [`reduce16`].
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce_add(v: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let a = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+        let b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+        _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)))
+    }
+
+    /// The maximum of each of up to 4 registers (exact, so it equals one
+    /// `_mm512_reduce_max_ps` per register), sharing the shuffles.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce_max_rows<const T: usize>(v: [__m512; T]) -> [f32; T] {
+        debug_assert!(T <= 4);
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let r = |i: usize| if i < T { v[i] } else { ninf };
+        // 128-bit blocks [a0 a1 a2 a3] of a and b -> max(a0, a2), max(a1, a3), same for b.
+        let half = |a: __m512, b: __m512| {
+            _mm512_max_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        };
+        let (t01, t23) = (half(r(0), r(1)), half(r(2), r(3)));
+        // Block i now holds row i's maximum over 4 lanes.
+        let u = _mm512_max_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(t01, t23),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(t01, t23),
+        );
+        let u = _mm512_max_ps(u, _mm512_permute_ps::<0b01_00_11_10>(u));
+        let u = _mm512_max_ps(u, _mm512_permute_ps::<0b10_11_00_01>(u));
+        let mut out = [0f32; 16];
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), u) };
+        std::array::from_fn(|t| out[4 * t])
+    }
+
+    /// `T` rows at a time (`NC = hd / 16` output registers per row); every row's
+    /// instructions are the same whatever `T` and its tile mates are.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn chunk<const T: usize, const NC: usize>(
+        src: &Src,
+        rows: &Rows,
+        pages: std::ops::Range<usize>,
+        st: &mut State,
+    ) {
+        let r = rows.nk.len();
+        let mut i = 0;
+        while i < r {
+            match r - i {
+                1 => tile::<1, NC>(src, rows, pages.clone(), st, i),
+                2 => tile::<2, NC>(src, rows, pages.clone(), st, i),
+                3 if T >= 3 => tile::<3, NC>(src, rows, pages.clone(), st, i),
+                _ => tile::<T, NC>(src, rows, pages.clone(), st, i),
+            }
+            i += (r - i).min(T);
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn tile<const T: usize, const NC: usize>(
+        src: &Src,
+        rows: &Rows,
+        pages: std::ops::Range<usize>,
+        st: &mut State,
+        i0: usize,
+    ) {
+        const GP: usize = GROUP_PAGES;
+        let geo = src.geo;
+        let (ps, hd) = (geo.ps, geo.hd);
+        debug_assert_eq!(hd, NC * 16);
+        let lanes: __mmask16 = ((1u32 << ps) - 1) as u16;
+        let qq: [*const i32; T] =
+            std::array::from_fn(|t| rows.qq[(i0 + t) * hd..].as_ptr().cast::<i32>());
+        let nk: [usize; T] = std::array::from_fn(|t| rows.nk[i0 + t]);
+        let dq: [__m512; T] = std::array::from_fn(|t| _mm512_set1_ps(rows.dq[i0 + t]));
+        // K is stored offset by 128: the integer sums start at -128 * sum(q).
+        let qoff: [__m512i; T] =
+            std::array::from_fn(|t| _mm512_set1_epi32(-128 * rows.qsum[i0 + t]));
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        // A chunk starts from the empty state (m = -inf, l = 0, o = 0).
+        let mut m = [f32::NEG_INFINITY; T];
+        let mut lv = [_mm512_setzero_ps(); T];
+        let mut o = [[_mm512_setzero_ps(); NC]; T];
+        let mut b0 = pages.start;
+        while b0 < pages.end {
+            let b1 = (b0 + GP).min(pages.end);
+            let own: [[usize; GP]; T] = std::array::from_fn(|t| {
+                std::array::from_fn(|gi| {
+                    if b0 + gi < b1 {
+                        own_keys(nk[t], b0 + gi, ps)
+                    } else {
+                        0
+                    }
+                })
+            });
+            // Pages of the group that some row of the tile reads.
+            let npg = (0..GP)
+                .take_while(|&gi| (0..T).any(|t| own[t][gi] > 0))
+                .count();
+            if npg == 0 {
+                break;
+            }
+            let valid: [[__mmask16; GP]; T] = std::array::from_fn(|t| {
+                std::array::from_fn(|gi| ((1u32 << own[t][gi]) - 1) as u16)
+            });
+            let mut hb = [std::ptr::null::<u8>(); GP];
+            let mut s = [[neg_inf; GP]; T];
+            let mut dv = [_mm512_setzero_ps(); GP];
+            for gi in 0..npg {
+                // SAFETY: `Src::at` checked that the head block [at, at + head_bytes)
+                // is inside the pool; every load below stays inside it (masked to
+                // `ps` slots, V quads below slots4 / 4).
+                hb[gi] = unsafe { src.data.as_ptr().add(src.at(b0 + gi)) };
+                // Scores: 16 slots per register, 4 dimensions per vpdpbusd lane.
+                let mut acc = qoff;
+                let mut kp = hb[gi];
+                for quad in 0..hd / 4 {
+                    // SAFETY: see `hb`; rows have hd query bytes (hd / 4 quads).
+                    let k = unsafe { _mm512_maskz_loadu_epi32(lanes, kp.cast()) };
+                    for t in 0..T {
+                        let q4 = unsafe { std::ptr::read_unaligned(qq[t].add(quad)) };
+                        acc[t] = _mm512_dpbusd_epi32(acc[t], k, _mm512_set1_epi32(q4));
+                    }
+                    kp = kp.wrapping_add(ps * 4);
+                }
+                // SAFETY: see `hb`.
+                let dk = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.k_scale).cast()) };
+                dv[gi] = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.v_scale).cast()) };
+                for t in 0..T {
+                    let x = _mm512_cvtepi32_ps(acc[t]);
+                    let x = _mm512_mul_ps(x, _mm512_mul_ps(dq[t], dk));
+                    s[t][gi] = _mm512_mask_blend_ps(valid[t][gi], neg_inf, x);
+                }
+            }
+            // 16-bit weights as high and low bytes (two integer passes).
+            let mut u = [[[0u8; 16]; GP]; T];
+            let mut ul = [[[0u8; 16]; GP]; T];
+            let mut sc = [[0f32; GP]; T];
+            // Maxima of all rows of the tile in one reduction (exact: the same
+            // values as one reduction per row).
+            let mx: [__m512; T] = std::array::from_fn(|t| {
+                s[t][1..npg]
+                    .iter()
+                    .fold(s[t][0], |a, &b| _mm512_max_ps(a, b))
+            });
+            let mp = reduce_max_rows(mx);
+            let m_new: [f32; T] = std::array::from_fn(|t| m[t].max(mp[t]));
+            // alpha = 2^(m - m') for every row in one evaluation (lane t).
+            let mut d = [0f32; 16];
+            for t in 0..T {
+                d[t] = m[t] - m_new[t];
+            }
+            // SAFETY: 16 floats.
+            let e = exp2_ps(unsafe { _mm512_loadu_ps(d.as_ptr()) });
+            let mut alpha = [0f32; 16];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(alpha.as_mut_ptr(), e) };
+            let mut psum = [_mm512_setzero_ps(); T];
+            for gi in 0..npg {
+                let w: [__m512; T] = std::array::from_fn(|t| {
+                    let p = exp2_ps(_mm512_sub_ps(s[t][gi], _mm512_set1_ps(m_new[t])));
+                    psum[t] = _mm512_add_ps(psum[t], p);
+                    // Probabilities times V scales, as 16-bit fractions of the
+                    // page's maximum.
+                    _mm512_maskz_mul_ps(valid[t][gi], p, dv[gi])
+                });
+                let wmax = reduce_max_rows(w);
+                for t in 0..T {
+                    if own[t][gi] == 0 || wmax[t].is_nan() || wmax[t] <= 0.0 {
+                        continue;
+                    }
+                    sc[t][gi] = wmax[t] / W_MAX;
+                    let q =
+                        _mm512_cvtps_epi32(_mm512_mul_ps(w[t], _mm512_set1_ps(W_MAX / wmax[t])));
+                    let q = _mm512_min_epi32(q, _mm512_set1_epi32(W_MAX as i32));
+                    let hi = _mm512_cvtepi32_epi8(_mm512_srli_epi32::<8>(q));
+                    let lo = _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255)));
+                    // SAFETY: 16 bytes into 16-byte arrays.
+                    unsafe {
+                        _mm_storeu_si128(u[t][gi].as_mut_ptr().cast(), hi);
+                        _mm_storeu_si128(ul[t][gi].as_mut_ptr().cast(), lo);
+                    }
+                }
+            }
+            for t in 0..T {
+                if own[t][0] > 0 {
+                    lv[t] = _mm512_fmadd_ps(lv[t], _mm512_set1_ps(alpha[t]), psum[t]);
+                    m[t] = m_new[t];
+                }
+            }
+            // Values: 4 slots per vpdpbusd lane, 16 dimensions per register; each
+            // page's integer sums scaled by its own weight scale.
+            for t in 0..T {
+                if own[t][0] > 0 {
+                    let a = _mm512_set1_ps(alpha[t]);
+                    o[t] = o[t].map(|x| _mm512_mul_ps(x, a));
+                }
+            }
+            for gi in 0..npg {
+                let most = (0..T).map(|t| own[t][gi]).max().unwrap_or(0);
+                let mut acc = [[_mm512_setzero_si512(); NC]; T];
+                let mut acl = [[_mm512_setzero_si512(); NC]; T];
+                let mut vp = hb[gi].wrapping_add(geo.v_off);
+                for quad in 0..most.div_ceil(4) {
+                    // SAFETY: see `hb`.
+                    let v: [__m512i; NC] = std::array::from_fn(|c| unsafe {
+                        _mm512_loadu_si512(vp.add(c * 64).cast())
+                    });
+                    for t in 0..T {
+                        if own[t][gi] <= quad * 4 {
+                            continue;
+                        }
+                        // SAFETY: quad < 4 within the 16-byte arrays.
+                        let (h4, l4) = unsafe {
+                            (
+                                std::ptr::read_unaligned(u[t][gi].as_ptr().cast::<i32>().add(quad)),
+                                std::ptr::read_unaligned(
+                                    ul[t][gi].as_ptr().cast::<i32>().add(quad),
+                                ),
+                            )
+                        };
+                        let (h4, l4) = (_mm512_set1_epi32(h4), _mm512_set1_epi32(l4));
+                        for c in 0..NC {
+                            acc[t][c] = _mm512_dpbusd_epi32(acc[t][c], h4, v[c]);
+                            acl[t][c] = _mm512_dpbusd_epi32(acl[t][c], l4, v[c]);
+                        }
+                    }
+                    vp = vp.wrapping_add(hd * 4);
+                }
+                for t in 0..T {
+                    for c in 0..NC {
+                        acc[t][c] = _mm512_add_epi32(_mm512_slli_epi32::<8>(acc[t][c]), acl[t][c]);
+                    }
+                }
+                for t in 0..T {
+                    if own[t][gi] == 0 {
+                        continue;
+                    }
+                    let s = _mm512_set1_ps(sc[t][gi]);
+                    for c in 0..NC {
+                        o[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][c]), s, o[t][c]);
+                    }
+                }
+            }
+            b0 = b1;
+        }
+        for t in 0..T {
+            st.m[i0 + t] = m[t];
+            st.l[i0 + t] = reduce_add(lv[t]);
+            for (c, &oc) in o[t].iter().enumerate() {
+                // SAFETY: row i0 + t has hd = NC * 16 outputs.
+                unsafe { _mm512_storeu_ps(st.o[(i0 + t) * hd + c * 16..].as_mut_ptr(), oc) };
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Exact reference logits: the GGUF's weights dequantized and the llama forward
+pass in float64 (numpy), along the token paths of a greedy reference file.
+
+No activation quantization and no KV quantization: this is the arithmetic both
+llama.cpp and Tessera approximate (see ../shared/BENCHMARKS.md, "For numerics").
+For every case of the reference file (default model/tests/data/
+greedy_reference.json: llama.cpp's greedy tokens) the prompt and llama.cpp's
+output tokens are run teacher-forced, and for each generated position the exact
+top-8 token ids and logits are written.
+
+Compare with an engine's logits along the same paths, e.g. Tessera's
+(`cargo run --release -p tessera-model --example logits_along > ours.jsonl`):
+    python3 scripts/exact_reference.py MODEL.gguf -o exact.json
+    python3 scripts/exact_reference.py --compare exact.json ours.jsonl
+
+Needs numpy and llama.cpp's gguf-py (PYTHONPATH=<llama.cpp>/gguf-py, or the PyPI
+package `gguf`, which needs PyYAML).
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def load(path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    r = GGUFReader(path)
+
+    def meta(key, default=None):
+        f = r.fields.get(key)
+        return default if f is None else f.parts[f.data[0]][0]
+
+    t = {x.name: x for x in r.tensors}
+
+    def w(name):
+        x = t[name]
+        a = dequantize(x.data, x.tensor_type).astype(np.float64)
+        return a.reshape([int(d) for d in reversed(x.shape)])
+
+    cfg = dict(
+        layers=int(meta("llama.block_count")),
+        heads=int(meta("llama.attention.head_count")),
+        kv_heads=int(meta("llama.attention.head_count_kv")),
+        eps=float(meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        base=float(meta("llama.rope.freq_base", 10000.0)),
+    )
+    emb = w("token_embd.weight")
+    out = w("output.weight") if "output.weight" in t else emb
+    layers = []
+    for i in range(cfg["layers"]):
+        p = lambda s: w(f"blk.{i}.{s}.weight")
+        layers.append({k: p(k) for k in ("attn_norm", "attn_q", "attn_k", "attn_v",
+                                        "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                                        "ffn_down")})
+    return cfg, emb, out, w("output_norm.weight"), layers
+
+
+def forward(model, tokens):
+    """Logits [len(tokens), vocab] of a causal pass over `tokens`."""
+    cfg, emb, out, out_norm, layers = model
+    n, d = len(tokens), emb.shape[1]
+    nh, nkv = cfg["heads"], cfg["kv_heads"]
+    hd = d // nh
+    x = emb[tokens]
+    pos = np.arange(n)[:, None]
+    inv = cfg["base"] ** (-2.0 * np.arange(hd // 2) / hd)
+    cos, sin = np.cos(pos * inv), np.sin(pos * inv)
+
+    def norm(v, g):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg["eps"]) * g
+
+    def rope(v):  # [n, heads, hd], GGML "normal" mode: adjacent pairs
+        a, b = v[..., 0::2], v[..., 1::2]
+        c, s = cos[:, None, :], sin[:, None, :]
+        r = np.empty_like(v)
+        r[..., 0::2] = a * c - b * s
+        r[..., 1::2] = a * s + b * c
+        return r
+
+    mask = np.triu(np.full((n, n), -np.inf), 1)
+    for L in layers:
+        h = norm(x, L["attn_norm"])
+        q = rope((h @ L["attn_q"].T).reshape(n, nh, hd))
+        k = rope((h @ L["attn_k"].T).reshape(n, nkv, hd))
+        v = (h @ L["attn_v"].T).reshape(n, nkv, hd)
+        g = nh // nkv
+        att = np.empty((n, nh, hd))
+        for hh in range(nh):
+            s = q[:, hh] @ k[:, hh // g].T / np.sqrt(hd) + mask
+            s = np.exp(s - s.max(-1, keepdims=True))
+            att[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, hh // g]
+        x = x + att.reshape(n, d) @ L["attn_output"].T
+        h = norm(x, L["ffn_norm"])
+        gate, up = h @ L["ffn_gate"].T, h @ L["ffn_up"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ L["ffn_down"].T
+    return norm(x, out_norm) @ out.T
+
+
+def top(l, k=8):
+    idx = np.argsort(-l)[:k]
+    return [[int(i), float(l[i])] for i in idx]
+
+
+def generate(args):
+    model = load(args.model)
+    ref = json.load(open(args.reference))
+    cases = []
+    for c in ref["cases"]:
+        p, o = c["prompt_ids"], c["output_ids"]
+        logits = forward(model, p + o)
+        steps = [top(logits[len(p) - 1 + i]) for i in range(len(o))]
+        cases.append({"name": c["name"], "top8": steps})
+        print(c["name"], file=sys.stderr)
+    json.dump({"command": " ".join(sys.argv), "cases": cases}, open(args.output, "w"))
+
+
+def compare(args):
+    """Per case: where llama.cpp's greedy path first differs from the exact argmax
+    (and the exact top-2 margin there), and each engine's top-logit error."""
+    exact = {c["name"]: c["top8"] for c in json.load(open(args.compare[0]))["cases"]}
+    ref = {c["name"]: c for c in json.load(open(args.reference))["cases"]}
+    ours = {}
+    for line in open(args.compare[1]):
+        r = json.loads(line)
+        ours.setdefault(r["name"], []).append(r)
+    print("| case | exact argmax = llama.cpp token until | exact margin there | "
+          "llama.cpp max top-logit err | Tessera max top-logit err | Tessera argmax = exact until |")
+    print("|---|---|---|---|---|---|")
+    for name, steps in exact.items():
+        c = ref[name]
+        first = next((i for i, s in enumerate(steps) if s[0][0] != c["output_ids"][i]), None)
+        margin = "" if first is None else f"{steps[first][0][1] - steps[first][1][1]:.3f}"
+        upto = len(steps) if first is None else first
+        # Errors on the steps where all three follow the same path.
+        lerr = max((abs(c["top2"][i][1] - dict(map(tuple, steps[i]))[c["top2"][i][0]])
+                    for i in range(upto) if c["top2"][i][0] in dict(map(tuple, steps[i]))),
+                   default=0.0)
+        o = ours.get(name, [])
+        terr = max((abs(o[i]["logits_at"][str(steps[i][0][0])] - steps[i][0][1])
+                    for i in range(min(upto, len(o)))), default=float("nan"))
+        tfirst = next((i for i in range(min(len(o), len(steps)))
+                       if o[i]["argmax"] != steps[i][0][0]), None)
+        print(f"| {name} | {'all' if first is None else first} | {margin} | {lerr:.3f} | "
+              f"{terr:.3f} | {'all' if tfirst is None else tfirst} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("-o", "--output", default="exact_reference.json")
+    ap.add_argument("--reference", default="model/tests/data/greedy_reference.json")
+    ap.add_argument("--compare", nargs=2, metavar=("EXACT_JSON", "OURS_JSONL"))
+    args = ap.parse_args()
+    if args.compare:
+        compare(args)
+    else:
+        generate(args)
+
+
+if __name__ == "__main__":
+    main()
