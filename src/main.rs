@@ -57,14 +57,14 @@ enum Command {
     /// Manage tenants (accounts).
     Tenant {
         #[command(flatten)]
-        store: serve::StoreArgs,
+        store: tenancy_cli::StoreArgs,
         #[command(subcommand)]
         command: tenancy_cli::TenantCommand,
     },
     /// Manage API keys.
     Key {
         #[command(flatten)]
-        store: serve::StoreArgs,
+        store: tenancy_cli::StoreArgs,
         #[command(subcommand)]
         command: tenancy_cli::KeyCommand,
     },
@@ -72,14 +72,14 @@ enum Command {
     /// this CLI), oldest first.
     Audit {
         #[command(flatten)]
-        store: serve::StoreArgs,
+        store: tenancy_cli::StoreArgs,
         #[command(flatten)]
         args: tenancy_cli::AuditArgs,
     },
     /// A tenant's usage from the ledger, grouped.
     Usage {
         #[command(flatten)]
-        store: serve::StoreArgs,
+        store: tenancy_cli::StoreArgs,
         #[command(flatten)]
         args: tenancy_cli::UsageArgs,
     },

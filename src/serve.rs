@@ -3,6 +3,7 @@
 //! both with a ready-to-paste curl command.
 
 use crate::generate::model_path;
+use crate::tenancy_cli::{DefaultLimitArgs, StoreArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
@@ -15,49 +16,7 @@ use tessera_gateway::{
 use tessera_model::gguf::DEFAULT_MODEL_ID;
 use tessera_model::LoadedModel;
 use tessera_serving::{EngineConfig, EngineHandle};
-use tessera_tenancy::{AuditCtx, NewKey, Store};
-
-/// Where the store lives: `--store URL`, or a SQLite file in `--data-dir`.
-#[derive(Args, Debug, Clone)]
-pub(crate) struct StoreArgs {
-    /// Store URL: sqlite://PATH or postgres://USER@HOST/DB (default: SQLite in --data-dir).
-    #[arg(long, env = "TESSERA_STORE", global = true)]
-    store: Option<String>,
-    /// Directory for the default SQLite store, the admin token and TLS files.
-    #[arg(
-        long,
-        env = "TESSERA_DATA_DIR",
-        default_value = ".tessera",
-        global = true
-    )]
-    data_dir: PathBuf,
-}
-
-impl StoreArgs {
-    pub(crate) async fn open(&self) -> Result<Store> {
-        let url = match &self.store {
-            Some(u) => u.clone(),
-            None => {
-                std::fs::create_dir_all(&self.data_dir)
-                    .with_context(|| format!("creating {}", self.data_dir.display()))?;
-                // The store holds key hashes and every tenant's usage: owner only.
-                #[cfg(unix)]
-                {
-                    use std::os::unix::fs::PermissionsExt;
-                    std::fs::set_permissions(
-                        &self.data_dir,
-                        std::fs::Permissions::from_mode(0o700),
-                    )
-                    .with_context(|| format!("restricting {}", self.data_dir.display()))?;
-                }
-                format!("sqlite://{}", self.data_dir.join("tessera.db").display())
-            }
-        };
-        Store::connect(&url)
-            .await
-            .with_context(|| format!("opening store {url}"))
-    }
-}
+use tessera_tenancy::{AuditCtx, NewKey};
 
 /// Arguments of `tessera serve`.
 #[derive(Args, Debug)]
@@ -121,7 +80,7 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     admin_listen: Option<SocketAddr>,
     #[command(flatten)]
-    defaults: crate::tenancy_cli::DefaultLimitArgs,
+    defaults: DefaultLimitArgs,
     /// Largest accepted request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,

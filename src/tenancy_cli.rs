@@ -4,12 +4,56 @@
 //! in flight within its revocation poll). Every change writes an audit row
 //! (source `cli:<user>`). Output is JSON.
 
-use crate::serve::StoreArgs;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
+use std::path::PathBuf;
 use tessera_tenancy::store::{parse_time, rfc3339};
-use tessera_tenancy::{AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, Scopes, TenantStatus};
+use tessera_tenancy::{
+    AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, Scopes, Store, TenantStatus,
+};
+
+/// Where the store lives: `--store URL`, or a SQLite file in `--data-dir`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct StoreArgs {
+    /// Store URL: sqlite://PATH or postgres://USER@HOST/DB (default: SQLite in --data-dir).
+    #[arg(long, env = "TESSERA_STORE", global = true)]
+    pub(crate) store: Option<String>,
+    /// Directory for the default SQLite store, the admin token and TLS files.
+    #[arg(
+        long,
+        env = "TESSERA_DATA_DIR",
+        default_value = ".tessera",
+        global = true
+    )]
+    pub(crate) data_dir: PathBuf,
+}
+
+impl StoreArgs {
+    pub(crate) async fn open(&self) -> Result<Store> {
+        let url = match &self.store {
+            Some(u) => u.clone(),
+            None => {
+                std::fs::create_dir_all(&self.data_dir)
+                    .with_context(|| format!("creating {}", self.data_dir.display()))?;
+                // The store holds key hashes and every tenant's usage: owner only.
+                #[cfg(unix)]
+                {
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(
+                        &self.data_dir,
+                        std::fs::Permissions::from_mode(0o700),
+                    )
+                    .with_context(|| format!("restricting {}", self.data_dir.display()))?;
+                }
+                format!("sqlite://{}", self.data_dir.join("tessera.db").display())
+            }
+        };
+        Store::connect(&url)
+            .await
+            .with_context(|| format!("opening store {url}"))
+    }
+}
 
 /// Limit flags (0 = unlimited); a flag not given keeps the base value (the
 /// defaults on `tenant create`, the tenant's current value on `tenant limits`).
