@@ -9,7 +9,7 @@
 use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::error::ServeError;
-use crate::links::{PdCounters, Reply, ReplyTo, TransferFault};
+use crate::links::{CommitExtra, PdCounters, Reply, ReplyTo, TransferFault};
 use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use crate::routing::Router;
@@ -127,10 +127,10 @@ impl PrefillLinks for Nodes {
         }))))
     }
 
-    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
+    fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool {
         self.decode
             .get(decode)
-            .is_some_and(|d| d.send(DecodeCmd::FromPrefill { msg, rng_pos }))
+            .is_some_and(|d| d.send(DecodeCmd::FromPrefill { msg, extra }))
     }
 
     fn take_fault(&self) -> Option<TransferFault> {
@@ -306,10 +306,17 @@ impl PdCluster {
     /// transfer protocol. Cancel or drop the stream to abort (the abort reaches both
     /// nodes and is acknowledged before any page is freed, I6).
     ///
+    /// `affinity` (a session's routing key) prefers the prefill node that served
+    /// the session before (see the routing policy).
+    ///
     /// Errors: the admission rejection; [`ServeErrorKind::NodeDown`](crate::ServeErrorKind)
     /// when every node of a role is down.
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
-        self.submitter.submit(&*self.nodes, req)
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+        affinity: Option<u64>,
+    ) -> Result<RequestStream, ServeError> {
+        self.submitter.submit(&*self.nodes, req, affinity)
     }
 
     /// What [`Self::submit`] admits against.
@@ -376,7 +383,8 @@ impl PdCluster {
     /// (a forged or stale commit; fault-injection tests only).
     #[doc(hidden)]
     pub fn deliver_to_decode(&self, index: usize, msg: Msg) {
-        self.nodes.decode[index].send(DecodeCmd::FromPrefill { msg, rng_pos: 0 });
+        let extra = CommitExtra::default();
+        self.nodes.decode[index].send(DecodeCmd::FromPrefill { msg, extra });
     }
 
     /// Kills a node as a crash would (fault injection): its thread stops at once and

@@ -9,7 +9,7 @@
 //! as soon as the protocol's record is terminal.
 
 use crate::error::refusal;
-use crate::links::{settle, ExpiryClock, PdCounters, ReplyTo};
+use crate::links::{settle, CommitExtra, ExpiryClock, PdCounters, ReplyTo};
 use crate::node_loop::NodeLoop;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -42,8 +42,9 @@ pub(crate) enum DecodeCmd {
         reply: ReplyTo,
         body: Option<RequestBody>,
     },
-    /// From a prefill node: `Commit`, with the sampler position after the first token.
-    FromPrefill { msg: Msg, rng_pos: u128 },
+    /// From a prefill node: `Commit`, with the sampler position after the first token
+    /// and the prompt tokens the prefill node took from its cache.
+    FromPrefill { msg: Msg, extra: CommitExtra },
     /// A page write (in-process or TCP transport).
     Land(PageLanding),
     /// Runs once every earlier command was applied (a TCP flush acknowledgement).
@@ -71,7 +72,7 @@ fn seq_of(req: ReqId) -> SeqId {
 struct EngineEnv<'a> {
     engine: &'a mut Engine,
     records: &'a mut HashMap<ReqId, DecodeRecord>,
-    rng_pos: u128,
+    commit: CommitExtra,
 }
 
 impl DecodeEnv for EngineEnv<'_> {
@@ -148,7 +149,8 @@ impl DecodeEnv for EngineEnv<'_> {
                 req: admitted,
                 first_token,
                 seed_fallback: req.0,
-                rng_word_pos: self.rng_pos,
+                rng_word_pos: self.commit.rng_pos,
+                cached_tokens: self.commit.cached_tokens,
                 sink: body.sink,
                 submitted: body.submitted,
             },
@@ -190,7 +192,7 @@ impl DecodeLoop {
         engine: &mut Engine,
         req: ReqId,
         reply: Option<&ReplyTo>,
-        rng_pos: u128,
+        commit: CommitExtra,
         f: impl FnOnce(&mut DecodeNode, &mut EngineEnv<'_>, &mut Vec<Output>) -> R,
     ) -> R {
         let mut out = Vec::new();
@@ -198,7 +200,7 @@ impl DecodeLoop {
             let mut env = EngineEnv {
                 engine: &mut *engine,
                 records: &mut self.records,
-                rng_pos,
+                commit,
             };
             f(&mut self.proto, &mut env, &mut out)
         };
@@ -237,7 +239,7 @@ impl DecodeLoop {
             let mut env = EngineEnv {
                 engine,
                 records: &mut self.records,
-                rng_pos: 0,
+                commit: CommitExtra::default(),
             };
             self.proto.on_capacity(&mut env, &mut out);
         }
@@ -291,11 +293,15 @@ impl NodeLoop for DecodeLoop {
                     }
                     None => {} // a tombstone answers from the protocol's record
                 }
-                self.with_proto(engine, req, Some(&reply), 0, |p, env, out| {
-                    p.on_msg(msg, env, out)
-                });
+                self.with_proto(
+                    engine,
+                    req,
+                    Some(&reply),
+                    CommitExtra::default(),
+                    |p, env, out| p.on_msg(msg, env, out),
+                );
             }
-            DecodeCmd::FromPrefill { msg, rng_pos } => {
+            DecodeCmd::FromPrefill { msg, extra } => {
                 let Msg::Commit {
                     req,
                     tokens,
@@ -306,7 +312,7 @@ impl NodeLoop for DecodeLoop {
                     tracing::warn!(req = ?msg.req(), "a prefill node may only send Commit");
                     return;
                 };
-                let verdict = self.with_proto(engine, req, None, rng_pos, |p, env, out| {
+                let verdict = self.with_proto(engine, req, None, extra, |p, env, out| {
                     p.on_commit(req, tokens, &pages, first_token, env, out)
                 });
                 if let Err(e) = verdict {
@@ -324,7 +330,7 @@ impl NodeLoop for DecodeLoop {
             }
             DecodeCmd::AfterEarlier(f) => f(),
             DecodeCmd::CoordinatorLost(req) => {
-                self.with_proto(engine, req, None, 0, |p, env, out| {
+                self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                     p.on_coordinator_lost(req, env, out)
                 });
             }
@@ -354,12 +360,13 @@ impl NodeLoop for DecodeLoop {
                         match e {
                             EngineError::Integrity(_) => FailKind::Integrity,
                             EngineError::Shutdown => FailKind::Internal,
+                            EngineError::BatchQueueTimeout { .. } => FailKind::Busy,
                         },
                         e.to_string(),
                     ),
                 },
             };
-            self.with_proto(engine, req, None, 0, |p, env, out| {
+            self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                 p.on_decode_finished(req, outcome, env, out)
             });
         }

@@ -40,7 +40,7 @@ pub(crate) enum Frame {
     Hello { from: Role },
     /// A protocol message, with what the protocol leaves out: the request body
     /// (`Prealloc`, `Prefill`), the decode node chosen (`Prefill`), the sampler
-    /// position (`Commit`).
+    /// position and the prompt tokens taken from the prefill node's cache (`Commit`).
     Control {
         msg: Msg,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -49,6 +49,8 @@ pub(crate) enum Frame {
         decode: Option<usize>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         rng_pos: Option<u128>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cached_tokens: Option<usize>,
     },
     /// One page write; the payload is the page.
     Land { req: u64, dest: DestPage },
@@ -71,6 +73,7 @@ impl Frame {
             body: None,
             decode: None,
             rng_pos: None,
+            cached_tokens: None,
         }
     }
 }
@@ -87,6 +90,8 @@ pub(crate) enum WireEvent {
         stop: bool,
         prompt_tokens: usize,
         completion_tokens: usize,
+        #[serde(default)]
+        cached_tokens: usize,
         ttft_us: u64,
         tpot_us: u64,
     },
@@ -105,6 +110,7 @@ impl WireEvent {
                 stop: reason == FinishReason::Stop,
                 prompt_tokens: usage.prompt_tokens,
                 completion_tokens: usage.completion_tokens,
+                cached_tokens: usage.cached_tokens,
                 ttft_us: usage.ttft.as_micros() as u64,
                 tpot_us: usage.tpot.as_micros() as u64,
             },
@@ -123,6 +129,7 @@ impl WireEvent {
                 stop,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
                 ttft_us,
                 tpot_us,
             } => StreamEvent::Done {
@@ -134,6 +141,7 @@ impl WireEvent {
                 usage: Usage {
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                     ttft: Duration::from_micros(ttft_us),
                     tpot: Duration::from_micros(tpot_us),
                 },

@@ -7,7 +7,7 @@
 //! queue, so no socket write ever blocks the engine.
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
-use crate::links::{PdCounters, ReplyTo, TransferFault};
+use crate::links::{CommitExtra, PdCounters, ReplyTo, TransferFault};
 use crate::net::{connect, read_frame, Conn, Frame, WireEvent};
 use crate::node_loop::{run_node, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
@@ -254,10 +254,22 @@ fn serve_connection(
                 })
                 .is_ok()
             }
-            (Frame::Control { msg, rng_pos, .. }, NodeCmds::Decode(tx), Role::Prefill) => tx
+            (
+                Frame::Control {
+                    msg,
+                    rng_pos,
+                    cached_tokens,
+                    ..
+                },
+                NodeCmds::Decode(tx),
+                Role::Prefill,
+            ) => tx
                 .send(DecodeCmd::FromPrefill {
                     msg,
-                    rng_pos: rng_pos.unwrap_or(0),
+                    extra: CommitExtra {
+                        rng_pos: rng_pos.unwrap_or(0),
+                        cached_tokens: cached_tokens.unwrap_or(0),
+                    },
                 })
                 .is_ok(),
             (
@@ -420,14 +432,15 @@ impl PrefillLinks for PeerLinks {
         }))
     }
 
-    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
+    fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool {
         self.peer(decode).is_ok_and(|p| {
             p.conn.send(
                 &Frame::Control {
                     msg,
                     body: None,
                     decode: None,
-                    rng_pos: Some(rng_pos),
+                    rng_pos: Some(extra.rng_pos),
+                    cached_tokens: Some(extra.cached_tokens),
                 },
                 &[],
             )

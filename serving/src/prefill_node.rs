@@ -11,14 +11,14 @@
 //! engine keeps serving everyone else.
 
 use crate::error::refusal;
-use crate::links::{settle, ExpiryClock, ReplyTo, TransferFault};
+use crate::links::{settle, CommitExtra, ExpiryClock, ReplyTo, TransferFault};
 use crate::node_loop::NodeLoop;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use tessera_engine::admission::prompt_fits;
 use tessera_engine::kv_transfer::{ExportError, ExportedPage};
-use tessera_engine::{Engine, FirstToken, GenerateRequest};
+use tessera_engine::{Engine, EngineError, FirstToken, GenerateRequest};
 use tessera_model::kv::SeqId;
 use tessera_transfer::protocol::{
     FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId, Role,
@@ -36,9 +36,9 @@ pub(crate) trait PrefillLinks: Send + Sync {
         fault: Option<TransferFault>,
         dest: &[DestPage],
     ) -> Result<Box<dyn KvTransport>, TransportError>;
-    /// Sends a control message (a `Commit`, with the sampler position) to decode node
-    /// `decode`. Returns `false` when it is unreachable.
-    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool;
+    /// Sends a control message (a `Commit`, with the sampler position and the cached
+    /// prompt tokens) to decode node `decode`. Returns `false` when it is unreachable.
+    fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool;
     /// The fault the next transfer suffers (fault-injection tests only).
     fn take_fault(&self) -> Option<TransferFault> {
         None
@@ -70,6 +70,8 @@ struct PrefillRecord {
     dest: Vec<DestPage>,
     /// The sampler position after the first token (travels with the commit).
     first: Option<FirstToken>,
+    /// Prompt tokens taken from this node's prefix cache (travels with the commit).
+    cached_tokens: usize,
     /// The copied-out pages, from `on_computed` until the drain takes them.
     export: Option<Vec<ExportedPage>>,
     /// Set on abort: the worker skips the puts it has not issued yet.
@@ -92,7 +94,7 @@ enum Job {
         done: mpsc::Sender<PrefillCmd>,
     },
     /// Send a control message (after the puts queued before it).
-    Send { msg: Msg, rng_pos: u128 },
+    Send { msg: Msg, extra: CommitExtra },
 }
 
 /// Jobs a worker queues before the node fails new transfers to that decode node.
@@ -122,8 +124,8 @@ impl TransferWorker {
                                 .map_err(|e| FailReason::new(FailKind::Transport, e.to_string()));
                             let _ = done.send(PrefillCmd::Drained(req, result));
                         }
-                        Job::Send { msg, rng_pos } => {
-                            if !links.to_decode(decode, msg, rng_pos) {
+                        Job::Send { msg, extra } => {
+                            if !links.to_decode(decode, msg, extra) {
                                 tracing::warn!(decode, "decode node unreachable for a commit");
                             }
                         }
@@ -156,6 +158,16 @@ fn transfer(
         t.put(req.0, p.dest, &p.bytes)?;
     }
     t.flush()
+}
+
+/// Why a computed prefill cannot be committed: the engine's compute failed (or the
+/// request expired in its queue), or the export's tag check did.
+#[derive(Debug, thiserror::Error)]
+enum Computed {
+    #[error(transparent)]
+    Engine(EngineError),
+    #[error(transparent)]
+    Export(ExportError),
 }
 
 /// The prefill node's [`PrefillEnv`] over its engine and transfer workers.
@@ -352,7 +364,10 @@ impl PrefillLoop {
                         continue;
                     };
                     let decode = r.decode;
-                    let rng_pos = r.first.map_or(0, |f| f.rng_word_pos);
+                    let extra = CommitExtra {
+                        rng_pos: r.first.map_or(0, |f| f.rng_word_pos),
+                        cached_tokens: r.cached_tokens,
+                    };
                     let copies = if r.fault == Some(TransferFault::DuplicateCommit) {
                         2
                     } else {
@@ -361,7 +376,7 @@ impl PrefillLoop {
                     for _ in 0..copies {
                         let job = Job::Send {
                             msg: msg.clone(),
-                            rng_pos,
+                            extra,
                         };
                         if !self.io.submit(decode, job) {
                             tracing::warn!(req = ?msg.req(), "commit not queued");
@@ -394,13 +409,14 @@ impl PrefillLoop {
                 engine.release_prefill(done.seq);
                 continue;
             };
-            let exported = done
-                .result
-                .map_err(ExportError::Integrity)
-                .and_then(|first| {
-                    r.first = Some(first);
-                    engine.export_pages(done.seq, &r.dest).map(|p| (first, p))
-                });
+            r.cached_tokens = done.cached_tokens;
+            let exported = done.result.map_err(Computed::Engine).and_then(|first| {
+                r.first = Some(first);
+                engine
+                    .export_pages(done.seq, &r.dest)
+                    .map(|p| (first, p))
+                    .map_err(Computed::Export)
+            });
             match exported {
                 Ok((first, pages)) => {
                     let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
@@ -410,8 +426,10 @@ impl PrefillLoop {
                     });
                 }
                 Err(e) => {
-                    let kind = match e {
-                        ExportError::Integrity(_) => FailKind::Integrity,
+                    let kind = match &e {
+                        Computed::Engine(EngineError::Integrity(_))
+                        | Computed::Export(ExportError::Integrity(_)) => FailKind::Integrity,
+                        Computed::Engine(EngineError::BatchQueueTimeout { .. }) => FailKind::Busy,
                         _ => FailKind::Internal,
                     };
                     let reason = FailReason::new(kind, e.to_string());
@@ -451,6 +469,7 @@ impl NodeLoop for PrefillLoop {
                                 decode,
                                 dest: Vec::new(),
                                 first: None,
+                                cached_tokens: 0,
                                 export: None,
                                 cancel: Arc::new(AtomicBool::new(false)),
                                 fault: None,

@@ -115,6 +115,7 @@ impl CoordLinks for RemoteCoordLinks {
                 body,
                 decode: None,
                 rng_pos: None,
+                cached_tokens: None,
             },
         )
     }
@@ -132,6 +133,7 @@ impl CoordLinks for RemoteCoordLinks {
                 body,
                 decode,
                 rng_pos: None,
+                cached_tokens: None,
             },
         )
     }
@@ -239,8 +241,12 @@ impl RemoteCluster {
     ///
     /// Errors: the admission rejection; [`ServeErrorKind::NodeDown`](crate::ServeErrorKind)
     /// (retryable, 503) when no node of a role is reachable.
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
-        self.submitter.submit(&*self.links, req)
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+        affinity: Option<u64>,
+    ) -> Result<RequestStream, ServeError> {
+        self.submitter.submit(&*self.links, req, affinity)
     }
 
     /// What [`Self::submit`] admits against (from the deployment file's pools).
