@@ -27,7 +27,7 @@ use std::time::Duration;
 use tessera_serving::{
     FinishReason, RequestStream, ServeError, ServeErrorKind, StreamEvent, Usage,
 };
-use tessera_tenancy::Reservation;
+use tessera_tenancy::{Reservation, UsageRecord};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// Longest wait for serving to confirm a request's release (every node let go)
@@ -45,13 +45,22 @@ pub(crate) enum Msg {
     Done {
         /// Why.
         reason: FinishReason,
-        /// Prompt tokens.
-        prompt_tokens: usize,
-        /// Generated tokens.
-        completion_tokens: usize,
+        /// Token counts.
+        tokens: TokenCounts,
     },
     /// Failure after admission (I8: an error, never partial text as success).
     Error(ApiError),
+}
+
+/// A finished request's token counts, as its response reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TokenCounts {
+    /// Prompt tokens.
+    pub(crate) prompt: usize,
+    /// Generated tokens.
+    pub(crate) completion: usize,
+    /// Prompt tokens served from the prefix cache (part of `prompt`).
+    pub(crate) cached: usize,
 }
 
 pub(crate) fn finish_label(r: FinishReason) -> &'static str {
@@ -206,18 +215,24 @@ pub(crate) fn spawn(
         let charged_prompt = if generated > 0 { prompt_tokens } else { 0 };
         let (record, msg) = match end {
             End::Done(reason, u) => (
-                ctx.usage(
-                    200,
-                    0,
-                    finish_label(reason),
-                    u.prompt_tokens,
-                    u.completion_tokens,
-                    u.ttft.as_micros() as i64,
-                ),
+                UsageRecord {
+                    cached_tokens: u.cached_tokens as i64,
+                    ..ctx.usage(
+                        200,
+                        0,
+                        finish_label(reason),
+                        u.prompt_tokens,
+                        u.completion_tokens,
+                        u.ttft.as_micros() as i64,
+                    )
+                },
                 Some(Msg::Done {
                     reason,
-                    prompt_tokens: u.prompt_tokens,
-                    completion_tokens: u.completion_tokens,
+                    tokens: TokenCounts {
+                        prompt: u.prompt_tokens,
+                        completion: u.completion_tokens,
+                        cached: u.cached_tokens,
+                    },
                 }),
             ),
             End::Error(e) => {
