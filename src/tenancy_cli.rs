@@ -9,7 +9,10 @@ use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
 use tessera_tenancy::store::{parse_time, rfc3339};
-use tessera_tenancy::{AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, Scopes, TenantStatus};
+use tessera_tenancy::{
+    AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling, Scopes,
+    TenantStatus,
+};
 
 /// Limit flags (0 = unlimited); a flag not given keeps the base value (the
 /// defaults on `tenant create`, the tenant's current value on `tenant limits`).
@@ -125,6 +128,23 @@ pub(crate) enum TenantCommand {
         id: String,
         #[command(flatten)]
         limits: LimitArgs,
+    },
+    /// Change how the engines schedule a tenant (flags not given keep their value).
+    Scheduling {
+        /// Account id.
+        id: String,
+        /// Fair-share weight, 1..=1000: served tokens in proportion to it.
+        #[arg(long)]
+        weight: Option<u32>,
+        /// Highest class its requests may run in: `interactive` or `batch`.
+        #[arg(long)]
+        max_priority: Option<PriorityCeiling>,
+    },
+    /// Give a tenant a fresh prefix-cache salt: nothing it cached before is found
+    /// again.
+    RotateCacheSalt {
+        /// Account id.
+        id: String,
     },
 }
 
@@ -250,6 +270,25 @@ pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
                 let l = limits.patch().apply(t.limits);
                 admin.set_limits(&id, l).await?;
                 print(json!({"id": id, "limits": l}))
+            }
+            TenantCommand::Scheduling {
+                id,
+                weight,
+                max_priority,
+            } => {
+                let Some(t) = s.tenant(&id).await? else {
+                    bail!("no tenant with id {id}");
+                };
+                let sch = Scheduling {
+                    weight: weight.unwrap_or(t.scheduling.weight),
+                    max_priority: max_priority.unwrap_or(t.scheduling.max_priority),
+                };
+                admin.set_scheduling(&id, sch).await?;
+                print(json!({"id": id, "scheduling": sch}))
+            }
+            TenantCommand::RotateCacheSalt { id } => {
+                admin.rotate_cache_salt(&id).await?;
+                print(json!({"id": id, "cache_salt": "rotated"}))
             }
         }
     })

@@ -360,7 +360,7 @@ pub struct AuditRecord {
     /// When (Unix ms).
     pub at_ms: i64,
     /// `tenant.create`, `tenant.suspend`, `tenant.activate`, `tenant.limits`,
-    /// `key.create` or `key.revoke`.
+    /// `tenant.scheduling`, `tenant.rotate_cache_salt`, `key.create` or `key.revoke`.
     pub action: String,
     /// The tenant id or key id acted on.
     pub target: String,
