@@ -33,6 +33,10 @@ pub(crate) struct NodeArgs {
     /// Zero KV pages when they are freed.
     #[arg(long)]
     kv_scrub: bool,
+    /// Serve Prometheus metrics at `GET /metrics` (plain HTTP, read-only) on this
+    /// address, on a listener of its own (keep it on a private network).
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// How KV pages move from prefill to decode nodes: `tcp` (frames on the control
     /// connection) or `ucx` (one-sided puts into the decode pool; needs libucx,
     /// Debian: apt-get install libucx0). Prefill and decode nodes must agree; a
@@ -82,6 +86,16 @@ fn load_model(m: &ModelEntry) -> Result<LoadedModel> {
     LoadedModel::load(&m.path).with_context(|| format!("loading {}", m.path.display()))
 }
 
+impl NodeArgs {
+    /// `prefill` or `decode`.
+    pub(crate) fn role_name(&self) -> &'static str {
+        match self.role {
+            RoleArg::Prefill => "prefill",
+            RoleArg::Decode => "decode",
+        }
+    }
+}
+
 pub(crate) fn run(a: NodeArgs) -> Result<()> {
     let cfg = load_config(&a.config)?;
     let role = match a.role {
@@ -116,6 +130,7 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         listen,
         decode_peers: decode_nodes(&cfg),
         engine,
+        metrics_listen: a.metrics_listen.clone(),
         transport: match a.transport {
             TransportArg::Tcp => TransportKind::Tcp,
             TransportArg::Ucx => TransportKind::Ucx,
@@ -124,7 +139,10 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     let pool_name = pool.name.clone();
     let usable = pool.usable_tokens();
     let transport = opts.transport;
-    run_node_process(&model, opts, |addr| {
+    run_node_process(&model, opts, |addr, metrics| {
+        if let Some(m) = metrics {
+            println!("tessera node: metrics on http://{m}/metrics");
+        }
         println!(
             "tessera node: {role} pool \"{pool_name}\" ({usable} KV tokens), model {}, {transport:?} page transport, listening on {addr}",
             entry.id

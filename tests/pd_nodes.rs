@@ -354,6 +354,30 @@ impl Deployment {
         addr.rsplit(':').next().unwrap().parse().unwrap()
     }
 
+    /// SIGKILLs the gateway (mid-request, as a crash would) and starts a new one (with
+    /// a store of its own) on the same nodes.
+    async fn replace_gateway(&mut self) {
+        self.gateway._child.start_kill().unwrap();
+        tokio::time::timeout(START, self.gateway._child.wait())
+            .await
+            .expect("killed gateway exits")
+            .unwrap();
+        let data = self.dir.path().join("data2");
+        self.gateway = start_gateway(
+            &[
+                "serve",
+                "--config",
+                self.config.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                data.to_str().unwrap(),
+            ],
+            &self.dir.path().join("gateway2.log"),
+        )
+        .await;
+    }
+
     /// SIGKILLs a node and waits until it is gone.
     async fn kill(&mut self, role: &str) {
         let child = match role {
@@ -814,4 +838,18 @@ async fn a_stalled_decode_node_does_not_stop_the_prefill_node_serving_others() {
         "{:?}",
         stalled.events
     );
+}
+
+/// The gateway dies (SIGKILL) while a long prompt's pages are being computed and
+/// written into the decode node: neither node may free a page a write can still
+/// reach, and none may leak. The decode node quarantines the reservation, the prefill
+/// node drains and says so, and then every decode page is free again: a new gateway's
+/// pool-full request (it needs every page) completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_mid_transfer_leaks_no_node_page() {
+    let mut dep = Deployment::start().await;
+    let _s = dep.gateway.stream(&long_prompt(8)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    dep.replace_gateway().await;
+    dep.pool_is_free().await;
 }

@@ -21,7 +21,8 @@ pub use admission::{
     AdmissionLimits, Admitted, CacheNamespace, GenerateRequest, PdAdmission, Rejection,
 };
 pub use engine::{
-    Engine, EngineConfig, EngineError, Event, FinishReason, FirstToken, Prefilled, SeqEnd, Usage,
+    Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,
+    Prefilled, SeqEnd, Usage,
 };
 pub use scheduler::{FairnessConfig, Policy, Priority, Served};
 pub use sink::{EventSink, Gone};

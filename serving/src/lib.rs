@@ -16,6 +16,7 @@ mod decode_node;
 pub mod error;
 pub mod handle;
 mod links;
+pub mod metrics;
 mod net;
 mod node_loop;
 mod node_process;
@@ -23,10 +24,12 @@ mod prefill_node;
 pub mod remote;
 mod routing;
 pub mod stream;
+pub mod telemetry;
 
 pub use error::{ServeError, ServeErrorKind};
 pub use handle::EngineHandle;
 pub use links::{PdCounters, TransferFault};
+pub use metrics::NodeMetrics;
 pub use node_loop::EngineStats;
 pub use stream::{RequestStream, StreamEvent};
 /// Admission (I1) as the gateway runs it before submitting (the engine's types).

@@ -36,22 +36,15 @@ pub(crate) const WRITE_QUEUE: usize = 4096;
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Frame {
-    /// First frame on a connection: the caller's role.
-    Hello { from: Role },
-    /// A protocol message, with what the protocol leaves out: the request body
-    /// (`Prealloc`, `Prefill`), the decode node chosen (`Prefill`), the sampler
-    /// position and the prompt tokens taken from the prefill node's cache (`Commit`).
-    Control {
-        msg: Msg,
+    /// First frame on a connection: the caller's role and, for a node, its name (its
+    /// listen address in the deployment file).
+    Hello {
+        from: Role,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        body: Option<GenerateRequest>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        decode: Option<usize>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        rng_pos: Option<u128>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        cached_tokens: Option<usize>,
+        name: Option<String>,
     },
+    /// A protocol message, with what the protocol leaves out.
+    Control(Control),
     /// One page write; the payload is the page.
     Land { req: u64, dest: DestPage },
     /// Answer `FlushAck { id }` once every earlier frame was applied.
@@ -65,16 +58,49 @@ pub(crate) enum Frame {
     Region { ucx: Option<UcxRegionDescriptor> },
 }
 
-impl Frame {
-    /// A control frame with nothing beside the message.
-    pub(crate) fn control(msg: Msg) -> Self {
-        Self::Control {
+/// A protocol message on the wire, with what the protocol leaves out: the request body
+/// (`Prealloc`, `Prefill`), the decode node chosen (`Prefill`), the prefill node
+/// assigned to write (`Prealloc`), the sampler position and the prompt tokens taken
+/// from the prefill node's cache (`Commit`).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Control {
+    pub(crate) msg: Msg,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) body: Option<GenerateRequest>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) decode: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rng_pos: Option<u128>,
+    /// Prompt tokens the prefill node took from its prefix cache (`Commit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cached_tokens: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) prefill: Option<String>,
+    /// The request's W3C `traceparent` (with `Prealloc` and `Prefill`, when the
+    /// gateway exports traces), so the node's spans join the request's trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) trace: Option<String>,
+}
+
+impl Control {
+    /// The message with nothing beside it.
+    pub(crate) fn new(msg: Msg) -> Self {
+        Self {
             msg,
             body: None,
             decode: None,
             rng_pos: None,
             cached_tokens: None,
+            prefill: None,
+            trace: None,
         }
+    }
+}
+
+impl Frame {
+    /// A control frame with nothing beside the message.
+    pub(crate) fn control(msg: Msg) -> Self {
+        Self::Control(Control::new(msg))
     }
 }
 
@@ -282,6 +308,12 @@ impl Conn {
     /// Whether the connection is still usable.
     pub(crate) fn is_alive(&self) -> bool {
         self.alive.load(Ordering::Acquire)
+    }
+}
+
+impl crate::links::Link for Conn {
+    fn close(&self) {
+        Conn::close(self);
     }
 }
 

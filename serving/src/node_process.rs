@@ -7,8 +7,9 @@
 //! queue, so no socket write ever blocks the engine.
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
-use crate::links::{CommitExtra, PdCounters, ReplyTo, TransferFault};
-use crate::net::{connect, read_frame, Conn, Frame, WireEvent};
+use crate::links::{CommitExtra, PdCounters, ReplyTo, TransferFault, WriterLink};
+use crate::metrics::{serve_metrics, NodeMetrics};
+use crate::net::{connect, read_frame, Conn, Control, Frame, WireEvent};
 use crate::node_loop::{run_node, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use std::collections::HashMap;
@@ -55,6 +56,9 @@ pub struct NodeOptions {
     pub decode_peers: Vec<String>,
     /// Pool and batch sizes.
     pub engine: EngineConfig,
+    /// Serve `GET /metrics` (plain HTTP, read-only) on this address; `None`: no
+    /// metrics listener.
+    pub metrics_listen: Option<String>,
 }
 
 /// The engine configuration of one of `pool`'s nodes: the pool's page size and pool
@@ -73,15 +77,16 @@ enum NodeCmds {
     Prefill(mpsc::Sender<PrefillCmd>),
 }
 
-/// Runs one node until the process is killed: binds `opts.listen`, then serves
-/// protocol connections. Calls `ready` with the bound address once listening.
+/// Runs one node until the process is killed: binds `opts.listen` (and
+/// `opts.metrics_listen`), then serves protocol connections. Calls `ready` with the
+/// bound control address and the metrics address once listening.
 ///
-/// Errors: the role is not prefill or decode, the address cannot be bound, UCX is
+/// Errors: the role is not prefill or decode, an address cannot be bound, UCX is
 /// asked for and unavailable.
 pub fn run_node_process(
     model: &LoadedModel,
     opts: NodeOptions,
-    ready: impl FnOnce(std::net::SocketAddr),
+    ready: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
 ) -> io::Result<()> {
     if opts.role == Role::Coordinator {
         return Err(io::Error::new(
@@ -90,11 +95,23 @@ pub fn run_node_process(
         ));
     }
     let listener = TcpListener::bind(&opts.listen)?;
+    let metrics_listener = match &opts.metrics_listen {
+        Some(a) => Some(TcpListener::bind(a)?),
+        None => None,
+    };
     let mut engine = Engine::new(
         model.llama.clone(),
         model.tokenizer.clone(),
         opts.engine.clone(),
     );
+    let metrics = Arc::new(NodeMetrics::new());
+    let role_label = if opts.role == Role::Decode {
+        "decode"
+    } else {
+        "prefill"
+    };
+    let handles = metrics.node(&opts.listen, role_label);
+    engine.set_metrics(handles.engine_metrics());
     let ucx = match opts.transport {
         TransportKind::Ucx => Some(
             UcxContext::new()
@@ -107,11 +124,11 @@ pub fn run_node_process(
         _ => None,
     };
     let counters = Arc::new(PdCounters::default());
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared::with_metrics(handles.clone()));
     let cmds = match opts.role {
         Role::Decode => {
             let (tx, rx) = mpsc::channel();
-            let node = DecodeLoop::new(counters.clone());
+            let node = DecodeLoop::new(counters.clone(), handles.clone());
             let sh = shared.clone();
             engine.track_ended();
             std::thread::Builder::new()
@@ -122,11 +139,12 @@ pub fn run_node_process(
         _ => {
             let (tx, rx) = mpsc::channel();
             let links: Arc<dyn PrefillLinks> = Arc::new(PeerLinks {
+                name: opts.listen.clone(),
                 peers: opts.decode_peers.clone(),
                 conns: opts.decode_peers.iter().map(|_| Mutex::new(None)).collect(),
                 ucx,
             });
-            let node = PrefillLoop::new(links, tx.clone());
+            let node = PrefillLoop::new(links, tx.clone(), handles.clone());
             let sh = shared.clone();
             std::thread::Builder::new()
                 .name("tessera-prefill".into())
@@ -136,7 +154,17 @@ pub fn run_node_process(
     };
     let cmds = Arc::new(cmds);
     let region = Arc::new(region);
-    ready(listener.local_addr()?);
+    let metrics_addr = match metrics_listener {
+        Some(l) => {
+            let addr = l.local_addr()?;
+            std::thread::Builder::new()
+                .name("tessera-metrics".into())
+                .spawn(move || serve_metrics(l, metrics))?;
+            Some(addr)
+        }
+        None => None,
+    };
+    ready(listener.local_addr()?, metrics_addr);
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
         let (cmds, region) = (cmds.clone(), region.clone());
@@ -212,9 +240,24 @@ fn serve_connection(
 ) -> io::Result<()> {
     let conn = Conn::new(stream.try_clone()?)?;
     let mut r = BufReader::new(stream);
-    let (Frame::Hello { from }, _) = read_frame(&mut r)? else {
+    let (Frame::Hello { from, name }, _) = read_frame(&mut r)? else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "expected hello"));
     };
+    // A prefill peer's name: what decode records name as a request's writer.
+    let peer_name = name
+        .clone()
+        .or_else(|| r.get_ref().peer_addr().ok().map(|a| a.to_string()))
+        .unwrap_or_default();
+    let writer = WriterLink {
+        name: peer_name.clone(),
+        link: Some(conn.clone()),
+    };
+    if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, cmds) {
+        let _ = tx.send(DecodeCmd::WriterLink {
+            name: peer_name.clone(),
+            lost: false,
+        });
+    }
     if from == Role::Prefill && matches!(cmds, NodeCmds::Decode(_)) {
         conn.try_send(
             &Frame::Region {
@@ -231,7 +274,17 @@ fn serve_connection(
             Err(e) => break Err(e),
         };
         let sent = match (frame, cmds, from) {
-            (Frame::Control { msg, body, .. }, NodeCmds::Decode(tx), Role::Coordinator) => {
+            (
+                Frame::Control(Control {
+                    msg,
+                    body,
+                    prefill,
+                    trace,
+                    ..
+                }),
+                NodeCmds::Decode(tx),
+                Role::Coordinator,
+            ) => {
                 let req = msg.req();
                 if !carried.contains(&req) {
                     carried.push(req);
@@ -244,6 +297,8 @@ fn serve_connection(
                             req,
                         }),
                         submitted: Instant::now(),
+                        writer: prefill,
+                        trace: valid_traceparent(trace),
                     }),
                     _ => None,
                 };
@@ -255,12 +310,12 @@ fn serve_connection(
                 .is_ok()
             }
             (
-                Frame::Control {
+                Frame::Control(Control {
                     msg,
                     rng_pos,
                     cached_tokens,
                     ..
-                },
+                }),
                 NodeCmds::Decode(tx),
                 Role::Prefill,
             ) => tx
@@ -270,12 +325,17 @@ fn serve_connection(
                         rng_pos: rng_pos.unwrap_or(0),
                         cached_tokens: cached_tokens.unwrap_or(0),
                     },
+                    from: writer.clone(),
                 })
                 .is_ok(),
             (
-                Frame::Control {
-                    msg, body, decode, ..
-                },
+                Frame::Control(Control {
+                    msg,
+                    body,
+                    decode,
+                    trace,
+                    ..
+                }),
                 NodeCmds::Prefill(tx),
                 Role::Coordinator,
             ) => {
@@ -286,16 +346,21 @@ fn serve_connection(
                 tx.send(PrefillCmd::FromCoordinator {
                     msg,
                     reply: reply.clone(),
-                    body: body.zip(decode),
+                    body: body
+                        .zip(decode)
+                        .map(|(b, d)| (b, d, valid_traceparent(trace))),
                 })
                 .is_ok()
             }
             (Frame::Land { req, dest }, NodeCmds::Decode(tx), Role::Prefill) => tx
-                .send(DecodeCmd::Land(PageLanding {
-                    req,
-                    dest,
-                    bytes: payload,
-                }))
+                .send(DecodeCmd::Land {
+                    landing: PageLanding {
+                        req,
+                        dest,
+                        bytes: payload,
+                    },
+                    from: writer.clone(),
+                })
                 .is_ok(),
             (Frame::Flush { id }, NodeCmds::Decode(tx), Role::Prefill) => {
                 let c = conn.clone();
@@ -316,6 +381,13 @@ fn serve_connection(
         }
     };
     conn.close();
+    if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, cmds) {
+        // Nothing it issued on this link can land any more.
+        let _ = tx.send(DecodeCmd::WriterLink {
+            name: peer_name,
+            lost: true,
+        });
+    }
     // The coordinator is gone: nobody will finish or abort its requests, so the
     // protocol aborts them (answers into the closed connection are dropped).
     if from == Role::Coordinator {
@@ -329,6 +401,24 @@ fn serve_connection(
     result
 }
 
+/// A peer's `traceparent`, kept only when it is one: `00-<32 hex>-<16 hex>-<2 hex>`
+/// (55 bytes). Anything else is dropped, so a peer cannot make the node log or
+/// export arbitrary text.
+fn valid_traceparent(t: Option<String>) -> Option<String> {
+    let t = t?;
+    let b = t.as_bytes();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().all(|c| c.is_ascii_hexdigit());
+    let ok = b.len() == 55
+        && b[2] == b'-'
+        && b[35] == b'-'
+        && b[52] == b'-'
+        && hex(0..2)
+        && hex(3..35)
+        && hex(36..52)
+        && hex(53..55);
+    ok.then_some(t)
+}
+
 /// A prefill node's connection to one decode node.
 struct Peer {
     conn: Arc<Conn>,
@@ -340,6 +430,8 @@ struct Peer {
 
 /// How a prefill node process reaches the decode nodes of its deployment.
 struct PeerLinks {
+    /// This prefill node's name (its listen address).
+    name: String,
     peers: Vec<String>,
     /// One slot per decode node, each with its own lock: connecting to one node never
     /// waits on another.
@@ -369,6 +461,7 @@ impl PeerLinks {
         if !conn.try_send(
             &Frame::Hello {
                 from: Role::Prefill,
+                name: Some(self.name.clone()),
             },
             &[],
         ) {
@@ -435,13 +528,11 @@ impl PrefillLinks for PeerLinks {
     fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool {
         self.peer(decode).is_ok_and(|p| {
             p.conn.send(
-                &Frame::Control {
-                    msg,
-                    body: None,
-                    decode: None,
+                &Frame::Control(Control {
                     rng_pos: Some(extra.rng_pos),
                     cached_tokens: Some(extra.cached_tokens),
-                },
+                    ..Control::new(msg)
+                }),
                 &[],
             )
         })

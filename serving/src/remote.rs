@@ -5,7 +5,7 @@
 
 use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::error::ServeError;
-use crate::net::{connect, read_frame, Conn, Frame};
+use crate::net::{connect, read_frame, Conn, Control, Frame};
 use crate::node_loop::EngineStats;
 use crate::routing::Router;
 use crate::stream::{ClientSink, RequestStream};
@@ -62,6 +62,7 @@ impl RemoteCoordLinks {
         if !conn.try_send(
             &Frame::Hello {
                 from: Role::Coordinator,
+                name: None,
             },
             &[],
         ) {
@@ -73,7 +74,7 @@ impl RemoteCoordLinks {
         std::thread::spawn(move || {
             loop {
                 match read_frame(&mut r) {
-                    Ok((Frame::Control { msg, .. }, _)) => {
+                    Ok((Frame::Control(Control { msg, .. }), _)) => {
                         let _ = links.coord.send(CoordCmd::FromNode(msg));
                     }
                     Ok((Frame::Event { req, event }, _)) => {
@@ -100,41 +101,53 @@ impl RemoteCoordLinks {
 
 impl CoordLinks for RemoteCoordLinks {
     fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let body = match extra {
-            Extra::Decode { body, client, .. } => {
+        let (body, prefill, trace) = match extra {
+            Extra::Decode {
+                body,
+                client,
+                prefill,
+                trace,
+                ..
+            } => {
                 self.streams.lock().unwrap().insert(msg.req(), client);
-                Some(body)
+                (
+                    Some(body),
+                    self.prefill.get(prefill).map(|n| n.addr.clone()),
+                    trace,
+                )
             }
-            _ => None,
+            _ => (None, None, None),
         };
         self.send(
             Role::Decode,
             index,
-            &Frame::Control {
-                msg,
+            &Frame::Control(Control {
                 body,
-                decode: None,
-                rng_pos: None,
-                cached_tokens: None,
-            },
+                prefill,
+                trace,
+                ..Control::new(msg)
+            }),
         )
     }
 
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let (body, decode) = match extra {
-            Extra::Prefill { body, decode } => (Some(body), Some(decode)),
-            _ => (None, None),
+        let (body, decode, trace) = match extra {
+            Extra::Prefill {
+                body,
+                decode,
+                trace,
+            } => (Some(body), Some(decode), trace),
+            _ => (None, None, None),
         };
         self.send(
             Role::Prefill,
             index,
-            &Frame::Control {
-                msg,
+            &Frame::Control(Control {
                 body,
                 decode,
-                rng_pos: None,
-                cached_tokens: None,
-            },
+                trace,
+                ..Control::new(msg)
+            }),
         )
     }
 

@@ -749,6 +749,19 @@ impl Store {
         Ok(store)
     }
 
+    /// Begins a transaction that will write. On SQLite it takes the write lock
+    /// up front (`BEGIN IMMEDIATE`): a deferred transaction that reads first and
+    /// then writes fails with SQLITE_BUSY at once when another connection wrote
+    /// in between, without waiting for the busy timeout
+    /// (<https://www.sqlite.org/lang_transaction.html>, "deferred").
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, StoreError> {
+        Ok(if self.backend == "sqlite" {
+            self.pool.begin_with("BEGIN IMMEDIATE").await?
+        } else {
+            self.pool.begin().await?
+        })
+    }
+
     /// `sqlite` or `postgres`.
     pub fn backend(&self) -> &'static str {
         self.backend
@@ -769,7 +782,7 @@ impl Store {
             if done.is_some() {
                 continue;
             }
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.write_tx().await?;
             sqlx::raw_sql(sql).execute(&mut *tx).await?;
             sqlx::query(
                 "INSERT INTO tessera_migrations (version, name, applied_ms) VALUES ($1, $2, $3)",
@@ -818,7 +831,7 @@ impl Store {
             scheduling: Scheduling::default(),
             cache_salt: crate::random_hex(16),
         };
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         sqlx::query(
             "INSERT INTO tenants (id, name, status, created_ms, weight, max_priority, cache_salt) \
              VALUES ($1, $2, $3, $4, $5, $6, $7)",
@@ -883,7 +896,7 @@ impl Store {
         id: &str,
         status: TenantStatus,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query("UPDATE tenants SET status = $1 WHERE id = $2")
             .bind(status.as_str())
             .bind(id)
@@ -913,7 +926,7 @@ impl Store {
         id: &str,
         l: Limits,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query(
             "UPDATE tenant_limits SET requests_per_minute = $1, input_tokens_per_minute = $2, \
              output_tokens_per_minute = $3, max_concurrent = $4, daily_tokens = $5 WHERE tenant_id = $6",
@@ -956,7 +969,7 @@ impl Store {
                 s.weight
             )));
         }
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query("UPDATE tenants SET weight = $1, max_priority = $2 WHERE id = $3")
             .bind(i64::from(s.weight))
             .bind(s.max_priority.as_str())
@@ -990,7 +1003,7 @@ impl Store {
         by: Option<&AuditCtx>,
         id: &str,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query("UPDATE tenants SET cache_salt = $1 WHERE id = $2")
             .bind(crate::random_hex(16))
             .bind(id)
@@ -1032,7 +1045,7 @@ impl Store {
         tenant_id: &str,
         new: &NewKey,
     ) -> Result<(KeyInfo, String), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let exists = sqlx::query("SELECT id FROM tenants WHERE id = $1")
             .bind(tenant_id)
             .fetch_optional(&mut *tx)
@@ -1115,7 +1128,7 @@ impl Store {
     }
 
     async fn revoke_key_as(&self, by: Option<&AuditCtx>, key_id: &str) -> Result<bool, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query(
             "UPDATE api_keys SET revoked_ms = $1 WHERE key_id = $2 AND revoked_ms IS NULL",
         )
