@@ -33,6 +33,9 @@ pub(crate) const WRITE_QUEUE: usize = 4096;
 
 /// One frame's header. Externally tagged: serde's internally tagged enums buffer
 /// their content, which cannot hold the `u128` sampler position.
+// A frame lives only between a socket read and its dispatch; boxing the control
+// variant would cost an allocation per message for no memory saved.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Frame {

@@ -48,6 +48,9 @@ pub(crate) trait PrefillLinks: Send + Sync {
 }
 
 /// A prefill node's commands.
+// Commands are moved through a channel one at a time; the request body (with its
+// scheduling and cache fields) is the large variant and the common one.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum PrefillCmd {
     /// From a coordinator: `Prefill` (with the body and the decode node chosen), `Abort`.
     FromCoordinator {
