@@ -13,7 +13,6 @@ use clap::Args;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tessera_engine::{Engine, EngineConfig, Event, GenerateRequest};
-use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
 
 /// Arguments of `tessera bench`.
@@ -61,12 +60,8 @@ fn prompt(m: &LoadedModel, n: usize, salt: usize) -> Vec<u32> {
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
-        tenant: 0,
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop: vec![],
         ignore_eos: true,
+        ..GenerateRequest::new(0, prompt, max_tokens)
     }
 }
 

@@ -99,9 +99,6 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
         },
     );
     let req = GenerateRequest {
-        tenant: 0,
-        prompt: prompt.clone(),
-        max_tokens: a.max_tokens,
         sampling: SamplingParams {
             temperature: a.temperature,
             top_p: a.top_p,
@@ -113,6 +110,7 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
         },
         stop: a.stop,
         ignore_eos: a.ignore_eos,
+        ..GenerateRequest::new(0, prompt.clone(), a.max_tokens)
     };
     let admitted = engine.admit(req)?;
     let mut rx = engine.enqueue(admitted);

@@ -10,7 +10,8 @@ use serde_json::json;
 use std::path::PathBuf;
 use tessera_tenancy::store::{parse_time, rfc3339};
 use tessera_tenancy::{
-    AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, Scopes, Store, TenantStatus,
+    AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling, Scopes, Store,
+    TenantStatus,
 };
 
 /// Where the store lives: `--store URL`, or a SQLite file in `--data-dir`.
@@ -170,6 +171,23 @@ pub(crate) enum TenantCommand {
         #[command(flatten)]
         limits: LimitArgs,
     },
+    /// Change how the engines schedule a tenant (flags not given keep their value).
+    Scheduling {
+        /// Account id.
+        id: String,
+        /// Fair-share weight, 1..=1000: served tokens in proportion to it.
+        #[arg(long)]
+        weight: Option<u32>,
+        /// Highest class its requests may run in: `interactive` or `batch`.
+        #[arg(long)]
+        max_priority: Option<PriorityCeiling>,
+    },
+    /// Give a tenant a fresh prefix-cache salt: nothing it cached before is found
+    /// again.
+    RotateCacheSalt {
+        /// Account id.
+        id: String,
+    },
 }
 
 /// `tessera key ...`.
@@ -294,6 +312,25 @@ pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
                 let l = limits.patch().apply(t.limits);
                 admin.set_limits(&id, l).await?;
                 print(json!({"id": id, "limits": l}))
+            }
+            TenantCommand::Scheduling {
+                id,
+                weight,
+                max_priority,
+            } => {
+                let Some(t) = s.tenant(&id).await? else {
+                    bail!("no tenant with id {id}");
+                };
+                let sch = Scheduling {
+                    weight: weight.unwrap_or(t.scheduling.weight),
+                    max_priority: max_priority.unwrap_or(t.scheduling.max_priority),
+                };
+                admin.set_scheduling(&id, sch).await?;
+                print(json!({"id": id, "scheduling": sch}))
+            }
+            TenantCommand::RotateCacheSalt { id } => {
+                admin.rotate_cache_salt(&id).await?;
+                print(json!({"id": id, "cache_salt": "rotated"}))
             }
         }
     })

@@ -821,10 +821,17 @@ async fn a_stalled_decode_node_does_not_stop_the_prefill_node_serving_others() {
     stop("-CONT");
     for (status, v) in &answers {
         assert_eq!(*status, 200, "{v}");
-        assert_eq!(
-            v["result"], solo["result"],
-            "answer changed under the stall"
-        );
+        // The same answer and counts; only the prompt tokens served from the prefill
+        // node's prefix cache may differ (the solo run was a miss).
+        let counts = |v: &serde_json::Value| {
+            let u = &v["result"]["usage"];
+            (
+                v["result"]["response"].clone(),
+                u["prompt_tokens"].clone(),
+                u["completion_tokens"].clone(),
+            )
+        };
+        assert_eq!(counts(v), counts(&solo), "answer changed under the stall");
     }
     // Once resumed, the stalled request ends too: complete, or (if its flush timed
     // out meanwhile) with an error event, never a truncated success.

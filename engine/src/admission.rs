@@ -4,13 +4,34 @@
 //! admitted requests can be queued, and a rejection is a terminal value that no queue
 //! accepts (there is no placeholder request).
 
+use crate::scheduler::Priority;
 use tessera_model::sampling::{SamplingError, SamplingParams};
+
+/// A prefix-cache namespace: 32 bytes the server derives from the tenant's account
+/// and its cache salt. Requests with the same namespace may share cached prompt
+/// pages; no request ever chooses its own.
+pub type CacheNamespace = [u8; 32];
+
+fn one() -> u32 {
+    1
+}
 
 /// A generation request as the engine sees it (token ids, not text).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     /// Owner of the request's KV pages.
     pub tenant: u64,
+    /// Priority class (already capped at the tenant's ceiling by the gateway).
+    #[serde(default)]
+    pub priority: Priority,
+    /// The tenant's fair-share weight (>= 1; 0 is read as 1): its virtual token
+    /// counter advances by cost / weight.
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// The tenant's prefix-cache namespace; `None`: this request neither reuses nor
+    /// leaves cached pages.
+    #[serde(default)]
+    pub cache_namespace: Option<CacheNamespace>,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
     /// Most tokens to generate (>= 1).
@@ -65,6 +86,24 @@ pub enum Rejection {
     /// retryable.
     #[error("{0}")]
     Unavailable(String),
+}
+
+impl GenerateRequest {
+    /// A request of `tenant`: interactive, weight 1, no prefix cache, default
+    /// sampling (greedy), no stop strings.
+    pub fn new(tenant: u64, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            tenant,
+            priority: Priority::Interactive,
+            weight: 1,
+            cache_namespace: None,
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            ignore_eos: false,
+        }
+    }
 }
 
 impl Rejection {

@@ -12,14 +12,17 @@
 //! node's engine adopts transferred sequences and decodes them.
 
 use crate::admission::{AdmissionLimits, Admitted, GenerateRequest, Rejection};
-use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
+use crate::scheduler::{
+    self, FairnessConfig, Priority, Queued, SeqProgress, Served, StepLimits, Vtc, Work,
+};
 use crate::sink::EventSink;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_kernels::IntegrityError;
 use tessera_model::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
-use tessera_model::kv::{KvManager, PagePool, SeqId};
+use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
+use tessera_model::kv::{KvManager, PagePool, ReserveError, SeqId};
 use tessera_model::llama::{BatchRow, Llama};
 use tessera_model::sampling::Sampler;
 use tessera_model::tokenizer::Tokenizer;
@@ -48,8 +51,11 @@ pub struct PageStates {
     /// Held for a sequence that is not in the running batch: a decode reservation
     /// awaiting its transfer and commit, a computed prefill held for export.
     pub reserved: usize,
-    /// Held by sequences in the running batch.
+    /// Held by sequences in the running batch (their own pages; prefix-cache pages
+    /// they reuse count as `cached`).
     pub in_use: usize,
+    /// Held by the prefix cache (reused by running sequences or evictable).
+    pub cached: usize,
 }
 
 /// Engine sizing.
@@ -65,6 +71,19 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Zero pages on free (defence in depth; tags already make reuse safe).
     pub kv_scrub: bool,
+    /// Keep the full prompt pages of requests that carry a cache namespace after
+    /// they end, and reuse them for later requests of the same namespace.
+    pub prefix_cache: bool,
+    /// Most of the pool (percent of its pages) one tenant's cached pages may hold.
+    pub prefix_cache_tenant_share: u32,
+    /// Fair admission across tenants (policy and token costs).
+    pub fairness: FairnessConfig,
+    /// Longest a batch-class request may wait for admission before it fails as
+    /// busy (`None`: no limit).
+    pub batch_max_wait: Option<Duration>,
+    /// Most prompt tokens of batch-class requests computed in one step, so that a
+    /// step in flight delays an arriving interactive request only a little.
+    pub batch_prefill_chunk: usize,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +94,11 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 32,
             kv_scrub: false,
+            prefix_cache: true,
+            prefix_cache_tenant_share: 50,
+            fairness: FairnessConfig::default(),
+            batch_max_wait: Some(Duration::from_secs(60)),
+            batch_prefill_chunk: 128,
         }
     }
 }
@@ -97,6 +121,28 @@ pub enum EngineError {
     /// The engine stopped before the request finished.
     #[error("engine shut down")]
     Shutdown,
+    /// A batch-class request waited for admission longer than the engine allows;
+    /// nothing was computed. Retryable.
+    #[error(
+        "the request waited {waited_ms} ms in the batch queue (limit {limit_ms} ms); retry later"
+    )]
+    BatchQueueTimeout {
+        /// How long it waited (ms).
+        waited_ms: u64,
+        /// The engine's limit (ms).
+        limit_ms: u64,
+    },
+}
+
+impl EngineError {
+    /// Stable machine label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Integrity(_) => "integrity",
+            Self::Shutdown => "shutdown",
+            Self::BatchQueueTimeout { .. } => "batch_queue_timeout",
+        }
+    }
 }
 
 /// Token counts and timings of a finished request.
@@ -106,6 +152,9 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Generated tokens (including a final stop token).
     pub completion_tokens: usize,
+    /// Prompt tokens reused from the prefix cache (not computed; included in
+    /// `prompt_tokens`).
+    pub cached_tokens: usize,
     /// Submit to first token.
     pub ttft: Duration,
     /// Mean time per output token after the first.
@@ -169,6 +218,12 @@ pub(crate) struct Seq {
     pub(crate) submitted: Instant,
     pub(crate) first_token: Option<Instant>,
     pub(crate) role: SeqRole,
+    pub(crate) tenant: u64,
+    pub(crate) priority: Priority,
+    /// Prefix-cache keys of the full prompt pages (empty: not cached).
+    pub(crate) chain: Vec<ChainHash>,
+    /// Prompt tokens reused from the prefix cache.
+    pub(crate) cached: usize,
 }
 
 impl Seq {
@@ -184,6 +239,10 @@ impl Seq {
         Self {
             id,
             sampler,
+            tenant: req.tenant,
+            priority: req.priority,
+            chain: Vec::new(),
+            cached: 0,
             prompt: req.prompt,
             generated: Vec::new(),
             max_tokens: req.max_tokens,
@@ -203,6 +262,8 @@ impl Seq {
             prompt: self.prompt.len(),
             prefilled: self.prefilled,
             generated: self.generated.len(),
+            tenant: self.tenant,
+            priority: self.priority,
         }
     }
 }
@@ -214,6 +275,10 @@ struct Waiting {
     sink: Box<dyn EventSink>,
     submitted: Instant,
     role: SeqRole,
+    /// When it entered the queue (the batch deadline counts from here).
+    queued_at: Instant,
+    /// Prefix-cache keys of its full prompt pages (empty: not cached).
+    chain: Vec<ChainHash>,
 }
 
 impl Waiting {
@@ -226,16 +291,36 @@ impl Waiting {
             SeqRole::Generate => r.prompt.len().saturating_add(r.max_tokens),
         }
     }
+
+    /// Most prompt pages it may reuse from the cache: every full page before the
+    /// prompt's last token, which is always computed (its logits are sampled).
+    fn max_hit_pages(&self, page_size: usize) -> usize {
+        (self.req.request().prompt.len() - 1) / page_size
+    }
+}
+
+/// A prefill-only sequence whose compute ended, while its pages are held for export.
+#[derive(Debug)]
+pub(crate) struct Parked {
+    /// Prompt tokens.
+    pub(crate) prompt: usize,
+    tenant: u64,
+    chain: Vec<ChainHash>,
+    /// Whether the compute succeeded (only then may its pages be cached).
+    ok: bool,
 }
 
 /// A prefill-only sequence whose compute ended ([`Engine::take_prefilled`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Prefilled {
     /// The sequence (the transfer id on a prefill node).
     pub seq: SeqId,
-    /// The first token and the sampler position after it, or the integrity error that
-    /// stopped the compute. The pages stay reserved either way.
-    pub result: Result<FirstToken, IntegrityError>,
+    /// The first token and the sampler position after it, or the error that stopped
+    /// the compute (an integrity error; a batch request that expired in the queue).
+    /// The pages stay reserved either way (none for an expired request).
+    pub result: Result<FirstToken, EngineError>,
+    /// Prompt tokens reused from this node's prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// The token sampled at the end of a prefill, and the sampler's RNG position after it
@@ -261,10 +346,14 @@ pub struct Engine {
     /// Decode role: sequences that left the running batch, and how. `None` when not
     /// tracked.
     ended: Option<Vec<(SeqId, SeqEnd)>>,
-    /// Prefill role: finished prefills not yet taken, and the prompt length of every
-    /// prefill-only sequence whose compute ended and whose pages are still held.
+    /// Prefill role: finished prefills not yet taken, and every prefill-only
+    /// sequence whose compute ended and whose pages are still held.
     prefilled: Vec<Prefilled>,
-    pub(crate) parked: HashMap<SeqId, usize>,
+    pub(crate) parked: HashMap<SeqId, Parked>,
+    /// Virtual token counters (fair admission) and tokens served per tenant.
+    vtc: Vtc,
+    /// The model's fingerprint (part of every prefix-cache key).
+    model_fp: [u8; 32],
     pub(crate) metrics: EngineMetrics,
 }
 
@@ -283,11 +372,15 @@ impl Engine {
         .collect();
         stop_ids.sort_unstable();
         stop_ids.dedup();
+        let mut kv = KvManager::new(pool);
+        kv.set_tenant_cache_share(cfg.prefix_cache_tenant_share);
         Self {
+            model_fp: model.fingerprint(),
+            vtc: Vtc::new(cfg.fairness),
             model,
             tokenizer,
             cfg,
-            kv: KvManager::new(pool),
+            kv,
             waiting: VecDeque::new(),
             running: Vec::new(),
             stop_ids,
@@ -314,16 +407,19 @@ impl Engine {
     pub fn page_states(&self) -> PageStates {
         let pool = self.kv.pool();
         let free = pool.free_pages();
+        let cached = pool.cached_pages();
         let in_use: usize = self
             .running
             .iter()
-            .map(|s| self.kv.table(s.id).map_or(0, |t| t.len()))
+            .filter_map(|s| self.kv.table(s.id))
+            .map(|t| t.iter().filter(|r| !pool.is_cached(r.page)).count())
             .sum();
-        let held = pool.capacity() - free;
+        let held = pool.capacity() - free - cached;
         PageStates {
             free,
             reserved: held.saturating_sub(in_use),
             in_use: in_use.min(held),
+            cached,
         }
     }
 
@@ -381,13 +477,7 @@ impl Engine {
         submitted: Instant,
     ) {
         let id = self.fresh_seq();
-        self.waiting.push_back(Waiting {
-            req,
-            id,
-            sink,
-            submitted,
-            role: SeqRole::Generate,
-        });
+        self.push_waiting(req, id, sink, submitted, SeqRole::Generate);
     }
 
     /// Prefill role: queues a prefill-only sequence `seq` (the transfer id): only the
@@ -396,13 +486,44 @@ impl Engine {
     /// [`Self::release_prefill`]. The sampler's fallback seed is `seq`, so the decode
     /// node can continue the same RNG stream.
     pub fn enqueue_prefill(&mut self, req: Admitted, seq: SeqId) {
+        let sink = Box::new(crate::sink::Discard);
+        self.push_waiting(req, seq, sink, Instant::now(), SeqRole::Prefill);
+    }
+
+    fn push_waiting(
+        &mut self,
+        req: Admitted,
+        id: SeqId,
+        sink: Box<dyn EventSink>,
+        submitted: Instant,
+        role: SeqRole,
+    ) {
+        let r = req.request();
+        let chain = match (self.cfg.prefix_cache, &r.cache_namespace) {
+            (true, Some(ns)) => {
+                let root = chain_root(ns, &self.model_fp, self.cfg.page_size);
+                chain(&root, &r.prompt, self.cfg.page_size)
+            }
+            _ => Vec::new(),
+        };
+        let waiting: Vec<u64> = self.waiting_tenants();
+        self.vtc.on_arrival(r.tenant, r.weight, &waiting);
         self.waiting.push_back(Waiting {
             req,
-            id: seq,
-            sink: Box::new(crate::sink::Discard),
-            submitted: Instant::now(),
-            role: SeqRole::Prefill,
+            id,
+            sink,
+            submitted,
+            role,
+            queued_at: Instant::now(),
+            chain,
         });
+    }
+
+    fn waiting_tenants(&self) -> Vec<u64> {
+        self.waiting
+            .iter()
+            .map(|w| w.req.request().tenant)
+            .collect()
     }
 
     /// Prefill role: prefills whose compute ended since the last call.
@@ -411,8 +532,10 @@ impl Engine {
     }
 
     /// Prefill role: drops prefill-only sequence `seq` wherever it is (queued,
-    /// computing, or computed and held for export) and frees its pages. Returns
-    /// whether it was found.
+    /// computing, or computed and held for export) and frees its pages; the prompt
+    /// pages whose K/V was computed go to the prefix cache when the request carries a
+    /// namespace (the prefill node is where a disaggregated deployment caches).
+    /// Returns whether it was found.
     pub fn release_prefill(&mut self, seq: SeqId) -> bool {
         let mut found = false;
         if let Some(i) = self.waiting.iter().position(|w| w.id == seq) {
@@ -420,10 +543,16 @@ impl Engine {
             found = true;
         }
         if let Some(i) = self.running.iter().position(|s| s.id == seq) {
-            self.running.remove(i);
+            let s = self.running.remove(i);
+            self.free_seq(&s, true);
             found = true;
         }
-        found |= self.parked.remove(&seq).is_some();
+        if let Some(p) = self.parked.remove(&seq) {
+            let computed = if p.ok { p.prompt } else { 0 };
+            let pages = computed / self.cfg.page_size;
+            self.kv.release_caching(seq, &p.chain, pages);
+            found = true;
+        }
         self.prefilled.retain(|p| p.seq != seq);
         found | (self.kv.release(seq) > 0)
     }
@@ -435,6 +564,18 @@ impl Engine {
             self.running.remove(i);
         }
         self.kv.release(seq)
+    }
+
+    /// Frees a sequence's pages; with `cache`, its prompt pages whose K/V is
+    /// completely computed go to the prefix cache first (when it has keys).
+    fn free_seq(&mut self, s: &Seq, cache: bool) {
+        let computed = if cache {
+            s.prefilled.min(s.prompt.len())
+        } else {
+            0
+        };
+        self.kv
+            .release_caching(s.id, &s.chain, computed / self.cfg.page_size);
     }
 
     /// Requests waiting for admission to the running batch.
@@ -463,6 +604,22 @@ impl Engine {
         &mut self.kv
     }
 
+    /// The fair-admission counters.
+    pub fn fairness(&self) -> &Vtc {
+        &self.vtc
+    }
+
+    /// Prompt and generated tokens computed per tenant since start or
+    /// [`Self::reset_served`] (prefix-cache hits are not computed).
+    pub fn served(&self) -> &HashMap<u64, Served> {
+        self.vtc.served()
+    }
+
+    /// Clears [`Self::served`].
+    pub fn reset_served(&mut self) {
+        self.vtc.reset_served();
+    }
+
     /// Sequence ids of running requests in admission order (for tests).
     #[doc(hidden)]
     pub fn running_ids(&self) -> Vec<SeqId> {
@@ -480,34 +637,71 @@ impl Engine {
         }
     }
 
-    /// Runs one scheduling step: drops cancelled requests, admits waiting ones, runs
-    /// one forward pass, samples and emits. Returns the number of tokens in the
-    /// forward pass (0 when idle).
+    fn step_limits(&self) -> StepLimits {
+        StepLimits {
+            max_batch_tokens: self.cfg.max_batch_tokens,
+            max_running: self.cfg.max_running,
+            free_pages: self.kv.available_pages(),
+            batch_max_wait: self.cfg.batch_max_wait,
+            batch_prefill_chunk: self.cfg.batch_prefill_chunk,
+        }
+    }
+
+    /// What the scheduler sees of the queue, prefix-cache hits included.
+    fn queue_view(&self, now: Instant) -> Vec<Queued> {
+        let ps = self.cfg.page_size;
+        self.waiting
+            .iter()
+            .map(|w| {
+                let r = w.req.request();
+                let hits = self
+                    .kv
+                    .cached_prefix(r.tenant, &w.chain, w.max_hit_pages(ps));
+                Queued {
+                    prompt: r.prompt.len(),
+                    cached: hits * ps,
+                    pages: self.kv.pages_for(w.tokens()) - hits
+                        + self.kv.unpinned_hits(&w.chain, hits),
+                    tenant: r.tenant,
+                    priority: r.priority,
+                    waited: now.saturating_duration_since(w.queued_at),
+                }
+            })
+            .collect()
+    }
+
+    /// Runs one scheduling step: drops cancelled requests, fails expired batch
+    /// requests, admits waiting ones (fairly, reusing cached prompt pages), runs one
+    /// forward pass, charges each tenant what it computed, samples and emits.
+    /// Returns the number of tokens in the forward pass (0 when idle).
     pub fn step(&mut self) -> usize {
         self.drop_cancelled();
+        let now = Instant::now();
+        let limits = self.step_limits();
+        let admission = {
+            let running: Vec<SeqProgress> = self.running.iter().map(Seq::progress).collect();
+            scheduler::plan(&running, &self.queue_view(now), limits, &self.vtc)
+        };
+        self.apply_admission(&admission, now);
+        // The work is planned over the batch as it now is: a request admitted with
+        // fewer cached pages than the queue view promised computes them itself.
         let plan = {
             let running: Vec<SeqProgress> = self.running.iter().map(Seq::progress).collect();
-            let queue: Vec<Queued> = self
-                .waiting
-                .iter()
-                .map(|w| Queued {
-                    prompt: w.req.request().prompt.len(),
-                    pages: self.kv.pages_for(w.tokens()),
-                })
-                .collect();
-            scheduler::plan(
-                &running,
-                &queue,
-                StepLimits {
-                    max_batch_tokens: self.cfg.max_batch_tokens,
-                    max_running: self.cfg.max_running,
-                    free_pages: self.kv.pool().free_pages(),
-                },
-            )
+            scheduler::plan(&running, &[], limits, &self.vtc)
         };
-        for _ in 0..plan.admit {
-            self.start_waiting();
+        let charges = scheduler::computed_by_tenant(&plan, |i| self.running[i].tenant);
+        for (tenant, prefill, decode) in charges {
+            self.vtc.charge(tenant, prefill, decode);
         }
+        let live: Vec<u64> = self
+            .running
+            .iter()
+            .map(|s| s.tenant)
+            .chain(self.parked.values().map(|p| p.tenant))
+            .collect();
+        let waiting = self.waiting_tenants();
+        self.vtc
+            .forget_idle(&waiting, |t| live.contains(&t) || waiting.contains(&t));
         let rows = self.rows(&plan.work);
         if rows.is_empty() {
             return 0;
@@ -543,6 +737,7 @@ impl Engine {
                         token: tok,
                         rng_word_pos: s.sampler.rng_word_pos(),
                     }),
+                    cached_tokens: s.cached,
                 });
                 continue;
             }
@@ -563,16 +758,19 @@ impl Engine {
             if self.running[i].role == SeqRole::Prefill {
                 // An integrity error while computing the prompt: reported for export
                 // handling; the pages stay until released.
-                if let SeqEnd::Failed(EngineError::Integrity(e)) = end {
+                if let SeqEnd::Failed(e) = end {
+                    let cached_tokens = self.running[i].cached;
                     self.park(Prefilled {
                         seq: id,
                         result: Err(e),
+                        cached_tokens,
                     });
                 }
                 continue;
             }
             let mut s = self.running.remove(i);
-            self.kv.release(id);
+            // Pages of a failed sequence are not trusted for reuse.
+            self.free_seq(&s, !matches!(end, SeqEnd::Failed(_)));
             if let Some(ev) = ev {
                 let _ = s.sink.send(ev);
             }
@@ -593,45 +791,123 @@ impl Engine {
     fn park(&mut self, p: Prefilled) {
         if let Some(i) = self.running.iter().position(|s| s.id == p.seq) {
             let s = self.running.remove(i);
-            self.parked.insert(s.id, s.prompt.len());
+            self.parked.insert(
+                s.id,
+                Parked {
+                    prompt: s.prompt.len(),
+                    tenant: s.tenant,
+                    chain: s.chain,
+                    ok: p.result.is_ok(),
+                },
+            );
             self.prefilled.push(p);
         }
     }
 
     /// Drops requests whose client cancelled: waiting ones are never computed, running
-    /// ones stop and free their pages.
+    /// ones stop and free their pages (computed prompt pages may be cached).
     fn drop_cancelled(&mut self) {
         self.waiting.retain(|w| !w.sink.cancelled());
-        let gone: Vec<SeqId> = self
-            .running
-            .iter()
-            .filter(|s| s.sink.cancelled())
-            .map(|s| s.id)
-            .collect();
-        for id in gone {
-            self.release_seq(id);
-            self.record_end(id, SeqEnd::ClientGone);
+        let mut i = 0;
+        while i < self.running.len() {
+            if !self.running[i].sink.cancelled() {
+                i += 1;
+                continue;
+            }
+            let s = self.running.remove(i);
+            self.free_seq(&s, true);
+            self.record_end(s.id, SeqEnd::ClientGone);
         }
     }
 
-    /// Moves the oldest waiting request into the running batch with all its pages
-    /// (the scheduler checked they fit).
-    fn start_waiting(&mut self) {
-        let Some(w) = self.waiting.pop_front() else {
-            return;
-        };
-        let tokens = w.tokens();
-        let r = w.req.into_request();
-        if let Err(e) = self.kv.reserve(w.id, r.tenant, tokens) {
-            // The scheduler counted the free pages; only a duplicate id gets here.
-            tracing::error!(seq = ?w.id, error = %e, "could not reserve a scheduled request");
-            let mut sink = w.sink;
-            let _ = sink.send(Event::Error(EngineError::Shutdown));
+    /// Carries out a plan's admission decisions: expired batch requests fail as
+    /// busy; admitted ones join the running batch with all their pages (the
+    /// scheduler counted them), reusing cached prompt pages.
+    fn apply_admission(&mut self, plan: &scheduler::Plan, now: Instant) {
+        if plan.admit.is_empty() && plan.expire.is_empty() {
             return;
         }
-        let sampler = Sampler::new(r.sampling.clone(), w.id.0);
-        self.running
-            .push(Seq::new(w.id, r, sampler, w.sink, w.submitted, w.role));
+        let mut slots: Vec<Option<Waiting>> = self.waiting.drain(..).map(Some).collect();
+        for &i in &plan.expire {
+            if let Some(w) = slots[i].take() {
+                let limit = self.cfg.batch_max_wait.unwrap_or_default();
+                let e = EngineError::BatchQueueTimeout {
+                    waited_ms: now.saturating_duration_since(w.queued_at).as_millis() as u64,
+                    limit_ms: limit.as_millis() as u64,
+                };
+                self.fail_unstarted(w, e);
+            }
+        }
+        let mut last = None;
+        for &i in &plan.admit {
+            if let Some(w) = slots[i].take() {
+                last = Some(w.req.request().tenant);
+                self.start_waiting(w);
+            }
+        }
+        self.waiting = slots.into_iter().flatten().collect();
+        if let (true, Some(t)) = (self.waiting.is_empty(), last) {
+            self.vtc.on_queue_emptied(t);
+        }
+    }
+
+    /// Ends a request that never started: its error goes to its sink (or, for a
+    /// prefill-only sequence, to [`Self::take_prefilled`]); nothing is held.
+    fn fail_unstarted(&mut self, w: Waiting, e: EngineError) {
+        match w.role {
+            SeqRole::Prefill => self.prefilled.push(Prefilled {
+                seq: w.id,
+                result: Err(e),
+                cached_tokens: 0,
+            }),
+            SeqRole::Generate => {
+                let mut sink = w.sink;
+                let _ = sink.send(Event::Error(e.clone()));
+                self.record_end(w.id, SeqEnd::Failed(e));
+            }
+        }
+    }
+
+    /// Moves a waiting request into the running batch with all its pages, reusing
+    /// the cached pages of its prompt's longest cached prefix after their tags check
+    /// (I3); a mismatch fails the request (the entry is evicted).
+    fn start_waiting(&mut self, w: Waiting) {
+        let tokens = w.tokens();
+        let max_hit = w.max_hit_pages(self.cfg.page_size);
+        let tenant = w.req.request().tenant;
+        let hits = match self
+            .kv
+            .reserve_cached(w.id, tenant, tokens, &w.chain, max_hit)
+        {
+            Ok(h) => h,
+            Err(ReserveError::Integrity(e)) => {
+                tracing::error!(seq = ?w.id, error = %e, "prefix-cache hit failed its tag check; entry evicted");
+                self.fail_unstarted(w, EngineError::Integrity(e));
+                return;
+            }
+            Err(ReserveError::Pool(e)) => {
+                // The scheduler counted the pages; only a duplicate id gets here.
+                tracing::error!(seq = ?w.id, error = %e, "could not reserve a scheduled request");
+                self.fail_unstarted(w, EngineError::Shutdown);
+                return;
+            }
+        };
+        let Waiting {
+            req,
+            id,
+            sink,
+            submitted,
+            role,
+            chain,
+            ..
+        } = w;
+        let r = req.into_request();
+        let sampler = Sampler::new(r.sampling.clone(), id.0);
+        let mut s = Seq::new(id, r, sampler, sink, submitted, role);
+        s.cached = hits * self.cfg.page_size;
+        s.prefilled = s.cached;
+        s.chain = chain;
+        self.running.push(s);
     }
 
     /// The forward pass's rows for the planned work.
@@ -713,6 +989,7 @@ pub(crate) fn accept_token(s: &mut Seq, tok: u32, tk: &Tokenizer, stop_ids: &[u3
         usage: Usage {
             prompt_tokens: s.prompt.len(),
             completion_tokens: n,
+            cached_tokens: s.cached,
             ttft: first - s.submitted,
             tpot: if n > 1 {
                 (now - first) / (n as u32 - 1)

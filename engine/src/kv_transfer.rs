@@ -80,6 +80,8 @@ pub struct Import {
     pub seed_fallback: u64,
     /// Sampler RNG position after the first token.
     pub rng_word_pos: u128,
+    /// Prompt tokens the prefill node took from its prefix cache (usage only).
+    pub cached_tokens: usize,
     /// Where the sequence's events go.
     pub sink: Box<dyn EventSink>,
     /// When the client's request arrived (TTFT).
@@ -106,7 +108,11 @@ impl Engine {
         seq: SeqId,
         dest: &[DestPage],
     ) -> Result<Vec<ExportedPage>, ExportError> {
-        let prompt = *self.parked.get(&seq).ok_or(ExportError::Unknown(seq))?;
+        let prompt = self
+            .parked
+            .get(&seq)
+            .ok_or(ExportError::Unknown(seq))?
+            .prompt;
         let table = self.kv.table(seq).unwrap_or(&[]);
         let n = self.kv.pages_for(prompt);
         if dest.len() != n || table.len() < n {
@@ -215,6 +221,7 @@ impl Engine {
             first_token,
             seed_fallback,
             rng_word_pos,
+            cached_tokens,
             sink,
             submitted,
         } = import;
@@ -222,6 +229,7 @@ impl Engine {
         let sampler = Sampler::resume(r.sampling.clone(), seed_fallback, rng_word_pos);
         let mut s = crate::engine::Seq::new(seq, r, sampler, sink, submitted, SeqRole::Generate);
         s.prefilled = s.prompt.len();
+        s.cached = cached_tokens;
         match accept_token(&mut s, first_token, &self.tokenizer, &self.stop_ids) {
             Accepted::Continue => self.running.push(s),
             Accepted::Finished(ev) => {

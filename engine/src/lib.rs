@@ -1,8 +1,10 @@
 //! Tessera engine: one owner of a node's KV pool and running batch.
 //!
 //! - [`admission`]: the I1 checks; [`Admitted`] is the only thing a queue accepts.
-//! - [`scheduler`]: pure batch planning (FIFO admission, decode first, chunked prefill).
-//! - [`engine`]: the step: forward pass, sampling, events, cancellation.
+//! - [`scheduler`]: pure batch planning (priority classes, fair admission by virtual
+//!   token counters, decode first, chunked prefill).
+//! - [`engine`]: the step: forward pass, sampling, events, cancellation, the
+//!   tenant-scoped prefix cache (cached prompt pages reused, tags checked first).
 //! - [`kv_transfer`]: a prefill node's page export, a decode node's reservation,
 //!   landing, commit checksums and adoption.
 //! - [`sink`]: where a request's events go ([`EventSink`]).
@@ -15,9 +17,12 @@ pub mod sink;
 #[cfg(feature = "test-util")]
 pub mod testing;
 
-pub use admission::{AdmissionLimits, Admitted, GenerateRequest, PdAdmission, Rejection};
+pub use admission::{
+    AdmissionLimits, Admitted, CacheNamespace, GenerateRequest, PdAdmission, Rejection,
+};
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,
     Prefilled, SeqEnd, Usage,
 };
+pub use scheduler::{FairnessConfig, Policy, Priority, Served};
 pub use sink::{EventSink, Gone};

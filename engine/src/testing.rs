@@ -2,7 +2,6 @@
 //! request's stream received, shared by every crate's integration tests.
 
 use crate::{Engine, EngineConfig, Event, GenerateRequest};
-use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -15,14 +14,7 @@ pub fn engine(m: &LoadedModel, cfg: EngineConfig) -> Engine {
 
 /// A greedy request of tenant 1.
 pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        tenant: 1,
-        prompt,
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop: vec![],
-        ignore_eos: false,
-    }
+    GenerateRequest::new(1, prompt, max_tokens)
 }
 
 /// Everything a request's stream received: token ids, text, final event.

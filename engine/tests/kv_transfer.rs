@@ -43,7 +43,7 @@ fn prefill_and_export(
     let done = p.take_prefilled();
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].seq, seq);
-    let first = done[0].result.expect("prefill computed");
+    let first = done[0].result.clone().expect("prefill computed");
     let landings: Landings = Arc::default();
     let result = p.export_pages(seq, &dest).map(|pages| {
         for pg in &pages {
@@ -95,6 +95,7 @@ fn land_and_decode(
             first_token: exported.first_token,
             seed_fallback: transfer,
             rng_word_pos: exported.rng_word_pos,
+            cached_tokens: 0,
             sink: Box::new(sink),
             submitted: std::time::Instant::now(),
         },

@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 
 use tessera_gateway::{AppState, GatewayConfig, Server};
 use tessera_model::chat::ChatMessage;
-use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
 use tessera_serving::{EngineConfig, EngineHandle, GenerateRequest, StreamEvent};
 use tessera_tenancy::{Limits, Store};
@@ -161,14 +160,7 @@ async fn main() -> anyhow::Result<()> {
     let mut rids = Vec::with_capacity(n);
     for i in 0..n {
         let t = Instant::now();
-        let req = GenerateRequest {
-            tenant: i as u64,
-            prompt: prompt.clone(),
-            max_tokens: 1,
-            sampling: SamplingParams::default(),
-            stop: vec![],
-            ignore_eos: false,
-        };
+        let req = GenerateRequest::new(i as u64, prompt.clone(), 1);
         let mut rx = engine.submit(req).map_err(anyhow::Error::msg)?;
         while let Some(ev) = rx.recv().await {
             if matches!(ev, StreamEvent::Done { .. } | StreamEvent::Error(_)) {
@@ -228,14 +220,7 @@ async fn main() -> anyhow::Result<()> {
         let t_rate = Instant::now();
         let mut direct = open_loop(rate, secs, move |i| {
             let e = e.clone();
-            let req = GenerateRequest {
-                tenant: i as u64 % tenants as u64,
-                prompt: p.clone(),
-                max_tokens: 1,
-                sampling: SamplingParams::default(),
-                stop: vec![],
-                ignore_eos: false,
-            };
+            let req = GenerateRequest::new(i as u64 % tenants as u64, p.clone(), 1);
             async move {
                 let mut rx = e.submit(req).expect("admitted");
                 while let Some(ev) = rx.recv().await {

@@ -9,6 +9,11 @@
 //! - `POST /admin/v1/tenants/{id}/suspend`, `POST /admin/v1/tenants/{id}/activate`
 //! - `PUT  /admin/v1/tenants/{id}/limits` (a partial [`Limits`] object: the fields
 //!   given replace the tenant's, unknown fields are an error)
+//! - `PUT  /admin/v1/tenants/{id}/scheduling` `{weight?, max_priority?}` (fair-share
+//!   weight 1..=1000; highest class `interactive` | `batch`; fields not given keep
+//!   their value, unknown fields are an error)
+//! - `POST /admin/v1/tenants/{id}/rotate-cache-salt` (a fresh prefix-cache salt:
+//!   nothing the tenant cached before is found again)
 //! - `GET  /admin/v1/tenants/{id}/keys`,
 //!   `POST /admin/v1/tenants/{id}/keys` `{name?, scopes?, expires_at? | expires_in_secs?}`
 //! - `POST /admin/v1/keys/{key_id}/revoke`
@@ -16,8 +21,8 @@
 //! - `GET  /admin/v1/audit?since=&until=&limit=` (the audit log, oldest first)
 //! - `GET  /metrics` (Prometheus text format; the admin token or the metrics token)
 //!
-//! Every successful change (tenant create, suspend, activate, limits; key create,
-//! revoke) writes one audit row in the change's transaction: time, action, target,
+//! Every successful change (tenant create, suspend, activate, limits, scheduling,
+//! cache salt; key create, revoke) writes one audit row in the change's transaction: time, action, target,
 //! the admin request's id (its `x-request-id`) and the peer address. Revoking a key
 //! or suspending a tenant also aborts its requests in flight.
 
@@ -36,7 +41,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
 use tessera_tenancy::store::parse_time;
-use tessera_tenancy::{AuditCtx, Limits, LimitsPatch, NewKey, Scopes, StoreError, TenantStatus};
+use tessera_tenancy::{
+    AuditCtx, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling, Scopes, StoreError,
+    TenantStatus,
+};
 
 /// Shortest accepted admin or metrics token, in bytes.
 pub const MIN_TOKEN_BYTES: usize = 32;
@@ -100,6 +108,11 @@ pub(crate) fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/admin/v1/tenants/{id}/suspend", post(suspend))
         .route("/admin/v1/tenants/{id}/activate", post(activate))
         .route("/admin/v1/tenants/{id}/limits", put(set_limits))
+        .route("/admin/v1/tenants/{id}/scheduling", put(set_scheduling))
+        .route(
+            "/admin/v1/tenants/{id}/rotate-cache-salt",
+            post(rotate_cache_salt),
+        )
         .route(
             "/admin/v1/tenants/{id}/keys",
             get(list_keys).post(create_key),
@@ -215,6 +228,7 @@ impl From<StoreError> for Fail {
             StoreError::NoTenant(t) => {
                 ApiError::new(ErrorKind::NotFound, format!("no tenant with id {t}"))
             }
+            StoreError::Invalid(m) => ApiError::new(ErrorKind::BadRequest, m),
             e => ApiError::new(ErrorKind::Unavailable, e.to_string()),
         })
     }
@@ -343,6 +357,46 @@ async fn set_limits(
     let l = patch.apply(t.limits);
     s.store.audited(&by.audit()).set_limits(&id, l).await?;
     Ok(Done(json!({"id": id, "limits": l})))
+}
+
+/// The body of `PUT .../scheduling`: the fields given replace the tenant's.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SchedulingPatch {
+    weight: Option<u32>,
+    max_priority: Option<PriorityCeiling>,
+}
+
+async fn set_scheduling(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Reply {
+    let body = json_body(&s, req).await?;
+    let patch: SchedulingPatch = serde_json::from_value(body)
+        .map_err(|e| ApiError::field("scheduling", format!("`scheduling`: {e}")))?;
+    let Some(t) = s.store.tenant(&id).await? else {
+        return Err(StoreError::NoTenant(id).into());
+    };
+    let sch = Scheduling {
+        weight: patch.weight.unwrap_or(t.scheduling.weight),
+        max_priority: patch.max_priority.unwrap_or(t.scheduling.max_priority),
+    };
+    s.store
+        .audited(&by.audit())
+        .set_scheduling(&id, sch)
+        .await?;
+    Ok(Done(json!({"id": id, "scheduling": sch})))
+}
+
+async fn rotate_cache_salt(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+) -> Reply {
+    s.store.audited(&by.audit()).rotate_cache_salt(&id).await?;
+    Ok(Done(json!({"id": id, "cache_salt": "rotated"})))
 }
 
 async fn list_keys(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Reply {

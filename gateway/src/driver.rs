@@ -28,7 +28,7 @@ use std::time::Duration;
 use tessera_serving::{
     FinishReason, RequestStream, ServeError, ServeErrorKind, StreamEvent, Usage,
 };
-use tessera_tenancy::Reservation;
+use tessera_tenancy::{Reservation, UsageRecord};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tracing::Instrument;
 
@@ -47,13 +47,22 @@ pub(crate) enum Msg {
     Done {
         /// Why.
         reason: FinishReason,
-        /// Prompt tokens.
-        prompt_tokens: usize,
-        /// Generated tokens.
-        completion_tokens: usize,
+        /// Token counts.
+        tokens: TokenCounts,
     },
     /// Failure after admission (I8: an error, never partial text as success).
     Error(ApiError),
+}
+
+/// A finished request's token counts, as its response reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TokenCounts {
+    /// Prompt tokens.
+    pub(crate) prompt: usize,
+    /// Generated tokens.
+    pub(crate) completion: usize,
+    /// Prompt tokens served from the prefix cache (part of `prompt`).
+    pub(crate) cached: usize,
 }
 
 pub(crate) fn finish_label(r: FinishReason) -> &'static str {
@@ -231,18 +240,24 @@ pub(crate) fn spawn(
         }
         let (record, msg) = match end {
             End::Done(reason, u) => (
-                ctx.usage(
-                    200,
-                    0,
-                    finish_label(reason),
-                    u.prompt_tokens,
-                    u.completion_tokens,
-                    u.ttft.as_micros() as i64,
-                ),
+                UsageRecord {
+                    cached_tokens: u.cached_tokens as i64,
+                    ..ctx.usage(
+                        200,
+                        0,
+                        finish_label(reason),
+                        u.prompt_tokens,
+                        u.completion_tokens,
+                        u.ttft.as_micros() as i64,
+                    )
+                },
                 Some(Msg::Done {
                     reason,
-                    prompt_tokens: u.prompt_tokens,
-                    completion_tokens: u.completion_tokens,
+                    tokens: TokenCounts {
+                        prompt: u.prompt_tokens,
+                        completion: u.completion_tokens,
+                        cached: u.cached_tokens,
+                    },
                 }),
             ),
             End::Error(e) => {

@@ -8,6 +8,9 @@ use serde_json::json;
 use std::time::Duration;
 use tessera_serving::{ServeError, ServeErrorKind};
 
+/// The `retry-after` of a 503 for a request serving had no capacity for in time.
+pub const BUSY_RETRY_AFTER: Duration = Duration::from_secs(5);
+
 /// Which API shape an error is rendered in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
@@ -108,9 +111,9 @@ pub struct ApiError {
     pub message: String,
     /// Offending field, if one.
     pub param: Option<String>,
-    /// For 429: when a retry can succeed.
+    /// For 429 and a busy 503: when a retry can succeed.
     pub retry_after: Option<Duration>,
-    /// For 429: false when waiting cannot help.
+    /// With `retry_after`: false when waiting cannot help.
     pub retryable: bool,
 }
 
@@ -148,11 +151,16 @@ impl ApiError {
         };
         let mut a = Self::new(kind, e.message());
         a.retryable = e.is_retryable();
+        if e.kind() == ServeErrorKind::Busy {
+            // No capacity now (a batch request that waited past its deadline).
+            a.retry_after = Some(BUSY_RETRY_AFTER);
+        }
         a
     }
 
-    /// The response in `flavor`'s shape, with `x-request-id` and, for 429,
-    /// `retry-after` (whole seconds, rounded up) and `x-should-retry`.
+    /// The response in `flavor`'s shape, with `x-request-id` and, when it has a retry
+    /// hint (429, a busy 503), `retry-after` (whole seconds, rounded up) and
+    /// `x-should-retry`.
     pub fn into_response_as(self, flavor: Flavor, request_id: &str) -> Response {
         let status = self.kind.status();
         let body = match flavor {

@@ -2,7 +2,7 @@
 //! response formatter shared with the Workers AI shape.
 
 use crate::catalog::CatalogEntry;
-use crate::driver::{finish_label, Msg};
+use crate::driver::{finish_label, Msg, TokenCounts};
 use crate::error::Flavor;
 use crate::server::{authenticate, sse, AppState, Ctx, Formatter, Shape};
 use crate::workers_ai;
@@ -14,9 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use tessera_serving::FinishReason;
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    workers_ai::usage(prompt, completion)
-}
+use workers_ai::usage;
 
 impl Formatter {
     fn id(&self) -> String {
@@ -35,15 +33,9 @@ impl Formatter {
     }
 
     /// The whole (non-streaming) response body.
-    pub(crate) fn complete(
-        &self,
-        text: &str,
-        reason: FinishReason,
-        prompt: usize,
-        completion: usize,
-    ) -> Value {
+    pub(crate) fn complete(&self, text: &str, reason: FinishReason, tokens: TokenCounts) -> Value {
         let choice = match self.shape {
-            Shape::WorkersAi => return workers_ai::complete(text, prompt, completion),
+            Shape::WorkersAi => return workers_ai::complete(text, tokens),
             Shape::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
@@ -60,7 +52,7 @@ impl Formatter {
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": usage(prompt, completion),
+            "usage": usage(tokens),
         })
     }
 
@@ -104,27 +96,15 @@ impl Formatter {
         self.started = true;
         match (self.shape, m) {
             (Shape::WorkersAi, Msg::Text(t)) => out.push_str(&workers_ai::text_frame(&t)),
-            (
-                Shape::WorkersAi,
-                Msg::Done {
-                    prompt_tokens,
-                    completion_tokens,
-                    ..
-                },
-            ) => out.push_str(&workers_ai::done_frames(prompt_tokens, completion_tokens)),
+            (Shape::WorkersAi, Msg::Done { tokens, .. }) => {
+                out.push_str(&workers_ai::done_frames(tokens))
+            }
             (Shape::WorkersAi, Msg::Error(e)) => out.push_str(&workers_ai::error_frame(&e)),
             (_, Msg::Text(t)) => out.push_str(&self.chunk(Some(self.delta(Some(&t), None)), None)),
-            (
-                _,
-                Msg::Done {
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                },
-            ) => {
+            (_, Msg::Done { reason, tokens }) => {
                 out.push_str(&self.chunk(Some(self.delta(None, Some(reason))), None));
                 if self.include_usage {
-                    out.push_str(&self.chunk(None, Some(usage(prompt_tokens, completion_tokens))));
+                    out.push_str(&self.chunk(None, Some(usage(tokens))));
                 }
                 out.push_str("data: [DONE]\n\n");
             }

@@ -22,9 +22,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_model::LoadedModel;
-use tessera_serving::EngineHandle;
+use tessera_serving::{EngineHandle, Priority};
 use tessera_tenancy::{
-    now_ms, AuthError, LimitError, LimitKind, Limiter, Limits, Principal, Scope, Store, UsageRecord,
+    now_ms, AuthError, LimitError, LimitKind, Limiter, Limits, Principal, PriorityCeiling, Scope,
+    Store, UsageRecord,
 };
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -647,6 +648,13 @@ async fn generate_in_span(
             Shape::Completion => validation::openai_completion(&o),
         }
     });
+    let parsed = parsed.and_then(|mut p| {
+        // The body's `priority` wins over the header; either is capped below.
+        if p.priority.is_none() {
+            p.priority = priority_header(&parts.headers)?;
+        }
+        Ok(p)
+    });
     let parsed = match parsed {
         Ok(p) => p,
         Err(e) => {
@@ -659,7 +667,7 @@ async fn generate_in_span(
         &state.catalog,
         &state.model,
         state.engine.limits(),
-        tenant.engine_id(),
+        &tenant_context(tenant),
     ) {
         Ok(v) => v,
         Err(e) => {
@@ -696,7 +704,11 @@ async fn generate_in_span(
         Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
     };
     // The backend re-checks I1 against its own pool.
-    let events = match state.engine.submit(v.request.clone()) {
+    let affinity = session_affinity(&parts.headers, &tenant.id);
+    let events = match state
+        .engine
+        .submit_with_affinity(v.request.clone(), affinity)
+    {
         Ok(rx) => rx,
         Err(e) => {
             reservation.cancel();
@@ -705,7 +717,7 @@ async fn generate_in_span(
         }
     };
     let live = state.live.register(&principal.key_id);
-    let out = driver::spawn(
+    let mut out = driver::spawn(
         state.clone(),
         ctx.clone(),
         events,
@@ -720,11 +732,75 @@ async fn generate_in_span(
         include_usage: v.include_usage,
         started: false,
     };
-    if v.stream {
-        stream_response(&ctx, fmt, out)
-    } else {
-        collect_response(&ctx, fmt, out).await
+    if !v.stream {
+        return collect_response(&ctx, fmt, out).await;
     }
+    // A batch request may wait in a queue and expire there (503): its stream's
+    // status is decided by its first message, so such a failure is a status, not an
+    // error frame after a 200.
+    let first = if v.request.priority == Priority::Batch {
+        match out.recv().await {
+            Some(Msg::Error(e)) => return e.into_response_as(ctx.flavor, &ctx.rid),
+            m => m,
+        }
+    } else {
+        None
+    };
+    stream_response(&ctx, fmt, first, out)
+}
+
+/// The class a request asks for in the `x-tessera-priority` header (`interactive`
+/// or `batch`), if any.
+fn priority_header(headers: &HeaderMap) -> Result<Option<Priority>, ApiError> {
+    let Some(v) = headers.get(PRIORITY_HEADER) else {
+        return Ok(None);
+    };
+    let v = v.to_str().map_err(|_| {
+        ApiError::field(
+            PRIORITY_HEADER,
+            format!("`{PRIORITY_HEADER}` must be ASCII"),
+        )
+    })?;
+    validation::priority_name(PRIORITY_HEADER, v.trim()).map(Some)
+}
+
+/// The header in which a request may ask for a priority class.
+pub const PRIORITY_HEADER: &str = "x-tessera-priority";
+
+/// The header naming a client's session (Workers AI); requests of one session go
+/// to the same prefill node, where its prompt prefix is cached.
+pub const SESSION_AFFINITY_HEADER: &str = "x-session-affinity";
+
+/// What the engine takes from a tenant's record: engine id, weight, ceiling and the
+/// prefix-cache namespace (derived from the account and its salt, never from the
+/// request).
+fn tenant_context(t: &tessera_tenancy::Tenant) -> validation::TenantContext {
+    validation::TenantContext {
+        engine_id: t.engine_id(),
+        weight: t.scheduling.weight,
+        max_priority: match t.scheduling.max_priority {
+            PriorityCeiling::Interactive => Priority::Interactive,
+            PriorityCeiling::Batch => Priority::Batch,
+        },
+        cache_namespace: Some(t.cache_namespace()),
+    }
+}
+
+/// The routing key of a request's session: a hash of the tenant and the
+/// `x-session-affinity` value (so two tenants' session names never pick for each
+/// other), or `None` without the header.
+fn session_affinity(headers: &HeaderMap, tenant_id: &str) -> Option<u64> {
+    use sha2::{Digest, Sha256};
+    let v = headers.get(SESSION_AFFINITY_HEADER)?.as_bytes();
+    if v.is_empty() {
+        return None;
+    }
+    let mut h = Sha256::new();
+    h.update(tenant_id.as_bytes());
+    h.update(b"\0");
+    h.update(v);
+    let d = h.finalize();
+    Some(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")))
 }
 
 /// Renders driver messages in one API's shape.
@@ -742,12 +818,8 @@ async fn collect_response(ctx: &Ctx, fmt: Formatter, mut out: UnboundedReceiver<
     while let Some(m) = out.recv().await {
         match m {
             Msg::Text(t) => text.push_str(&t),
-            Msg::Done {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-            } => {
-                let body = fmt.complete(&text, reason, prompt_tokens, completion_tokens);
+            Msg::Done { reason, tokens } => {
+                let body = fmt.complete(&text, reason, tokens);
                 return ctx.header((StatusCode::OK, axum::Json(body)).into_response());
             }
             // The driver already wrote the usage row.
@@ -758,15 +830,24 @@ async fn collect_response(ctx: &Ctx, fmt: Formatter, mut out: UnboundedReceiver<
         .into_response_as(ctx.flavor, &ctx.rid)
 }
 
-fn stream_response(ctx: &Ctx, fmt: Formatter, out: UnboundedReceiver<Msg>) -> Response {
-    let s = futures_util::stream::unfold(Some((fmt, out)), |st| async move {
-        let (mut fmt, mut out) = st?;
-        let m = out.recv().await?;
+/// The SSE response: `first` (a message already taken from `out`), then the rest.
+fn stream_response(
+    ctx: &Ctx,
+    fmt: Formatter,
+    first: Option<Msg>,
+    out: UnboundedReceiver<Msg>,
+) -> Response {
+    let s = futures_util::stream::unfold(Some((fmt, first, out)), |st| async move {
+        let (mut fmt, first, mut out) = st?;
+        let m = match first {
+            Some(m) => m,
+            None => out.recv().await?,
+        };
         let last = !matches!(m, Msg::Text(_));
         let bytes = fmt.frame(m);
         Some((
             Ok::<Bytes, std::convert::Infallible>(Bytes::from(bytes)),
-            (!last).then_some((fmt, out)),
+            (!last).then_some((fmt, None, out)),
         ))
     });
     let mut r = Response::new(Body::from_stream(s));

@@ -11,6 +11,7 @@ use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
 use tessera_serving::admission::AdmissionLimits;
 use tessera_serving::admission::{GenerateRequest, Rejection};
+use tessera_serving::Priority;
 
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -46,6 +47,36 @@ pub struct ParsedRequest {
     pub stream: bool,
     /// OpenAI `stream_options.include_usage`.
     pub include_usage: bool,
+    /// The class the request asks for (`priority` field, OpenAI `service_tier`
+    /// `flex`); capped at the tenant's ceiling by [`validate`].
+    pub priority: Option<Priority>,
+}
+
+/// What validation takes from the caller's tenant record: server-side values only,
+/// never anything from the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TenantContext {
+    /// The id the engine tags KV pages with.
+    pub engine_id: u64,
+    /// Fair-share weight (>= 1).
+    pub weight: u32,
+    /// Highest class the tenant's requests may run in.
+    pub max_priority: Priority,
+    /// The tenant's prefix-cache namespace (derived from the account and its salt).
+    pub cache_namespace: Option<[u8; 32]>,
+}
+
+impl TenantContext {
+    /// A tenant of engine id `engine_id` with weight 1, interactive allowed and no
+    /// prefix cache.
+    pub fn plain(engine_id: u64) -> Self {
+        Self {
+            engine_id,
+            weight: 1,
+            max_priority: Priority::Interactive,
+            cache_namespace: None,
+        }
+    }
 }
 
 /// A request ready for the engine: I1 checked against the model's limits.
@@ -153,6 +184,38 @@ fn opt_uint(o: &Map<String, Value>, k: &str, min: u64) -> Result<Option<u64>, Ap
             }
         }
         other => Err(bad(type_name(other).into())),
+    }
+}
+
+/// A priority class name (`interactive`, `batch`) given in `field`.
+pub fn priority_name(field: &str, v: &str) -> Result<Priority, ApiError> {
+    Priority::parse(v).ok_or_else(|| {
+        ApiError::field(
+            field,
+            format!("`{field}` must be `interactive` or `batch`. Given: {v}"),
+        )
+    })
+}
+
+/// The class asked for in the body: `priority` (both API shapes), or OpenAI's
+/// `service_tier` (`flex` is batch; `auto`, `default`, `priority` and `scale` ask
+/// for nothing beyond the tenant's class).
+fn requested_priority(o: &Map<String, Value>, openai: bool) -> Result<Option<Priority>, ApiError> {
+    if let Some(p) = opt_string(o, "priority")? {
+        return priority_name("priority", p).map(Some);
+    }
+    if !openai {
+        return Ok(None);
+    }
+    match opt_string(o, "service_tier")? {
+        None | Some("auto" | "default" | "priority" | "scale") => Ok(None),
+        Some("flex") => Ok(Some(Priority::Batch)),
+        Some(v) => Err(ApiError::field(
+            "service_tier",
+            format!(
+                "`service_tier` must be one of auto, default, flex, priority, scale. Given: {v}"
+            ),
+        )),
     }
 }
 
@@ -343,6 +406,7 @@ pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, 
         stop: vec![],
         stream: opt_bool(o, "stream")?.unwrap_or(false),
         include_usage: true,
+        priority: requested_priority(o, false)?,
     })
 }
 
@@ -377,6 +441,7 @@ fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, 
         stop: stop(o)?,
         stream,
         include_usage,
+        priority: requested_priority(o, true)?,
     })
 }
 
@@ -413,13 +478,15 @@ pub fn rejection(r: &Rejection) -> ApiError {
 }
 
 /// Resolves the model, renders and tokenizes the input, and runs the I1 checks
-/// against `limits` (pure: nothing is allocated, nothing reaches the engine).
+/// against `limits` (pure: nothing is allocated, nothing reaches the engine). The
+/// request runs in the class it asked for, or the tenant's ceiling if it asked for
+/// none or for a higher one; weight and cache namespace come from `tenant` alone.
 pub fn validate(
     p: ParsedRequest,
     catalog: &Catalog,
     model: &LoadedModel,
     limits: AdmissionLimits,
-    tenant: u64,
+    tenant: &TenantContext,
 ) -> Result<Validated, ApiError> {
     let entry = catalog.get(&p.model).cloned().ok_or_else(|| {
         let mut e = ApiError::new(ErrorKind::NoSuchModel, format!("No such model {}", p.model));
@@ -455,8 +522,15 @@ pub fn validate(
             context: limits.context,
         }));
     }
+    let priority = p
+        .priority
+        .unwrap_or(tenant.max_priority)
+        .max(tenant.max_priority);
     let request = GenerateRequest {
-        tenant,
+        tenant: tenant.engine_id,
+        priority,
+        weight: tenant.weight.max(1),
+        cache_namespace: tenant.cache_namespace,
         prompt,
         max_tokens: p.max_tokens,
         sampling: p.sampling,
@@ -590,6 +664,42 @@ mod tests {
             }
         );
         assert_eq!(c.max_tokens, 3);
+    }
+
+    #[test]
+    fn a_request_asks_for_a_class_but_never_above_its_tenant_ceiling() {
+        let o = obj(json!({"prompt": "x", "priority": "batch"}));
+        assert_eq!(workers_ai("m", &o).unwrap().priority, Some(Priority::Batch));
+        let chat = |extra: Value| {
+            let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            openai_chat(&obj(v))
+        };
+        assert_eq!(
+            chat(json!({"service_tier": "flex"})).unwrap().priority,
+            Some(Priority::Batch)
+        );
+        assert_eq!(
+            chat(json!({"service_tier": "auto"})).unwrap().priority,
+            None
+        );
+        assert_eq!(
+            chat(json!({"priority": "interactive", "service_tier": "flex"}))
+                .unwrap()
+                .priority,
+            Some(Priority::Interactive),
+            "`priority` wins over `service_tier`"
+        );
+        for bad in [
+            json!({"priority": "urgent"}),
+            json!({"service_tier": "gold"}),
+            json!({"priority": 1}),
+        ] {
+            let e = chat(bad.clone()).unwrap_err();
+            assert!(e.param.is_some(), "{bad}: {e:?}");
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Workers AI shapes: the `{"result":..,"success":..}` envelope, SSE frames and
 //! `models/search`.
 
+use crate::driver::TokenCounts;
 use serde_json::{json, Value};
 
 /// Successful envelope around `result`.
@@ -8,13 +9,20 @@ pub(crate) fn envelope(result: Value) -> Value {
     json!({"result": result, "success": true, "errors": [], "messages": []})
 }
 
-pub(crate) fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// The usage object of both API shapes: counts, and the prompt tokens served from
+/// the prefix cache in `prompt_tokens_details.cached_tokens`.
+pub(crate) fn usage(t: TokenCounts) -> Value {
+    json!({
+        "prompt_tokens": t.prompt,
+        "completion_tokens": t.completion,
+        "total_tokens": t.prompt + t.completion,
+        "prompt_tokens_details": {"cached_tokens": t.cached},
+    })
 }
 
 /// Non-streaming `ai/run` result.
-pub(crate) fn complete(text: &str, prompt: usize, completion: usize) -> Value {
-    envelope(json!({"response": text, "usage": usage(prompt, completion)}))
+pub(crate) fn complete(text: &str, t: TokenCounts) -> Value {
+    envelope(json!({"response": text, "usage": usage(t)}))
 }
 
 /// One SSE frame of text.
@@ -23,8 +31,8 @@ pub(crate) fn text_frame(text: &str) -> String {
 }
 
 /// The final frames: usage, then `[DONE]`.
-pub(crate) fn done_frames(prompt: usize, completion: usize) -> String {
-    let mut s = crate::server::sse(&json!({"response": "", "usage": usage(prompt, completion)}));
+pub(crate) fn done_frames(t: TokenCounts) -> String {
+    let mut s = crate::server::sse(&json!({"response": "", "usage": usage(t)}));
     s.push_str("data: [DONE]\n\n");
     s
 }

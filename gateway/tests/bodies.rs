@@ -238,7 +238,15 @@ fn validation_never_panics_and_names_the_field() {
                 1 => validation::openai_chat(&o),
                 _ => validation::openai_completion(&o),
             });
-            let r = r.and_then(|p| validation::validate(p, &catalog, model(), limits, 7));
+            let r = r.and_then(|p| {
+                validation::validate(
+                    p,
+                    &catalog,
+                    model(),
+                    limits,
+                    &validation::TenantContext::plain(7),
+                )
+            });
             if let Err(e) = r {
                 let st = e.kind.status();
                 prop_assert!(

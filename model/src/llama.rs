@@ -151,6 +151,7 @@ pub struct Llama {
     output_norm: Vec<f32>,
     layers: Vec<Layer>,
     rope: Rope,
+    fingerprint: [u8; 32],
 }
 
 /// One token of a forward batch.
@@ -245,9 +246,23 @@ impl Llama {
         } else {
             None
         };
+        let output_norm = read_vec(content, reader, "output_norm.weight")?;
+        let fingerprint = {
+            use sha2::{Digest, Sha256};
+            let mut h = Sha256::new();
+            h.update(format!("{cfg:?}"));
+            for v in output_norm
+                .iter()
+                .chain(layers.iter().flat_map(|l| &l.attn_norm))
+            {
+                h.update(v.to_le_bytes());
+            }
+            h.finalize().into()
+        };
         Ok(Self {
-            output_norm: read_vec(content, reader, "output_norm.weight")?,
+            output_norm,
             rope: Rope::new(cfg.head_dim, cfg.rope_base),
+            fingerprint,
             cfg,
             embed,
             output,
@@ -258,6 +273,13 @@ impl Llama {
     /// Model hyperparameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// A digest identifying these weights: SHA-256 of the hyperparameters and the
+    /// normalization weights of every layer (32 bytes; the prefix cache keys include
+    /// it, so K/V computed by one model is never found for another).
+    pub fn fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
     }
 
     /// Bytes of weights read per decode step (all matrices once).

@@ -18,7 +18,6 @@
 use std::time::Instant;
 use tessera_engine::{EngineConfig, GenerateRequest};
 use tessera_kernels::attention::set_integrity_checks_for_benchmark;
-use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
 use tessera_serving::{EngineHandle, StreamEvent};
 
@@ -62,12 +61,12 @@ fn main() {
                 )
                 .unwrap();
             GenerateRequest {
-                tenant: 1 + i as u64 % 4,
-                prompt: model.tokenizer.encode(&text, true).unwrap(),
-                max_tokens,
-                sampling: SamplingParams::default(),
-                stop: vec![],
                 ignore_eos: true,
+                ..GenerateRequest::new(
+                    1 + i as u64 % 4,
+                    model.tokenizer.encode(&text, true).unwrap(),
+                    max_tokens,
+                )
             }
         })
         .collect();

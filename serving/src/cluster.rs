@@ -9,7 +9,7 @@
 use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::error::ServeError;
-use crate::links::{PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
+use crate::links::{CommitExtra, PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
 use crate::metrics::{NodeHandles, NodeMetrics};
 use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
@@ -153,11 +153,11 @@ impl PrefillLinks for InprocPrefill {
         }))))
     }
 
-    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
+    fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool {
         self.nodes.decode.get(decode).is_some_and(|d| {
             d.send(DecodeCmd::FromPrefill {
                 msg,
-                rng_pos,
+                extra,
                 from: self.from(),
             })
         })
@@ -360,10 +360,17 @@ impl PdCluster {
     /// transfer protocol. Cancel or drop the stream to abort (the abort reaches both
     /// nodes and is acknowledged before any page is freed, I6).
     ///
+    /// `affinity` (a session's routing key) prefers the prefill node that served
+    /// the session before (see the routing policy).
+    ///
     /// Errors: the admission rejection; [`ServeErrorKind::NodeDown`](crate::ServeErrorKind)
     /// when every node of a role is down.
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
-        self.submitter.submit(&*self.nodes, req)
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+        affinity: Option<u64>,
+    ) -> Result<RequestStream, ServeError> {
+        self.submitter.submit(&*self.nodes, req, affinity)
     }
 
     /// What [`Self::submit`] admits against.
@@ -457,7 +464,7 @@ impl PdCluster {
     pub fn deliver_to_decode_from(&self, index: usize, msg: Msg, from: &str) {
         self.nodes.decode[index].send(DecodeCmd::FromPrefill {
             msg,
-            rng_pos: 0,
+            extra: CommitExtra::default(),
             from: WriterLink {
                 name: from.to_string(),
                 link: None,

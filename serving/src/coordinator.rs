@@ -97,18 +97,20 @@ impl Submitter {
 
     /// Admits `req` (I1, against the decode pools for prompt + `max_tokens` and the
     /// prefill pools for the prompt), picks a (prefill, decode) pair among the nodes
-    /// `links` reports up, and starts the transfer protocol.
+    /// `links` reports up (`affinity`: a session's routing key), and starts the
+    /// transfer protocol.
     ///
     /// Errors: the admission rejection; `NodeDown` when no node of a role is up.
     pub(crate) fn submit(
         &self,
         links: &dyn CoordLinks,
         req: GenerateRequest,
+        affinity: Option<u64>,
     ) -> Result<RequestStream, ServeError> {
         let body = self.admission.admit(req)?.into_request();
         let (prefill, decode) = links
             .router()
-            .assign(|role, i| !links.is_down(role, i))
+            .assign(|role, i| !links.is_down(role, i), affinity)
             .ok_or_else(|| {
                 ServeError::from(Rejection::Unavailable(
                     "no prefill or decode node is reachable; retry later".into(),

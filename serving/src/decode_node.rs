@@ -9,7 +9,7 @@
 //! as soon as the protocol's record is terminal.
 
 use crate::error::refusal;
-use crate::links::{settle, ExpiryClock, PdCounters, ReplyTo, WriterLink};
+use crate::links::{settle, CommitExtra, ExpiryClock, PdCounters, ReplyTo, WriterLink};
 use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
 use std::collections::{HashMap, HashSet};
@@ -52,10 +52,11 @@ pub(crate) enum DecodeCmd {
         body: Option<RequestBody>,
     },
     /// From a prefill node: `Commit` (with the sampler position after the first
-    /// token), `Renew`, `WriterQuiet`.
+    /// token and the prompt tokens the prefill node took from its cache), `Renew`,
+    /// `WriterQuiet`.
     FromPrefill {
         msg: Msg,
-        rng_pos: u128,
+        extra: CommitExtra,
         from: WriterLink,
     },
     /// A page write (in-process or TCP transport).
@@ -101,7 +102,7 @@ fn seq_of(req: ReqId) -> SeqId {
 struct EngineEnv<'a> {
     engine: &'a mut Engine,
     records: &'a mut HashMap<ReqId, DecodeRecord>,
-    rng_pos: u128,
+    commit: CommitExtra,
     gone_writers: &'a HashSet<String>,
 }
 
@@ -205,7 +206,8 @@ impl DecodeEnv for EngineEnv<'_> {
                 req: admitted,
                 first_token,
                 seed_fallback: req.0,
-                rng_word_pos: self.rng_pos,
+                rng_word_pos: self.commit.rng_pos,
+                cached_tokens: self.commit.cached_tokens,
                 sink: body.sink,
                 submitted: body.submitted,
             },
@@ -262,7 +264,7 @@ impl DecodeLoop {
         engine: &mut Engine,
         req: ReqId,
         reply: Option<&ReplyTo>,
-        rng_pos: u128,
+        commit: CommitExtra,
         f: impl FnOnce(&mut DecodeNode, &mut EngineEnv<'_>, &mut Vec<Output>) -> R,
     ) -> R {
         let mut out = Vec::new();
@@ -270,7 +272,7 @@ impl DecodeLoop {
             let mut env = EngineEnv {
                 engine: &mut *engine,
                 records: &mut self.records,
-                rng_pos,
+                commit,
                 gone_writers: &self.gone_writers,
             };
             f(&mut self.proto, &mut env, &mut out)
@@ -320,7 +322,7 @@ impl DecodeLoop {
             let mut env = EngineEnv {
                 engine,
                 records: &mut self.records,
-                rng_pos: 0,
+                commit: CommitExtra::default(),
                 gone_writers: &self.gone_writers,
             };
             self.proto.on_capacity(&mut env, &mut out);
@@ -363,7 +365,7 @@ impl DecodeLoop {
         for req in expired {
             self.counters.leases_expired.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(?req, "decode reservation lease ran out before its commit");
-            self.with_proto(engine, req, None, 0, |p, env, out| {
+            self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                 p.on_lease_expired(req, env, out)
             });
         }
@@ -388,7 +390,7 @@ impl DecodeLoop {
         ) {
             engine.release_seq(seq_of(req));
             let reason = FailReason::new(FailKind::Integrity, what.to_string());
-            self.with_proto(engine, req, None, 0, |p, env, out| {
+            self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                 p.on_decode_finished(req, DecodeOutcome::Failed { reason }, env, out)
             });
         }
@@ -444,11 +446,15 @@ impl NodeLoop for DecodeLoop {
                     }
                     None => {} // a tombstone answers from the protocol's record
                 }
-                self.with_proto(engine, req, Some(&reply), 0, |p, env, out| {
-                    p.on_msg(msg, env, out)
-                });
+                self.with_proto(
+                    engine,
+                    req,
+                    Some(&reply),
+                    CommitExtra::default(),
+                    |p, env, out| p.on_msg(msg, env, out),
+                );
             }
-            DecodeCmd::FromPrefill { msg, rng_pos, from } => {
+            DecodeCmd::FromPrefill { msg, extra, from } => {
                 let req = msg.req();
                 if !self.is_writer(req, &from) {
                     self.violation(
@@ -466,7 +472,7 @@ impl NodeLoop for DecodeLoop {
                         pages,
                         first_token,
                     } => {
-                        let verdict = self.with_proto(engine, req, None, rng_pos, |p, env, out| {
+                        let verdict = self.with_proto(engine, req, None, extra, |p, env, out| {
                             p.on_commit(req, tokens, &pages, first_token, env, out)
                         });
                         if let Err(e) = verdict {
@@ -483,9 +489,13 @@ impl NodeLoop for DecodeLoop {
                         }
                     }
                     Msg::WriterQuiet { req } => {
-                        self.with_proto(engine, req, None, 0, |p, env, out| {
-                            p.on_writer_quiet(req, env, out)
-                        });
+                        self.with_proto(
+                            engine,
+                            req,
+                            None,
+                            CommitExtra::default(),
+                            |p, env, out| p.on_writer_quiet(req, env, out),
+                        );
                     }
                     other => {
                         let what = format!("a prefill node sent {other:?}");
@@ -538,9 +548,13 @@ impl NodeLoop for DecodeLoop {
                         .collect();
                     self.gone_writers.insert(name);
                     for req in reqs {
-                        self.with_proto(engine, req, None, 0, |p, env, out| {
-                            p.on_writer_quiet(req, env, out)
-                        });
+                        self.with_proto(
+                            engine,
+                            req,
+                            None,
+                            CommitExtra::default(),
+                            |p, env, out| p.on_writer_quiet(req, env, out),
+                        );
                     }
                 } else {
                     self.gone_writers.remove(&name);
@@ -548,7 +562,7 @@ impl NodeLoop for DecodeLoop {
             }
             DecodeCmd::AfterEarlier(f) => f(),
             DecodeCmd::CoordinatorLost(req) => {
-                self.with_proto(engine, req, None, 0, |p, env, out| {
+                self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                     p.on_coordinator_lost(req, env, out)
                 });
             }
@@ -580,12 +594,13 @@ impl NodeLoop for DecodeLoop {
                         match e {
                             EngineError::Integrity(_) => FailKind::Integrity,
                             EngineError::Shutdown => FailKind::Internal,
+                            EngineError::BatchQueueTimeout { .. } => FailKind::Busy,
                         },
                         e.to_string(),
                     ),
                 },
             };
-            self.with_proto(engine, req, None, 0, |p, env, out| {
+            self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                 p.on_decode_finished(req, outcome, env, out)
             });
         }

@@ -100,6 +100,7 @@ impl ServeError {
         let kind = match r.kind {
             FailKind::Integrity => ServeErrorKind::Integrity,
             FailKind::Transport => ServeErrorKind::NodeDown,
+            FailKind::Busy => ServeErrorKind::Busy,
             // The client is gone: nobody reads this, but it must not read as success.
             FailKind::ClientGone | FailKind::Internal => ServeErrorKind::Internal,
         };
@@ -166,6 +167,7 @@ impl From<EngineError> for ServeError {
         let kind = match e {
             EngineError::Integrity(_) => ServeErrorKind::Integrity,
             EngineError::Shutdown => ServeErrorKind::Shutdown,
+            EngineError::BatchQueueTimeout { .. } => ServeErrorKind::Busy,
         };
         Self::new(kind, e.to_string())
     }

@@ -130,10 +130,22 @@ impl EngineHandle {
     /// Errors: the admission rejection (nothing was allocated anywhere), or a node
     /// outage ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind)).
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
+        self.submit_with_affinity(req, None)
+    }
+
+    /// [`Self::submit`] for a request of a session: `affinity` (a routing key
+    /// derived from the session, e.g. Workers AI's `x-session-affinity` header)
+    /// sends the session's requests to the same prefill node, where its prompt
+    /// prefix is cached. No effect on a co-located engine.
+    pub fn submit_with_affinity(
+        &self,
+        req: GenerateRequest,
+        affinity: Option<u64>,
+    ) -> Result<RequestStream, ServeError> {
         let (tx, limits) = match &self.inner {
             Inner::Colocated { tx, limits, .. } => (tx, limits),
-            Inner::Disaggregated(c) => return c.submit(req),
-            Inner::Remote(c) => return c.submit(req),
+            Inner::Disaggregated(c) => return c.submit(req, affinity),
+            Inner::Remote(c) => return c.submit(req, affinity),
         };
         let req = limits.admit(req)?;
         let (client, stream) = request_channel();

@@ -34,4 +34,6 @@ pub use node_loop::EngineStats;
 pub use stream::{RequestStream, StreamEvent};
 /// Admission (I1) as the gateway runs it before submitting (the engine's types).
 pub use tessera_engine::admission;
-pub use tessera_engine::{EngineConfig, FinishReason, GenerateRequest, Usage};
+pub use tessera_engine::{
+    EngineConfig, FairnessConfig, FinishReason, GenerateRequest, Policy, Priority, Usage,
+};

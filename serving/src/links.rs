@@ -19,6 +19,15 @@ pub(crate) trait Reply: Send + Sync {
 /// A request's reply link.
 pub(crate) type ReplyTo = Arc<dyn Reply>;
 
+/// What travels from a prefill node to a decode node beside a `Commit` (the protocol
+/// leaves it out): the sampler position after the first token, and how many prompt
+/// tokens the prefill node took from its prefix cache (for the request's usage).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CommitExtra {
+    pub(crate) rng_pos: u128,
+    pub(crate) cached_tokens: usize,
+}
+
 /// A link a node can cut when its peer breaks the protocol.
 pub(crate) trait Link: Send + Sync {
     /// Closes the link (both directions).

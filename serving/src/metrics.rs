@@ -121,7 +121,7 @@ impl NodeMetrics {
         let r = &mut m.registry;
         r.register(
             "tessera_kv_pages",
-            "KV pages by state (free, reserved: held for a transfer or an export, in_use: held by running sequences).",
+            "KV pages by state (free, reserved: held for a transfer or an export, in_use: held by running sequences, cached: held by the prefix cache, evictable unless reused).",
             m.kv_pages.clone(),
         );
         r.register(
@@ -195,7 +195,12 @@ impl NodeMetrics {
             Vec::new()
         };
         NodeHandles {
-            pages: [page("free"), page("reserved"), page("in_use")],
+            pages: [
+                page("free"),
+                page("reserved"),
+                page("in_use"),
+                page("cached"),
+            ],
             queue: self.queue_depth.get_or_create_owned(&labels),
             engine: EngineMetrics {
                 attention_tag_mismatches: reader("attention"),
@@ -228,8 +233,8 @@ impl NodeMetrics {
 /// One node's resolved metric handles (cheap to clone: each is an `Arc`).
 #[derive(Clone, Debug)]
 pub(crate) struct NodeHandles {
-    /// free, reserved, in_use.
-    pages: [Gauge; 3],
+    /// free, reserved, in_use, cached.
+    pages: [Gauge; 4],
     queue: Gauge,
     engine: EngineMetrics,
     sink_tag_mismatches: Option<Counter>,
@@ -250,7 +255,11 @@ impl NodeHandles {
     /// node queues outside the engine).
     pub(crate) fn publish(&self, e: &Engine, waiting_extra: usize) {
         let s = e.page_states();
-        for (g, v) in self.pages.iter().zip([s.free, s.reserved, s.in_use]) {
+        for (g, v) in self
+            .pages
+            .iter()
+            .zip([s.free, s.reserved, s.in_use, s.cached])
+        {
             g.set(v as i64);
         }
         self.queue.set((e.waiting_len() + waiting_extra) as i64);

@@ -33,6 +33,9 @@ pub(crate) const WRITE_QUEUE: usize = 4096;
 
 /// One frame's header. Externally tagged: serde's internally tagged enums buffer
 /// their content, which cannot hold the `u128` sampler position.
+// A frame lives only between a socket read and its dispatch; boxing the control
+// variant would cost an allocation per message for no memory saved.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Frame {
@@ -60,7 +63,8 @@ pub(crate) enum Frame {
 
 /// A protocol message on the wire, with what the protocol leaves out: the request body
 /// (`Prealloc`, `Prefill`), the decode node chosen (`Prefill`), the prefill node
-/// assigned to write (`Prealloc`), the sampler position (`Commit`).
+/// assigned to write (`Prealloc`), the sampler position and the prompt tokens taken
+/// from the prefill node's cache (`Commit`).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Control {
     pub(crate) msg: Msg,
@@ -70,6 +74,9 @@ pub(crate) struct Control {
     pub(crate) decode: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) rng_pos: Option<u128>,
+    /// Prompt tokens the prefill node took from its prefix cache (`Commit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cached_tokens: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) prefill: Option<String>,
     /// The request's W3C `traceparent` (with `Prealloc` and `Prefill`, when the
@@ -86,6 +93,7 @@ impl Control {
             body: None,
             decode: None,
             rng_pos: None,
+            cached_tokens: None,
             prefill: None,
             trace: None,
         }
@@ -111,6 +119,8 @@ pub(crate) enum WireEvent {
         stop: bool,
         prompt_tokens: usize,
         completion_tokens: usize,
+        #[serde(default)]
+        cached_tokens: usize,
         ttft_us: u64,
         tpot_us: u64,
     },
@@ -129,6 +139,7 @@ impl WireEvent {
                 stop: reason == FinishReason::Stop,
                 prompt_tokens: usage.prompt_tokens,
                 completion_tokens: usage.completion_tokens,
+                cached_tokens: usage.cached_tokens,
                 ttft_us: usage.ttft.as_micros() as u64,
                 tpot_us: usage.tpot.as_micros() as u64,
             },
@@ -147,6 +158,7 @@ impl WireEvent {
                 stop,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
                 ttft_us,
                 tpot_us,
             } => StreamEvent::Done {
@@ -158,6 +170,7 @@ impl WireEvent {
                 usage: Usage {
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                     ttft: Duration::from_micros(ttft_us),
                     tpot: Duration::from_micros(tpot_us),
                 },

@@ -12,6 +12,9 @@ use tessera_engine::Engine;
 pub struct EngineStats {
     /// Free KV pages.
     pub free_pages: usize,
+    /// KV pages the prefix cache holds (never free; unused ones are evicted when a
+    /// reservation needs them).
+    pub cached_pages: usize,
     /// Total KV pages.
     pub capacity_pages: usize,
     /// Requests in the running batch.
@@ -25,6 +28,7 @@ impl EngineStats {
     pub fn sum(self, o: Self) -> Self {
         Self {
             free_pages: self.free_pages + o.free_pages,
+            cached_pages: self.cached_pages + o.cached_pages,
             capacity_pages: self.capacity_pages + o.capacity_pages,
             running: self.running + o.running,
             waiting: self.waiting + o.waiting,
@@ -37,6 +41,7 @@ impl EngineStats {
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
     free_pages: AtomicUsize,
+    cached_pages: AtomicUsize,
     capacity_pages: AtomicUsize,
     running: AtomicUsize,
     waiting: AtomicUsize,
@@ -55,6 +60,7 @@ impl Shared {
     pub(crate) fn snapshot(&self) -> EngineStats {
         EngineStats {
             free_pages: self.free_pages.load(Ordering::Acquire),
+            cached_pages: self.cached_pages.load(Ordering::Acquire),
             capacity_pages: self.capacity_pages.load(Ordering::Acquire),
             running: self.running.load(Ordering::Acquire),
             waiting: self.waiting.load(Ordering::Acquire),
@@ -66,6 +72,8 @@ impl Shared {
     pub(crate) fn publish(&self, e: &Engine, waiting_extra: usize) {
         self.free_pages
             .store(e.kv().pool().free_pages(), Ordering::Release);
+        self.cached_pages
+            .store(e.kv().cached_pages(), Ordering::Release);
         self.capacity_pages
             .store(e.kv().pool().capacity(), Ordering::Release);
         self.running.store(e.running_len(), Ordering::Release);

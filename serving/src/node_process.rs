@@ -7,7 +7,7 @@
 //! queue, so no socket write ever blocks the engine.
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
-use crate::links::{PdCounters, ReplyTo, TransferFault, WriterLink};
+use crate::links::{CommitExtra, PdCounters, ReplyTo, TransferFault, WriterLink};
 use crate::metrics::{serve_metrics, NodeMetrics};
 use crate::net::{connect, read_frame, Conn, Control, Frame, WireEvent};
 use crate::node_loop::{run_node, Shared};
@@ -309,14 +309,25 @@ fn serve_connection(
                 })
                 .is_ok()
             }
-            (Frame::Control(Control { msg, rng_pos, .. }), NodeCmds::Decode(tx), Role::Prefill) => {
-                tx.send(DecodeCmd::FromPrefill {
+            (
+                Frame::Control(Control {
                     msg,
-                    rng_pos: rng_pos.unwrap_or(0),
+                    rng_pos,
+                    cached_tokens,
+                    ..
+                }),
+                NodeCmds::Decode(tx),
+                Role::Prefill,
+            ) => tx
+                .send(DecodeCmd::FromPrefill {
+                    msg,
+                    extra: CommitExtra {
+                        rng_pos: rng_pos.unwrap_or(0),
+                        cached_tokens: cached_tokens.unwrap_or(0),
+                    },
                     from: writer.clone(),
                 })
-                .is_ok()
-            }
+                .is_ok(),
             (
                 Frame::Control(Control {
                     msg,
@@ -514,11 +525,12 @@ impl PrefillLinks for PeerLinks {
         }))
     }
 
-    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
+    fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool {
         self.peer(decode).is_ok_and(|p| {
             p.conn.send(
                 &Frame::Control(Control {
-                    rng_pos: Some(rng_pos),
+                    rng_pos: Some(extra.rng_pos),
+                    cached_tokens: Some(extra.cached_tokens),
                     ..Control::new(msg)
                 }),
                 &[],

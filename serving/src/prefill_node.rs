@@ -11,7 +11,7 @@
 //! engine keeps serving everyone else.
 
 use crate::error::refusal;
-use crate::links::{ExpiryClock, ReplyTo, TransferFault};
+use crate::links::{CommitExtra, ExpiryClock, ReplyTo, TransferFault};
 use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
 use std::collections::HashMap;
@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use tessera_engine::admission::prompt_fits;
 use tessera_engine::kv_transfer::{ExportError, ExportedPage};
-use tessera_engine::{Engine, FirstToken, GenerateRequest};
+use tessera_engine::{Engine, EngineError, FirstToken, GenerateRequest};
 use tessera_model::kv::SeqId;
 use tessera_transfer::protocol::{
     FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId,
@@ -38,9 +38,9 @@ pub(crate) trait PrefillLinks: Send + Sync {
         fault: Option<TransferFault>,
         dest: &[DestPage],
     ) -> Result<Box<dyn KvTransport>, TransportError>;
-    /// Sends a control message (a `Commit`, with the sampler position) to decode node
-    /// `decode`. Returns `false` when it is unreachable.
-    fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool;
+    /// Sends a control message (a `Commit`, with the sampler position and the cached
+    /// prompt tokens) to decode node `decode`. Returns `false` when it is unreachable.
+    fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool;
     /// The fault the next transfer suffers (fault-injection tests only).
     fn take_fault(&self) -> Option<TransferFault> {
         None
@@ -48,6 +48,9 @@ pub(crate) trait PrefillLinks: Send + Sync {
 }
 
 /// A prefill node's commands.
+// Commands are moved through a channel one at a time; the request body (with its
+// scheduling and cache fields) is the large variant and the common one.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum PrefillCmd {
     /// From a coordinator: `Prefill` (with the body and the decode node chosen), `Abort`.
     FromCoordinator {
@@ -73,6 +76,8 @@ struct PrefillRecord {
     dest: Vec<DestPage>,
     /// The sampler position after the first token (travels with the commit).
     first: Option<FirstToken>,
+    /// Prompt tokens taken from this node's prefix cache (travels with the commit).
+    cached_tokens: usize,
     /// The copied-out pages, from `on_computed` until the drain takes them.
     export: Option<Vec<ExportedPage>>,
     /// Set on abort: the worker skips the puts it has not issued yet.
@@ -99,7 +104,7 @@ enum Job {
         done: mpsc::Sender<PrefillCmd>,
     },
     /// Send a control message (after the puts queued before it).
-    Send { msg: Msg, rng_pos: u128 },
+    Send { msg: Msg, extra: CommitExtra },
 }
 
 /// How often a prefill node renews the decode reservations of the requests it works
@@ -138,8 +143,8 @@ impl TransferWorker {
                             let result = result.map(|_| ());
                             let _ = done.send(PrefillCmd::Drained(req, result));
                         }
-                        Job::Send { msg, rng_pos } => {
-                            if !links.to_decode(decode, msg, rng_pos) {
+                        Job::Send { msg, extra } => {
+                            if !links.to_decode(decode, msg, extra) {
                                 tracing::warn!(decode, "decode node unreachable for a commit");
                             }
                         }
@@ -175,6 +180,16 @@ fn transfer(
     }
     t.flush()?;
     Ok(bytes)
+}
+
+/// Why a computed prefill cannot be committed: the engine's compute failed (or the
+/// request expired in its queue), or the export's tag check did.
+#[derive(Debug, thiserror::Error)]
+enum Computed {
+    #[error(transparent)]
+    Engine(EngineError),
+    #[error(transparent)]
+    Export(ExportError),
 }
 
 /// The prefill node's [`PrefillEnv`] over its engine and transfer workers.
@@ -381,7 +396,10 @@ impl PrefillLoop {
                         continue;
                     };
                     let decode = r.decode;
-                    let rng_pos = r.first.map_or(0, |f| f.rng_word_pos);
+                    let extra = CommitExtra {
+                        rng_pos: r.first.map_or(0, |f| f.rng_word_pos),
+                        cached_tokens: r.cached_tokens,
+                    };
                     let duplicate = r.fault == Some(TransferFault::DuplicateCommit)
                         && matches!(msg, Msg::Commit { .. });
                     let mut msg = msg;
@@ -396,7 +414,7 @@ impl PrefillLoop {
                     for _ in 0..copies {
                         let job = Job::Send {
                             msg: msg.clone(),
-                            rng_pos,
+                            extra,
                         };
                         if !self.io.submit(decode, job) {
                             tracing::warn!(req = ?msg.req(), "commit not queued");
@@ -453,7 +471,7 @@ impl PrefillLoop {
         for (req, decode) in working {
             let job = Job::Send {
                 msg: Msg::Renew { req },
-                rng_pos: 0,
+                extra: CommitExtra::default(),
             };
             let _ = self.io.submit(decode, job);
         }
@@ -468,13 +486,14 @@ impl PrefillLoop {
                 engine.release_prefill(done.seq);
                 continue;
             };
-            let exported = done
-                .result
-                .map_err(ExportError::Integrity)
-                .and_then(|first| {
-                    r.first = Some(first);
-                    engine.export_pages(done.seq, &r.dest).map(|p| (first, p))
-                });
+            r.cached_tokens = done.cached_tokens;
+            let exported = done.result.map_err(Computed::Engine).and_then(|first| {
+                r.first = Some(first);
+                engine
+                    .export_pages(done.seq, &r.dest)
+                    .map(|p| (first, p))
+                    .map_err(Computed::Export)
+            });
             match exported {
                 Ok((first, pages)) => {
                     let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
@@ -485,8 +504,10 @@ impl PrefillLoop {
                     });
                 }
                 Err(e) => {
-                    let kind = match e {
-                        ExportError::Integrity(_) => FailKind::Integrity,
+                    let kind = match &e {
+                        Computed::Engine(EngineError::Integrity(_))
+                        | Computed::Export(ExportError::Integrity(_)) => FailKind::Integrity,
+                        Computed::Engine(EngineError::BatchQueueTimeout { .. }) => FailKind::Busy,
                         _ => FailKind::Internal,
                     };
                     let reason = FailReason::new(kind, e.to_string());
@@ -531,6 +552,7 @@ impl NodeLoop for PrefillLoop {
                                 decode,
                                 dest: Vec::new(),
                                 first: None,
+                                cached_tokens: 0,
                                 export: None,
                                 cancel: Arc::new(AtomicBool::new(false)),
                                 fault: None,

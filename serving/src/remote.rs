@@ -254,8 +254,12 @@ impl RemoteCluster {
     ///
     /// Errors: the admission rejection; [`ServeErrorKind::NodeDown`](crate::ServeErrorKind)
     /// (retryable, 503) when no node of a role is reachable.
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
-        self.submitter.submit(&*self.links, req)
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+        affinity: Option<u64>,
+    ) -> Result<RequestStream, ServeError> {
+        self.submitter.submit(&*self.links, req, affinity)
     }
 
     /// What [`Self::submit`] admits against (from the deployment file's pools).

@@ -485,6 +485,58 @@ fn a_cancelled_request_is_released_only_after_both_nodes_acknowledged() {
     assert_pools_full(&h);
 }
 
+#[test]
+fn the_prefill_node_caches_prompt_pages_and_a_session_returns_to_its_node() {
+    // Two prefill nodes, one decode node. Each session (x-session-affinity key)
+    // sends the same prompt twice: the second request reuses the prompt pages the
+    // first left in its prefill node's cache, which needs the routing to send it to
+    // that node again (an idle cluster would otherwise always pick node 0).
+    let m = load();
+    let h = EngineHandle::spawn_disaggregated(&m, &[cfg(4096), cfg(4096)], &[cfg(8192)]);
+    let c = h.cluster().unwrap();
+    let text = "Please remember these facts. ".repeat(30) + "Which fact came first?";
+    let mut req = greedy(chat_prompt(&m, &text), 4);
+    req.cache_namespace = Some([7; 32]);
+    let n = req.prompt.len();
+    let alone = solo(&m, greedy(req.prompt.clone(), 4));
+    for key in 0..6u64 {
+        let mut first = h.submit_with_affinity(req.clone(), Some(key)).unwrap();
+        let first = collect(&mut first);
+        let mut again = h.submit_with_affinity(req.clone(), Some(key)).unwrap();
+        let again = collect(&mut again);
+        for o in [&first, &again] {
+            assert_eq!(
+                (&o.ids, &o.text),
+                (&alone.ids, &alone.text),
+                "session {key}"
+            );
+        }
+        let Some(StreamEvent::Done { usage, .. }) = &again.last else {
+            panic!("session {key}: {:?}", again.last)
+        };
+        assert_eq!(usage.cached_tokens, (n - 1) / 16 * 16, "session {key}");
+        assert_eq!(usage.prompt_tokens, n);
+    }
+    // Sessions live on both prefill nodes; decode nodes keep no cache; at rest every
+    // page is free or cached, nothing is running.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let p: Vec<_> = (0..2).map(|i| c.node_stats(Role::Prefill, i)).collect();
+        let d = c.node_stats(Role::Decode, 0);
+        let at_rest = p.iter().all(|s| {
+            s.free_pages + s.cached_pages == s.capacity_pages && s.running + s.waiting == 0
+        }) && d.free_pages == d.capacity_pages
+            && d.running + d.waiting == 0;
+        if at_rest {
+            assert!(p.iter().all(|s| s.cached_pages > 0), "{p:?}");
+            assert_eq!(d.cached_pages, 0);
+            break;
+        }
+        assert!(Instant::now() < deadline, "not at rest: {p:?} {d:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// A commit whose first token is outside the vocabulary (a broken or hostile prefill
 /// node) fails that request with an integrity error; the decode node does not panic,
 /// frees the pages and keeps serving.

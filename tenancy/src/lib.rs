@@ -20,7 +20,8 @@ pub use keys::{ApiKey, KeyError, Scope, Scopes};
 pub use limits::{Admission, DailyState, LimitError, LimitKind, Limiter, Reservation};
 pub use store::{
     AuditCtx, AuditRecord, Audited, AuthError, GroupBy, KeyInfo, Limits, LimitsPatch, NewKey,
-    Principal, Store, StoreError, Tenant, TenantStatus, UsageGroup, UsageRecord,
+    Principal, PriorityCeiling, Scheduling, Store, StoreError, Tenant, TenantStatus, UsageGroup,
+    UsageRecord,
 };
 
 /// Milliseconds since the Unix epoch, now.

@@ -18,6 +18,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "scopes_audit_retention",
         include_str!("../migrations/0002_scopes_audit_retention.sql"),
     ),
+    (
+        3,
+        "scheduling_cache",
+        include_str!("../migrations/0003_scheduling_cache.sql"),
+    ),
 ];
 
 /// Store failures.
@@ -35,6 +40,9 @@ pub enum StoreError {
     /// A value in the database is not what this code wrote.
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// A value given to a store operation is out of range (names the field).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// Why authentication failed. All map to 401 except [`AuthError::Suspended`] (403).
@@ -178,6 +186,68 @@ impl LimitsPatch {
     }
 }
 
+/// The highest priority class a tenant's requests may run in (set by the admin; a
+/// request may ask for a lower class, never a higher one).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum PriorityCeiling {
+    /// Interactive (the highest class) and batch.
+    #[default]
+    Interactive,
+    /// Batch only.
+    Batch,
+}
+
+impl PriorityCeiling {
+    /// Database spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Interactive => "interactive",
+            Self::Batch => "batch",
+        }
+    }
+}
+
+impl FromStr for PriorityCeiling {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "interactive" => Ok(Self::Interactive),
+            "batch" => Ok(Self::Batch),
+            o => Err(format!(
+                "priority must be `interactive` or `batch`. Given: {o}"
+            )),
+        }
+    }
+}
+
+/// How the engines schedule a tenant's requests (set by the admin).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scheduling {
+    /// Fair-share weight, 1..=[`Scheduling::MAX_WEIGHT`]: service in proportion.
+    pub weight: u32,
+    /// Highest class its requests run in.
+    pub max_priority: PriorityCeiling,
+}
+
+impl Scheduling {
+    /// Largest accepted weight.
+    pub const MAX_WEIGHT: u32 = 1000;
+}
+
+impl Default for Scheduling {
+    /// Weight 1, interactive allowed.
+    fn default() -> Self {
+        Self {
+            weight: 1,
+            max_priority: PriorityCeiling::Interactive,
+        }
+    }
+}
+
 /// A tenant (account).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Tenant {
@@ -191,6 +261,11 @@ pub struct Tenant {
     pub created_ms: i64,
     /// Limits.
     pub limits: Limits,
+    /// Weight and priority ceiling.
+    pub scheduling: Scheduling,
+    /// Salt of the prefix-cache namespace (never shown).
+    #[serde(skip)]
+    pub cache_salt: String,
 }
 
 impl Tenant {
@@ -198,6 +273,21 @@ impl Tenant {
     /// account id.
     pub fn engine_id(&self) -> u64 {
         u64::from_str_radix(self.id.get(..16).unwrap_or("0"), 16).unwrap_or(0)
+    }
+
+    /// The tenant's prefix-cache namespace: SHA-256 of a domain string, the account
+    /// id and the cache salt. Derived here, on the server, from the tenant's record
+    /// only: no request field reaches it, so no client can name another tenant's
+    /// cache, and rotating the salt ([`Store::rotate_cache_salt`]) gives a namespace
+    /// in which nothing is cached.
+    pub fn cache_namespace(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(b"tessera.cache-namespace.v1\0");
+        h.update(self.id.as_bytes());
+        h.update(b"\0");
+        h.update(self.cache_salt.as_bytes());
+        h.finalize().into()
     }
 }
 
@@ -270,7 +360,7 @@ pub struct AuditRecord {
     /// When (Unix ms).
     pub at_ms: i64,
     /// `tenant.create`, `tenant.suspend`, `tenant.activate`, `tenant.limits`,
-    /// `key.create` or `key.revoke`.
+    /// `tenant.scheduling`, `tenant.rotate_cache_salt`, `key.create` or `key.revoke`.
     pub action: String,
     /// The tenant id or key id acted on.
     pub target: String,
@@ -450,8 +540,9 @@ fn get_str(r: &AnyRow, c: &str) -> Result<String, StoreError> {
     Ok(r.try_get::<String, _>(c)?)
 }
 
-const TENANT_COLS: &str = "t.id, t.name, t.status, t.created_ms, l.requests_per_minute, \
-     l.input_tokens_per_minute, l.output_tokens_per_minute, l.max_concurrent, l.daily_tokens";
+const TENANT_COLS: &str = "t.id, t.name, t.status, t.created_ms, t.weight, t.max_priority, \
+     t.cache_salt, l.requests_per_minute, l.input_tokens_per_minute, l.output_tokens_per_minute, \
+     l.max_concurrent, l.daily_tokens";
 
 fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
     Ok(Tenant {
@@ -466,6 +557,13 @@ fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
             max_concurrent: get_i64(r, "max_concurrent")? as u32,
             daily_tokens: get_i64(r, "daily_tokens")? as u64,
         },
+        scheduling: Scheduling {
+            weight: get_i64(r, "weight")?.clamp(1, i64::from(Scheduling::MAX_WEIGHT)) as u32,
+            max_priority: get_str(r, "max_priority")?
+                .parse()
+                .map_err(StoreError::Corrupt)?,
+        },
+        cache_salt: get_str(r, "cache_salt")?,
     })
 }
 
@@ -554,6 +652,17 @@ impl Audited<'_> {
     /// [`Store::set_limits`], audited as `tenant.limits`.
     pub async fn set_limits(&self, id: &str, l: Limits) -> Result<(), StoreError> {
         self.store.set_limits_as(Some(self.by), id, l).await
+    }
+
+    /// [`Store::set_scheduling`], audited as `tenant.scheduling`.
+    pub async fn set_scheduling(&self, id: &str, s: Scheduling) -> Result<(), StoreError> {
+        self.store.set_scheduling_as(Some(self.by), id, s).await
+    }
+
+    /// [`Store::rotate_cache_salt`], audited as `tenant.rotate_cache_salt` (the
+    /// salt itself is not logged).
+    pub async fn rotate_cache_salt(&self, id: &str) -> Result<(), StoreError> {
+        self.store.rotate_cache_salt_as(Some(self.by), id).await
     }
 
     /// [`Store::create_key_with`], audited as `key.create` (the secret is not logged).
@@ -719,15 +828,23 @@ impl Store {
             status: TenantStatus::Active,
             created_ms: now_ms(),
             limits,
+            scheduling: Scheduling::default(),
+            cache_salt: crate::random_hex(16),
         };
         let mut tx = self.write_tx().await?;
-        sqlx::query("INSERT INTO tenants (id, name, status, created_ms) VALUES ($1, $2, $3, $4)")
-            .bind(&t.id)
-            .bind(&t.name)
-            .bind(t.status.as_str())
-            .bind(t.created_ms)
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "INSERT INTO tenants (id, name, status, created_ms, weight, max_priority, cache_salt) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&t.id)
+        .bind(&t.name)
+        .bind(t.status.as_str())
+        .bind(t.created_ms)
+        .bind(i64::from(t.scheduling.weight))
+        .bind(t.scheduling.max_priority.as_str())
+        .bind(&t.cache_salt)
+        .execute(&mut *tx)
+        .await?;
         sqlx::query(
             "INSERT INTO tenant_limits (tenant_id, requests_per_minute, input_tokens_per_minute, \
              output_tokens_per_minute, max_concurrent, daily_tokens) VALUES ($1, $2, $3, $4, $5, $6)",
@@ -826,6 +943,76 @@ impl Store {
             return Err(StoreError::NoTenant(id.into()));
         }
         audit_in(&mut tx, by, "tenant.limits", id, json!({"limits": l})).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Sets a tenant's weight and priority ceiling (not audited; see
+    /// [`Store::audited`]); effective on its next request.
+    ///
+    /// Errors: [`StoreError::NoTenant`]; [`StoreError::Invalid`] for a weight
+    /// outside `1..=`[`Scheduling::MAX_WEIGHT`].
+    pub async fn set_scheduling(&self, id: &str, s: Scheduling) -> Result<(), StoreError> {
+        self.set_scheduling_as(None, id, s).await
+    }
+
+    async fn set_scheduling_as(
+        &self,
+        by: Option<&AuditCtx>,
+        id: &str,
+        s: Scheduling,
+    ) -> Result<(), StoreError> {
+        if !(1..=Scheduling::MAX_WEIGHT).contains(&s.weight) {
+            return Err(StoreError::Invalid(format!(
+                "`weight` must be 1..={}. Given: {}",
+                Scheduling::MAX_WEIGHT,
+                s.weight
+            )));
+        }
+        let mut tx = self.write_tx().await?;
+        let r = sqlx::query("UPDATE tenants SET weight = $1, max_priority = $2 WHERE id = $3")
+            .bind(i64::from(s.weight))
+            .bind(s.max_priority.as_str())
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        if r.rows_affected() == 0 {
+            return Err(StoreError::NoTenant(id.into()));
+        }
+        audit_in(
+            &mut tx,
+            by,
+            "tenant.scheduling",
+            id,
+            json!({"scheduling": s}),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Gives the tenant a fresh random cache salt (not audited; see
+    /// [`Store::audited`]): from its next request on, nothing it cached before is
+    /// found again (the old pages age out of the engines' caches).
+    pub async fn rotate_cache_salt(&self, id: &str) -> Result<(), StoreError> {
+        self.rotate_cache_salt_as(None, id).await
+    }
+
+    async fn rotate_cache_salt_as(
+        &self,
+        by: Option<&AuditCtx>,
+        id: &str,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.write_tx().await?;
+        let r = sqlx::query("UPDATE tenants SET cache_salt = $1 WHERE id = $2")
+            .bind(crate::random_hex(16))
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        if r.rows_affected() == 0 {
+            return Err(StoreError::NoTenant(id.into()));
+        }
+        audit_in(&mut tx, by, "tenant.rotate_cache_salt", id, json!({})).await?;
         tx.commit().await?;
         Ok(())
     }

@@ -21,3 +21,10 @@ async fn postgres_scopes_audit_and_retention() {
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
     common::store_admin_contract(&store).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_scheduling_and_cache_salt() {
+    let (_server, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_scheduling_contract(&store).await;
+}

@@ -23,6 +23,14 @@ async fn sqlite_scopes_audit_and_retention() {
     common::store_admin_contract(&store).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_scheduling_and_cache_salt() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_scheduling_contract(&store).await;
+}
+
 /// Writers on the pool's several connections at once: a transaction that reads
 /// before it writes must wait for the lock, not fail with "database is locked".
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

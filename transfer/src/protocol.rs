@@ -120,6 +120,9 @@ pub enum FailKind {
     Transport,
     /// The client went away before the decode finished.
     ClientGone,
+    /// The node had no capacity in time (a batch request that waited past its
+    /// deadline); retryable.
+    Busy,
     /// Anything else (a bad descriptor, an engine that refused a verified sequence).
     Internal,
 }

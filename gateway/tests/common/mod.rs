@@ -250,11 +250,13 @@ impl TestServer {
         )
     }
 
-    /// Waits until the engine is idle with every page free.
+    /// Waits until the engine is idle with every page free or held by the prefix
+    /// cache (unused cached pages are evictable, never leaked).
     pub async fn wait_idle(&self) {
         for _ in 0..600 {
             let s = self.state.engine.stats();
-            if s.running == 0 && s.waiting == 0 && s.free_pages == s.capacity_pages {
+            if s.running == 0 && s.waiting == 0 && s.free_pages + s.cached_pages == s.capacity_pages
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;

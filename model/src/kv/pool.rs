@@ -1,5 +1,10 @@
 //! The KV page pool: fixed pages allocated once, a free list, per-page tags and
 //! epochs (DESIGN.md §5). Only this module touches the free list.
+//!
+//! A held page is owned either by a sequence (its tag names the sequence) or by the
+//! prefix cache ([`PagePool::move_to_cache`]: its tag names the cache entry, and a
+//! per-page flag says the cache owns it). Cached pages are never on the free list and
+//! never counted as free; sequence frees ([`PagePool::free_owned_by`]) skip them.
 
 use tessera_kernels::{BlockRef, KvLayout, PageTag};
 
@@ -46,6 +51,9 @@ pub struct PagePool {
     epochs: Vec<u32>,
     free: Vec<u32>,
     held: Vec<bool>,
+    /// Held by the prefix cache rather than by a sequence.
+    cached: Vec<bool>,
+    cached_count: usize,
     scrub_on_free: bool,
 }
 
@@ -61,6 +69,8 @@ impl PagePool {
             // Reversed so that page 0 is handed out first.
             free: (0..pages as u32).rev().collect(),
             held: vec![false; pages],
+            cached: vec![false; pages],
+            cached_count: 0,
             scrub_on_free,
         }
     }
@@ -137,18 +147,76 @@ impl PagePool {
             self.data[p * n..(p + 1) * n].fill(0);
         }
         self.held[p] = false;
+        if std::mem::take(&mut self.cached[p]) {
+            self.cached_count -= 1;
+        }
         self.free.push(r.page);
         Ok(())
     }
 
-    /// Frees every page tagged as owned by `(tenant, seq)`, whatever any block
-    /// table says. Returns the number freed. `O(capacity)`.
+    /// Hands held page `r` (tag `r.tag`, owned by a sequence) to the prefix cache:
+    /// bumps its epoch (every reference the sequence held stops validating), tags it
+    /// `(tenant, cache_seq, new epoch, logical_block)` and marks it cached. Returns
+    /// the cache's reference to it. The page's data is unchanged.
+    ///
+    /// Errors: [`PoolError::NotHeld`] when the page is not held with `r.tag` or is
+    /// already cached.
+    pub fn move_to_cache(
+        &mut self,
+        r: BlockRef,
+        tenant: u64,
+        cache_seq: u64,
+        logical_block: u32,
+    ) -> Result<BlockRef, PoolError> {
+        let p = r.page as usize;
+        if !self.holds(r) || self.cached[p] {
+            return Err(PoolError::NotHeld {
+                page: r.page,
+                expected: r.tag,
+                found: self.tags.get(p).copied().unwrap_or_default(),
+            });
+        }
+        self.epochs[p] = self.epochs[p].wrapping_add(1);
+        let tag = PageTag {
+            tenant,
+            seq: cache_seq,
+            epoch: self.epochs[p],
+            logical_block,
+        };
+        self.tags[p] = tag;
+        self.cached[p] = true;
+        self.cached_count += 1;
+        Ok(BlockRef { page: r.page, tag })
+    }
+
+    /// Whether the prefix cache owns `page`.
+    pub fn is_cached(&self, page: u32) -> bool {
+        self.cached.get(page as usize).copied().unwrap_or(false)
+    }
+
+    /// Pages the prefix cache owns (held, not free).
+    pub fn cached_pages(&self) -> usize {
+        self.cached_count
+    }
+
+    /// Overwrites a page's tag in place, for fault-injection tests only (a planted
+    /// tag mismatch).
+    #[doc(hidden)]
+    pub fn set_tag_for_test(&mut self, page: u32, tag: PageTag) {
+        self.tags[page as usize] = tag;
+    }
+
+    /// Frees every page tagged as owned by sequence `(tenant, seq)`, whatever any
+    /// block table says (pages the prefix cache owns are never a sequence's). Returns
+    /// the number freed. `O(capacity)`.
     pub fn free_owned_by(&mut self, tenant: u64, seq: u64) -> usize {
         let owned: Vec<BlockRef> = self
             .tags
             .iter()
             .enumerate()
-            .filter(|(p, t)| self.held[*p] && t.tenant == tenant && t.seq == seq)
+            .filter(|(p, t)| {
+                self.held[*p] && !self.cached[*p] && t.tenant == tenant && t.seq == seq
+            })
             .map(|(p, t)| BlockRef {
                 page: p as u32,
                 tag: *t,
@@ -239,6 +307,29 @@ mod tests {
             .any(|x| x.page == r.page && x.tag.epoch != r.tag.epoch));
         assert!(p.free(r).is_err());
         assert_eq!(p.free_pages(), 0);
+    }
+
+    #[test]
+    fn a_page_moved_to_the_cache_leaves_its_sequence_and_is_never_free() {
+        let mut p = PagePool::new(layout(), 3, false);
+        let refs = p.alloc(7, 1, 0, 2).unwrap();
+        let c = p.move_to_cache(refs[0], 7, 99, 0).unwrap();
+        // The sequence's reference is stale (new epoch), the cache's holds.
+        assert!(!p.holds(refs[0]));
+        assert!(p.holds(c));
+        assert_eq!((c.tag.tenant, c.tag.seq, c.tag.logical_block), (7, 99, 0));
+        assert!(p.is_cached(c.page));
+        assert_eq!((p.cached_pages(), p.free_pages()), (1, 1));
+        // Moving twice, or with a stale tag, is refused.
+        assert!(p.move_to_cache(refs[0], 7, 99, 0).is_err());
+        assert!(p.move_to_cache(c, 7, 99, 0).is_err());
+        // The sequence's free takes its own page only, even if a cache tag named it.
+        let imposter = p.move_to_cache(refs[1], 7, 1, 1).unwrap();
+        assert_eq!(p.free_owned_by(7, 1), 0);
+        p.free(imposter).unwrap();
+        p.free(c).unwrap();
+        assert_eq!((p.cached_pages(), p.free_pages()), (0, 3));
+        assert!(!p.is_cached(c.page));
     }
 
     #[test]
