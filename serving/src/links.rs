@@ -29,6 +29,15 @@ pub struct PdCounters {
     pub writes_dropped: AtomicU64,
     /// Requests that reached `Released` (every node acknowledged or was down).
     pub released: AtomicU64,
+    /// Node-link frames refused at the link (a header over the cap, a page payload
+    /// that is not exactly one page, a payload on a frame that has none, a malformed
+    /// header, a frame the peer may not send, messages for requests the link never
+    /// carried beyond its budget). Each closes its connection.
+    pub frames_rejected: AtomicU64,
+    /// Node-link connections refused before their first frame was served: a failed
+    /// TLS handshake (no certificate, another CA, plaintext), or a `Hello` whose role
+    /// the peer's certificate does not carry.
+    pub peers_refused: AtomicU64,
 }
 
 /// A fault the next transfer suffers (tests only): each reproduces a bug class of
