@@ -181,6 +181,10 @@ impl Carried {
     fn is_empty(&self) -> bool {
         self.0.lock().unwrap().is_empty()
     }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
 }
 
 /// Whether a node's message to a coordinator is the last it sends for the request.
@@ -789,9 +793,18 @@ impl NodeState {
 
     /// Waits until `deadline` for the node to be idle; returns whether it is.
     fn wait_idle(&self, deadline: Instant) -> bool {
+        let mut said = Instant::now();
         while !self.idle() {
             if Instant::now() >= deadline {
                 return false;
+            }
+            if said.elapsed() >= Duration::from_secs(5) {
+                said = Instant::now();
+                tracing::warn!(
+                    carried = self.carried.len(),
+                    held = self.shared.live(),
+                    "draining: requests still held"
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
