@@ -9,8 +9,9 @@ mod serve;
 mod tenancy_cli;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
+use tessera_serving::telemetry::{self, LogFormat};
 
 #[derive(Parser)]
 #[command(
@@ -19,8 +20,21 @@ use std::path::PathBuf;
     about = "Multi-tenant LLM inference platform"
 )]
 struct Cli {
+    /// Log lines on stderr: `text`, or `json` (one JSON object per line; `tessera
+    /// serve` writes one per finished request, target `tessera::request`).
+    #[arg(long, value_enum, default_value = "text", global = true)]
+    log_format: LogFormatArg,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormatArg {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 // Parsed once at startup: the size difference between variants costs nothing.
@@ -148,13 +162,26 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let format = match cli.log_format {
+        LogFormatArg::Text => LogFormat::Text,
+        LogFormatArg::Json => LogFormat::Json,
+    };
+    // Traces (OTLP, when OTEL_EXPORTER_OTLP_ENDPOINT is set) are named for the
+    // process's part in a deployment.
+    let service = match &cli.command {
+        Command::Serve(_) => "tessera-gateway".to_string(),
+        Command::Node(n) => format!("tessera-{}", n.role_name()),
+        _ => "tessera".to_string(),
+    };
+    let _telemetry = match telemetry::init(format, &service) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("tessera: traces off: {e}");
+            None
+        }
+    };
+    match cli.command {
         Command::Model {
             command: ModelCommand::Fetch { models_dir, force },
         } => {

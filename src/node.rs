@@ -44,6 +44,10 @@ pub(crate) struct NodeArgs {
     /// Zero KV pages when they are freed.
     #[arg(long)]
     kv_scrub: bool,
+    /// Serve Prometheus metrics at `GET /metrics` (plain HTTP, read-only) on this
+    /// address, on a listener of its own (keep it on a private network).
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// How KV pages move from prefill to decode nodes: `tcp` (frames on the control
     /// connection) or `ucx` (one-sided puts into the decode pool; needs libucx,
     /// Debian: apt-get install libucx0). Prefill and decode nodes must agree; a
@@ -126,6 +130,17 @@ fn pool_model<'a>(cfg: &'a DeploymentConfig, pool: &'a PoolConfig) -> Result<&'a
 
 fn load_model(m: &ModelEntry) -> Result<LoadedModel> {
     LoadedModel::load(&m.path).with_context(|| format!("loading {}", m.path.display()))
+}
+
+impl NodeArgs {
+    /// `prefill`, `decode`, or `node` (a subcommand such as `drain`).
+    pub(crate) fn role_name(&self) -> &'static str {
+        match (&self.command, self.role) {
+            (Some(_), _) | (None, None) => "node",
+            (None, Some(RoleArg::Prefill)) => "prefill",
+            (None, Some(RoleArg::Decode)) => "decode",
+        }
+    }
 }
 
 fn protocol_role(role: Role) -> ProtocolRole {
@@ -222,6 +237,7 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         test_panic,
         decode_peers: decode_nodes(&cfg),
         engine,
+        metrics_listen: a.metrics_listen.clone(),
         transport: match a.transport {
             TransportArg::Tcp => TransportKind::Tcp,
             TransportArg::Ucx => TransportKind::Ucx,
@@ -230,7 +246,10 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     let pool_name = pool.name.clone();
     let usable = pool.usable_tokens();
     let transport = opts.transport;
-    run_node_process(&model, opts, |addr| {
+    run_node_process(&model, opts, |addr, metrics| {
+        if let Some(m) = metrics {
+            println!("tessera node: metrics on http://{m}/metrics");
+        }
         println!(
             "tessera node: {role} pool \"{pool_name}\" ({usable} KV tokens), model {}, {transport:?} page transport, node links {tls}, listening on {addr}",
             entry.id

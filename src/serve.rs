@@ -163,6 +163,14 @@ pub(crate) struct ServeArgs {
     /// of the deployment file is on loopback (refuses to start otherwise).
     #[arg(long, requires = "config")]
     insecure_node_links: bool,
+    /// Tenants with their own `tenant` label in /metrics: the top N by requests (the
+    /// rest are `other`).
+    #[arg(long, default_value_t = tessera_gateway::metrics::DEFAULT_TOP_TENANTS)]
+    metrics_top_tenants: usize,
+    /// Put each request's prompt and output text in its log line (debugging only:
+    /// tenants' data lands in the logs).
+    #[arg(long)]
+    log_request_text: bool,
 }
 
 /// The admin token and where it came from: `--admin-token`, `TESSERA_ADMIN_TOKEN`,
@@ -321,6 +329,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
             ..UsageConfig::default()
         },
         drain_timeout: secs(a.drain_timeout_secs),
+        metrics_top_tenants: a.metrics_top_tenants,
+        log_request_text: a.log_request_text,
         ..GatewayConfig::default()
     };
     let state = AppState::new(store.clone(), model, engine.clone(), &cfg);

@@ -341,3 +341,17 @@ async fn a_stalled_decode_node_does_not_stop_the_prefill_node_serving_others() {
         stalled.events
     );
 }
+
+/// The gateway dies (SIGKILL) while a long prompt's pages are being computed and
+/// written into the decode node: neither node may free a page a write can still
+/// reach, and none may leak. The decode node quarantines the reservation, the prefill
+/// node drains and says so, and then every decode page is free again: a new gateway's
+/// pool-full request (it needs every page) completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_killed_mid_transfer_leaks_no_node_page() {
+    let mut dep = Deployment::start().await;
+    let _s = dep.gateway.stream(&long_prompt(8)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    dep.replace_gateway().await;
+    dep.pool_is_free().await;
+}

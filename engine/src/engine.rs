@@ -25,6 +25,33 @@ use tessera_model::sampling::Sampler;
 use tessera_model::tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+pub use prometheus_client::metrics::counter::Counter;
+
+/// The integrity counters an engine increments where its checks fail (I3). Each is a
+/// Prometheus counter handle: by default unregistered (counted, exported nowhere); a
+/// node passes handles of its registry's families ([`Engine::set_metrics`]).
+#[derive(Clone, Debug, Default)]
+pub struct EngineMetrics {
+    /// Pages whose tag did not match their block table when attention read them: one
+    /// per failed sequence of a step (`out.failed`).
+    pub attention_tag_mismatches: Counter,
+    /// Pages whose tag did not match when a prefill's pages were exported for
+    /// transfer ([`Engine::export_pages`]): one per failed export.
+    pub transfer_source_tag_mismatches: Counter,
+}
+
+/// How a pool's pages are held right now, in pages; the three sum to the capacity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageStates {
+    /// On the free list.
+    pub free: usize,
+    /// Held for a sequence that is not in the running batch: a decode reservation
+    /// awaiting its transfer and commit, a computed prefill held for export.
+    pub reserved: usize,
+    /// Held by sequences in the running batch.
+    pub in_use: usize,
+}
+
 /// Engine sizing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
@@ -238,6 +265,7 @@ pub struct Engine {
     /// prefill-only sequence whose compute ended and whose pages are still held.
     prefilled: Vec<Prefilled>,
     pub(crate) parked: HashMap<SeqId, usize>,
+    pub(crate) metrics: EngineMetrics,
 }
 
 impl Engine {
@@ -267,6 +295,35 @@ impl Engine {
             ended: None,
             prefilled: Vec::new(),
             parked: HashMap::new(),
+            metrics: EngineMetrics::default(),
+        }
+    }
+
+    /// Counts integrity failures into `metrics` from now on (a node's registered
+    /// counters).
+    pub fn set_metrics(&mut self, metrics: EngineMetrics) {
+        self.metrics = metrics;
+    }
+
+    /// The integrity counters this engine increments.
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.metrics
+    }
+
+    /// Pages by state (free, reserved, in use). Cost: one pass over the running batch.
+    pub fn page_states(&self) -> PageStates {
+        let pool = self.kv.pool();
+        let free = pool.free_pages();
+        let in_use: usize = self
+            .running
+            .iter()
+            .map(|s| self.kv.table(s.id).map_or(0, |t| t.len()))
+            .sum();
+        let held = pool.capacity() - free;
+        PageStates {
+            free,
+            reserved: held.saturating_sub(in_use),
+            in_use: in_use.min(held),
         }
     }
 
@@ -458,6 +515,9 @@ impl Engine {
         let out = self.model.forward(&rows, &mut self.kv);
         let mut finished: Vec<(SeqId, SeqEnd, Option<Event>)> = Vec::new();
         let mut prefilled: Vec<Prefilled> = Vec::new();
+        self.metrics
+            .attention_tag_mismatches
+            .inc_by(out.failed.len() as u64);
         for (seq, err) in &out.failed {
             let e = EngineError::Integrity(*err);
             finished.push((*seq, SeqEnd::Failed(e.clone()), Some(Event::Error(e))));

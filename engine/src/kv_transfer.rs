@@ -123,16 +123,23 @@ impl Engine {
                 pages: n,
             });
         }
-        tessera_kernels::attention::verify_tags(self.kv.pool().tags(), &table[..n])?;
+        let counted = |e: IntegrityError| {
+            self.metrics.transfer_source_tag_mismatches.inc();
+            ExportError::Integrity(e)
+        };
+        tessera_kernels::attention::verify_tags(self.kv.pool().tags(), &table[..n])
+            .map_err(counted)?;
         let layout = *self.kv.layout();
         let used_in_last = prompt - (n - 1) * layout.page_size;
         let mut pages = Vec::with_capacity(n);
         for (i, (r, dest)) in table[..n].iter().zip(dest).enumerate() {
-            let data = self.kv.pool().page_data(*r).ok_or(IntegrityError {
-                page: r.page,
-                logical_block: i as u32,
-                expected: r.tag,
-                found: self.kv.pool().tags()[r.page as usize],
+            let data = self.kv.pool().page_data(*r).ok_or_else(|| {
+                counted(IntegrityError {
+                    page: r.page,
+                    logical_block: i as u32,
+                    expected: r.tag,
+                    found: self.kv.pool().tags()[r.page as usize],
+                })
             })?;
             let mut bytes = f16_bytes(data).to_vec();
             if i + 1 == n && used_in_last < layout.page_size {

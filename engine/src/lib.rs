@@ -17,6 +17,7 @@ pub mod testing;
 
 pub use admission::{AdmissionLimits, Admitted, GenerateRequest, PdAdmission, Rejection};
 pub use engine::{
-    Engine, EngineConfig, EngineError, Event, FinishReason, FirstToken, Prefilled, SeqEnd, Usage,
+    Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,
+    Prefilled, SeqEnd, Usage,
 };
 pub use sink::{EventSink, Gone};

@@ -238,9 +238,14 @@ async fn json_body(state: &AppState, req: Request) -> Result<Value, ApiError> {
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
-    let body = s.metrics.render(s.engine.stats(), s.inflight());
+    let body = s
+        .metrics
+        .render_with(s.engine.stats(), s.inflight(), s.engine.node_metrics());
     (
-        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         body,
     )
         .into_response()

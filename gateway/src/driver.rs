@@ -21,6 +21,7 @@
 
 use crate::error::{ApiError, ErrorKind};
 use crate::live::LiveGuard;
+use crate::metrics::AbortReason;
 use crate::server::{AppState, Ctx};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +30,7 @@ use tessera_serving::{
 };
 use tessera_tenancy::Reservation;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tracing::Instrument;
 
 /// Longest wait for serving to confirm a request's release (every node let go)
 /// before its limits are given back and its row written anyway (logged as an error
@@ -111,9 +113,12 @@ pub(crate) fn spawn(
     let started = tokio::time::Instant::from_std(ctx.started);
     let first_deadline = started + state.deadlines.first_token;
     let total_deadline = started + state.deadlines.total;
-    tokio::spawn(async move {
+    let span = tracing::info_span!(target: tessera_serving::telemetry::TARGET, "stream");
+    let task = async move {
         let mut generated = 0usize;
         let mut ttft = None;
+        // Kept only for the debug log line (`log_request_text`).
+        let mut output_text = state.log_request_text.then(String::new);
         let end = loop {
             let deadline = if ttft.is_none() {
                 first_deadline.min(total_deadline)
@@ -136,6 +141,9 @@ pub(crate) fn spawn(
                         generated += 1;
                         ttft.get_or_insert_with(|| ctx.started.elapsed());
                         if !text.is_empty() {
+                            if let Some(o) = &mut output_text {
+                                o.push_str(&text);
+                            }
                             let _ = tx.send(Msg::Text(text));
                         }
                     }
@@ -186,12 +194,24 @@ pub(crate) fn spawn(
         // I6: whatever the end, nothing may still be held for the request on any node
         // (every abort acknowledged, every page freed) before its limits come back and
         // its usage is recorded.
-        if tokio::time::timeout(RELEASE_WAIT, stream.released())
+        let wait = std::time::Instant::now();
+        let released = tokio::time::timeout(RELEASE_WAIT, stream.released())
             .await
-            .is_err()
-        {
+            .is_ok();
+        if !released {
             state.metrics.release_timeout();
             tracing::error!(request_id = %ctx.rid, "serving did not confirm the release in time");
+        }
+        let reason = match &end {
+            End::Aborted => Some(AbortReason::ClientGone),
+            End::Shutdown => Some(AbortReason::Shutdown),
+            End::Timeout(_) => Some(AbortReason::Timeout),
+            End::Killed(_) => Some(AbortReason::KeyInvalid),
+            _ => None,
+        };
+        if let Some(reason) = reason {
+            let ack = released.then(|| wait.elapsed());
+            state.metrics.abort(ttft.is_some(), reason, ack);
         }
         // Tokens the engine sent before the abort took effect were computed even if
         // nobody saw them.
@@ -204,6 +224,11 @@ pub(crate) fn spawn(
         }
         drop(stream);
         let charged_prompt = if generated > 0 { prompt_tokens } else { 0 };
+        if let End::Done(_, u) = &end {
+            if u.completion_tokens > 1 {
+                state.metrics.tpot(&ctx.model, u.tpot);
+            }
+        }
         let (record, msg) = match end {
             End::Done(reason, u) => (
                 ctx.usage(
@@ -221,6 +246,7 @@ pub(crate) fn spawn(
                 }),
             ),
             End::Error(e) => {
+                state.metrics.serve_error(e.kind().label());
                 let err = serving_error(&ctx, &e);
                 (
                     ctx.usage(
@@ -261,9 +287,13 @@ pub(crate) fn spawn(
         if let Some(m) = msg {
             let _ = tx.send(m);
         }
-        state.record(&record).await;
+        let text = output_text
+            .as_deref()
+            .map(|o| (ctx.prompt_text.as_deref().unwrap_or_default(), o));
+        state.record_with_text(&record, text).await;
         drop(live);
         drop(inflight);
-    });
+    };
+    tokio::spawn(task.instrument(span));
     rx
 }

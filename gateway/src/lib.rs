@@ -44,6 +44,7 @@ pub mod listener;
 mod driver;
 mod live;
 mod openai;
+mod request_log;
 mod usage_api;
 mod workers_ai;
 

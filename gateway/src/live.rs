@@ -10,9 +10,9 @@
 //! and sends each affected request its error; the request's driver aborts it.
 
 use crate::error::{ApiError, ErrorKind};
-use std::collections::HashMap;
+use dashmap::DashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tessera_tenancy::{AuthError, Store};
 use tokio::sync::{watch, Notify};
@@ -22,10 +22,12 @@ struct Entry {
     kill: watch::Sender<Option<ApiError>>,
 }
 
-/// The registry of requests in flight (one per process, in `AppState`).
+/// The registry of requests in flight (one per process, in `AppState`). Every
+/// request registers and unregisters once; a [`DashMap`] keeps them from queueing on
+/// one lock (the watcher's scans lock one shard at a time).
 #[derive(Default)]
 pub(crate) struct Live {
-    entries: Mutex<HashMap<u64, Entry>>,
+    entries: DashMap<u64, Entry>,
     next: AtomicU64,
     kick: Notify,
 }
@@ -40,11 +42,7 @@ pub(crate) struct LiveGuard {
 
 impl Drop for LiveGuard {
     fn drop(&mut self) {
-        self.live
-            .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
+        self.live.entries.remove(&self.id);
     }
 }
 
@@ -53,16 +51,13 @@ impl Live {
     pub(crate) fn register(self: &Arc<Self>, key_id: &str) -> LiveGuard {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (kill, rx) = watch::channel(None);
-        self.entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                id,
-                Entry {
-                    key_id: key_id.into(),
-                    kill,
-                },
-            );
+        self.entries.insert(
+            id,
+            Entry {
+                key_id: key_id.into(),
+                kill,
+            },
+        );
         LiveGuard {
             live: self.clone(),
             id,
@@ -77,8 +72,7 @@ impl Live {
     }
 
     fn keys(&self) -> Vec<String> {
-        let m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let mut keys: Vec<String> = m.values().map(|e| e.key_id.clone()).collect();
+        let mut keys: Vec<String> = self.entries.iter().map(|e| e.key_id.clone()).collect();
         keys.sort_unstable();
         keys.dedup();
         keys
@@ -86,9 +80,8 @@ impl Live {
 
     /// Sends `err` to every request made with `key_id`; returns how many.
     fn kill_key(&self, key_id: &str, err: &ApiError) -> usize {
-        let m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         let mut n = 0;
-        for e in m.values().filter(|e| e.key_id == key_id) {
+        for e in self.entries.iter().filter(|e| e.key_id == key_id) {
             if e.kill.borrow().is_none() {
                 let _ = e.kill.send(Some(err.clone()));
                 n += 1;

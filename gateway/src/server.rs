@@ -29,6 +29,10 @@ use tessera_tenancy::{
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::{watch, Notify};
+use tracing::Instrument;
+
+/// The target of the request's trace spans.
+const TRACE: &str = tessera_serving::telemetry::TARGET;
 
 /// Longest accepted path segment, and longest model id, in bytes (longer ones are
 /// refused before any store access).
@@ -113,6 +117,12 @@ pub struct GatewayConfig {
     /// On shutdown, how long running requests may finish before they are aborted
     /// (their usage rows are still written).
     pub drain_timeout: Duration,
+    /// Tenants with their own `tenant` label in the metrics (the top N by requests;
+    /// the rest are `other`).
+    pub metrics_top_tenants: usize,
+    /// Put the prompt and the output text in each request's log line (debugging
+    /// only: off by default, the line carries counts and ids, never text or keys).
+    pub log_request_text: bool,
 }
 
 impl Default for GatewayConfig {
@@ -131,6 +141,8 @@ impl Default for GatewayConfig {
             usage: UsageConfig::default(),
             revocation_poll: Duration::from_millis(250),
             drain_timeout: Duration::from_secs(30),
+            metrics_top_tenants: crate::metrics::DEFAULT_TOP_TENANTS,
+            log_request_text: false,
         }
     }
 }
@@ -161,6 +173,8 @@ pub struct AppState {
     pub usage: UsageConfig,
     /// Drain deadline on shutdown.
     pub drain_timeout: Duration,
+    /// Whether request log lines carry the prompt and output text.
+    pub log_request_text: bool,
     /// Prometheus metrics.
     pub metrics: crate::metrics::Metrics,
     /// Requests in flight by key (revocation and suspension abort them).
@@ -201,7 +215,11 @@ impl AppState {
             deadlines: cfg.deadlines,
             usage: cfg.usage,
             drain_timeout: cfg.drain_timeout,
-            metrics: crate::metrics::Metrics::default(),
+            log_request_text: cfg.log_request_text,
+            metrics: crate::metrics::Metrics::new(
+                &[tessera_model::gguf::DEFAULT_MODEL_ID],
+                cfg.metrics_top_tenants,
+            ),
             live: Arc::new(Live::default()),
             revocation_poll: cfg.revocation_poll,
             abort_all: watch::channel(false).0,
@@ -261,9 +279,17 @@ impl AppState {
         }
     }
 
-    /// Writes a usage row (logged, not surfaced, if the store fails).
+    /// Writes a usage row (logged, not surfaced, if the store fails), counts it in
+    /// the metrics and logs the request's line.
     pub(crate) async fn record(&self, r: &UsageRecord) {
+        self.record_with_text(r, None).await
+    }
+
+    /// [`Self::record`]; `text` is the (prompt, output) the request's log line
+    /// carries when `log_request_text` is on.
+    pub(crate) async fn record_with_text(&self, r: &UsageRecord, text: Option<(&str, &str)>) {
         self.metrics.observe(r);
+        crate::request_log::finished(r, text.filter(|_| self.log_request_text));
         match self.store.record_usage(r).await {
             Ok(true) => {}
             Ok(false) => tracing::error!(request_id = %r.request_id, "usage row already exists"),
@@ -296,6 +322,8 @@ pub(crate) struct Ctx {
     pub(crate) tenant_id: String,
     pub(crate) key_id: String,
     pub(crate) model: String,
+    /// The prompt as text, only with `log_request_text` (the debug log line).
+    pub(crate) prompt_text: Option<String>,
 }
 
 impl Ctx {
@@ -309,6 +337,7 @@ impl Ctx {
             tenant_id: String::new(),
             key_id: String::new(),
             model: String::new(),
+            prompt_text: None,
         }
     }
 
@@ -521,6 +550,10 @@ pub(crate) enum Shape {
 /// 4. body (size limit, read deadline), 5. validation (fields, model, chat
 ///    template, tokenizer, I1), 6. token limits and the daily quota reserved
 ///    ([`tessera_tenancy::Admission::reserve`]), 7. engine submit, 8. the driver.
+///
+/// Runs in the request's trace span (`request`: request id, API, then tenant and
+/// model once known), with child spans `validation`, `admission` and, in the
+/// driver, `stream`; the nodes add `queue`, `prefill`, `transfer` and `decode`.
 pub(crate) async fn generate(
     state: Arc<AppState>,
     shape: Shape,
@@ -534,7 +567,29 @@ pub(crate) async fn generate(
     } else {
         Flavor::OpenAi
     };
-    let mut ctx = Ctx::new(endpoint, flavor);
+    let ctx = Ctx::new(endpoint, flavor);
+    let span = tracing::info_span!(
+        target: tessera_serving::telemetry::TARGET,
+        "request",
+        request_id = %ctx.rid,
+        api = endpoint,
+        tenant = tracing::field::Empty,
+        model = tracing::field::Empty,
+    );
+    generate_in_span(state, shape, ctx, account, path_model, req)
+        .instrument(span)
+        .await
+}
+
+async fn generate_in_span(
+    state: Arc<AppState>,
+    shape: Shape,
+    mut ctx: Ctx,
+    account: Option<String>,
+    path_model: Option<String>,
+    req: Request,
+) -> Response {
+    let span = tracing::Span::current();
     if let Some(m) = &path_model {
         if let Err(e) = validation::check_len("model", m) {
             return ctx.refuse(&state, "path_too_long", e);
@@ -555,7 +610,10 @@ pub(crate) async fn generate(
         Err((reason, e)) => return ctx.refuse(&state, reason, e),
     };
     let tenant = &principal.tenant;
-    let admission = match state.limiter.admit(&tenant.id, tenant.limits) {
+    span.record("tenant", tenant.id.as_str());
+    let admitted = tracing::info_span!(target: TRACE, "admission", step = "limits")
+        .in_scope(|| state.limiter.admit(&tenant.id, tenant.limits));
+    let admission = match admitted {
         Ok(a) => a,
         Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
     };
@@ -574,6 +632,7 @@ pub(crate) async fn generate(
             return ctx.fail(&state, e).await;
         }
     };
+    let validation = tracing::info_span!(target: TRACE, "validation").entered();
     let parsed: Result<ParsedRequest, ApiError> = validation::parse_object(&bytes).and_then(|o| {
         if let Some(m) = o.get("model").and_then(|m| m.as_str()) {
             if path_model.is_none() && m.len() <= MAX_ID_BYTES {
@@ -590,7 +649,10 @@ pub(crate) async fn generate(
     });
     let parsed = match parsed {
         Ok(p) => p,
-        Err(e) => return ctx.fail(&state, e).await,
+        Err(e) => {
+            drop(validation);
+            return ctx.fail(&state, e).await;
+        }
     };
     let v: Validated = match validation::validate(
         parsed,
@@ -600,9 +662,17 @@ pub(crate) async fn generate(
         tenant.engine_id(),
     ) {
         Ok(v) => v,
-        Err(e) => return ctx.fail(&state, e).await,
+        Err(e) => {
+            drop(validation);
+            return ctx.fail(&state, e).await;
+        }
     };
+    drop(validation);
     ctx.model = v.model.id.clone();
+    span.record("model", ctx.model.as_str());
+    if state.log_request_text {
+        ctx.prompt_text = Some(state.model.tokenizer.decode(&v.request.prompt, false));
+    }
     let prompt_tokens = v.request.prompt.len();
     if state.limiter.needs_daily(&tenant.id, tenant.limits) {
         let day_start = tessera_tenancy::limits::utc_day(now_ms()) * 86_400_000;
@@ -619,7 +689,9 @@ pub(crate) async fn generate(
     }
     let max_tokens = u32::try_from(v.request.max_tokens).unwrap_or(u32::MAX);
     let input = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
-    let reservation = match admission.reserve(input, max_tokens) {
+    let reserved = tracing::info_span!(target: TRACE, "admission", step = "tokens")
+        .in_scope(|| admission.reserve(input, max_tokens));
+    let reservation = match reserved {
         Ok(r) => r,
         Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
     };
@@ -628,6 +700,7 @@ pub(crate) async fn generate(
         Ok(rx) => rx,
         Err(e) => {
             reservation.cancel();
+            state.metrics.serve_error(e.kind().label());
             return ctx.fail(&state, ApiError::serving(&e)).await;
         }
     };

@@ -966,7 +966,7 @@ async fn admin_api_manages_tenants_keys_and_limits() {
     let ok = rows.iter().filter(|r| r.status == 200).count();
     assert!(
         m.contains(&format!(
-            "tessera_requests_total{{endpoint=\"workers_ai.run\",status=\"200\"}} {ok}"
+            "tessera_requests_total{{model=\"{MODEL}\",api=\"workers_ai.run\",status=\"200\",code=\"0\",tenant=\"{id}\"}} {ok}"
         )),
         "{m}"
     );
@@ -982,7 +982,7 @@ async fn admin_api_manages_tenants_keys_and_limits() {
     let out: i64 = rows.iter().map(|r| r.output_tokens).sum();
     assert!(
         m.contains(&format!(
-            "tessera_tokens_total{{direction=\"output\"}} {out}"
+            "tessera_tokens_total{{model=\"{MODEL}\",direction=\"output\",tenant=\"{id}\"}} {out}"
         )),
         "{m}"
     );

@@ -9,13 +9,14 @@
 use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::error::ServeError;
-use crate::links::{PdCounters, Reply, ReplyTo, TransferFault};
+use crate::links::{PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
+use crate::metrics::{NodeHandles, NodeMetrics};
 use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use crate::routing::Router;
 use crate::stream::RequestStream;
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use tessera_engine::{AdmissionLimits, Engine, EngineConfig, GenerateRequest, PdAdmission};
 use tessera_model::LoadedModel;
@@ -32,9 +33,9 @@ struct NodeSlot<C> {
 }
 
 impl<C> NodeSlot<C> {
-    /// The slot of a node about to run `e`, fed by `tx`.
-    fn new(e: &Engine, tx: mpsc::Sender<C>) -> Self {
-        let shared = Arc::new(Shared::default());
+    /// The slot of a node about to run `e`, fed by `tx`, publishing into `metrics`.
+    fn new(e: &Engine, tx: mpsc::Sender<C>, metrics: NodeHandles) -> Self {
+        let shared = Arc::new(Shared::with_metrics(metrics));
         shared.publish(e, 0);
         Self {
             tx,
@@ -72,8 +73,11 @@ struct Nodes {
     counters: Arc<PdCounters>,
     faults: Faults,
     router: Router,
-    /// The `Arc` this lives in (transports outlive the call that made them).
-    self_ref: Weak<Nodes>,
+    /// Every node's series (`prefill-N`, `decode-N`).
+    metrics: Arc<NodeMetrics>,
+    /// Each node's handles, by role and index.
+    prefill_metrics: Vec<NodeHandles>,
+    decode_metrics: Vec<NodeHandles>,
 }
 
 /// The in-process coordinator as a node's reply link.
@@ -91,17 +95,36 @@ impl Nodes {
     }
 }
 
-impl PrefillLinks for Nodes {
+/// The in-process name of prefill node `index` (what a decode node checks pages and
+/// commits against).
+fn prefill_name(index: usize) -> String {
+    format!("prefill-{index}")
+}
+
+/// One in-process prefill node's view of the decode nodes.
+struct InprocPrefill {
+    nodes: Arc<Nodes>,
+    index: usize,
+}
+
+impl InprocPrefill {
+    fn from(&self) -> WriterLink {
+        WriterLink {
+            name: prefill_name(self.index),
+            link: None,
+        }
+    }
+}
+
+impl PrefillLinks for InprocPrefill {
     fn transport(
         &self,
         decode: usize,
         fault: Option<TransferFault>,
         dest: &[DestPage],
     ) -> Result<Box<dyn KvTransport>, TransportError> {
-        let nodes = self
-            .self_ref
-            .upgrade()
-            .ok_or_else(|| TransportError::PeerGone("the cluster is shutting down".into()))?;
+        let nodes = self.nodes.clone();
+        let from = self.from();
         let last_page = dest.last().map(|d| d.page);
         Ok(Box::new(InprocTransport::new(Box::new(move |mut l| {
             match fault {
@@ -120,21 +143,28 @@ impl PrefillLinks for Nodes {
                     bytes: l.bytes.clone(),
                 });
             }
-            nodes
-                .decode
-                .get(decode)
-                .is_some_and(|d| !d.is_down() && d.send(DecodeCmd::Land(l)))
+            nodes.decode.get(decode).is_some_and(|d| {
+                !d.is_down()
+                    && d.send(DecodeCmd::Land {
+                        landing: l,
+                        from: from.clone(),
+                    })
+            })
         }))))
     }
 
     fn to_decode(&self, decode: usize, msg: Msg, rng_pos: u128) -> bool {
-        self.decode
-            .get(decode)
-            .is_some_and(|d| d.send(DecodeCmd::FromPrefill { msg, rng_pos }))
+        self.nodes.decode.get(decode).is_some_and(|d| {
+            d.send(DecodeCmd::FromPrefill {
+                msg,
+                rng_pos,
+                from: self.from(),
+            })
+        })
     }
 
     fn take_fault(&self) -> Option<TransferFault> {
-        self.faults.next.lock().unwrap().take()
+        self.nodes.faults.next.lock().unwrap().take()
     }
 }
 
@@ -145,10 +175,14 @@ impl CoordLinks for Nodes {
                 body,
                 client,
                 submitted,
+                prefill,
+                trace,
             } => Some(RequestBody {
                 req: body,
                 sink: Box::new(client),
                 submitted,
+                writer: Some(prefill_name(prefill)),
+                trace,
             }),
             _ => None,
         };
@@ -161,7 +195,11 @@ impl CoordLinks for Nodes {
 
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
         let body = match extra {
-            Extra::Prefill { body, decode } => Some((body, decode)),
+            Extra::Prefill {
+                body,
+                decode,
+                trace,
+            } => Some((body, decode, trace)),
             _ => None,
         };
         self.prefill[index].send(PrefillCmd::FromCoordinator {
@@ -223,24 +261,35 @@ impl PdCluster {
         };
         let mut decode_parts = Vec::new();
         let mut prefill_parts = Vec::new();
-        let nodes = Arc::new_cyclic(|me| {
+        let metrics = Arc::new(NodeMetrics::new());
+        let decode_metrics: Vec<NodeHandles> = (0..decode.len())
+            .map(|i| metrics.node(&format!("decode-{i}"), "decode"))
+            .collect();
+        let prefill_metrics: Vec<NodeHandles> = (0..prefill.len())
+            .map(|i| metrics.node(&format!("prefill-{i}"), "prefill"))
+            .collect();
+        let nodes = Arc::new({
             let decode_slots = decode
                 .iter()
-                .map(|cfg| {
+                .zip(&decode_metrics)
+                .map(|(cfg, m)| {
                     let mut e = engine(cfg);
                     e.track_ended();
+                    e.set_metrics(m.engine_metrics());
                     let (tx, rx) = mpsc::channel();
-                    let s = NodeSlot::new(&e, tx);
+                    let s = NodeSlot::new(&e, tx, m.clone());
                     decode_parts.push((e, rx));
                     s
                 })
                 .collect();
             let prefill_slots = prefill
                 .iter()
-                .map(|cfg| {
-                    let e = engine(cfg);
+                .zip(&prefill_metrics)
+                .map(|(cfg, m)| {
+                    let mut e = engine(cfg);
+                    e.set_metrics(m.engine_metrics());
                     let (tx, rx) = mpsc::channel();
-                    let s = NodeSlot::new(&e, tx.clone());
+                    let s = NodeSlot::new(&e, tx.clone(), m.clone());
                     prefill_parts.push((e, rx, tx));
                     s
                 })
@@ -252,11 +301,13 @@ impl PdCluster {
                 counters: Arc::new(PdCounters::default()),
                 faults: Faults::default(),
                 router: Router::new(prefill.len(), decode.len()),
-                self_ref: me.clone(),
+                metrics,
+                prefill_metrics,
+                decode_metrics,
             }
         });
         for (i, (e, rx)) in decode_parts.into_iter().enumerate() {
-            let node = DecodeLoop::new(nodes.counters.clone());
+            let node = DecodeLoop::new(nodes.counters.clone(), nodes.decode_metrics[i].clone());
             let t = spawn_node(
                 format!("tessera-decode-{i}"),
                 e,
@@ -267,8 +318,11 @@ impl PdCluster {
             *nodes.decode[i].thread.lock().unwrap() = Some(t);
         }
         for (i, (e, rx, self_tx)) in prefill_parts.into_iter().enumerate() {
-            let links: Arc<dyn PrefillLinks> = nodes.clone();
-            let node = PrefillLoop::new(links, self_tx);
+            let links: Arc<dyn PrefillLinks> = Arc::new(InprocPrefill {
+                nodes: nodes.clone(),
+                index: i,
+            });
+            let node = PrefillLoop::new(links, self_tx, nodes.prefill_metrics[i].clone());
             let t = spawn_node(
                 format!("tessera-prefill-{i}"),
                 e,
@@ -340,6 +394,18 @@ impl PdCluster {
         &self.nodes.counters
     }
 
+    /// Every node's metrics (`node` labels `prefill-N`, `decode-N`).
+    pub fn metrics(&self) -> &NodeMetrics {
+        &self.nodes.metrics
+    }
+
+    /// Runs `f` on decode node `index`'s engine between two of its steps (fault
+    /// injection: a planted block-table bug; tests only).
+    #[doc(hidden)]
+    pub fn with_decode_engine(&self, index: usize, f: impl FnOnce(&mut Engine) + Send + 'static) {
+        self.nodes.decode[index].send(DecodeCmd::WithEngine(Box::new(f)));
+    }
+
     /// Makes the next transfer suffer `fault` (fault-injection tests only).
     #[doc(hidden)]
     pub fn inject_fault(&self, fault: TransferFault) {
@@ -369,14 +435,34 @@ impl PdCluster {
     /// stray write; fault-injection tests only).
     #[doc(hidden)]
     pub fn deliver_write(&self, index: usize, write: PageLanding) {
-        self.nodes.decode[index].send(DecodeCmd::Land(write));
+        self.nodes.decode[index].send(DecodeCmd::Land {
+            landing: write,
+            from: WriterLink {
+                name: prefill_name(0),
+                link: None,
+            },
+        });
     }
 
-    /// Delivers a raw protocol message to decode node `index` as a prefill node would
+    /// Delivers a raw protocol message to decode node `index` as prefill node 0 would
     /// (a forged or stale commit; fault-injection tests only).
     #[doc(hidden)]
     pub fn deliver_to_decode(&self, index: usize, msg: Msg) {
-        self.nodes.decode[index].send(DecodeCmd::FromPrefill { msg, rng_pos: 0 });
+        self.deliver_to_decode_from(index, msg, &prefill_name(0));
+    }
+
+    /// [`Self::deliver_to_decode`] as if it came from the node named `from`
+    /// (`prefill-N` in one process).
+    #[doc(hidden)]
+    pub fn deliver_to_decode_from(&self, index: usize, msg: Msg, from: &str) {
+        self.nodes.decode[index].send(DecodeCmd::FromPrefill {
+            msg,
+            rng_pos: 0,
+            from: WriterLink {
+                name: from.to_string(),
+                link: None,
+            },
+        });
     }
 
     /// Kills a node as a crash would (fault injection): its thread stops at once and

@@ -20,16 +20,22 @@ use tessera_transfer::protocol::{Coordinator, Msg, Outcome, Output, ReqId, Role}
 /// decode node chosen for the prefill.
 pub(crate) enum Extra {
     None,
-    /// With `Prealloc`: the request and its stream (without the release guard).
+    /// With `Prealloc`: the request, its stream (without the release guard) and the
+    /// prefill node assigned to write its pages.
     Decode {
         body: GenerateRequest,
         client: ClientSink,
         submitted: Instant,
+        prefill: usize,
+        /// The request's W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
     /// With `Prefill`: the request and the decode node that reserved the pages.
     Prefill {
         body: GenerateRequest,
         decode: usize,
+        /// The request's W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
 }
 
@@ -42,6 +48,8 @@ pub(crate) enum CoordCmd {
         client: ClientSink,
         prefill: usize,
         decode: usize,
+        /// The submitter's span as a W3C `traceparent` (traces on).
+        trace: Option<String>,
     },
     /// A node's reply.
     FromNode(Msg),
@@ -124,6 +132,7 @@ impl Submitter {
             client,
             prefill,
             decode,
+            trace: crate::telemetry::traceparent(),
         };
         if let Err(mpsc::SendError(CoordCmd::Start { client, .. })) = self.tx.send(start) {
             links.router().release(prefill, decode);
@@ -163,6 +172,8 @@ struct CoordReq {
     decode_epoch: Option<u64>,
     /// Last message from a node about this request (or its start).
     last_heard: Instant,
+    /// The request's W3C `traceparent`, sent to both nodes.
+    trace: Option<String>,
 }
 
 /// How often the coordinator looks for clients that went away and dead nodes.
@@ -195,6 +206,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                 client,
                 prefill,
                 decode,
+                trace,
             }) => {
                 let mut out = Vec::new();
                 let proto = Coordinator::start(
@@ -218,6 +230,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         prefill_epoch: nodes.epoch(Role::Prefill, prefill),
                         decode_epoch: nodes.epoch(Role::Decode, decode),
                         last_heard: Instant::now(),
+                        trace,
                     },
                 );
                 execute(&*nodes, &mut reqs, req, out);
@@ -302,6 +315,8 @@ fn execute(
                         body: r.body.clone(),
                         client: r.client.detached(),
                         submitted: r.submitted,
+                        prefill: r.prefill,
+                        trace: r.trace.clone(),
                     },
                     _ => Extra::None,
                 };
@@ -321,6 +336,7 @@ fn execute(
                     Msg::Prefill { .. } => Extra::Prefill {
                         body: r.body.clone(),
                         decode: r.decode,
+                        trace: r.trace.clone(),
                     },
                     _ => Extra::None,
                 };

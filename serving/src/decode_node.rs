@@ -9,12 +9,13 @@
 //! as soon as the protocol's record is terminal.
 
 use crate::error::refusal;
-use crate::links::{settle, ExpiryClock, PdCounters, ReplyTo};
+use crate::links::{settle, ExpiryClock, PdCounters, ReplyTo, WriterLink};
+use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tessera_engine::kv_transfer::Import;
 use tessera_engine::sink::EventSink;
 use tessera_engine::{Engine, EngineError, GenerateRequest, SeqEnd};
@@ -32,7 +33,15 @@ pub(crate) struct RequestBody {
     pub(crate) req: GenerateRequest,
     pub(crate) sink: Box<dyn EventSink>,
     pub(crate) submitted: Instant,
+    /// The prefill node the coordinator assigned (its writer), when known: pages and
+    /// the commit are accepted from it alone.
+    pub(crate) writer: Option<String>,
+    /// The request's W3C `traceparent` (traces on).
+    pub(crate) trace: Option<String>,
 }
+
+/// How long a reservation waits for its commit or a renewal before its lease runs out.
+pub(crate) const LEASE: Duration = Duration::from_secs(30);
 
 /// A decode node's commands.
 pub(crate) enum DecodeCmd {
@@ -42,10 +51,20 @@ pub(crate) enum DecodeCmd {
         reply: ReplyTo,
         body: Option<RequestBody>,
     },
-    /// From a prefill node: `Commit`, with the sampler position after the first token.
-    FromPrefill { msg: Msg, rng_pos: u128 },
+    /// From a prefill node: `Commit` (with the sampler position after the first
+    /// token), `Renew`, `WriterQuiet`.
+    FromPrefill {
+        msg: Msg,
+        rng_pos: u128,
+        from: WriterLink,
+    },
     /// A page write (in-process or TCP transport).
-    Land(PageLanding),
+    Land {
+        landing: PageLanding,
+        from: WriterLink,
+    },
+    /// A prefill node's link closed (`true`) or opened again (`false`).
+    WriterLink { name: String, lost: bool },
     /// Runs once every earlier command was applied (a TCP flush acknowledgement).
     AfterEarlier(Box<dyn FnOnce() + Send>),
     /// The coordinator of this request is gone (its connection closed).
@@ -56,6 +75,9 @@ pub(crate) enum DecodeCmd {
     EndAll(FailReason),
     /// Stop at once, as a crash would (tests).
     Crash,
+    /// Run on the engine between steps (fault-injection tests: a planted block-table
+    /// bug).
+    WithEngine(Box<dyn FnOnce(&mut Engine) + Send>),
 }
 
 /// What the driver keeps per request beside the protocol's record.
@@ -63,6 +85,14 @@ struct DecodeRecord {
     reply: ReplyTo,
     /// Until adopted.
     body: Option<RequestBody>,
+    /// The assigned prefill node, if the coordinator named one.
+    writer: Option<String>,
+    /// When the reservation's lease was last granted or renewed.
+    lease_from: Instant,
+    /// The request's trace parent, and the span of its current phase (`queue` until
+    /// the pages are reserved, `decode` from adoption to the end); dropping ends it.
+    trace: Option<String>,
+    span: Option<tracing::Span>,
 }
 
 /// The sequence id a request's pages carry on this node: the request id, unique
@@ -76,6 +106,7 @@ struct EngineEnv<'a> {
     engine: &'a mut Engine,
     records: &'a mut HashMap<ReqId, DecodeRecord>,
     rng_pos: u128,
+    gone_writers: &'a HashSet<String>,
 }
 
 impl DecodeEnv for EngineEnv<'_> {
@@ -83,8 +114,8 @@ impl DecodeEnv for EngineEnv<'_> {
         &mut self,
         req: ReqId,
         _tenant: u64,
-        _prompt_tokens: u32,
-        _max_tokens: u32,
+        prompt_tokens: u32,
+        max_tokens: u32,
     ) -> Result<(), Refusal> {
         let Some(body) = self.records.get(&req).and_then(|r| r.body.as_ref()) else {
             return Err(Refusal {
@@ -92,6 +123,20 @@ impl DecodeEnv for EngineEnv<'_> {
                 message: "prealloc without a request body".into(),
             });
         };
+        // The counts the protocol carries must be the body's (a frame cannot claim a
+        // small reservation for a large request).
+        if body.req.prompt.len() != prompt_tokens as usize
+            || body.req.max_tokens != max_tokens as usize
+        {
+            return Err(Refusal {
+                kind: RefusalKind::Invalid,
+                message: format!(
+                    "prealloc for {prompt_tokens} prompt + {max_tokens} output tokens carries a body of {} + {}",
+                    body.req.prompt.len(),
+                    body.req.max_tokens
+                ),
+            });
+        }
         // I1 on this node, against its own pool.
         self.engine
             .admit(body.req.clone())
@@ -137,6 +182,15 @@ impl DecodeEnv for EngineEnv<'_> {
         _pages: &[DestPage],
     ) -> Result<(), FailReason> {
         let internal = |m: String| FailReason::new(FailKind::Internal, m);
+        let vocab = self.engine.limits().vocab;
+        if first_token as usize >= vocab {
+            return Err(FailReason::new(
+                FailKind::Integrity,
+                format!(
+                    "the commit's first token {first_token} is outside the vocabulary of {vocab}"
+                ),
+            ));
+        }
         let body = self
             .records
             .get_mut(&req)
@@ -146,6 +200,9 @@ impl DecodeEnv for EngineEnv<'_> {
             .engine
             .admit(body.req)
             .map_err(|e| internal(format!("re-admission failed: {e}")))?;
+        if let Some(r) = self.records.get_mut(&req) {
+            r.span = crate::telemetry::child_span("decode", req.0, r.trace.as_deref());
+        }
         self.engine.adopt(
             seq_of(req),
             Import {
@@ -163,6 +220,13 @@ impl DecodeEnv for EngineEnv<'_> {
     fn release(&mut self, req: ReqId) {
         self.engine.release_seq(seq_of(req));
     }
+
+    fn writer_gone(&self, req: ReqId) -> bool {
+        self.records
+            .get(&req)
+            .and_then(|r| r.writer.as_ref())
+            .is_some_and(|w| self.gone_writers.contains(w))
+    }
 }
 
 /// A decode node's protocol loop.
@@ -170,19 +234,27 @@ pub(crate) struct DecodeLoop {
     proto: DecodeNode,
     records: HashMap<ReqId, DecodeRecord>,
     counters: Arc<PdCounters>,
+    metrics: NodeHandles,
     crashed: bool,
     clock: ExpiryClock,
+    /// Prefill nodes whose link is closed now.
+    gone_writers: HashSet<String>,
+    last_lease_check: Instant,
 }
 
 impl DecodeLoop {
-    /// A decode node's loop, counting into `counters`.
-    pub(crate) fn new(counters: Arc<PdCounters>) -> Self {
+    /// A decode node's loop, counting into `counters` (the deployment's) and
+    /// `metrics` (this node's series).
+    pub(crate) fn new(counters: Arc<PdCounters>, metrics: NodeHandles) -> Self {
         Self {
             proto: DecodeNode::new(),
             records: HashMap::new(),
             counters,
+            metrics,
             crashed: false,
             clock: ExpiryClock::new(),
+            gone_writers: HashSet::new(),
+            last_lease_check: Instant::now(),
         }
     }
 
@@ -203,6 +275,7 @@ impl DecodeLoop {
                 engine: &mut *engine,
                 records: &mut self.records,
                 rng_pos,
+                gone_writers: &self.gone_writers,
             };
             f(&mut self.proto, &mut env, &mut out)
         };
@@ -215,9 +288,19 @@ impl DecodeLoop {
         r
     }
 
-    fn emit(&self, reply: Option<&ReplyTo>, out: Vec<Output>) {
+    /// Ends a request's `queue` span once its pages are reserved.
+    fn reserved(&mut self, msg: &Msg) {
+        if let Msg::Descriptor { req, .. } = msg {
+            if let Some(r) = self.records.get_mut(req) {
+                r.span = None;
+            }
+        }
+    }
+
+    fn emit(&mut self, reply: Option<&ReplyTo>, out: Vec<Output>) {
         for o in out {
             if let Output::Send { msg, .. } = o {
+                self.reserved(&msg);
                 // A decode node only ever answers coordinators.
                 match reply {
                     Some(r) => {
@@ -242,12 +325,14 @@ impl DecodeLoop {
                 engine,
                 records: &mut self.records,
                 rng_pos: 0,
+                gone_writers: &self.gone_writers,
             };
             self.proto.on_capacity(&mut env, &mut out);
         }
         for o in out {
             if let Output::Send { msg, .. } = o {
                 let req = msg.req();
+                self.reserved(&msg);
                 if let Some(r) = self.records.get(&req) {
                     r.reply.send(msg);
                 }
@@ -261,7 +346,64 @@ impl DecodeLoop {
     }
 
     fn expire_tombstones(&mut self) {
-        self.clock.expire(self.proto.records_mut());
+        let proto = &mut self.proto;
+        self.clock.tick(|now, ttl| {
+            proto.expire(now, ttl);
+        });
+    }
+
+    /// Once a second: reservations whose lease ran out (no commit, no renewal).
+    fn check_leases(&mut self, engine: &mut Engine) {
+        if self.last_lease_check.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.last_lease_check = Instant::now();
+        let expired: Vec<ReqId> = self
+            .records
+            .iter()
+            .filter(|(req, r)| self.proto.accepts_writes(**req) && r.lease_from.elapsed() > LEASE)
+            .map(|(req, _)| *req)
+            .collect();
+        for req in expired {
+            self.counters.leases_expired.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(?req, "decode reservation lease ran out before its commit");
+            self.with_proto(engine, req, None, 0, |p, env, out| {
+                p.on_lease_expired(req, env, out)
+            });
+        }
+    }
+
+    /// A frame from `from` that breaks the protocol for `req`: counted, `from`'s link
+    /// cut, and a running request fails rather than decode from pages its writer
+    /// touched after the commit.
+    fn violation(&mut self, engine: &mut Engine, req: ReqId, from: &WriterLink, what: &str) {
+        self.counters
+            .link_violations
+            .fetch_add(1, Ordering::Relaxed);
+        if what.contains("page write") {
+            self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::warn!(?req, peer = %from.name, "{what}; cutting the link");
+        from.cut();
+        if matches!(
+            self.proto.records().state(req),
+            Some(tessera_transfer::protocol::DecodeState::Running)
+        ) {
+            engine.release_seq(seq_of(req));
+            let reason = FailReason::new(FailKind::Integrity, what.to_string());
+            self.with_proto(engine, req, None, 0, |p, env, out| {
+                p.on_decode_finished(req, DecodeOutcome::Failed { reason }, env, out)
+            });
+        }
+    }
+
+    /// Whether `from` may write for `req`: the assigned writer, or any when the
+    /// coordinator named none.
+    fn is_writer(&self, req: ReqId, from: &WriterLink) -> bool {
+        self.records
+            .get(&req)
+            .and_then(|r| r.writer.as_ref())
+            .is_none_or(|w| *w == from.name)
     }
 }
 
@@ -285,11 +427,21 @@ impl NodeLoop for DecodeLoop {
                     // replaces the body and stream the request already has.
                     Some(r) => r.reply = reply.clone(),
                     None if self.proto.records().state(req).is_none() => {
+                        let writer = body.as_ref().and_then(|b| b.writer.clone());
+                        let trace = body.as_ref().and_then(|b| b.trace.clone());
                         self.records.insert(
                             req,
                             DecodeRecord {
                                 reply: reply.clone(),
                                 body,
+                                writer,
+                                lease_from: Instant::now(),
+                                span: crate::telemetry::child_span(
+                                    "queue",
+                                    req.0,
+                                    trace.as_deref(),
+                                ),
+                                trace,
                             },
                         );
                     }
@@ -299,31 +451,102 @@ impl NodeLoop for DecodeLoop {
                     p.on_msg(msg, env, out)
                 });
             }
-            DecodeCmd::FromPrefill { msg, rng_pos } => {
-                let Msg::Commit {
-                    req,
-                    tokens,
-                    pages,
-                    first_token,
-                } = msg
-                else {
-                    tracing::warn!(req = ?msg.req(), "a prefill node may only send Commit");
+            DecodeCmd::FromPrefill { msg, rng_pos, from } => {
+                let req = msg.req();
+                if !self.is_writer(req, &from) {
+                    self.violation(
+                        engine,
+                        req,
+                        &from,
+                        "a writer frame from a node that is not the request's writer",
+                    );
                     return;
-                };
-                let verdict = self.with_proto(engine, req, None, rng_pos, |p, env, out| {
-                    p.on_commit(req, tokens, &pages, first_token, env, out)
-                });
-                if let Err(e) = verdict {
-                    self.counters
-                        .commits_rejected
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(?req, error = %e, "refused a KV transfer commit");
+                }
+                match msg {
+                    Msg::Commit {
+                        req,
+                        tokens,
+                        pages,
+                        first_token,
+                    } => {
+                        let verdict = self.with_proto(engine, req, None, rng_pos, |p, env, out| {
+                            p.on_commit(req, tokens, &pages, first_token, env, out)
+                        });
+                        if let Err(e) = verdict {
+                            self.counters
+                                .commits_rejected
+                                .fetch_add(1, Ordering::Relaxed);
+                            self.metrics.commit_rejected(&e);
+                            tracing::warn!(?req, error = %e, "refused a KV transfer commit");
+                        }
+                    }
+                    Msg::Renew { req } => {
+                        if let Some(r) = self.records.get_mut(&req) {
+                            r.lease_from = Instant::now();
+                        }
+                    }
+                    Msg::WriterQuiet { req } => {
+                        self.with_proto(engine, req, None, 0, |p, env, out| {
+                            p.on_writer_quiet(req, env, out)
+                        });
+                    }
+                    other => {
+                        let what = format!("a prefill node sent {other:?}");
+                        self.violation(engine, req, &from, &what);
+                    }
                 }
             }
-            DecodeCmd::Land(l) => {
-                if let Err(e) = engine.land(&l) {
-                    self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(req = l.req, error = %e, "dropped a KV page write");
+            DecodeCmd::Land { landing, from } => {
+                let req = ReqId(landing.req);
+                let state = self.proto.records().state(req).cloned();
+                use tessera_transfer::protocol::DecodeState;
+                match state {
+                    _ if !self.is_writer(req, &from) => {
+                        self.violation(
+                            engine,
+                            req,
+                            &from,
+                            "a page write from a node that is not the request's writer",
+                        );
+                    }
+                    Some(DecodeState::Reserved { .. }) => {
+                        if let Err(e) = engine.land(&landing) {
+                            let what = format!("a malformed page write: {e}");
+                            self.violation(engine, req, &from, &what);
+                        }
+                    }
+                    // Late writes after the reservation ended or was quarantined (its
+                    // coordinator gone): dropped, never applied.
+                    Some(
+                        DecodeState::Quarantined(_)
+                        | DecodeState::Aborted
+                        | DecodeState::CommitFailed(_),
+                    ) => {
+                        self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
+                        self.metrics.late_write_dropped();
+                        tracing::debug!(?req, "dropped a late KV page write");
+                    }
+                    _ => {
+                        self.violation(engine, req, &from, "a page write for pages not awaiting one (unknown, committed or finished)");
+                    }
+                }
+            }
+            DecodeCmd::WriterLink { name, lost } => {
+                if lost {
+                    let reqs: Vec<ReqId> = self
+                        .records
+                        .iter()
+                        .filter(|(_, r)| r.writer.as_deref() == Some(name.as_str()))
+                        .map(|(req, _)| *req)
+                        .collect();
+                    self.gone_writers.insert(name);
+                    for req in reqs {
+                        self.with_proto(engine, req, None, 0, |p, env, out| {
+                            p.on_writer_quiet(req, env, out)
+                        });
+                    }
+                } else {
+                    self.gone_writers.remove(&name);
                 }
             }
             DecodeCmd::AfterEarlier(f) => f(),
@@ -350,8 +573,10 @@ impl NodeLoop for DecodeLoop {
                 }
             }
             DecodeCmd::Crash => self.crashed = true,
+            DecodeCmd::WithEngine(f) => f(engine),
         }
         self.expire_tombstones();
+        self.check_leases(engine);
     }
 
     fn stop(&self) -> bool {
@@ -390,5 +615,6 @@ impl NodeLoop for DecodeLoop {
         }
         self.offer_capacity(engine);
         self.expire_tombstones();
+        self.check_leases(engine);
     }
 }

@@ -121,6 +121,11 @@ impl ServeError {
                 let e = Self::failed(r);
                 Self::new(e.kind, format!("decode failed: {r}"))
             }
+            Failure::LeaseExpired => Self::new(
+                ServeErrorKind::Timeout,
+                "KV transfer failed: the prefill node did not commit before the decode \
+                 reservation's lease ran out",
+            ),
             Failure::NodeDown(role) => Self::new(
                 ServeErrorKind::NodeDown,
                 format!(

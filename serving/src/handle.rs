@@ -3,6 +3,7 @@
 
 use crate::cluster::PdCluster;
 use crate::error::ServeError;
+use crate::metrics::NodeMetrics;
 use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
 use crate::remote::{RemoteCluster, RemoteNodes};
 use crate::stream::{request_channel, ClientSink, RequestStream};
@@ -35,6 +36,7 @@ enum Inner {
         tx: mpsc::Sender<Submit>,
         limits: AdmissionLimits,
         shared: Arc<Shared>,
+        metrics: Arc<NodeMetrics>,
     },
     Disaggregated(Arc<PdCluster>),
     Remote(Arc<RemoteCluster>),
@@ -56,9 +58,12 @@ impl EngineHandle {
     /// Starts the engine thread. It exits once every handle is dropped and the
     /// requests it already accepted have finished.
     pub fn spawn(model: &LoadedModel, cfg: EngineConfig) -> Self {
-        let engine = Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg);
+        let mut engine = Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg);
         let limits = engine.limits();
-        let shared = Arc::new(Shared::default());
+        let metrics = Arc::new(NodeMetrics::new());
+        let handles = metrics.node("colocated-0", "colocated");
+        engine.set_metrics(handles.engine_metrics());
+        let shared = Arc::new(Shared::with_metrics(handles));
         shared.publish(&engine, 0);
         let (tx, rx) = mpsc::channel::<Submit>();
         let sh = shared.clone();
@@ -67,7 +72,12 @@ impl EngineHandle {
             .spawn(move || run_node(engine, Colocated, rx, &sh))
             .expect("spawn engine thread");
         Self {
-            inner: Inner::Colocated { tx, limits, shared },
+            inner: Inner::Colocated {
+                tx,
+                limits,
+                shared,
+                metrics,
+            },
         }
     }
 
@@ -132,6 +142,16 @@ impl EngineHandle {
             s.client.fail(ServeError::from(EngineError::Shutdown));
         }
         Ok(stream)
+    }
+
+    /// The metrics of the engines in this process (`None` for remote nodes: each
+    /// serves its own on `--metrics-listen`).
+    pub fn node_metrics(&self) -> Option<&NodeMetrics> {
+        match &self.inner {
+            Inner::Colocated { metrics, .. } => Some(metrics),
+            Inner::Disaggregated(c) => Some(c.metrics()),
+            Inner::Remote(_) => None,
+        }
     }
 
     /// The limits admission checks against.

@@ -19,6 +19,7 @@ pub mod error;
 pub mod handle;
 mod link_security;
 mod links;
+pub mod metrics;
 mod net;
 mod node_loop;
 mod node_process;
@@ -26,10 +27,12 @@ mod prefill_node;
 pub mod remote;
 mod routing;
 pub mod stream;
+pub mod telemetry;
 
 pub use error::{ServeError, ServeErrorKind};
 pub use handle::EngineHandle;
 pub use links::{PdCounters, TransferFault};
+pub use metrics::NodeMetrics;
 pub use node_loop::EngineStats;
 pub use stream::{RequestStream, StreamEvent};
 /// Admission (I1) as the gateway runs it before submitting (the engine's types).

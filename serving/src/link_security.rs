@@ -12,7 +12,7 @@
 //!   the gateway identity, `Hello{from: Prefill}` (which gets the UCX region) only from
 //!   a prefill node the file lists, nothing else.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,8 +92,9 @@ struct Inner {
     settings: LinkSettings,
     /// The gateway identity's name.
     gateway: String,
-    /// Names of the prefill nodes the file lists.
-    prefill: HashSet<String>,
+    /// Identity names of the prefill nodes the file lists, each with the node's
+    /// address (its name as a request's writer).
+    prefill: HashMap<String, String>,
 }
 
 /// How this process's node links authenticate, and their timings. Cheap to clone.
@@ -163,11 +164,15 @@ impl NodeLinks {
             }
             (Some(_), false) => Some(tls_configs(&links.load(me)?)?),
         };
-        let names = |role: PoolRole| -> HashSet<String> {
+        let names = |role: PoolRole| -> HashMap<String, String> {
             cfg.link_identities()
                 .into_iter()
-                .filter(|i| matches!(i, LinkIdentity::Node { role: r, .. } if *r == role))
-                .filter_map(|i| i.name().ok())
+                .filter_map(|i| match &i {
+                    LinkIdentity::Node { role: r, address } if *r == role => {
+                        i.name().ok().map(|n| (n, address.clone()))
+                    }
+                    _ => None,
+                })
                 .collect()
         };
         Ok(Self(Arc::new(Inner {
@@ -260,28 +265,36 @@ impl NodeLinks {
     /// Whether a peer with `cert` may open a link saying `Hello{from}` to a node of
     /// role `me`: a coordinator only with the gateway identity, a prefill node (to a
     /// decode node only) only with the identity of a prefill node the file lists.
-    /// Plain links check only the roles.
+    /// Plain links check only the roles. Returns, for a prefill peer on a TLS link,
+    /// the address its certificate proves (the node's name as a request's writer).
     ///
     /// Errors: why not, for the node's log.
-    pub(crate) fn authorize(&self, cert: &PeerCert, from: Role, me: Role) -> Result<(), String> {
-        let allowed: Vec<&String> = match (from, me) {
-            (Role::Coordinator, _) => vec![&self.0.gateway],
-            (Role::Prefill, Role::Decode) => self.0.prefill.iter().collect(),
+    pub(crate) fn authorize(
+        &self,
+        cert: &PeerCert,
+        from: Role,
+        me: Role,
+    ) -> Result<Option<String>, String> {
+        let allowed: Vec<(&String, Option<&String>)> = match (from, me) {
+            (Role::Coordinator, _) => vec![(&self.0.gateway, None)],
+            (Role::Prefill, Role::Decode) => {
+                self.0.prefill.iter().map(|(n, a)| (n, Some(a))).collect()
+            }
             _ => return Err(format!("a {me:?} node takes no links from a {from:?} peer")),
         };
         if self.0.tls.is_none() {
-            return Ok(());
+            return Ok(None);
         }
         let Some(cert) = cert else {
             return Err("no client certificate".into());
         };
         let parsed = rustls::server::ParsedCertificate::try_from(cert)
             .map_err(|e| format!("unreadable client certificate: {e}"))?;
-        let ok = allowed.iter().any(|name| {
+        let found = allowed.iter().find(|(name, _)| {
             name_of(name).is_ok_and(|n| rustls::client::verify_server_name(&parsed, &n).is_ok())
         });
-        if ok {
-            Ok(())
+        if let Some((_, address)) = found {
+            Ok(address.cloned())
         } else {
             Err(format!(
                 "its certificate is not a {} identity of the deployment",

@@ -19,6 +19,30 @@ pub(crate) trait Reply: Send + Sync {
 /// A request's reply link.
 pub(crate) type ReplyTo = Arc<dyn Reply>;
 
+/// A link a node can cut when its peer breaks the protocol.
+pub(crate) trait Link: Send + Sync {
+    /// Closes the link (both directions).
+    fn close(&self);
+}
+
+/// The prefill link a writer-side frame (a page, a commit, a renewal) came on: the
+/// peer's name (its node address, or `prefill-N` in one process) and, over a network,
+/// the connection to cut on a violation.
+#[derive(Clone)]
+pub(crate) struct WriterLink {
+    pub(crate) name: String,
+    pub(crate) link: Option<Arc<dyn Link>>,
+}
+
+impl WriterLink {
+    /// Cuts the link (a protocol violation by the peer).
+    pub(crate) fn cut(&self) {
+        if let Some(l) = &self.link {
+            l.close();
+        }
+    }
+}
+
 /// Protocol-level error counters (all nodes of a deployment in this process, or one
 /// node process).
 #[derive(Debug, Default)]
@@ -38,6 +62,12 @@ pub struct PdCounters {
     /// TLS handshake (no certificate, another CA, plaintext), or a `Hello` whose role
     /// the peer's certificate does not carry.
     pub peers_refused: AtomicU64,
+    /// Frames refused as protocol violations by a peer (a page or commit from a node
+    /// that is not the request's writer, a write into pages already committed, a
+    /// malformed page); each also cuts the peer's link.
+    pub link_violations: AtomicU64,
+    /// Decode reservations whose lease ran out before their commit.
+    pub leases_expired: AtomicU64,
 }
 
 /// A fault the next transfer suffers (tests only): each reproduces a bug class of
@@ -51,6 +81,8 @@ pub enum TransferFault {
     CorruptByte,
     /// The prefill node sends its `Commit` twice.
     DuplicateCommit,
+    /// The prefill node's `Commit` names a first token outside the vocabulary.
+    FirstTokenOutOfVocab,
 }
 
 /// How long a node keeps a terminal request record (a tombstone): longer than any
@@ -72,14 +104,14 @@ impl ExpiryClock {
         }
     }
 
-    /// Forgets the tombstones older than [`TOMBSTONE_TTL_MS`], if a second passed
-    /// since the last time.
-    pub(crate) fn expire<S: RequestState>(&mut self, records: &mut Records<S>) {
+    /// Calls `expire(now_ms, ttl_ms)` with [`TOMBSTONE_TTL_MS`], if a second passed since
+    /// the last time.
+    pub(crate) fn tick(&mut self, expire: impl FnOnce(u64, u64)) {
         if self.last.elapsed().as_millis() < 1000 {
             return;
         }
         self.last = Instant::now();
-        records.expire(self.started.elapsed().as_millis() as u64, TOMBSTONE_TTL_MS);
+        expire(self.started.elapsed().as_millis() as u64, TOMBSTONE_TTL_MS);
     }
 }
 

@@ -93,8 +93,13 @@ pub(crate) fn block_on<T: Send + 'static>(
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Frame {
     /// First frame on a connection: the caller's role (checked against its
-    /// certificate on TLS links).
-    Hello { from: Role },
+    /// certificate on TLS links) and, for a node, its name (its listen address in the
+    /// deployment file; on TLS links the certificate's address is used instead).
+    Hello {
+        from: Role,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
+    },
     /// A node's answer to an accepted `Hello`.
     Welcome {
         /// Random per node process start: a restarted node is a new node.
@@ -107,18 +112,8 @@ pub(crate) enum Frame {
         #[serde(default)]
         draining: bool,
     },
-    /// A protocol message, with what the protocol leaves out: the request body
-    /// (`Prealloc`, `Prefill`), the decode node chosen (`Prefill`), the sampler
-    /// position (`Commit`).
-    Control {
-        msg: Msg,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        body: Option<GenerateRequest>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        decode: Option<usize>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        rng_pos: Option<u128>,
-    },
+    /// A protocol message, with what the protocol leaves out.
+    Control(Control),
     /// One page write; the payload is the page.
     Land { req: u64, dest: DestPage },
     /// Answer `FlushAck { id }` once every earlier frame was applied.
@@ -135,15 +130,44 @@ pub(crate) enum Frame {
     Drain,
 }
 
-impl Frame {
-    /// A control frame with nothing beside the message.
-    pub(crate) fn control(msg: Msg) -> Self {
-        Self::Control {
+/// A protocol message on the wire, with what the protocol leaves out: the request body
+/// (`Prealloc`, `Prefill`), the decode node chosen (`Prefill`), the prefill node
+/// assigned to write (`Prealloc`), the sampler position (`Commit`).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Control {
+    pub(crate) msg: Msg,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) body: Option<GenerateRequest>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) decode: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rng_pos: Option<u128>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) prefill: Option<String>,
+    /// The request's W3C `traceparent` (with `Prealloc` and `Prefill`, when the
+    /// gateway exports traces), so the node's spans join the request's trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) trace: Option<String>,
+}
+
+impl Control {
+    /// The message with nothing beside it.
+    pub(crate) fn new(msg: Msg) -> Self {
+        Self {
             msg,
             body: None,
             decode: None,
             rng_pos: None,
+            prefill: None,
+            trace: None,
         }
+    }
+}
+
+impl Frame {
+    /// A control frame with nothing beside the message.
+    pub(crate) fn control(msg: Msg) -> Self {
+        Self::Control(Control::new(msg))
     }
 
     /// The variant's name (logs, violation messages).
@@ -544,6 +568,12 @@ impl Conn {
     }
 }
 
+impl crate::links::Link for Conn {
+    fn close(&self) {
+        Conn::close(self);
+    }
+}
+
 impl crate::links::Reply for Conn {
     fn send(&self, msg: Msg) -> bool {
         self.control(msg)
@@ -561,7 +591,7 @@ pub(crate) struct Welcome {
     pub(crate) draining: bool,
 }
 
-/// Dials `addr` (expecting identity `peer_name`), says `Hello { from }` and reads
+/// Dials `addr` (expecting identity `peer_name`), says `Hello { from, name }` and reads
 /// the `Welcome`. Returns the connection, the welcome, and the reader for the rest
 /// of the link (which takes page writes of `page_bytes`, if any).
 ///
@@ -572,6 +602,7 @@ pub(crate) async fn open_link(
     addr: String,
     peer_name: String,
     from: Role,
+    name: Option<String>,
     page_bytes: Option<usize>,
 ) -> io::Result<(Arc<Conn>, Welcome, FrameReader)> {
     let s = links.settings();
@@ -585,7 +616,7 @@ pub(crate) async fn open_link(
         },
         s.dead_after,
     );
-    if !conn.try_send(&Frame::Hello { from }, &[]) {
+    if !conn.try_send(&Frame::Hello { from, name }, &[]) {
         return Err(io::Error::other("the connection closed before hello"));
     }
     let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, reader.next()).await;

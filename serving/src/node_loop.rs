@@ -2,6 +2,7 @@
 //! What the commands are (a co-located submit, a prefill or decode node's protocol
 //! messages) is the [`NodeLoop`] implementation's business.
 
+use crate::metrics::NodeHandles;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use tessera_engine::Engine;
@@ -31,7 +32,8 @@ impl EngineStats {
     }
 }
 
-/// Counters an engine thread publishes for lock-free readers.
+/// Counters an engine thread publishes for lock-free readers (and, with metrics, into
+/// the node's gauges).
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
     free_pages: AtomicUsize,
@@ -39,9 +41,18 @@ pub(crate) struct Shared {
     running: AtomicUsize,
     waiting: AtomicUsize,
     live: AtomicUsize,
+    metrics: Option<NodeHandles>,
 }
 
 impl Shared {
+    /// Counters that also publish into `metrics`.
+    pub(crate) fn with_metrics(metrics: NodeHandles) -> Self {
+        Self {
+            metrics: Some(metrics),
+            ..Self::default()
+        }
+    }
+
     pub(crate) fn snapshot(&self) -> EngineStats {
         EngineStats {
             free_pages: self.free_pages.load(Ordering::Acquire),
@@ -71,6 +82,9 @@ impl Shared {
         self.running.store(e.running_len(), Ordering::Release);
         self.waiting
             .store(e.waiting_len() + waiting_extra, Ordering::Release);
+        if let Some(m) = &self.metrics {
+            m.publish(e, waiting_extra);
+        }
     }
 }
 

@@ -16,9 +16,10 @@
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::link_security::{node_name, NodeLinks};
-use crate::links::{PdCounters, Reply, ReplyTo, TransferFault};
+use crate::links::{PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
+use crate::metrics::{serve_metrics, NodeMetrics};
 use crate::net::{
-    self, block_on, open_link, Conn, Frame, FrameLimits, FrameReader, LinkEnd, WireEvent,
+    self, block_on, open_link, Conn, Control, Frame, FrameLimits, FrameReader, LinkEnd, WireEvent,
 };
 use crate::node_loop::{run_node, NodeLoop, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
@@ -104,6 +105,9 @@ pub struct NodeOptions {
     /// Test-only fault ([`TestPanic`]).
     #[doc(hidden)]
     pub test_panic: Option<TestPanic>,
+    /// Serve `GET /metrics` (plain HTTP, read-only) on this address; `None`: no
+    /// metrics listener.
+    pub metrics_listen: Option<String>,
 }
 
 /// The engine configuration of one of `pool`'s nodes: the pool's page size and pool
@@ -334,15 +338,16 @@ fn spawn_engine<N: NodeLoop + Send + 'static>(
 }
 
 /// Runs one node until it is drained (then returns `Ok`) or the process is killed:
-/// binds `opts.listen`, then serves node links. Calls `ready` with the bound address
-/// once listening. Installs a panic hook that ends the process (see the module docs).
+/// binds `opts.listen` (and `opts.metrics_listen`), then serves node links. Calls
+/// `ready` with the bound control address and the metrics address once listening.
+/// Installs a panic hook that ends the process (see the module docs).
 ///
-/// Errors: the role is not prefill or decode, the address cannot be bound, UCX is
+/// Errors: the role is not prefill or decode, an address cannot be bound, UCX is
 /// asked for and unavailable.
 pub fn run_node_process(
     model: &LoadedModel,
     opts: NodeOptions,
-    ready: impl FnOnce(std::net::SocketAddr),
+    ready: impl FnOnce(std::net::SocketAddr, Option<std::net::SocketAddr>),
 ) -> io::Result<()> {
     if opts.role == Role::Coordinator {
         return Err(io::Error::new(
@@ -353,12 +358,24 @@ pub fn run_node_process(
     exit_on_panic();
     let listener = std::net::TcpListener::bind(&opts.listen)?;
     listener.set_nonblocking(true)?;
+    let metrics_listener = match &opts.metrics_listen {
+        Some(a) => Some(std::net::TcpListener::bind(a)?),
+        None => None,
+    };
     let mut engine = Engine::new(
         model.llama.clone(),
         model.tokenizer.clone(),
         opts.engine.clone(),
     );
     let page_bytes = engine.kv().layout().page_elems() * 2;
+    let metrics = Arc::new(NodeMetrics::new());
+    let role_label = if opts.role == Role::Decode {
+        "decode"
+    } else {
+        "prefill"
+    };
+    let handles = metrics.node(&opts.listen, role_label);
+    engine.set_metrics(handles.engine_metrics());
     let ucx = match opts.transport {
         TransportKind::Ucx => Some(
             UcxContext::new()
@@ -375,7 +392,7 @@ pub fn run_node_process(
         .clone()
         .with_context(model.llama.config().context);
     let counters = Arc::new(PdCounters::default());
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared::with_metrics(handles.clone()));
     let carried = Arc::new(Carried::default());
     let registry = Arc::new(Registry::default());
     let panic_engine = opts.test_panic == Some(TestPanic::Engine);
@@ -383,7 +400,7 @@ pub fn run_node_process(
         Role::Decode => {
             let (tx, rx) = mpsc::channel();
             engine.track_ended();
-            let node = DecodeLoop::new(counters.clone());
+            let node = DecodeLoop::new(counters.clone(), handles.clone());
             spawn_engine(
                 engine,
                 node,
@@ -397,6 +414,7 @@ pub fn run_node_process(
         _ => {
             let (tx, rx) = mpsc::channel();
             let peer_links: Arc<dyn PrefillLinks> = Arc::new(PeerLinks {
+                name: opts.listen.clone(),
                 peers: opts.decode_peers.clone(),
                 conns: opts.decode_peers.iter().map(|_| Mutex::new(None)).collect(),
                 ucx,
@@ -405,7 +423,7 @@ pub fn run_node_process(
                 registry: registry.clone(),
                 counters: counters.clone(),
             });
-            let node = PrefillLoop::new(peer_links, tx.clone());
+            let node = PrefillLoop::new(peer_links, tx.clone(), handles.clone());
             spawn_engine(
                 engine,
                 node,
@@ -438,6 +456,16 @@ pub fn run_node_process(
         test_panic: opts.test_panic,
     });
     let addr = listener.local_addr()?;
+    let metrics_addr = match metrics_listener {
+        Some(l) => {
+            let addr = l.local_addr()?;
+            std::thread::Builder::new()
+                .name("tessera-metrics".into())
+                .spawn(move || serve_metrics(l, metrics))?;
+            Some(addr)
+        }
+        None => None,
+    };
     {
         let _rt = net::enter();
         let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -454,7 +482,7 @@ pub fn run_node_process(
         }
         net::spawn(accept_loop(node.clone(), listener));
     }
-    ready(addr);
+    ready(addr, metrics_addr);
     // Returns once a drain finished (or never).
     let _ = exit_rx.recv();
     Ok(())
@@ -517,6 +545,8 @@ struct Link {
     reply: ReplyTo,
     unknown: Budget,
     control_frames: u64,
+    /// A prefill peer as a request's writer (its name and this connection).
+    writer: WriterLink,
 }
 
 impl NodeState {
@@ -541,8 +571,8 @@ impl NodeState {
             page_bytes: None,
         };
         let mut reader = FrameReader::new(r, limits, s.dead_after);
-        let from = match reader.next_on(&conn).await {
-            Ok((Frame::Hello { from }, _)) => from,
+        let (from, hello_name) = match reader.next_on(&conn).await {
+            Ok((Frame::Hello { from, name }, _)) => (from, name),
             Ok((f, _)) => {
                 let end = LinkEnd::Violation(format!("a {} frame before hello", f.kind()));
                 end.note(&peer, &self.counters);
@@ -555,14 +585,29 @@ impl NodeState {
                 return;
             }
         };
-        if let Err(why) = self.links.authorize(&cert, from, self.role) {
-            self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%peer, ?from, "refused a node link: {why}");
-            conn.close();
-            return;
-        }
+        let proven = match self.links.authorize(&cert, from, self.role) {
+            Ok(address) => address,
+            Err(why) => {
+                self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, ?from, "refused a node link: {why}");
+                conn.close();
+                return;
+            }
+        };
+        // A prefill peer's name, what decode records name as a request's writer: the
+        // address its certificate proves (TLS), else what it says (loopback only).
+        let writer = WriterLink {
+            name: proven.or(hello_name).unwrap_or_else(|| peer.clone()),
+            link: Some(conn.clone()),
+        };
         if from == Role::Prefill {
             reader.take_pages(self.page_bytes);
+            if let NodeCmds::Decode(tx) = &self.cmds {
+                let _ = tx.send(DecodeCmd::WriterLink {
+                    name: writer.name.clone(),
+                    lost: false,
+                });
+            }
         }
         conn.try_send(
             &Frame::Welcome {
@@ -588,6 +633,7 @@ impl NodeState {
             conn,
             unknown: Budget::new(),
             control_frames: 0,
+            writer,
         };
         let end = loop {
             match reader.next_on(&link.conn).await {
@@ -601,6 +647,13 @@ impl NodeState {
         };
         end.note(&peer, &self.counters);
         link.conn.close();
+        if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, &self.cmds) {
+            // Nothing it issued on this link can land any more.
+            let _ = tx.send(DecodeCmd::WriterLink {
+                name: link.writer.name.clone(),
+                lost: true,
+            });
+        }
         // The coordinator is gone: nobody will finish or abort its requests, so the
         // protocol aborts them (answers into the closed connection are dropped).
         if from == Role::Coordinator {
@@ -651,7 +704,17 @@ impl NodeState {
                 self.begin_drain("a drain request from a gateway identity");
                 Ok(())
             }
-            (Frame::Control { msg, body, .. }, NodeCmds::Decode(tx), Role::Coordinator) => {
+            (
+                Frame::Control(Control {
+                    msg,
+                    body,
+                    prefill,
+                    trace,
+                    ..
+                }),
+                NodeCmds::Decode(tx),
+                Role::Coordinator,
+            ) => {
                 let req = msg.req();
                 let body = match (&msg, body) {
                     (Msg::Prealloc { .. }, Some(body)) => {
@@ -667,6 +730,8 @@ impl NodeState {
                                 req,
                             }),
                             submitted: Instant::now(),
+                            writer: prefill,
+                            trace: valid_traceparent(trace),
                         })
                     }
                     (Msg::Prealloc { .. }, None) => {
@@ -692,8 +757,11 @@ impl NodeState {
                 })
                 .map_err(|_| gone())
             }
-            (Frame::Control { msg, rng_pos, .. }, NodeCmds::Decode(tx), Role::Prefill) => {
-                if !matches!(msg, Msg::Commit { .. }) {
+            (Frame::Control(Control { msg, rng_pos, .. }), NodeCmds::Decode(tx), Role::Prefill) => {
+                if !matches!(
+                    msg,
+                    Msg::Commit { .. } | Msg::Renew { .. } | Msg::WriterQuiet { .. }
+                ) {
                     return Err(format!(
                         "a prefill node may not send {} to a decode node",
                         msg_name(&msg)
@@ -702,13 +770,18 @@ impl NodeState {
                 tx.send(DecodeCmd::FromPrefill {
                     msg,
                     rng_pos: rng_pos.unwrap_or(0),
+                    from: link.writer.clone(),
                 })
                 .map_err(|_| gone())
             }
             (
-                Frame::Control {
-                    msg, body, decode, ..
-                },
+                Frame::Control(Control {
+                    msg,
+                    body,
+                    decode,
+                    trace,
+                    ..
+                }),
                 NodeCmds::Prefill(tx),
                 Role::Coordinator,
             ) => {
@@ -721,7 +794,7 @@ impl NodeState {
                         if !self.carried.claim(req, link.id) {
                             return Err(format!("Prefill for {req:?}, which another link carries"));
                         }
-                        Some((body, decode))
+                        Some((body, decode, valid_traceparent(trace)))
                     }
                     (Msg::Prefill { .. }, None) => {
                         return Err("a Prefill without its request body and decode node".into())
@@ -747,11 +820,14 @@ impl NodeState {
                 .map_err(|_| gone())
             }
             (Frame::Land { req, dest }, NodeCmds::Decode(tx), Role::Prefill) => tx
-                .send(DecodeCmd::Land(PageLanding {
-                    req,
-                    dest,
-                    bytes: payload,
-                }))
+                .send(DecodeCmd::Land {
+                    landing: PageLanding {
+                        req,
+                        dest,
+                        bytes: payload,
+                    },
+                    from: link.writer.clone(),
+                })
                 .map_err(|_| gone()),
             (Frame::Flush { id }, NodeCmds::Decode(tx), Role::Prefill) => {
                 let c = link.conn.clone();
@@ -854,7 +930,7 @@ pub fn drain_node(
     let (links, addr) = (links.clone(), addr.to_string());
     block_on(async move {
         let (conn, welcome, mut reader) =
-            open_link(links, addr.clone(), name, Role::Coordinator, None).await?;
+            open_link(links, addr.clone(), name, Role::Coordinator, None, None).await?;
         let timeout = |m: String| io::Error::new(io::ErrorKind::TimedOut, m);
         if !welcome.draining {
             conn.try_send(&Frame::Drain, &[]);
@@ -896,6 +972,9 @@ fn msg_name(m: &Msg) -> &'static str {
         Msg::Abort { .. } => "Abort",
         Msg::AbortAck { .. } => "AbortAck",
         Msg::Poll { .. } => "Poll",
+        Msg::LeaseExpired { .. } => "LeaseExpired",
+        Msg::Renew { .. } => "Renew",
+        Msg::WriterQuiet { .. } => "WriterQuiet",
     }
 }
 
@@ -952,6 +1031,24 @@ impl EventSink for ConnSink {
     }
 }
 
+/// A peer's `traceparent`, kept only when it is one: `00-<32 hex>-<16 hex>-<2 hex>`
+/// (55 bytes). Anything else is dropped, so a peer cannot make the node log or
+/// export arbitrary text.
+fn valid_traceparent(t: Option<String>) -> Option<String> {
+    let t = t?;
+    let b = t.as_bytes();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().all(|c| c.is_ascii_hexdigit());
+    let ok = b.len() == 55
+        && b[2] == b'-'
+        && b[35] == b'-'
+        && b[52] == b'-'
+        && hex(0..2)
+        && hex(3..35)
+        && hex(36..52)
+        && hex(53..55);
+    ok.then_some(t)
+}
+
 /// A prefill node's connection to one decode node.
 struct Peer {
     conn: Arc<Conn>,
@@ -963,6 +1060,8 @@ struct Peer {
 
 /// How a prefill node process reaches the decode nodes of its deployment.
 struct PeerLinks {
+    /// This prefill node's name (its listen address).
+    name: String,
     peers: Vec<String>,
     /// One slot per decode node, each with its own lock: connecting to one node never
     /// waits on another.
@@ -995,6 +1094,7 @@ impl PeerLinks {
             addr.clone(),
             name,
             Role::Prefill,
+            Some(self.name.clone()),
             None,
         ))
         .map_err(|e| gone(format!("cannot reach decode node {addr}: {e}")))?;
@@ -1066,12 +1166,10 @@ impl PrefillLinks for PeerLinks {
         let commit = matches!(msg, Msg::Commit { .. });
         let sent = self.peer(decode).is_ok_and(|p| {
             p.conn.send(
-                &Frame::Control {
-                    msg,
-                    body: None,
-                    decode: None,
+                &Frame::Control(Control {
                     rng_pos: Some(rng_pos),
-                },
+                    ..Control::new(msg)
+                }),
                 &[],
             )
         });

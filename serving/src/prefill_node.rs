@@ -11,7 +11,8 @@
 //! engine keeps serving everyone else.
 
 use crate::error::refusal;
-use crate::links::{settle, ExpiryClock, ReplyTo, TransferFault};
+use crate::links::{ExpiryClock, ReplyTo, TransferFault};
+use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,7 +22,8 @@ use tessera_engine::kv_transfer::{ExportError, ExportedPage};
 use tessera_engine::{Engine, FirstToken, GenerateRequest};
 use tessera_model::kv::SeqId;
 use tessera_transfer::protocol::{
-    FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId, Role,
+    FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId,
+    RequestState, Role,
 };
 use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
 
@@ -51,7 +53,8 @@ pub(crate) enum PrefillCmd {
     FromCoordinator {
         msg: Msg,
         reply: ReplyTo,
-        body: Option<(GenerateRequest, usize)>,
+        /// The body, the decode node chosen, the W3C `traceparent` (traces on).
+        body: Option<(GenerateRequest, usize, Option<String>)>,
     },
     /// A transfer worker drained (or failed) every put of a request.
     Drained(ReqId, Result<(), FailReason>),
@@ -78,6 +81,10 @@ struct PrefillRecord {
     /// Set on abort: the worker skips the puts it has not issued yet.
     cancel: Arc<AtomicBool>,
     fault: Option<TransferFault>,
+    /// The request's trace parent, and the span of its current phase (`prefill`
+    /// until computed, `transfer` until drained); dropping ends it.
+    trace: Option<String>,
+    span: Option<tracing::Span>,
 }
 
 fn seq_of(req: ReqId) -> SeqId {
@@ -98,6 +105,10 @@ enum Job {
     Send { msg: Msg, rng_pos: u128 },
 }
 
+/// How often a prefill node renews the decode reservations of the requests it works
+/// on (well inside the decode node's lease).
+const RENEW_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Jobs a worker queues before the node fails new transfers to that decode node.
 const WORKER_QUEUE: usize = 256;
 
@@ -107,7 +118,7 @@ struct TransferWorker {
 }
 
 impl TransferWorker {
-    fn spawn(links: Arc<dyn PrefillLinks>, decode: usize) -> Self {
+    fn spawn(links: Arc<dyn PrefillLinks>, decode: usize, metrics: NodeHandles) -> Self {
         let (tx, rx) = mpsc::sync_channel::<Job>(WORKER_QUEUE);
         let spawned = std::thread::Builder::new()
             .name(format!("tessera-transfer-{decode}"))
@@ -121,8 +132,13 @@ impl TransferWorker {
                             fault,
                             done,
                         } => {
+                            let started = std::time::Instant::now();
                             let result = transfer(&*links, decode, req, &pages, &cancel, fault)
                                 .map_err(|e| FailReason::new(FailKind::Transport, e.to_string()));
+                            if let Ok(bytes) = result {
+                                metrics.transferred(bytes, started.elapsed());
+                            }
+                            let result = result.map(|_| ());
                             let _ = done.send(PrefillCmd::Drained(req, result));
                         }
                         Job::Send { msg, rng_pos } => {
@@ -141,7 +157,7 @@ impl TransferWorker {
 }
 
 /// Puts every page (until cancelled) and flushes: on return nothing issued can still
-/// land.
+/// land. Returns the bytes put.
 fn transfer(
     links: &dyn PrefillLinks,
     decode: usize,
@@ -149,16 +165,19 @@ fn transfer(
     pages: &[ExportedPage],
     cancel: &AtomicBool,
     fault: Option<TransferFault>,
-) -> Result<(), TransportError> {
+) -> Result<u64, TransportError> {
     let dest: Vec<DestPage> = pages.iter().map(|p| p.dest).collect();
     let mut t = links.transport(decode, fault, &dest)?;
+    let mut bytes = 0u64;
     for p in pages {
         if cancel.load(Ordering::Acquire) {
             break;
         }
         t.put(req.0, p.dest, &p.bytes)?;
+        bytes += p.bytes.len() as u64;
     }
-    t.flush()
+    t.flush()?;
+    Ok(bytes)
 }
 
 /// The prefill node's [`PrefillEnv`] over its engine and transfer workers.
@@ -175,14 +194,17 @@ struct NodeIo {
     self_tx: mpsc::Sender<PrefillCmd>,
     /// Drains with nothing in flight, reported right after the protocol call.
     drained_now: Vec<(ReqId, Result<(), FailReason>)>,
+    /// This node's series (transfer workers count bytes and time).
+    metrics: NodeHandles,
 }
 
 impl NodeIo {
     fn worker(&mut self, decode: usize) -> &TransferWorker {
         let links = self.links.clone();
+        let metrics = self.metrics.clone();
         self.workers
             .entry(decode)
-            .or_insert_with(|| TransferWorker::spawn(links, decode))
+            .or_insert_with(|| TransferWorker::spawn(links, decode, metrics))
     }
 
     /// Queues `job` for decode node `decode`'s worker; false when its queue is full
@@ -288,13 +310,18 @@ pub(crate) struct PrefillLoop {
     records: HashMap<ReqId, PrefillRecord>,
     io: NodeIo,
     crashed: bool,
+    last_renew: std::time::Instant,
     clock: ExpiryClock,
 }
 
 impl PrefillLoop {
     /// A prefill node's loop; `self_tx` is its own command queue (transfer workers
-    /// report through it).
-    pub(crate) fn new(links: Arc<dyn PrefillLinks>, self_tx: mpsc::Sender<PrefillCmd>) -> Self {
+    /// report through it); transfers count into `metrics`.
+    pub(crate) fn new(
+        links: Arc<dyn PrefillLinks>,
+        self_tx: mpsc::Sender<PrefillCmd>,
+        metrics: NodeHandles,
+    ) -> Self {
         Self {
             proto: PrefillNode::new(),
             records: HashMap::new(),
@@ -303,8 +330,10 @@ impl PrefillLoop {
                 workers: HashMap::new(),
                 self_tx,
                 drained_now: Vec::new(),
+                metrics,
             },
             crashed: false,
+            last_renew: std::time::Instant::now(),
             clock: ExpiryClock::new(),
         }
     }
@@ -356,11 +385,17 @@ impl PrefillLoop {
                     };
                     let decode = r.decode;
                     let rng_pos = r.first.map_or(0, |f| f.rng_word_pos);
-                    let copies = if r.fault == Some(TransferFault::DuplicateCommit) {
-                        2
-                    } else {
-                        1
-                    };
+                    let duplicate = r.fault == Some(TransferFault::DuplicateCommit)
+                        && matches!(msg, Msg::Commit { .. });
+                    let mut msg = msg;
+                    if let (
+                        Some(TransferFault::FirstTokenOutOfVocab),
+                        Msg::Commit { first_token, .. },
+                    ) = (r.fault, &mut msg)
+                    {
+                        *first_token = u32::MAX;
+                    }
+                    let copies = if duplicate { 2 } else { 1 };
                     for _ in 0..copies {
                         let job = Job::Send {
                             msg: msg.clone(),
@@ -384,8 +419,47 @@ impl PrefillLoop {
         self.settle(req);
     }
 
+    /// Drops what a request's record holds once it is terminal, and the record once
+    /// the protocol forgot it: until then the node may still have to tell the decode
+    /// node `WriterQuiet` (its coordinator lost), which needs the decode node's index.
     fn settle(&mut self, req: ReqId) {
-        settle(self.proto.records(), &mut self.records, req);
+        let live = self.proto.records().state(req).map(|s| !s.is_terminal());
+        match (live, self.records.get_mut(&req)) {
+            (None, _) => {
+                self.records.remove(&req);
+            }
+            (Some(false), Some(r)) => {
+                r.export = None;
+                r.dest = Vec::new();
+                r.body.prompt = Vec::new();
+                r.body.stop = Vec::new();
+            }
+            _ => {}
+        }
+    }
+
+    /// Every few seconds: a renewal of the decode reservation of every request still
+    /// being computed or drained here, so its lease does not run out while it waits
+    /// for this node.
+    fn renew_leases(&mut self) {
+        if self.last_renew.elapsed() < RENEW_EVERY {
+            return;
+        }
+        self.last_renew = std::time::Instant::now();
+        let working: Vec<(ReqId, usize)> = self
+            .proto
+            .records()
+            .states()
+            .filter(|(_, s)| !s.is_terminal())
+            .filter_map(|(req, _)| self.records.get(&req).map(|r| (req, r.decode)))
+            .collect();
+        for (req, decode) in working {
+            let job = Job::Send {
+                msg: Msg::Renew { req },
+                rng_pos: 0,
+            };
+            let _ = self.io.submit(decode, job);
+        }
     }
 
     /// Prefills the engine finished: their pages are copied out and the protocol
@@ -408,6 +482,7 @@ impl PrefillLoop {
                 Ok((first, pages)) => {
                     let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
                     r.export = Some(pages);
+                    r.span = crate::telemetry::child_span("transfer", req.0, r.trace.as_deref());
                     self.with_proto(engine, req, None, |p, env, out| {
                         p.on_computed(req, first.token, &sums, env, out)
                     });
@@ -427,7 +502,10 @@ impl PrefillLoop {
     }
 
     fn expire_tombstones(&mut self) {
-        self.clock.expire(self.proto.records_mut());
+        let records = self.proto.records_mut();
+        self.clock.tick(|now, ttl| {
+            records.expire(now, ttl);
+        });
     }
 }
 
@@ -445,7 +523,9 @@ impl NodeLoop for PrefillLoop {
                 }
                 match (self.records.get_mut(&req), body) {
                     (Some(r), _) => r.reply = reply.clone(),
-                    (None, Some((body, decode))) if self.proto.records().state(req).is_none() => {
+                    (None, Some((body, decode, trace)))
+                        if self.proto.records().state(req).is_none() =>
+                    {
                         self.records.insert(
                             req,
                             PrefillRecord {
@@ -457,6 +537,12 @@ impl NodeLoop for PrefillLoop {
                                 export: None,
                                 cancel: Arc::new(AtomicBool::new(false)),
                                 fault: None,
+                                span: crate::telemetry::child_span(
+                                    "prefill",
+                                    req.0,
+                                    trace.as_deref(),
+                                ),
+                                trace,
                             },
                         );
                     }
@@ -467,6 +553,9 @@ impl NodeLoop for PrefillLoop {
                 });
             }
             PrefillCmd::Drained(req, result) => {
+                if let Some(r) = self.records.get_mut(&req) {
+                    r.span = None;
+                }
                 self.with_proto(engine, req, None, |p, env, out| {
                     p.on_drained(req, result, env, out)
                 });
@@ -500,5 +589,6 @@ impl NodeLoop for PrefillLoop {
     fn after_step(&mut self, engine: &mut Engine) {
         self.computed(engine);
         self.expire_tombstones();
+        self.renew_leases();
     }
 }

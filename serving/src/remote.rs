@@ -10,7 +10,7 @@ use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::error::ServeError;
 use crate::link_security::node_name;
 use crate::links::PdCounters;
-use crate::net::{self, block_on, open_link, Conn, Frame, LinkEnd};
+use crate::net::{self, block_on, open_link, Conn, Control, Frame, LinkEnd};
 use crate::node_loop::EngineStats;
 use crate::routing::Router;
 use crate::stream::{ClientSink, RequestStream};
@@ -97,6 +97,7 @@ impl RemoteCoordLinks {
             name,
             Role::Coordinator,
             None,
+            None,
         ))?;
         let epoch = node.epochs.fetch_add(1, Ordering::AcqRel) + 1;
         let last = node
@@ -116,7 +117,7 @@ impl RemoteCoordLinks {
         net::spawn(async move {
             let end = loop {
                 match reader.next_on(&conn).await {
-                    Ok((Frame::Control { msg, .. }, _)) => {
+                    Ok((Frame::Control(Control { msg, .. }), _)) => {
                         let _ = links.coord.send(CoordCmd::FromNode(msg));
                     }
                     Ok((Frame::Event { req, event }, _)) if role == Role::Decode => {
@@ -160,39 +161,53 @@ impl RemoteCoordLinks {
 
 impl CoordLinks for RemoteCoordLinks {
     fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let body = match extra {
-            Extra::Decode { body, client, .. } => {
+        let (body, prefill, trace) = match extra {
+            Extra::Decode {
+                body,
+                client,
+                prefill,
+                trace,
+                ..
+            } => {
                 self.streams.lock().unwrap().insert(msg.req(), client);
-                Some(body)
+                (
+                    Some(body),
+                    self.prefill.get(prefill).map(|n| n.addr.clone()),
+                    trace,
+                )
             }
-            _ => None,
+            _ => (None, None, None),
         };
         self.send(
             Role::Decode,
             index,
-            &Frame::Control {
-                msg,
+            &Frame::Control(Control {
                 body,
-                decode: None,
-                rng_pos: None,
-            },
+                prefill,
+                trace,
+                ..Control::new(msg)
+            }),
         )
     }
 
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let (body, decode) = match extra {
-            Extra::Prefill { body, decode } => (Some(body), Some(decode)),
-            _ => (None, None),
+        let (body, decode, trace) = match extra {
+            Extra::Prefill {
+                body,
+                decode,
+                trace,
+            } => (Some(body), Some(decode), trace),
+            _ => (None, None, None),
         };
         self.send(
             Role::Prefill,
             index,
-            &Frame::Control {
-                msg,
+            &Frame::Control(Control {
                 body,
                 decode,
-                rng_pos: None,
-            },
+                trace,
+                ..Control::new(msg)
+            }),
         )
     }
 

@@ -484,3 +484,69 @@ fn a_cancelled_request_is_released_only_after_both_nodes_acknowledged() {
     }
     assert_pools_full(&h);
 }
+
+/// A commit whose first token is outside the vocabulary (a broken or hostile prefill
+/// node) fails that request with an integrity error; the decode node does not panic,
+/// frees the pages and keeps serving.
+#[test]
+fn a_commit_with_a_first_token_outside_the_vocabulary_fails_only_that_request() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    c.inject_fault(TransferFault::FirstTokenOutOfVocab);
+    let mut rx = h
+        .submit(greedy(chat_prompt(&m, "What is the capital of France?"), 8))
+        .unwrap();
+    let o = collect(&mut rx);
+    assert!(o.ids.is_empty(), "{o:?}");
+    let e = serve_error(&o, ServeErrorKind::Integrity);
+    assert!(e.contains("outside the vocabulary"), "{e}");
+    assert_pools_full(&h);
+    let req = greedy(chat_prompt(&m, "Hi"), 8);
+    let alone = solo(&m, req.clone());
+    assert_eq!(collect(&mut h.submit(req).unwrap()), alone);
+}
+
+/// Page writes replayed into a request that is already decoding (its commit was
+/// verified) are a protocol violation: they are never applied, and the request fails
+/// with an integrity error rather than decode from pages its writer touched after
+/// the commit. Other requests are not affected.
+#[test]
+fn a_write_into_pages_already_committed_fails_that_request_and_is_not_applied() {
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    c.tap_writes();
+    let mut req = greedy(chat_prompt(&m, "Write a long story about the sea."), 400);
+    req.ignore_eos = true;
+    let mut rx = h.submit(req).unwrap();
+    let mut got = 0;
+    while got < 3 {
+        match rx.blocking_recv() {
+            Some(StreamEvent::Token { .. }) => got += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let writes = c.tapped_writes();
+    assert!(!writes.is_empty());
+    let before = c
+        .counters()
+        .link_violations
+        .load(std::sync::atomic::Ordering::Relaxed);
+    for w in writes {
+        c.deliver_write(0, w);
+    }
+    let o = collect(&mut rx);
+    let e = serve_error(&o, ServeErrorKind::Integrity);
+    assert!(e.contains("page write"), "{e}");
+    assert!(
+        c.counters()
+            .link_violations
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > before
+    );
+    assert_pools_full(&h);
+    let other = greedy(chat_prompt(&m, "Hi"), 8);
+    let alone = solo(&m, other.clone());
+    assert_eq!(collect(&mut h.submit(other).unwrap()), alone);
+}

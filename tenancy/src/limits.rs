@@ -27,7 +27,7 @@
 //! [`Limiter::inflight`] and [`Limiter::daily`] show it.
 
 use crate::store::Limits;
-use std::collections::HashMap;
+use dashmap::DashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -300,10 +300,13 @@ fn until_next_day(ms: i64) -> Duration {
     Duration::from_millis((next - ms).max(1000) as u64)
 }
 
-/// Per-tenant limiters of one gateway process.
+/// Per-tenant limiters of one gateway process. The map is a [`DashMap`] (sharded
+/// locks): every request looks its tenant up twice, and requests of different
+/// tenants should not queue on one process-wide lock; each tenant's state has its
+/// own mutex.
 #[derive(Default)]
 pub struct Limiter {
-    tenants: Mutex<HashMap<String, Arc<TenantLimiter>>>,
+    tenants: DashMap<String, Arc<TenantLimiter>>,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -319,23 +322,25 @@ impl Limiter {
     }
 
     fn tenant(&self, id: &str, limits: Limits, now: Instant) -> Arc<TenantLimiter> {
-        let t = {
-            let mut m = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-            m.entry(id.into())
+        let existing = self.tenants.get(id).map(|t| t.clone());
+        let t = match existing {
+            Some(t) => t,
+            None => self
+                .tenants
+                .entry(id.into())
                 .or_insert_with(|| {
                     Arc::new(TenantLimiter {
                         state: Mutex::new(TenantState::new(limits, now)),
                     })
                 })
-                .clone()
+                .clone(),
         };
         t.lock().update(limits, now);
         t
     }
 
     fn existing(&self, id: &str) -> Option<Arc<TenantLimiter>> {
-        let m = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
-        m.get(id).cloned()
+        self.tenants.get(id).map(|t| t.clone())
     }
 
     /// Phase 1: concurrency, then requests/minute, for a request of tenant `id`

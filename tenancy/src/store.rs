@@ -640,6 +640,19 @@ impl Store {
         Ok(store)
     }
 
+    /// Begins a transaction that will write. On SQLite it takes the write lock
+    /// up front (`BEGIN IMMEDIATE`): a deferred transaction that reads first and
+    /// then writes fails with SQLITE_BUSY at once when another connection wrote
+    /// in between, without waiting for the busy timeout
+    /// (<https://www.sqlite.org/lang_transaction.html>, "deferred").
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, StoreError> {
+        Ok(if self.backend == "sqlite" {
+            self.pool.begin_with("BEGIN IMMEDIATE").await?
+        } else {
+            self.pool.begin().await?
+        })
+    }
+
     /// `sqlite` or `postgres`.
     pub fn backend(&self) -> &'static str {
         self.backend
@@ -660,7 +673,7 @@ impl Store {
             if done.is_some() {
                 continue;
             }
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.write_tx().await?;
             sqlx::raw_sql(sql).execute(&mut *tx).await?;
             sqlx::query(
                 "INSERT INTO tessera_migrations (version, name, applied_ms) VALUES ($1, $2, $3)",
@@ -707,7 +720,7 @@ impl Store {
             created_ms: now_ms(),
             limits,
         };
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         sqlx::query("INSERT INTO tenants (id, name, status, created_ms) VALUES ($1, $2, $3, $4)")
             .bind(&t.id)
             .bind(&t.name)
@@ -766,7 +779,7 @@ impl Store {
         id: &str,
         status: TenantStatus,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query("UPDATE tenants SET status = $1 WHERE id = $2")
             .bind(status.as_str())
             .bind(id)
@@ -796,7 +809,7 @@ impl Store {
         id: &str,
         l: Limits,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query(
             "UPDATE tenant_limits SET requests_per_minute = $1, input_tokens_per_minute = $2, \
              output_tokens_per_minute = $3, max_concurrent = $4, daily_tokens = $5 WHERE tenant_id = $6",
@@ -845,7 +858,7 @@ impl Store {
         tenant_id: &str,
         new: &NewKey,
     ) -> Result<(KeyInfo, String), StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let exists = sqlx::query("SELECT id FROM tenants WHERE id = $1")
             .bind(tenant_id)
             .fetch_optional(&mut *tx)
@@ -928,7 +941,7 @@ impl Store {
     }
 
     async fn revoke_key_as(&self, by: Option<&AuditCtx>, key_id: &str) -> Result<bool, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query(
             "UPDATE api_keys SET revoked_ms = $1 WHERE key_id = $2 AND revoked_ms IS NULL",
         )

@@ -22,3 +22,34 @@ async fn sqlite_scopes_audit_and_retention() {
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
     common::store_admin_contract(&store).await;
 }
+
+/// Writers on the pool's several connections at once: a transaction that reads
+/// before it writes must wait for the lock, not fail with "database is locked".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_writers_wait_for_the_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    let tenant = store
+        .create_tenant("alpha", tessera_tenancy::Limits::default())
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let store = store.clone();
+        let id = tenant.id.clone();
+        tasks.push(tokio::spawn(async move {
+            for j in 0..8 {
+                store.create_key(&id, &format!("k{i}-{j}")).await?;
+            }
+            Ok::<_, tessera_tenancy::StoreError>(())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        store.list_keys(Some(&tenant.id)).await.unwrap().len(),
+        16 * 8
+    );
+}

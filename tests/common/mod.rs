@@ -440,6 +440,18 @@ impl Deployment {
         addr.rsplit(':').next().unwrap().parse().unwrap()
     }
 
+    /// SIGKILLs the gateway (mid-request, as a crash would) and starts a new one (with
+    /// a store of its own) on the same nodes.
+    pub async fn replace_gateway(&mut self) {
+        self.gateway._child.start_kill().unwrap();
+        tokio::time::timeout(START, self.gateway._child.wait())
+            .await
+            .expect("killed gateway exits")
+            .unwrap();
+        self.gateway =
+            start_config_gateway(self.dir.path(), &self.config, "data2", "gateway2.log", &[]).await;
+    }
+
     /// SIGKILLs a node and waits until it is gone.
     pub async fn kill(&mut self, role: &str) {
         let child = match role {

@@ -262,6 +262,26 @@ pub enum Msg {
         /// Request.
         req: ReqId,
     },
+    /// Decode -> coordinator: the reservation's lease ran out before a commit (the
+    /// prefill neither committed nor renewed); its pages are quarantined until the
+    /// prefill side is quiet.
+    LeaseExpired {
+        /// Request.
+        req: ReqId,
+    },
+    /// Prefill -> decode: the prefill node still works on the request (extends the
+    /// reservation's lease; changes no protocol state).
+    Renew {
+        /// Request.
+        req: ReqId,
+    },
+    /// Prefill -> decode: the prefill node drained every write it issued for the
+    /// request and will issue none (sent when its coordinator is gone, so the decode
+    /// node can free pages it quarantined).
+    WriterQuiet {
+        /// Request.
+        req: ReqId,
+    },
 }
 
 impl Msg {
@@ -279,7 +299,10 @@ impl Msg {
             | Msg::PrefillFailed { req, .. }
             | Msg::Abort { req }
             | Msg::AbortAck { req, .. }
-            | Msg::Poll { req } => *req,
+            | Msg::Poll { req }
+            | Msg::LeaseExpired { req }
+            | Msg::Renew { req }
+            | Msg::WriterQuiet { req } => *req,
         }
     }
 }
@@ -295,6 +318,8 @@ pub enum Failure {
     Decode(FailReason),
     /// A node holding the request died.
     NodeDown(Role),
+    /// The decode reservation's lease ran out before the prefill committed.
+    LeaseExpired,
 }
 
 /// A request's terminal outcome at the coordinator: exactly one per request (S4).
@@ -353,6 +378,11 @@ pub struct Flaws {
     pub coordinator_proceeds_on_rejected: bool,
     /// Coordinator reports success when the decode node dies mid-decode.
     pub coordinator_success_on_decode_crash: bool,
+    /// Decode frees a reservation at once when its coordinator is lost (instead of
+    /// quarantining it until the prefill side is quiet).
+    pub decode_frees_on_coordinator_lost: bool,
+    /// Decode frees a reservation at once when its lease expires.
+    pub decode_frees_on_lease_expiry: bool,
 }
 
 fn send(out: &mut Vec<Output>, to: Role, msg: Msg) {
@@ -554,6 +584,12 @@ impl Coordinator {
                 self.decide(Outcome::Rejected(reason), out);
                 self.abort_decode(out);
             }
+            (CoordPhase::Reserving | CoordPhase::Transferring { .. }, Msg::LeaseExpired { .. }) => {
+                // The decode node quarantined the pages; the prefill side may still be
+                // writing: quiet it first, then abort the decode side (which frees them).
+                self.decide(Outcome::Failed(Failure::LeaseExpired), out);
+                self.abort_prefill(out);
+            }
             // Decode sends `Finished` only for a sequence it admitted on a verified
             // commit, so it also stands for a `Committed` that was lost.
             (
@@ -733,6 +769,12 @@ pub trait DecodeEnv {
 
     /// Stops the sequence if it runs and frees every page of `req` (bumping epochs, I5).
     fn release(&mut self, req: ReqId);
+
+    /// Whether the node that writes `req`'s pages is known gone (its link closed): then
+    /// nothing it issued can still land. The default knows nothing.
+    fn writer_gone(&self, _req: ReqId) -> bool {
+        false
+    }
 }
 
 /// A request's state on the decode node.
@@ -758,6 +800,12 @@ pub enum DecodeState {
     },
     /// Commit verified; decoding.
     Running,
+    /// Pages still held but never to be read: a write into them may still be on its
+    /// way (the coordinator was lost or the lease ran out before a commit). Freed once
+    /// the prefill side is known quiet: an `Abort` from the coordinator (sent only
+    /// after the prefill acknowledged), `WriterQuiet` from the prefill node, a commit
+    /// (sent only after its writes drained), or the writer's link closed.
+    Quarantined(Quarantine),
     /// Decode ended; pages freed (terminal).
     Finished(DecodeOutcome),
     /// Commit refused; pages freed (terminal).
@@ -766,11 +814,23 @@ pub enum DecodeState {
     Aborted,
 }
 
+/// Why a reservation is quarantined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Quarantine {
+    /// Its coordinator's link closed.
+    CoordinatorLost,
+    /// Its lease ran out before a commit.
+    LeaseExpired,
+}
+
 impl RequestState for DecodeState {
     fn is_terminal(&self) -> bool {
         !matches!(
             self,
-            DecodeState::Waiting { .. } | DecodeState::Reserved { .. } | DecodeState::Running
+            DecodeState::Waiting { .. }
+                | DecodeState::Reserved { .. }
+                | DecodeState::Running
+                | DecodeState::Quarantined(_)
         )
     }
 }
@@ -883,6 +943,10 @@ pub struct DecodeNode {
     reqs: Records<DecodeState>,
     /// Admitted requests waiting for pages, oldest first (FIFO: none overtakes).
     waiting: VecDeque<ReqId>,
+    /// Requests whose prefill side already said it is quiet (before they were
+    /// quarantined, or even before their `Prealloc` arrived: the two come on different
+    /// links), and the driver's clock when it said so.
+    quiet: BTreeMap<ReqId, u64>,
     flaws: Flaws,
 }
 
@@ -898,6 +962,7 @@ impl DecodeNode {
         Self {
             reqs: Records::default(),
             waiting: VecDeque::new(),
+            quiet: BTreeMap::new(),
             flaws,
         }
     }
@@ -936,8 +1001,35 @@ impl DecodeNode {
             }
             Msg::Abort { req } => self.on_abort(req, env, out),
             Msg::Poll { req } => self.resend(req, out),
+            Msg::WriterQuiet { req } => self.on_writer_quiet(req, env, out),
             _ => {}
         }
+    }
+
+    /// Whether page writes for `req` may be applied now: only while its pages are
+    /// reserved and waiting for the commit (never into a running sequence's pages,
+    /// never after the reservation ended or was quarantined).
+    pub fn accepts_writes(&self, req: ReqId) -> bool {
+        matches!(self.reqs.get(&req), Some(DecodeState::Reserved { .. }))
+    }
+
+    /// Records `state` for `req` (and forgets a quiet note once it left `Reserved`).
+    fn set(&mut self, req: ReqId, state: DecodeState) {
+        if state.is_terminal() {
+            self.quiet.remove(&req);
+        }
+        self.reqs.insert(req, state);
+    }
+
+    /// Advances the driver's clock to `now` (milliseconds) and forgets what is older
+    /// than `ttl`: terminal records ([`Records::expire`]) and quiet notes of requests
+    /// that never arrived. Returns how many records were forgotten.
+    pub fn expire(&mut self, now: u64, ttl: u64) -> usize {
+        let forgotten = self.reqs.expire(now, ttl);
+        let reqs = &self.reqs;
+        self.quiet
+            .retain(|r, t| reqs.state(*r).is_some() || t.saturating_add(ttl) > now);
+        forgotten
     }
 
     /// The reply the coordinator last got for `req`, re-sent for a duplicate or a poll.
@@ -958,6 +1050,8 @@ impl DecodeNode {
                 pages: dest.clone(),
             },
             DecodeState::Running => Msg::Committed { req },
+            DecodeState::Quarantined(Quarantine::LeaseExpired) => Msg::LeaseExpired { req },
+            DecodeState::Quarantined(Quarantine::CoordinatorLost) => return,
             DecodeState::Finished(outcome) => Msg::Finished {
                 req,
                 outcome: outcome.clone(),
@@ -992,7 +1086,7 @@ impl DecodeNode {
             Some(_) => return self.resend(req, out),
         }
         if let Err(refusal) = env.admit(req, tenant, prompt_tokens, max_tokens) {
-            self.reqs.insert(req, DecodeState::Refused(refusal));
+            self.set(req, DecodeState::Refused(refusal));
             return self.resend(req, out);
         }
         let waiting = DecodeState::Waiting {
@@ -1002,14 +1096,14 @@ impl DecodeNode {
         };
         if !self.waiting.is_empty() {
             // Behind older requests: no overtaking.
-            self.reqs.insert(req, waiting);
+            self.set(req, waiting);
             self.waiting.push_back(req);
             return;
         }
         if self.try_reserve(req, tenant, prompt_tokens, max_tokens, env, out) {
             return;
         }
-        self.reqs.insert(req, waiting);
+        self.set(req, waiting);
         self.waiting.push_back(req);
     }
 
@@ -1032,7 +1126,7 @@ impl DecodeNode {
             Err(ReserveError::Refused(refusal)) => DecodeState::Refused(refusal),
             Err(ReserveError::NoRoomYet) => return false,
         };
-        self.reqs.insert(req, state);
+        self.set(req, state);
         self.resend(req, out);
         true
     }
@@ -1099,6 +1193,20 @@ impl DecodeNode {
             {
                 (Ok(()), pages.iter().map(|p| p.dest).collect(), tokens)
             }
+            DecodeState::Quarantined(_) => {
+                // A commit is sent only after its writes drained: nothing can land now.
+                env.release(req);
+                self.set(req, DecodeState::Aborted);
+                send(
+                    out,
+                    Role::Coordinator,
+                    Msg::CommitFailed {
+                        req,
+                        reason: CommitError::NotAwaitingCommit,
+                    },
+                );
+                return Err(CommitError::NotAwaitingCommit);
+            }
             _ => {
                 self.resend(req, out);
                 return Err(CommitError::NotAwaitingCommit);
@@ -1106,12 +1214,12 @@ impl DecodeNode {
         };
         match &verdict {
             Ok(()) => match env.start_decode(req, table_tokens, first_token, &table) {
-                Ok(()) => self.reqs.insert(req, DecodeState::Running),
+                Ok(()) => self.set(req, DecodeState::Running),
                 Err(reason) => {
                     // Verified, but the engine would not run it: fail it, free its pages.
                     env.release(req);
                     let outcome = DecodeOutcome::Failed { reason };
-                    self.reqs.insert(req, DecodeState::Finished(outcome));
+                    self.set(req, DecodeState::Finished(outcome));
                 }
             },
             Err(e) => {
@@ -1119,7 +1227,7 @@ impl DecodeNode {
                 if !self.flaws.decode_leaks_on_commit_failed {
                     env.release(req);
                 }
-                self.reqs.insert(req, DecodeState::CommitFailed(e.clone()));
+                self.set(req, DecodeState::CommitFailed(e.clone()));
             }
         }
         self.resend(req, out);
@@ -1130,16 +1238,20 @@ impl DecodeNode {
     /// The coordinator sends it only once the prefill side is quiet (S2).
     pub fn on_abort(&mut self, req: ReqId, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
         match self.reqs.get(&req) {
-            Some(DecodeState::Reserved { .. } | DecodeState::Running) => {
+            // A quarantined reservation too: the coordinator aborts the decode side only
+            // once the prefill side acknowledged (or is dead), so nothing can land.
+            Some(
+                DecodeState::Reserved { .. } | DecodeState::Running | DecodeState::Quarantined(_),
+            ) => {
                 env.release(req);
-                self.reqs.insert(req, DecodeState::Aborted);
+                self.set(req, DecodeState::Aborted);
             }
             Some(DecodeState::Waiting { .. }) => {
                 self.waiting.retain(|r| *r != req);
-                self.reqs.insert(req, DecodeState::Aborted);
+                self.set(req, DecodeState::Aborted);
             }
             None => {
-                self.reqs.insert(req, DecodeState::Aborted);
+                self.set(req, DecodeState::Aborted);
             }
             Some(_) => {} // terminal: nothing held
         }
@@ -1153,16 +1265,80 @@ impl DecodeNode {
         );
     }
 
-    /// The coordinator of `req` is gone (its connection closed): nobody will finish or
-    /// abort the request, so the node aborts it itself. The acknowledgement it emits
-    /// has no one to go to; a driver may drop it.
+    /// The coordinator of `req` is gone (its link closed): nobody will finish or abort
+    /// the request, so the node ends it itself, without an acknowledgement. A running
+    /// sequence's pages are freed at once (its commit proved the prefill drained); a
+    /// reservation still waiting for its commit is quarantined (S2: the prefill may
+    /// still be writing into it) until the prefill side is quiet, unless it already
+    /// said so.
     pub fn on_coordinator_lost(
+        &mut self,
+        req: ReqId,
+        env: &mut impl DecodeEnv,
+        _out: &mut Vec<Output>,
+    ) {
+        match self.reqs.get(&req) {
+            Some(DecodeState::Reserved { .. })
+                if !self.quiet.contains_key(&req)
+                    && !env.writer_gone(req)
+                    && !self.flaws.decode_frees_on_coordinator_lost =>
+            {
+                self.set(req, DecodeState::Quarantined(Quarantine::CoordinatorLost));
+            }
+            Some(DecodeState::Reserved { .. } | DecodeState::Running) => {
+                env.release(req);
+                self.set(req, DecodeState::Aborted);
+            }
+            Some(DecodeState::Waiting { .. }) => {
+                self.waiting.retain(|r| *r != req);
+                self.set(req, DecodeState::Aborted);
+            }
+            None => self.set(req, DecodeState::Aborted),
+            Some(_) => {} // quarantined already, or terminal
+        }
+    }
+
+    /// The reservation's lease ran out (the prefill neither committed nor renewed):
+    /// the pages are quarantined, never read, and the coordinator hears
+    /// `LeaseExpired`; it quiets the prefill side and then aborts this side, which
+    /// frees them. Ignored unless `req` is reserved.
+    pub fn on_lease_expired(
         &mut self,
         req: ReqId,
         env: &mut impl DecodeEnv,
         out: &mut Vec<Output>,
     ) {
-        self.on_abort(req, env, out);
+        if !matches!(self.reqs.get(&req), Some(DecodeState::Reserved { .. })) {
+            return;
+        }
+        if self.flaws.decode_frees_on_lease_expiry {
+            env.release(req);
+            self.set(req, DecodeState::Aborted);
+        } else {
+            self.set(req, DecodeState::Quarantined(Quarantine::LeaseExpired));
+        }
+        send(out, Role::Coordinator, Msg::LeaseExpired { req });
+    }
+
+    /// `WriterQuiet` (or the driver saw the writer's link close): the prefill side
+    /// will write nothing more for `req`. Frees a quarantined reservation; remembered
+    /// for one that is not quarantined (yet) or not even reserved yet.
+    pub fn on_writer_quiet(
+        &mut self,
+        req: ReqId,
+        env: &mut impl DecodeEnv,
+        _out: &mut Vec<Output>,
+    ) {
+        match self.reqs.get(&req) {
+            Some(DecodeState::Quarantined(_)) => {
+                env.release(req);
+                self.set(req, DecodeState::Aborted);
+            }
+            Some(DecodeState::Reserved { .. } | DecodeState::Waiting { .. }) | None => {
+                self.quiet.insert(req, self.reqs.now);
+            }
+            Some(_) => {}
+        }
     }
 
     /// The engine reports that the sequence ended: frees its pages and tells the
@@ -1178,7 +1354,7 @@ impl DecodeNode {
             return;
         }
         env.release(req);
-        self.reqs.insert(req, DecodeState::Finished(outcome));
+        self.set(req, DecodeState::Finished(outcome));
         self.resend(req, out);
     }
 }
@@ -1277,6 +1453,8 @@ pub enum AfterDrain {
     Fail(FailReason),
     /// Release and send `AbortAck`.
     AbortAck,
+    /// Release and tell the decode node `WriterQuiet` (the coordinator is gone).
+    Quiet,
 }
 
 /// A request's state on the prefill node.
@@ -1537,6 +1715,10 @@ impl PrefillNode {
                 };
                 send(out, Role::Coordinator, ack);
             }
+            (AfterDrain::Quiet, _) => {
+                self.tombstone(req);
+                send(out, Role::Decode, Msg::WriterQuiet { req });
+            }
         }
     }
 
@@ -1548,16 +1730,37 @@ impl PrefillNode {
         }
     }
 
-    /// The coordinator of `req` is gone (its connection closed): the node aborts the
-    /// request itself, as for an `Abort` (stop, drain, release). The acknowledgement
-    /// has no one to go to; a driver may drop it.
+    /// The coordinator of `req` is gone (its link closed): the node stops the request
+    /// as for an `Abort` (stop, drain, release), and then tells the decode node
+    /// `WriterQuiet` instead of acknowledging to nobody, so the decode node can free
+    /// the pages it quarantined. A request with nothing in flight (committed, failed,
+    /// refused, aborted, or never seen: a tombstone stops a late `Prefill`) is quiet at
+    /// once.
     pub fn on_coordinator_lost(
         &mut self,
         req: ReqId,
         env: &mut impl PrefillEnv,
         out: &mut Vec<Output>,
     ) {
-        self.on_abort(req, env, out);
+        match self.reqs.get(&req) {
+            Some(PrefillState::Computing { .. }) => {
+                env.stop_prefill(req);
+                env.flush(req);
+                self.reqs
+                    .insert(req, PrefillState::Draining(AfterDrain::Quiet));
+            }
+            Some(PrefillState::Draining(_)) => {
+                self.reqs
+                    .insert(req, PrefillState::Draining(AfterDrain::Quiet));
+            }
+            // Nothing in flight: its writes drained, or it never wrote and (with a
+            // tombstone) never will.
+            Some(PrefillState::Refused(_)) => send(out, Role::Decode, Msg::WriterQuiet { req }),
+            _ => {
+                self.tombstone(req);
+                send(out, Role::Decode, Msg::WriterQuiet { req });
+            }
+        }
     }
 
     /// `Abort`: stops computing, drains, releases, then acknowledges (from

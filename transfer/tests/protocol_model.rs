@@ -115,6 +115,8 @@ struct DPool {
     /// A request that fits the pool but not now waits for pages instead of being
     /// refused as busy (the decode node's FIFO).
     queue_when_busy: bool,
+    /// The decode node's driver saw the prefill node's link close.
+    writer_gone: bool,
 }
 
 /// A model pool's admission (I1): refuses a request that can never fit its pool
@@ -194,6 +196,10 @@ impl DecodeEnv for DPool {
         self.running.insert(req, pages.to_vec());
         self.admitted.push((req, tokens, pages.to_vec()));
         Ok(())
+    }
+
+    fn writer_gone(&self, _req: ReqId) -> bool {
+        self.writer_gone
     }
 
     fn release(&mut self, req: ReqId) {
@@ -304,6 +310,11 @@ struct Budget {
     failed_writes: u8,
     aborts: u8,
     crashes: u8,
+    /// The coordinator (the gateway process) may crash: every request's coordinator
+    /// vanishes and each node learns, per request, that its coordinator is gone.
+    coord_crashes: u8,
+    /// A decode reservation's lease may run out before its commit.
+    lease_expiries: u8,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -318,7 +329,21 @@ struct PdState {
     left: Budget,
     /// Per coordinator: has it learned that the prefill / decode node is dead?
     told_down: Vec<(bool, bool)>,
+    /// Whether the coordinators' process is alive.
+    coord_alive: bool,
+    /// Notices a node's driver has yet to deliver to its machine (canonically ordered):
+    /// the coordinator of a request is gone, or (decode) the writer of a request is.
+    notices: Vec<(Notice, ReqId)>,
     ghost: Vec<Ghost>,
+}
+
+/// What a node's driver learns from its links.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Notice {
+    /// `role`'s link to the request's coordinator closed.
+    CoordinatorLost(Role),
+    /// The decode node's link to the prefill node (the writer) closed.
+    WriterLost,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -336,6 +361,9 @@ enum Action {
     Timeout(usize),
     Crash(Role),
     Detect(usize, Role),
+    CoordinatorCrash,
+    Notify(usize),
+    LeaseExpire(ReqId),
 }
 
 impl Action {
@@ -349,6 +377,8 @@ impl Action {
                 | Action::FailWrite(_)
                 | Action::ClientGone(_)
                 | Action::Crash(_)
+                | Action::CoordinatorCrash
+                | Action::LeaseExpire(_)
         )
     }
 }
@@ -375,6 +405,9 @@ struct Cfg {
     joint_detection: bool,
     /// The decode node queues a request that does not fit now ([`DPool::queue_when_busy`]).
     queue_when_busy: bool,
+    /// The decode node's driver reports a dead prefill node as the writer being gone
+    /// (what frees pages quarantined for its requests).
+    writer_lost_notices: bool,
     flaws: Flaws,
     /// Outcomes and events the configuration must be able to reach.
     expect_all_succeed: bool,
@@ -417,7 +450,7 @@ impl PdModel {
                         _ => {}
                     }
                     let alive = match to {
-                        Role::Coordinator => true,
+                        Role::Coordinator => st.coord_alive,
                         Role::Prefill => st.prefill.is_some(),
                         Role::Decode => st.decode.is_some(),
                     };
@@ -479,6 +512,22 @@ impl PdModel {
     }
 }
 
+/// After the coordinators are gone: nothing in flight and no page held on any node.
+fn nothing_held(st: &PdState) -> bool {
+    st.net.is_empty()
+        && st.writes.is_empty()
+        && st.notices.is_empty()
+        && st.prefill.as_ref().is_none_or(|(_, p)| {
+            p.pages.iter().all(|pg| pg.held.is_none())
+                && p.computing.is_empty()
+                && p.flushing.is_empty()
+        })
+        && st
+            .decode
+            .as_ref()
+            .is_none_or(|(_, d)| d.pages.iter().all(|pg| pg.held.is_none()) && d.running.is_empty())
+}
+
 /// Every page `req` reads is held for it, carries the tag it expects, the tag is the
 /// request's, and the page holds the request's own KV for that block.
 fn reads_own_pages(pool: &DPool, req: ReqId, pages: &[DestPage]) -> bool {
@@ -536,12 +585,15 @@ impl Model for PdModel {
                     admitted: Vec::new(),
                     refused: Vec::new(),
                     queue_when_busy: cfg.queue_when_busy,
+                    writer_gone: false,
                 },
             )),
             net: Vec::new(),
             writes: Vec::new(),
             left: cfg.budget,
             told_down: vec![(false, false); cfg.reqs.len()],
+            coord_alive: true,
+            notices: Vec::new(),
             ghost: vec![Ghost::default(); cfg.reqs.len()],
         };
         for (i, r) in cfg.reqs.iter().enumerate() {
@@ -595,6 +647,53 @@ impl Model for PdModel {
                 acts.push(Action::FinishDecode(*req));
             }
         }
+        if left.crashes > 0 {
+            for role in &self.cfg.crash_roles {
+                let alive = match role {
+                    Role::Prefill => st.prefill.is_some(),
+                    Role::Decode => st.decode.is_some(),
+                    Role::Coordinator => false,
+                };
+                if alive {
+                    acts.push(Action::Crash(*role));
+                }
+            }
+        }
+        for (i, (notice, _)) in st.notices.iter().enumerate() {
+            // A link delivers what was sent on it before its close is noticed: a node
+            // hears its coordinator is gone only once nothing from it is in flight.
+            let from_coordinator_in_flight = |role: Role| {
+                st.net.iter().any(|(to, m)| {
+                    *to == role
+                        && matches!(
+                            m,
+                            Msg::Prealloc { .. }
+                                | Msg::Prefill { .. }
+                                | Msg::Abort { .. }
+                                | Msg::Poll { .. }
+                        )
+                })
+            };
+            match notice {
+                Notice::CoordinatorLost(role) if from_coordinator_in_flight(*role) => {}
+                _ => acts.push(Action::Notify(i)),
+            }
+        }
+        if left.coord_crashes > 0 && st.coord_alive {
+            acts.push(Action::CoordinatorCrash);
+        }
+        if left.lease_expiries > 0 {
+            if let Some((d, _)) = &st.decode {
+                for (req, s) in d.records().states() {
+                    if matches!(s, tessera_transfer::protocol::DecodeState::Reserved { .. }) {
+                        acts.push(Action::LeaseExpire(req));
+                    }
+                }
+            }
+        }
+        if !st.coord_alive {
+            return; // nothing drives the coordinators any more
+        }
         for (i, c) in st.coords.iter().enumerate() {
             if self.cfg.reqs[i].abortable && left.aborts > 0 && c.outcome().is_none() {
                 acts.push(Action::ClientGone(i));
@@ -625,18 +724,6 @@ impl Model for PdModel {
         for role in joint {
             acts.push(Action::Detect(EVERY_COORDINATOR, role));
         }
-        if left.crashes > 0 {
-            for role in &self.cfg.crash_roles {
-                let alive = match role {
-                    Role::Prefill => st.prefill.is_some(),
-                    Role::Decode => st.decode.is_some(),
-                    Role::Coordinator => false,
-                };
-                if alive {
-                    acts.push(Action::Crash(*role));
-                }
-            }
-        }
     }
 
     fn next_state(&self, last: &PdState, action: Action) -> Option<PdState> {
@@ -654,6 +741,7 @@ impl Model for PdModel {
                     st.net.remove(i)
                 };
                 match to {
+                    Role::Coordinator if !st.coord_alive => {}
                     Role::Coordinator => {
                         let i = msg.req().0 as usize;
                         st.coords[i].on_msg(msg, &mut out);
@@ -758,7 +846,16 @@ impl Model for PdModel {
             Action::Crash(role) => {
                 st.left.crashes -= 1;
                 match role {
-                    Role::Prefill => st.prefill = None,
+                    Role::Prefill => {
+                        st.prefill = None;
+                        if self.cfg.writer_lost_notices && st.decode.is_some() {
+                            st.decode.as_mut()?.1.writer_gone = true;
+                            for r in 0..st.coords.len() {
+                                st.notices.push((Notice::WriterLost, ReqId(r as u64)));
+                            }
+                            canon(&mut st.notices);
+                        }
+                    }
                     Role::Decode => {
                         st.decode = None;
                         // Writes into the dead node fail at the source.
@@ -772,6 +869,53 @@ impl Model for PdModel {
                 }
                 st.writes.clear();
                 st.net.retain(|(to, _)| *to != role);
+                // A crashed node's pending notices die with it.
+                st.notices.retain(|(n, _)| {
+                    let about_it = matches!(n, Notice::CoordinatorLost(r) if *r == role)
+                        || (role == Role::Decode && *n == Notice::WriterLost);
+                    !about_it
+                });
+            }
+            Action::CoordinatorCrash => {
+                st.left.coord_crashes -= 1;
+                st.coord_alive = false;
+                st.net.retain(|(to, _)| *to != Role::Coordinator);
+                for (role, alive) in [
+                    (Role::Prefill, st.prefill.is_some()),
+                    (Role::Decode, st.decode.is_some()),
+                ] {
+                    if alive {
+                        for r in 0..st.coords.len() {
+                            st.notices
+                                .push((Notice::CoordinatorLost(role), ReqId(r as u64)));
+                        }
+                    }
+                }
+                canon(&mut st.notices);
+            }
+            Action::Notify(i) => {
+                let (notice, req) = st.notices.remove(i);
+                match notice {
+                    Notice::CoordinatorLost(Role::Prefill) => {
+                        let (node, pool) = st.prefill.as_mut()?;
+                        node.on_coordinator_lost(req, pool, &mut out);
+                    }
+                    Notice::CoordinatorLost(_) => {
+                        let (node, pool) = st.decode.as_mut()?;
+                        node.on_coordinator_lost(req, pool, &mut out);
+                        node.on_capacity(pool, &mut out);
+                    }
+                    Notice::WriterLost => {
+                        let (node, pool) = st.decode.as_mut()?;
+                        node.on_writer_quiet(req, pool, &mut out);
+                        node.on_capacity(pool, &mut out);
+                    }
+                }
+            }
+            Action::LeaseExpire(req) => {
+                st.left.lease_expiries -= 1;
+                let (node, pool) = st.decode.as_mut()?;
+                node.on_lease_expired(req, pool, &mut out);
             }
             Action::Detect(which, role) => {
                 let all = 0..st.coords.len();
@@ -834,9 +978,15 @@ impl Model for PdModel {
                 each && (!all_done || st.ghost.iter().all(|g| g.outcomes.len() == 1))
             }),
             Property::always(S5, |_, st: &PdState| {
+                let idle_prefill = st
+                    .prefill
+                    .as_ref()
+                    .is_none_or(|(_, p)| p.computing.is_empty() && p.flushing.is_empty());
                 let quiescent = st.net.is_empty()
                     && st.writes.is_empty()
-                    && st.coords.iter().all(Coordinator::is_done);
+                    && st.notices.is_empty()
+                    && (st.coords.iter().all(Coordinator::is_done)
+                        || (!st.coord_alive && idle_prefill));
                 let prefill_free = st.prefill.as_ref().is_none_or(|(_, p)| {
                     p.pages.iter().all(|pg| pg.held.is_none())
                         && p.computing.is_empty()
@@ -895,6 +1045,19 @@ impl Model for PdModel {
                                     tessera_transfer::protocol::DecodeState::Reserved { .. }
                                 )
                             })
+                    })
+                },
+            ));
+        }
+        if self.cfg.budget.coord_crashes + self.cfg.budget.lease_expiries > 0 {
+            p.push(Property::sometimes(
+                "a reservation is quarantined while a write is in flight",
+                |_, st: &PdState| {
+                    st.decode.as_ref().is_some_and(|(d, _)| {
+                        d.records().states().any(|(req, s)| {
+                            matches!(s, tessera_transfer::protocol::DecodeState::Quarantined(_))
+                                && st.writes.iter().any(|w| w.req == req)
+                        })
                     })
                 },
             ));
@@ -964,10 +1127,13 @@ fn two_requests() -> Cfg {
             failed_writes: 0,
             aborts: 1,
             crashes: 0,
+            coord_crashes: 0,
+            lease_expiries: 0,
         },
         crash_roles: vec![],
         joint_detection: false,
         queue_when_busy: false,
+        writer_lost_notices: false,
         flaws: Flaws::default(),
         expect_all_succeed: true,
         expect_rejection: true,
@@ -1038,6 +1204,29 @@ fn queued() -> Cfg {
     c
 }
 
+/// [`two_requests`] where the gateway process may crash at any point (every
+/// coordinator gone, each node told per request, in any order, while page writes may
+/// still be in flight and land late) and the prefill node may crash too (the decode
+/// node then hears that the writer is gone).
+fn coordinator_crash() -> Cfg {
+    let mut c = two_requests();
+    c.budget.aborts = 0;
+    c.budget.coord_crashes = 1;
+    c.budget.crashes = 1;
+    c.crash_roles = vec![Role::Prefill];
+    c.writer_lost_notices = true;
+    c.expect_all_succeed = false;
+    c
+}
+
+/// [`two_requests`] where a decode reservation's lease may run out before its commit
+/// (a slow or stuck prefill), and a client may abort.
+fn lease_expiry() -> Cfg {
+    let mut c = two_requests();
+    c.budget.lease_expiries = 1;
+    c
+}
+
 /// Checks every property in every reachable state (BFS) and returns the number of
 /// unique states.
 fn check_safe(name: &str, cfg: Cfg) -> usize {
@@ -1061,6 +1250,8 @@ const EVERYTHING_STATES: usize = 2806727;
 const WRITE_FAULT_STATES: usize = 18939;
 const OVERSIZED_STATES: usize = 389987;
 const QUEUED_STATES: usize = 150082;
+const COORDINATOR_CRASH_STATES: usize = 166502;
+const LEASE_STATES: usize = 37812;
 
 #[test]
 fn safe_with_abort_and_reordering() {
@@ -1104,6 +1295,37 @@ fn safe_with_a_request_waiting_for_decode_pages() {
 }
 
 #[test]
+fn safe_when_the_coordinator_crashes_with_writes_in_flight() {
+    assert_eq!(
+        check_safe("coordinator crash", coordinator_crash()),
+        COORDINATOR_CRASH_STATES
+    );
+}
+
+#[test]
+fn safe_when_a_reservation_lease_expires() {
+    assert_eq!(check_safe("lease expiry", lease_expiry()), LEASE_STATES);
+}
+
+#[test]
+fn s2_catches_freeing_at_once_when_the_coordinator_is_lost() {
+    caught(
+        coordinator_crash(),
+        flaw(|f| f.decode_frees_on_coordinator_lost = true),
+        S2,
+    );
+}
+
+#[test]
+fn s2_catches_freeing_at_once_when_the_lease_expires() {
+    caught(
+        lease_expiry(),
+        flaw(|f| f.decode_frees_on_lease_expiry = true),
+        S2,
+    );
+}
+
+#[test]
 fn safe_with_an_oversized_request() {
     let mut c = oversized();
     c.budget.losses = 1;
@@ -1142,7 +1364,8 @@ fn every_request_can_finish(name: &str, cfg: Cfg) {
     }
     let mut acts = Vec::new();
     while let Some((id, st)) = queue.pop_front() {
-        finished[id as usize] = st.coords.iter().all(Coordinator::is_done);
+        finished[id as usize] =
+            st.coords.iter().all(Coordinator::is_done) || (!st.coord_alive && nothing_held(&st));
         acts.clear();
         model.actions(&st, &mut acts);
         for a in acts.drain(..) {
@@ -1208,6 +1431,8 @@ fn every_request_can_finish_despite_faults() {
     every_request_can_finish("write faults", faulty_writes());
     every_request_can_finish("oversized", oversized());
     every_request_can_finish("queued", queued());
+    every_request_can_finish("coordinator crash", coordinator_crash());
+    every_request_can_finish("lease expiry", lease_expiry());
 }
 
 /// The configuration, with coordinators learning of the crash together (the

@@ -52,21 +52,44 @@ pub async fn start_with(cfg: GatewayConfig) -> TestServer {
 
 /// Starts the server on the store at `url` (default: a SQLite file in a temp dir).
 pub async fn start_with_store(cfg: GatewayConfig, url: Option<String>) -> TestServer {
-    start_full(cfg, url, EngineConfig::default()).await
+    start_full(cfg, url, EngineConfig::default(), false).await
 }
 
 /// Starts the server with a co-located engine configured as `engine`.
 pub async fn start_with_engine(cfg: GatewayConfig, engine: EngineConfig) -> TestServer {
-    start_full(cfg, None, engine).await
+    start_full(cfg, None, engine, false).await
 }
 
-async fn start_full(mut cfg: GatewayConfig, url: Option<String>, ecfg: EngineConfig) -> TestServer {
+/// Starts the server with a prefill and a decode engine in this process (the
+/// `tessera serve` default), each with a pool of one context window.
+pub async fn start_pd(cfg: GatewayConfig) -> TestServer {
+    let engine = EngineConfig {
+        kv_pool_tokens: 8192,
+        ..EngineConfig::default()
+    };
+    start_full(cfg, None, engine, true).await
+}
+
+async fn start_full(
+    mut cfg: GatewayConfig,
+    url: Option<String>,
+    ecfg: EngineConfig,
+    pd: bool,
+) -> TestServer {
     let dir = tempfile::tempdir().unwrap();
     let url =
         url.unwrap_or_else(|| format!("sqlite://{}", dir.path().join("tessera.db").display()));
     let store = Store::connect(&url).await.unwrap();
     let model = LoadedModel::load(&model_path()).expect("model (run `tessera model fetch`)");
-    let engine = EngineHandle::spawn(&model, ecfg);
+    let engine = if pd {
+        EngineHandle::spawn_disaggregated(
+            &model,
+            std::slice::from_ref(&ecfg),
+            std::slice::from_ref(&ecfg),
+        )
+    } else {
+        EngineHandle::spawn(&model, ecfg)
+    };
     cfg.listen = "127.0.0.1:0".parse().unwrap();
     if cfg.admin_listen.is_some() {
         cfg.admin_listen = Some("127.0.0.1:0".parse().unwrap());

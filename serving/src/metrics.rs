@@ -1,0 +1,438 @@
+//! Node metrics (Prometheus, through `prometheus-client`): KV pages by state, queue
+//! depth, the integrity counters where their checks fail (tag mismatches by reader,
+//! refused commits by reason, dropped late writes) and KV transfer bytes and time.
+//!
+//! One [`NodeMetrics`] per process holds the metric families and their registry:
+//! a `tessera node` process serves it on `--metrics-listen` ([`serve_metrics`]); an
+//! in-process deployment (`tessera serve`) appends it to the gateway's `/metrics`.
+//! Every node of the process gets its own series through its `node` and `role`
+//! labels ([`NodeMetrics::node`]); the handles a node keeps are resolved once, so an
+//! update on a hot path is one atomic operation.
+//!
+//! Names carry their unit; counters end in `_total` (the encoder appends it to the
+//! registered name).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_engine::{Engine, EngineMetrics};
+use tessera_transfer::protocol::CommitError;
+
+/// A node's identity in its series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabels {
+    node: String,
+    role: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PageLabels {
+    node: String,
+    role: &'static str,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReaderLabels {
+    node: String,
+    role: &'static str,
+    reader: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    node: String,
+    role: &'static str,
+    reason: &'static str,
+}
+
+type HistogramFamily<S> = Family<S, Histogram, fn() -> Histogram>;
+
+fn transfer_histogram() -> Histogram {
+    // 100 us .. ~13 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 18))
+}
+
+/// Every [`CommitError`]'s reason label, in declaration order.
+pub const COMMIT_REASONS: [&str; 8] = [
+    "unknown_request",
+    "not_awaiting_commit",
+    "token_count",
+    "page_count",
+    "unexpected_page",
+    "duplicate_page",
+    "tag_mismatch",
+    "checksum_mismatch",
+];
+
+/// The stable label of a refused commit's reason (one of [`COMMIT_REASONS`]).
+pub fn commit_reason(e: &CommitError) -> &'static str {
+    match e {
+        CommitError::UnknownRequest => "unknown_request",
+        CommitError::NotAwaitingCommit => "not_awaiting_commit",
+        CommitError::TokenCount { .. } => "token_count",
+        CommitError::PageCount { .. } => "page_count",
+        CommitError::UnexpectedPage { .. } => "unexpected_page",
+        CommitError::DuplicatePage { .. } => "duplicate_page",
+        CommitError::TagMismatch { .. } => "tag_mismatch",
+        CommitError::ChecksumMismatch { .. } => "checksum_mismatch",
+    }
+}
+
+/// The metric families of every node in this process, and their registry.
+#[derive(Debug)]
+pub struct NodeMetrics {
+    registry: Registry,
+    kv_pages: Family<PageLabels, Gauge>,
+    queue_depth: Family<NodeLabels, Gauge>,
+    tag_mismatches: Family<ReaderLabels, Counter>,
+    commits_rejected: Family<ReasonLabels, Counter>,
+    late_writes_dropped: Family<NodeLabels, Counter>,
+    transfer_bytes: Family<NodeLabels, Counter>,
+    transfer_seconds: HistogramFamily<NodeLabels>,
+}
+
+impl Default for NodeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NodeMetrics {
+    /// Empty families, registered.
+    pub fn new() -> Self {
+        let mut m = Self {
+            registry: Registry::default(),
+            kv_pages: Family::default(),
+            queue_depth: Family::default(),
+            tag_mismatches: Family::default(),
+            commits_rejected: Family::default(),
+            late_writes_dropped: Family::default(),
+            transfer_bytes: Family::default(),
+            transfer_seconds: Family::new_with_constructor(transfer_histogram),
+        };
+        let r = &mut m.registry;
+        r.register(
+            "tessera_kv_pages",
+            "KV pages by state (free, reserved: held for a transfer or an export, in_use: held by running sequences).",
+            m.kv_pages.clone(),
+        );
+        r.register(
+            "tessera_queue_depth",
+            "Requests waiting on the node (for a batch slot, or for pages).",
+            m.queue_depth.clone(),
+        );
+        r.register(
+            "tessera_kv_tag_mismatches",
+            "KV page tag checks that failed (I3), by reader: attention, transfer_source (export), transfer_sink (commit check). Any is an incident.",
+            m.tag_mismatches.clone(),
+        );
+        r.register(
+            "tessera_kv_commits_rejected",
+            "KV transfer commits the decode node refused (I4), by reason.",
+            m.commits_rejected.clone(),
+        );
+        r.register(
+            "tessera_kv_late_writes_dropped",
+            "Page writes dropped because the page no longer held the tag they named (late or stray writes).",
+            m.late_writes_dropped.clone(),
+        );
+        r.register(
+            "tessera_kv_transfer_bytes",
+            "KV page bytes a prefill node put into decode nodes.",
+            m.transfer_bytes.clone(),
+        );
+        r.register(
+            "tessera_kv_transfer_seconds",
+            "Time to put and flush one request's KV pages (prefill node, transfer worker).",
+            m.transfer_seconds.clone(),
+        );
+        m
+    }
+
+    /// The handles of node `node` (its address, or `decode-0` in one process) of
+    /// `role` (`prefill`, `decode`, `colocated`). Its counters exist from now on, at
+    /// zero, so `rate()` and alerts see them before the first event.
+    pub(crate) fn node(&self, node: &str, role: &'static str) -> NodeHandles {
+        let labels = NodeLabels {
+            node: node.to_string(),
+            role,
+        };
+        let page = |state| {
+            self.kv_pages.get_or_create_owned(&PageLabels {
+                node: node.to_string(),
+                role,
+                state,
+            })
+        };
+        let reader = |reader| {
+            self.tag_mismatches.get_or_create_owned(&ReaderLabels {
+                node: node.to_string(),
+                role,
+                reader,
+            })
+        };
+        let decode = role == "decode";
+        let commits = if decode {
+            COMMIT_REASONS
+                .iter()
+                .map(|&reason| {
+                    self.commits_rejected.get_or_create_owned(&ReasonLabels {
+                        node: node.to_string(),
+                        role,
+                        reason,
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        NodeHandles {
+            pages: [page("free"), page("reserved"), page("in_use")],
+            queue: self.queue_depth.get_or_create_owned(&labels),
+            engine: EngineMetrics {
+                attention_tag_mismatches: reader("attention"),
+                transfer_source_tag_mismatches: reader("transfer_source"),
+            },
+            sink_tag_mismatches: decode.then(|| reader("transfer_sink")),
+            commits,
+            late_writes: decode.then(|| self.late_writes_dropped.get_or_create_owned(&labels)),
+            transfer_bytes: (role == "prefill")
+                .then(|| self.transfer_bytes.get_or_create_owned(&labels)),
+            transfer_seconds: (role == "prefill")
+                .then(|| self.transfer_seconds.get_or_create_owned(&labels)),
+        }
+    }
+
+    /// Appends the OpenMetrics text of every family (no `# EOF`: the caller may
+    /// append more and ends the message).
+    pub fn encode(&self, out: &mut String) -> std::fmt::Result {
+        prometheus_client::encoding::text::encode_registry(out, &self.registry)
+    }
+
+    /// The whole exposition, `# EOF` included.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// One node's resolved metric handles (cheap to clone: each is an `Arc`).
+#[derive(Clone, Debug)]
+pub(crate) struct NodeHandles {
+    /// free, reserved, in_use.
+    pages: [Gauge; 3],
+    queue: Gauge,
+    engine: EngineMetrics,
+    sink_tag_mismatches: Option<Counter>,
+    /// By [`COMMIT_REASONS`] index (decode nodes).
+    commits: Vec<Counter>,
+    late_writes: Option<Counter>,
+    transfer_bytes: Option<Counter>,
+    transfer_seconds: Option<Histogram>,
+}
+
+impl NodeHandles {
+    /// The counters the node's engine increments.
+    pub(crate) fn engine_metrics(&self) -> EngineMetrics {
+        self.engine.clone()
+    }
+
+    /// Publishes the engine's page states and queue (`waiting_extra`: requests the
+    /// node queues outside the engine).
+    pub(crate) fn publish(&self, e: &Engine, waiting_extra: usize) {
+        let s = e.page_states();
+        for (g, v) in self.pages.iter().zip([s.free, s.reserved, s.in_use]) {
+            g.set(v as i64);
+        }
+        self.queue.set((e.waiting_len() + waiting_extra) as i64);
+    }
+
+    /// A refused commit (decode node): by reason, and a tag mismatch at the transfer
+    /// sink when that is the reason.
+    pub(crate) fn commit_rejected(&self, e: &CommitError) {
+        let reason = commit_reason(e);
+        if let Some(i) = COMMIT_REASONS.iter().position(|r| *r == reason) {
+            if let Some(c) = self.commits.get(i) {
+                c.inc();
+            }
+        }
+        if matches!(e, CommitError::TagMismatch { .. }) {
+            if let Some(c) = &self.sink_tag_mismatches {
+                c.inc();
+            }
+        }
+    }
+
+    /// A page write dropped (decode node).
+    pub(crate) fn late_write_dropped(&self) {
+        if let Some(c) = &self.late_writes {
+            c.inc();
+        }
+    }
+
+    /// One request's pages put and flushed (prefill node): `bytes` in `took`.
+    pub(crate) fn transferred(&self, bytes: u64, took: Duration) {
+        if let Some(c) = &self.transfer_bytes {
+            c.inc_by(bytes);
+        }
+        if let Some(h) = &self.transfer_seconds {
+            h.observe(took.as_secs_f64());
+        }
+    }
+}
+
+/// Longest request head the metrics listener reads.
+const MAX_HEAD: usize = 8 << 10;
+/// How long a metrics client may take to send its request head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `GET /metrics` (OpenMetrics text) on `listener` until the process exits:
+/// plain HTTP/1.1, one request per connection, read-only. Anything else is answered
+/// 404 (another path), 405 (another method) or 400 (not HTTP, a head over 8 KiB);
+/// a client that sends no complete head within 5 s is disconnected. Each connection
+/// runs on its own short-lived thread, so a slow client delays nobody else.
+pub fn serve_metrics(listener: TcpListener, metrics: Arc<NodeMetrics>) {
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else {
+            // Out of file descriptors or similar: back off instead of spinning.
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        let m = metrics.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tessera-metrics-conn".into())
+            .spawn(move || {
+                if let Err(e) = answer(stream, &m) {
+                    tracing::debug!(error = %e, "metrics connection ended");
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a metrics connection thread");
+        }
+    }
+}
+
+fn answer(stream: TcpStream, metrics: &NodeMetrics) -> io::Result<()> {
+    stream.set_read_timeout(Some(HEAD_TIMEOUT))?;
+    stream.set_write_timeout(Some(HEAD_TIMEOUT))?;
+    let mut r = BufReader::new((&stream).take(MAX_HEAD as u64));
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    // The rest of the head, up to the blank line (bounded by MAX_HEAD).
+    let mut complete = false;
+    let mut h = String::new();
+    loop {
+        h.clear();
+        if r.read_line(&mut h)? == 0 {
+            break;
+        }
+        if h == "\r\n" || h == "\n" {
+            complete = true;
+            break;
+        }
+    }
+    let mut parts = line.split_whitespace();
+    let (method, path, version) = (parts.next(), parts.next(), parts.next());
+    let (status, body, ctype) = match (method, path, version) {
+        _ if !complete => ("400 Bad Request", "bad request\n".to_string(), "text/plain"),
+        (Some(_), Some(_), Some(v)) if !v.starts_with("HTTP/1.") => {
+            ("400 Bad Request", "bad request\n".into(), "text/plain")
+        }
+        (Some("GET" | "HEAD"), Some(p), Some(_))
+            if p == "/metrics" || p.starts_with("/metrics?") =>
+        {
+            (
+                "200 OK",
+                metrics.render(),
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )
+        }
+        (Some("GET" | "HEAD"), Some(_), Some(_)) => {
+            ("404 Not Found", "not found\n".into(), "text/plain")
+        }
+        (Some(_), Some(_), Some(_)) => (
+            "405 Method Not Allowed",
+            "only GET /metrics\n".into(),
+            "text/plain",
+        ),
+        _ => ("400 Bad Request", "bad request\n".into(), "text/plain"),
+    };
+    let head_only = method == Some("HEAD");
+    let mut w = &stream;
+    write!(
+        w,
+        "HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n{}\r\n",
+        body.len(),
+        if status.starts_with("405") {
+            "allow: GET, HEAD\r\n"
+        } else {
+            ""
+        }
+    )?;
+    if !head_only {
+        w.write_all(body.as_bytes())?;
+    }
+    w.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_commit_error_has_its_own_reason_label() {
+        let errors = [
+            CommitError::UnknownRequest,
+            CommitError::NotAwaitingCommit,
+            CommitError::TokenCount {
+                expected: 1,
+                got: 2,
+            },
+            CommitError::PageCount {
+                expected: 1,
+                got: 2,
+            },
+            CommitError::UnexpectedPage { page: 1 },
+            CommitError::DuplicatePage { page: 1 },
+            CommitError::TagMismatch { page: 1 },
+            CommitError::ChecksumMismatch {
+                page: 1,
+                expected: 1,
+                got: 2,
+            },
+        ];
+        let labels: Vec<&str> = errors.iter().map(commit_reason).collect();
+        assert_eq!(labels, COMMIT_REASONS);
+    }
+
+    #[test]
+    fn a_refused_commit_counts_its_reason_and_a_sink_tag_mismatch() {
+        let m = NodeMetrics::new();
+        let h = m.node("decode-0", "decode");
+        h.commit_rejected(&CommitError::TagMismatch { page: 3 });
+        h.commit_rejected(&CommitError::NotAwaitingCommit);
+        h.commit_rejected(&CommitError::NotAwaitingCommit);
+        h.late_write_dropped();
+        let text = m.render();
+        for line in [
+            r#"tessera_kv_commits_rejected_total{node="decode-0",role="decode",reason="tag_mismatch"} 1"#,
+            r#"tessera_kv_commits_rejected_total{node="decode-0",role="decode",reason="not_awaiting_commit"} 2"#,
+            r#"tessera_kv_commits_rejected_total{node="decode-0",role="decode",reason="checksum_mismatch"} 0"#,
+            r#"tessera_kv_tag_mismatches_total{node="decode-0",role="decode",reader="transfer_sink"} 1"#,
+            r#"tessera_kv_tag_mismatches_total{node="decode-0",role="decode",reader="attention"} 0"#,
+            r#"tessera_kv_late_writes_dropped_total{node="decode-0",role="decode"} 1"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+}
