@@ -991,7 +991,13 @@ async fn admin_api_manages_tenants_keys_and_limits() {
         m.contains(&format!("tessera_kv_capacity_pages {cap}")),
         "{m}"
     );
-    assert!(m.contains("tessera_request_duration_seconds_count "), "{m}");
+    assert!(
+        m.contains(&format!(
+            "tessera_request_duration_seconds_count{{model=\"{MODEL}\"}} {}",
+            rows.len()
+        )),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

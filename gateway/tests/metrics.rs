@@ -132,7 +132,8 @@ async fn every_counter_moves_by_exactly_what_the_requests_explain() {
     cluster.inject_fault(TransferFault::DuplicateCommit);
     let (st, _, v) = s.post(&url, Some(&s.key), &counting(6, false)).await;
     assert_eq!(st, 200, "{v}");
-    // Replayed writes of a finished request: dropped (their pages moved on).
+    // Replayed writes of a finished request: refused and dropped (no reservation
+    // awaits them; in one process there is no link to cut).
     cluster.tap_writes();
     let (st, _, v) = s.post(&url, Some(&s.key), &counting(6, false)).await;
     assert_eq!(st, 200, "{v}");

@@ -382,6 +382,7 @@ impl DecodeLoop {
             .fetch_add(1, Ordering::Relaxed);
         if what.contains("page write") {
             self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
+            self.metrics.late_write_dropped();
         }
         tracing::warn!(?req, peer = %from.name, "{what}; cutting the link");
         from.cut();

@@ -141,7 +141,7 @@ impl NodeMetrics {
         );
         r.register(
             "tessera_kv_late_writes_dropped",
-            "Page writes dropped because the page no longer held the tag they named (late or stray writes).",
+            "Page writes dropped, never applied: late writes to a reservation that ended or was quarantined, and refused writes (from a node that is not the request's writer, or to pages not awaiting one).",
             m.late_writes_dropped.clone(),
         );
         r.register(
