@@ -818,7 +818,7 @@ async fn node_drain_lets_a_running_prefill_finish_then_the_node_exits() {
     assert_eq!(v["result"], solo);
     let out = tokio::time::timeout(REQUEST, drain)
         .await
-        .unwrap()
+        .unwrap_or_else(|_| panic!("the drain did not end\n{}", dep.logs()))
         .unwrap()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
