@@ -583,7 +583,16 @@ impl NodeLoop for PrefillLoop {
     }
 
     fn live(&self) -> usize {
-        self.records.len()
+        // A record whose protocol state is terminal (or gone) holds nothing.
+        self.records
+            .keys()
+            .filter(|r| {
+                self.proto
+                    .records()
+                    .state(**r)
+                    .is_some_and(|s| !s.is_terminal())
+            })
+            .count()
     }
 
     fn after_step(&mut self, engine: &mut Engine) {
