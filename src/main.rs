@@ -95,6 +95,11 @@ enum Command {
 
 #[derive(Subcommand)]
 enum OpsCommand {
+    /// The node links' certificates: a cluster CA and one certificate per identity.
+    Certs {
+        #[command(subcommand)]
+        command: CertsCommand,
+    },
     /// Check a deployment file (tessera.toml): structure and I2 (every pool holds a
     /// full context window of every model it serves). Prints the full report; exits
     /// non-zero on any violation.
@@ -104,6 +109,31 @@ enum OpsCommand {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum CertsCommand {
+    /// Write a new cluster CA: DIR/ca.pem (trusted by every node and gateway) and
+    /// DIR/ca.key (keep it off the nodes). Refuses to replace an existing CA.
+    Init {
+        /// Where to write the CA.
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Sign a certificate and key for every identity of a deployment file (the
+    /// gateway, every prefill and decode node) with DIR/ca.key, written as
+    /// DIR/<stem>.pem and DIR/<stem>.key (the names `[node_links] cert_dir` uses).
+    Issue {
+        /// The deployment file.
+        #[arg(long)]
+        config: PathBuf,
+        /// The directory holding the CA; the certificates are written here.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Validity of the certificates, in days.
+        #[arg(long, default_value_t = tessera_ops::certs::DEFAULT_DAYS)]
+        days: u32,
     },
 }
 
@@ -168,6 +198,9 @@ fn run() -> Result<()> {
         Command::Audit { store, args } => tenancy_cli::audit(store, args),
         Command::Loadtest(args) => tessera_loadtest::main(args),
         Command::Ops {
+            command: OpsCommand::Certs { command },
+        } => certs(command),
+        Command::Ops {
             command: OpsCommand::CheckConfig { file, json },
         } => Ok(tessera_ops::check_config_command(
             &file,
@@ -175,4 +208,31 @@ fn run() -> Result<()> {
             &mut std::io::stdout().lock(),
         )?),
     }
+}
+
+fn certs(c: CertsCommand) -> Result<()> {
+    use tessera_ops::certs;
+    match c {
+        CertsCommand::Init { dir } => {
+            let (cert, key) = certs::init(&dir)?;
+            println!("tessera ops certs: CA certificate {}", cert.display());
+            println!(
+                "tessera ops certs: CA key {} (owner-only; keep it off the nodes)",
+                key.display()
+            );
+        }
+        CertsCommand::Issue { config, dir, days } => {
+            let cfg = tessera_config::DeploymentConfig::load(&config)?;
+            for i in certs::issue(&cfg, &dir, days)? {
+                println!(
+                    "tessera ops certs: {} ({}): {} {}",
+                    i.identity,
+                    i.name,
+                    i.cert.display(),
+                    i.key.display()
+                );
+            }
+        }
+    }
+    Ok(())
 }

@@ -2,11 +2,19 @@
 //! deployment file, and the deployment-file side of `tessera serve --config`.
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::{Args, Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
-use tessera_config::{DeploymentConfig, ModelEntry, PoolConfig, Role};
+use std::time::Duration;
+use tessera_config::{DeploymentConfig, LinkIdentity, ModelEntry, PoolConfig, Role};
 use tessera_model::LoadedModel;
-use tessera_serving::remote::{run_node_process, NodeOptions, RemoteNodes, TransportKind};
+use tessera_serving::remote::{
+    drain_node, run_node_process, NodeLinks, NodeOptions, ProtocolRole, RemoteNodes, TestPanic,
+    TransportKind,
+};
+
+/// Test-only: makes a node panic on purpose (`engine` or `connection`), for the
+/// supervision tests. Read once at start; never set it in a deployment.
+const TEST_PANIC_ENV: &str = "TESSERA_TEST_NODE_PANIC";
 
 /// A node's role on the command line.
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -17,15 +25,18 @@ pub(crate) enum RoleArg {
     Decode,
 }
 
-/// Arguments of `tessera node`.
+/// Arguments of `tessera node`: run a node, or `drain` one.
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub(crate) struct NodeArgs {
+    #[command(subcommand)]
+    command: Option<NodeCommand>,
     /// The node's role.
-    #[arg(long)]
-    role: RoleArg,
-    /// The deployment file (pools, nodes, models).
-    #[arg(long)]
-    config: PathBuf,
+    #[arg(long, required = true)]
+    role: Option<RoleArg>,
+    /// The deployment file (pools, nodes, models, node links).
+    #[arg(long, required = true)]
+    config: Option<PathBuf>,
     /// This node's control address: one of its pool's `nodes` (default: the first
     /// node of the first pool with this role).
     #[arg(long)]
@@ -43,6 +54,41 @@ pub(crate) struct NodeArgs {
     /// prefill node falls back to TCP frames when a decode node offers no UCX region.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportArg,
+    /// Plain TCP node links instead of mutual TLS: only when every node of the
+    /// deployment file and --listen are on loopback (the node refuses to start
+    /// otherwise, naming the address).
+    #[arg(long)]
+    insecure_node_links: bool,
+    /// On SIGTERM or `tessera node drain`: seconds running requests may finish before
+    /// the rest end with an error and the node exits 0.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout_secs: u64,
+}
+
+/// `tessera node` subcommands.
+#[derive(Subcommand, Debug)]
+pub(crate) enum NodeCommand {
+    /// Drain a running node: it stops taking new requests (the gateways route
+    /// around it), lets running ones finish until its --drain-timeout-secs, ends the
+    /// rest with an error and exits 0. Connects with the gateway identity.
+    Drain(DrainArgs),
+}
+
+/// Arguments of `tessera node drain`.
+#[derive(Args, Debug)]
+pub(crate) struct DrainArgs {
+    /// The node's control address, as the deployment file lists it.
+    addr: String,
+    /// The deployment file (the node's pool, the node links' CA and the gateway's
+    /// certificate).
+    #[arg(long)]
+    config: PathBuf,
+    /// Plain TCP (a deployment run with --insecure-node-links, on loopback).
+    #[arg(long)]
+    insecure_node_links: bool,
+    /// Also wait, up to this many seconds, until the node finished draining.
+    #[arg(long)]
+    wait_secs: Option<u64>,
 }
 
 /// `--transport`.
@@ -87,18 +133,64 @@ fn load_model(m: &ModelEntry) -> Result<LoadedModel> {
 }
 
 impl NodeArgs {
-    /// `prefill` or `decode`.
+    /// `prefill`, `decode`, or `node` (a subcommand such as `drain`).
     pub(crate) fn role_name(&self) -> &'static str {
-        match self.role {
-            RoleArg::Prefill => "prefill",
-            RoleArg::Decode => "decode",
+        match (&self.command, self.role) {
+            (Some(_), _) | (None, None) => "node",
+            (None, Some(RoleArg::Prefill)) => "prefill",
+            (None, Some(RoleArg::Decode)) => "decode",
         }
     }
 }
 
-pub(crate) fn run(a: NodeArgs) -> Result<()> {
+fn protocol_role(role: Role) -> ProtocolRole {
+    match role {
+        Role::Prefill => ProtocolRole::Prefill,
+        _ => ProtocolRole::Decode,
+    }
+}
+
+/// `tessera node drain ADDR --config FILE`.
+fn drain(a: DrainArgs) -> Result<()> {
     let cfg = load_config(&a.config)?;
-    let role = match a.role {
+    let pool = cfg
+        .pools
+        .iter()
+        .find(|p| matches!(p.role, Role::Prefill | Role::Decode) && p.nodes.contains(&a.addr))
+        .with_context(|| {
+            format!(
+                "no prefill or decode pool in {} lists node {}",
+                a.config.display(),
+                a.addr
+            )
+        })?;
+    let links =
+        NodeLinks::from_deployment(&cfg, &LinkIdentity::Gateway, a.insecure_node_links, None)?;
+    let wait = a.wait_secs.map(Duration::from_secs);
+    drain_node(&links, &a.addr, protocol_role(pool.role), wait)
+        .with_context(|| format!("draining {} node {}", pool.role, a.addr))?;
+    match wait {
+        Some(_) => println!(
+            "tessera node drain: {} node {} drained and exited",
+            pool.role, a.addr
+        ),
+        None => println!(
+            "tessera node drain: {} node {} is draining",
+            pool.role, a.addr
+        ),
+    }
+    Ok(())
+}
+
+pub(crate) fn run(a: NodeArgs) -> Result<()> {
+    if let Some(NodeCommand::Drain(d)) = a.command {
+        return drain(d);
+    }
+    let (Some(role), Some(config)) = (a.role, a.config.clone()) else {
+        bail!("tessera node needs --role and --config (or a subcommand)");
+    };
+    let cfg = load_config(&config)?;
+    let role = match role {
         RoleArg::Prefill => Role::Prefill,
         RoleArg::Decode => Role::Decode,
     };
@@ -106,15 +198,25 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         Some(addr) => cfg
             .pools_with_role(role)
             .find(|p| p.nodes.iter().any(|n| n == addr))
-            .with_context(|| {
-                format!("no {role} pool in {} lists node {addr}", a.config.display())
-            })?,
+            .with_context(|| format!("no {role} pool in {} lists node {addr}", config.display()))?,
         None => cfg
             .pools_with_role(role)
             .next()
-            .with_context(|| format!("{} has no {role} pool", a.config.display()))?,
+            .with_context(|| format!("{} has no {role} pool", config.display()))?,
     };
     let listen = a.listen.clone().unwrap_or_else(|| pool.nodes[0].clone());
+    let me = LinkIdentity::Node {
+        role,
+        address: listen.clone(),
+    };
+    let links = NodeLinks::from_deployment(&cfg, &me, a.insecure_node_links, Some(&listen))?;
+    let test_panic = match std::env::var(TEST_PANIC_ENV) {
+        Ok(v) => Some(
+            TestPanic::parse(&v)
+                .with_context(|| format!("{TEST_PANIC_ENV}={v}: expected engine or connection"))?,
+        ),
+        Err(_) => None,
+    };
     let entry = pool_model(&cfg, pool)?;
     let model = load_model(entry)?;
     // I2: refuse to start with a pool that cannot hold one full context window.
@@ -122,12 +224,17 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
     let mut engine = tessera_serving::remote::pool_engine_config(pool);
     engine.kv_scrub = a.kv_scrub;
+    let tls = if links.is_tls() {
+        "mutual TLS"
+    } else {
+        "PLAIN TCP (--insecure-node-links, loopback only)"
+    };
     let opts = NodeOptions {
-        role: match a.role {
-            RoleArg::Prefill => tessera_serving::remote::ProtocolRole::Prefill,
-            RoleArg::Decode => tessera_serving::remote::ProtocolRole::Decode,
-        },
+        role: protocol_role(role),
         listen,
+        links,
+        drain_timeout: Duration::from_secs(a.drain_timeout_secs),
+        test_panic,
         decode_peers: decode_nodes(&cfg),
         engine,
         metrics_listen: a.metrics_listen.clone(),
@@ -144,7 +251,7 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
             println!("tessera node: metrics on http://{m}/metrics");
         }
         println!(
-            "tessera node: {role} pool \"{pool_name}\" ({usable} KV tokens), model {}, {transport:?} page transport, listening on {addr}",
+            "tessera node: {role} pool \"{pool_name}\" ({usable} KV tokens), model {}, {transport:?} page transport, node links {tls}, listening on {addr}",
             entry.id
         );
     })
@@ -162,6 +269,7 @@ fn decode_nodes(cfg: &DeploymentConfig) -> Vec<String> {
 /// I2 included, against the model's real context window.
 pub(crate) fn remote_deployment(
     path: &Path,
+    insecure_node_links: bool,
 ) -> Result<(ModelEntry, RemoteNodes, DeploymentConfig)> {
     let cfg = load_config(path)?;
     let verdict = cfg.check_offline();
@@ -186,6 +294,7 @@ pub(crate) fn remote_deployment(
         prefill_pool_tokens: prefill.iter().map(|p| p.usable_tokens()).min().unwrap_or(0),
         decode_pool_tokens: decode.iter().map(|p| p.usable_tokens()).min().unwrap_or(0),
         page_size: decode[0].page_size,
+        links: NodeLinks::from_deployment(&cfg, &LinkIdentity::Gateway, insecure_node_links, None)?,
     };
     Ok((model, nodes, cfg))
 }

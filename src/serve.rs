@@ -118,6 +118,10 @@ pub(crate) struct ServeArgs {
     /// On Ctrl-C or SIGTERM: seconds running requests may finish before they are aborted.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
+    /// With --config: plain TCP node links instead of mutual TLS, only when every node
+    /// of the deployment file is on loopback (refuses to start otherwise).
+    #[arg(long, requires = "config")]
+    insecure_node_links: bool,
     /// Tenants with their own `tenant` label in /metrics: the top N by requests (the
     /// rest are `other`).
     #[arg(long, default_value_t = tessera_gateway::metrics::DEFAULT_TOP_TENANTS)]
@@ -195,7 +199,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         )?;
     }
     let remote = match &a.config {
-        Some(f) => Some(crate::node::remote_deployment(f)?),
+        Some(f) => Some(crate::node::remote_deployment(f, a.insecure_node_links)?),
         None => None,
     };
     let path = match &remote {

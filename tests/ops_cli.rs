@@ -79,7 +79,44 @@ nodes = ["127.0.0.1:9201"]
 #[test]
 fn repository_example_passes() {
     gguf();
-    let r = check(Path::new("ops/deploy/tessera.toml"), &[]);
+    // Its node-link certificates, issued as its comments say (into a temporary
+    // directory, which a copy of the example names).
+    let certs = tempfile::tempdir().unwrap();
+    let dir = certs.path().to_str().unwrap();
+    let example = repo().join("ops/deploy/tessera.toml");
+    for args in [
+        vec!["ops", "certs", "init", "--dir", dir],
+        vec![
+            "ops",
+            "certs",
+            "issue",
+            "--config",
+            example.to_str().unwrap(),
+            "--dir",
+            dir,
+        ],
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(&args)
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let text = std::fs::read_to_string(&example)
+        .unwrap()
+        .replace(
+            "\".tessera/node-certs/ca.pem\"",
+            &format!("\"{dir}/ca.pem\""),
+        )
+        .replace("\".tessera/node-certs\"", &format!("\"{dir}\""));
+    let copy = certs.path().join("tessera.toml");
+    std::fs::write(&copy, text).unwrap();
+    let r = check(&copy, &[]);
     assert!(r.ok, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
     // The context window came from the GGUF: the example sets no `context`.
     assert!(

@@ -30,6 +30,8 @@
 //!   [`PoolFit`] line per (model, pool) pair.
 //! - [`check_pool_fits`] is the I2 check alone, pure, for a node that already knows
 //!   its model's context window.
+//! - [`node_links`]: the optional `[node_links]` section (mutual TLS files, liveness
+//!   timings), link identities and their certificate checks.
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde::{Deserialize, Serialize};
@@ -38,6 +40,11 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+
+pub mod node_links;
+pub use node_links::{
+    is_loopback_address, LinkCredentials, LinkFileError, LinkIdentity, NodeLinksConfig,
+};
 
 /// Tokens per KV page when a pool does not set `page_size` (the engine's default).
 pub const DEFAULT_PAGE_SIZE: usize = 16;
@@ -53,6 +60,10 @@ pub struct DeploymentConfig {
     /// Node pools (`[[pools]]`).
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
+    /// How gateways and nodes authenticate each other and detect dead links
+    /// (`[node_links]`, optional: see [`node_links`]).
+    #[serde(default)]
+    pub node_links: Option<NodeLinksConfig>,
 }
 
 /// `[gateway]`.
@@ -458,6 +469,43 @@ pub enum Violation {
     /// I2.
     #[error(transparent)]
     PoolTooSmall(#[from] PoolTooSmall),
+    /// `[node_links]` sets only one of `ca` and `cert_dir`.
+    #[error("[node_links] sets {set} but not {missing}; mutual TLS needs both")]
+    NodeLinksIncomplete {
+        /// The field that is set.
+        set: &'static str,
+        /// The one that is not.
+        missing: &'static str,
+    },
+    /// `heartbeat_ms` is 0 or not below `dead_after_ms`.
+    #[error(
+        "[node_links] heartbeat_ms = {heartbeat_ms} must be > 0 and below dead_after_ms = \
+         {dead_after_ms} (a quiet link would be declared dead between its heartbeats)"
+    )]
+    BadLiveness {
+        /// `heartbeat_ms`.
+        heartbeat_ms: u64,
+        /// `dead_after_ms`.
+        dead_after_ms: u64,
+    },
+    /// Node links without TLS but a node off loopback: its nodes would refuse to start.
+    #[error(
+        "node `{address}` is not on loopback but [node_links] configures no mutual TLS \
+         (`ca`, `cert_dir`); plain node links are only allowed on loopback \
+         (--insecure-node-links)"
+    )]
+    InsecureNodeLinks {
+        /// The non-loopback address.
+        address: String,
+    },
+    /// An identity's certificate or key is missing, unreadable or does not serve it.
+    #[error("node links: {identity}: {reason}")]
+    NodeLinkFile {
+        /// Whose files ([`LinkIdentity`] as text).
+        identity: String,
+        /// What is wrong, with the file's path.
+        reason: String,
+    },
 }
 
 impl Violation {
@@ -477,6 +525,10 @@ impl Violation {
             Violation::ContextUnknown { .. } => "context_unknown",
             Violation::ContextMismatch { .. } => "context_mismatch",
             Violation::PoolTooSmall(_) => "pool_too_small",
+            Violation::NodeLinksIncomplete { .. } => "node_links_incomplete",
+            Violation::BadLiveness { .. } => "bad_liveness",
+            Violation::InsecureNodeLinks { .. } => "insecure_node_links",
+            Violation::NodeLinkFile { .. } => "node_link_file",
         }
     }
 }
@@ -726,7 +778,85 @@ impl DeploymentConfig {
                 }
             }
         }
+        out.extend(self.node_link_violations());
         out
+    }
+
+    /// `[node_links]` as written, or the defaults (no TLS files, default timings).
+    pub fn links(&self) -> NodeLinksConfig {
+        self.node_links.clone().unwrap_or_default()
+    }
+
+    /// Every identity on the node links: the gateway, then every node of every
+    /// prefill and decode pool, in file order.
+    pub fn link_identities(&self) -> Vec<LinkIdentity> {
+        let nodes = self
+            .pools
+            .iter()
+            .filter(|p| matches!(p.role, Role::Prefill | Role::Decode))
+            .flat_map(|p| {
+                p.nodes.iter().map(|a| LinkIdentity::Node {
+                    role: p.role,
+                    address: a.clone(),
+                })
+            });
+        std::iter::once(LinkIdentity::Gateway)
+            .chain(nodes)
+            .collect()
+    }
+
+    /// `[node_links]` structure: both TLS fields or neither, sane timings, and
+    /// without TLS every node on loopback.
+    fn node_link_violations(&self) -> Vec<Violation> {
+        let links = self.links();
+        let mut out = Vec::new();
+        match (&links.ca, &links.cert_dir) {
+            (Some(_), None) => out.push(Violation::NodeLinksIncomplete {
+                set: "ca",
+                missing: "cert_dir",
+            }),
+            (None, Some(_)) => out.push(Violation::NodeLinksIncomplete {
+                set: "cert_dir",
+                missing: "ca",
+            }),
+            _ => {}
+        }
+        if links.heartbeat_ms == 0 || links.heartbeat_ms >= links.dead_after_ms {
+            out.push(Violation::BadLiveness {
+                heartbeat_ms: links.heartbeat_ms,
+                dead_after_ms: links.dead_after_ms,
+            });
+        }
+        if links.ca.is_none() && links.cert_dir.is_none() {
+            for id in self.link_identities() {
+                if let LinkIdentity::Node { address, .. } = id {
+                    if check_host_port(&address).is_ok() && !is_loopback_address(&address) {
+                        out.push(Violation::InsecureNodeLinks { address });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// With mutual TLS configured: every identity's certificate and key
+    /// ([`NodeLinksConfig::load`]); one violation per identity whose files fail.
+    pub fn node_link_file_violations(&self) -> Vec<Violation> {
+        let links = self.links();
+        if links.tls_files().is_none() {
+            return Vec::new();
+        }
+        self.link_identities()
+            .into_iter()
+            // A bad address is already a violation of its own.
+            .filter(|id| id.name().is_ok())
+            .filter_map(|id| {
+                links.load(&id).err().map(|e| Violation::NodeLinkFile {
+                    identity: id.to_string(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect()
     }
 
     /// The full verdict: structural violations, then each model's context window from
@@ -802,6 +932,7 @@ impl DeploymentConfig {
             other => other,
         });
         verdict.violations.extend(mismatches);
+        verdict.violations.extend(self.node_link_file_violations());
         verdict
     }
 }
@@ -842,6 +973,7 @@ mod tests {
                 pool("prefill", Role::Prefill, 16384, "127.0.0.1:9101"),
                 pool("decode", Role::Decode, 16384, "127.0.0.1:9201"),
             ],
+            node_links: None,
         }
     }
 
@@ -1200,8 +1332,16 @@ models = ["@cf/huggingfacetb/smollm2-135m-instruct"]
                 .join("..")
                 .join(&m.path);
         }
+        // It names mutual TLS files that only `tessera ops certs issue` creates (the
+        // ops tests issue them); everything else passes.
+        assert!(c.links().tls_files().is_some());
         let v = c.check_offline();
-        assert!(v.is_ok(), "{:?}", v.violations);
+        let other: Vec<&Violation> = v
+            .violations
+            .iter()
+            .filter(|v| v.label() != "node_link_file")
+            .collect();
+        assert!(other.is_empty(), "{other:?}");
         assert_eq!(v.fits.len(), 2);
     }
 
@@ -1235,5 +1375,72 @@ models = ["@cf/huggingfacetb/smollm2-135m-instruct"]
         assert!(err
             .to_string()
             .starts_with("cannot read deployment file /nonexistent/tessera.toml: "));
+    }
+
+    #[test]
+    fn node_links_section_parses_and_its_structure_is_checked() {
+        let base = r#"
+[gateway]
+listen = "127.0.0.1:8787"
+[[models]]
+id = "m"
+path = "/nonexistent/m.gguf"
+context = 16
+[[pools]]
+name = "p"
+role = "prefill"
+kv_pool_tokens = 16
+nodes = ["127.0.0.1:9101"]
+[[pools]]
+name = "d"
+role = "decode"
+kv_pool_tokens = 16
+nodes = ["10.0.0.2:9201"]
+"#;
+        let parse = |extra: &str| {
+            DeploymentConfig::parse(&format!("{base}{extra}"), Path::new("t.toml")).unwrap()
+        };
+        // No TLS: the node off loopback is named.
+        let cfg = parse("");
+        assert_eq!(cfg.links(), NodeLinksConfig::default());
+        assert_eq!(
+            cfg.structural_violations(),
+            vec![Violation::InsecureNodeLinks {
+                address: "10.0.0.2:9201".into()
+            }]
+        );
+        // Mutual TLS configured: no structural violation; identities in file order.
+        let cfg = parse("[node_links]\nca = \"c/ca.pem\"\ncert_dir = \"c\"\nheartbeat_ms = 200\n");
+        assert_eq!(cfg.structural_violations(), vec![]);
+        assert_eq!(cfg.links().heartbeat_ms, 200);
+        assert_eq!(cfg.links().dead_after_ms, 5000);
+        let names: Vec<String> = cfg
+            .link_identities()
+            .iter()
+            .map(|i| i.name().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "gateway.tessera",
+                "prefill-9101.127.0.0.1.tessera",
+                "decode-9201.10.0.0.2.tessera"
+            ]
+        );
+        // Its files are checked offline, one violation per identity, naming the path.
+        let files = cfg.node_link_file_violations();
+        assert_eq!(labels(&files), ["node_link_file"; 3]);
+        assert!(files[0].to_string().contains("c/ca.pem"), "{}", files[0]);
+        // Half a TLS setup, and timings that would call a quiet link dead.
+        let cfg = parse("[node_links]\nca = \"c/ca.pem\"\nheartbeat_ms = 5000\n");
+        assert_eq!(
+            labels(&cfg.structural_violations()),
+            ["node_links_incomplete", "bad_liveness"]
+        );
+        let e = DeploymentConfig::parse(
+            &format!("{base}[node_links]\nkey = 1\n"),
+            Path::new("t.toml"),
+        );
+        assert!(e.is_err());
     }
 }

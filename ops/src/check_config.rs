@@ -76,6 +76,21 @@ impl Report {
         };
         let (config, verdict) = (&checked.config, &checked.verdict);
         writeln!(s, "gateway: listen {}", config.gateway.listen)?;
+        let links = config.links();
+        match links.tls_files() {
+            Some((ca, dir)) => writeln!(
+                s,
+                "node links: mutual TLS, CA {}, certificates in {} (heartbeat {} ms, dead after {} ms)",
+                ca.display(),
+                dir.display(),
+                links.heartbeat_ms,
+                links.dead_after_ms
+            )?,
+            None => writeln!(
+                s,
+                "node links: NOT authenticated (no [node_links] ca/cert_dir): nodes and gateways start only with --insecure-node-links, on loopback"
+            )?,
+        }
         writeln!(s, "models:")?;
         for m in &verdict.models {
             match m.context {
@@ -136,7 +151,8 @@ impl Report {
     }
 
     /// The report as JSON: `file`, `ok`, `violations` (`label`, `message`), and when the
-    /// file parsed, `gateway`, `models` (`id`, `path`, `context` or null), `pools`
+    /// file parsed, `gateway`, `node_links` (`mutual_tls`, `ca`, `cert_dir`,
+    /// `heartbeat_ms`, `dead_after_ms`), `models` (`id`, `path`, `context` or null), `pools`
     /// (`name`, `role`, `page_size`, `kv_pool_tokens`, `usable_tokens`, `nodes`,
     /// `models` or null) and `fits` (`model`, `pool`, `role`, `context`,
     /// `usable_tokens`, `ok`).
@@ -161,6 +177,13 @@ impl Report {
                 "message": v.to_string(),
             })).collect::<Vec<_>>(),
             "gateway": {"listen": config.gateway.listen.to_string()},
+            "node_links": {
+                "mutual_tls": config.links().tls_files().is_some(),
+                "ca": config.links().ca.map(|p| p.display().to_string()),
+                "cert_dir": config.links().cert_dir.map(|p| p.display().to_string()),
+                "heartbeat_ms": config.links().heartbeat_ms,
+                "dead_after_ms": config.links().dead_after_ms,
+            },
             "models": verdict.models.iter().map(|m| json!({
                 "id": m.id,
                 "path": m.path.display().to_string(),
@@ -366,6 +389,17 @@ nodes = ["127.0.0.1:9201", "127.0.0.1:9202"]
         for m in &mut config.models {
             m.path = repo(&m.path.display().to_string());
         }
+        // It names mutual TLS files; issued (as its comments say), it passes.
+        let links = config.links();
+        assert!(links.tls_files().is_some(), "the example uses mutual TLS");
+        let certs = tempfile::tempdir().unwrap();
+        crate::certs::init(certs.path()).unwrap();
+        crate::certs::issue(&config, certs.path(), 1).unwrap();
+        config.node_links = Some(tessera_config::NodeLinksConfig {
+            ca: Some(certs.path().join(crate::certs::CA_CERT)),
+            cert_dir: Some(certs.path().to_path_buf()),
+            ..links
+        });
         let verdict = config.check_offline();
         assert!(verdict.is_ok(), "{:?}", verdict.violations);
     }

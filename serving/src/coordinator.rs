@@ -66,6 +66,16 @@ pub(crate) trait CoordLinks: Send + Sync {
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool;
     /// Whether the node is known dead (its thread exited, its connection closed).
     fn is_down(&self, role: Role, index: usize) -> bool;
+    /// The node's current link epoch: it changes whenever the link is replaced (a
+    /// reconnect, a restarted node), `None` while the node is down. A request lives on
+    /// the epoch it started on; any other value means the node lost it.
+    fn epoch(&self, role: Role, index: usize) -> Option<u64> {
+        (!self.is_down(role, index)).then_some(0)
+    }
+    /// Whether new requests may be routed to the node (up and not draining).
+    fn accepts_new(&self, role: Role, index: usize) -> bool {
+        !self.is_down(role, index)
+    }
     /// The pair choice's load counts.
     fn router(&self) -> &Router;
     /// The request is over everywhere (every node acknowledged or is down).
@@ -110,7 +120,7 @@ impl Submitter {
         let body = self.admission.admit(req)?.into_request();
         let (prefill, decode) = links
             .router()
-            .assign(|role, i| !links.is_down(role, i), affinity)
+            .assign(|role, i| links.accepts_new(role, i), affinity)
             .ok_or_else(|| {
                 ServeError::from(Rejection::Unavailable(
                     "no prefill or decode node is reachable; retry later".into(),
@@ -158,6 +168,10 @@ struct CoordReq {
     decode: usize,
     prefill_down: bool,
     decode_down: bool,
+    /// The link epochs of both nodes when the request started (see
+    /// [`CoordLinks::epoch`]); `None`: the node was already down.
+    prefill_epoch: Option<u64>,
+    decode_epoch: Option<u64>,
     /// Last message from a node about this request (or its start).
     last_heard: Instant,
     /// The request's W3C `traceparent`, sent to both nodes.
@@ -215,6 +229,8 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         decode,
                         prefill_down: false,
                         decode_down: false,
+                        prefill_epoch: nodes.epoch(Role::Prefill, prefill),
+                        decode_epoch: nodes.epoch(Role::Decode, decode),
                         last_heard: Instant::now(),
                         trace,
                     },
@@ -251,11 +267,13 @@ fn watch(nodes: &dyn CoordLinks, reqs: &mut HashMap<ReqId, CoordReq>) {
             continue;
         };
         let mut out = Vec::new();
-        if !r.prefill_down && nodes.is_down(Role::Prefill, r.prefill) {
+        // A node whose link changed since the request started (down, reconnected,
+        // restarted as a new incarnation) no longer holds it.
+        if !r.prefill_down && lost(nodes, Role::Prefill, r.prefill, r.prefill_epoch) {
             r.prefill_down = true;
             r.proto.on_node_down(Role::Prefill, &mut out);
         }
-        if !r.decode_down && nodes.is_down(Role::Decode, r.decode) {
+        if !r.decode_down && lost(nodes, Role::Decode, r.decode, r.decode_epoch) {
             r.decode_down = true;
             r.proto.on_node_down(Role::Decode, &mut out);
         }
@@ -270,6 +288,12 @@ fn watch(nodes: &dyn CoordLinks, reqs: &mut HashMap<ReqId, CoordReq>) {
             execute(nodes, reqs, req, out);
         }
     }
+}
+
+/// Whether node `index` of `role` lost the requests of link epoch `started` (or the
+/// request started while it was down).
+fn lost(nodes: &dyn CoordLinks, role: Role, index: usize, started: Option<u64>) -> bool {
+    started.is_none() || nodes.epoch(role, index) != started
 }
 
 /// Carries out a coordinator's outputs for `req`, in order.
@@ -298,6 +322,10 @@ fn execute(
                     },
                     _ => Extra::None,
                 };
+                // Never onto a later link of the node: it does not know the request.
+                if lost(nodes, Role::Decode, r.decode, r.decode_epoch) {
+                    continue;
+                }
                 if !nodes.to_decode(r.decode, msg, extra) {
                     tracing::debug!(?req, "decode node unreachable; the watcher reports it");
                 }
@@ -314,6 +342,9 @@ fn execute(
                     },
                     _ => Extra::None,
                 };
+                if lost(nodes, Role::Prefill, r.prefill, r.prefill_epoch) {
+                    continue;
+                }
                 if !nodes.to_prefill(r.prefill, msg, extra) {
                     tracing::debug!(?req, "prefill node unreachable; the watcher reports it");
                 }

@@ -70,6 +70,10 @@ pub(crate) enum DecodeCmd {
     AfterEarlier(Box<dyn FnOnce() + Send>),
     /// The coordinator of this request is gone (its connection closed).
     CoordinatorLost(ReqId),
+    /// A drain's deadline passed: running sequences end with `reason` (their
+    /// coordinators hear `Finished` with the failure); requests not decoding yet are
+    /// aborted as if their coordinator were gone.
+    EndAll(FailReason),
     /// Stop at once, as a crash would (tests).
     Crash,
     /// Run on the engine between steps (fault-injection tests: a planted block-table
@@ -566,6 +570,27 @@ impl NodeLoop for DecodeLoop {
                     p.on_coordinator_lost(req, env, out)
                 });
             }
+            DecodeCmd::EndAll(reason) => {
+                let live: Vec<ReqId> = self.records.keys().copied().collect();
+                for req in live {
+                    // Ignored unless running; then the record is gone.
+                    let outcome = DecodeOutcome::Failed {
+                        reason: reason.clone(),
+                    };
+                    self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
+                        p.on_decode_finished(req, outcome, env, out)
+                    });
+                    if self.records.contains_key(&req) {
+                        self.with_proto(
+                            engine,
+                            req,
+                            None,
+                            CommitExtra::default(),
+                            |p, env, out| p.on_coordinator_lost(req, env, out),
+                        );
+                    }
+                }
+            }
             DecodeCmd::Crash => self.crashed = true,
             DecodeCmd::WithEngine(f) => f(engine),
         }
@@ -575,6 +600,10 @@ impl NodeLoop for DecodeLoop {
 
     fn stop(&self) -> bool {
         self.crashed
+    }
+
+    fn live(&self) -> usize {
+        self.records.len()
     }
 
     fn queued(&self) -> usize {

@@ -8,13 +8,16 @@
 //!   itself ([`remote::run_node_process`]).
 //! - Inside: the node loops (`decode_node`, `prefill_node`) that drive the protocol
 //!   machines of `tessera_transfer` against an engine, the `coordinator` thread, the
-//!   pair choice (`routing`) and the TCP links (`net`).
+//!   pair choice (`routing`), the node links (`net`: frames, caps, heartbeats, on a
+//!   small tokio runtime) and who may be on them (`link_security`: mutual TLS,
+//!   [`remote::NodeLinks`]).
 
 pub mod cluster;
 mod coordinator;
 mod decode_node;
 pub mod error;
 pub mod handle;
+mod link_security;
 mod links;
 pub mod metrics;
 mod net;

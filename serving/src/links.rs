@@ -62,6 +62,15 @@ pub struct PdCounters {
     pub writes_dropped: AtomicU64,
     /// Requests that reached `Released` (every node acknowledged or was down).
     pub released: AtomicU64,
+    /// Node-link frames refused at the link (a header over the cap, a page payload
+    /// that is not exactly one page, a payload on a frame that has none, a malformed
+    /// header, a frame the peer may not send, messages for requests the link never
+    /// carried beyond its budget). Each closes its connection.
+    pub frames_rejected: AtomicU64,
+    /// Node-link connections refused before their first frame was served: a failed
+    /// TLS handshake (no certificate, another CA, plaintext), or a `Hello` whose role
+    /// the peer's certificate does not carry.
+    pub peers_refused: AtomicU64,
     /// Frames refused as protocol violations by a peer (a page or commit from a node
     /// that is not the request's writer, a write into pages already committed, a
     /// malformed page); each also cuts the peer's link.

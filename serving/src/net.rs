@@ -1,50 +1,119 @@
-//! Node links over TCP: the frame format and connections whose writes run on their own
-//! thread, so no engine or coordinator thread ever blocks on a socket.
+//! Node links: the frame format, its size caps, and connections whose reads and
+//! writes run as tasks on a small tokio runtime of their own, so no engine or
+//! coordinator thread ever blocks on a socket.
 //!
 //! Frame: `u32` big-endian header length, the header as JSON ([`Frame`]), `u32`
-//! big-endian payload length, the payload (page bytes for `Land`, else empty).
+//! big-endian payload length, the payload (page bytes for `Land`, else empty). Both
+//! lengths are checked before anything is allocated: a header over
+//! [`LinkSettings::max_header`], a `Land` payload that is not exactly one page of the
+//! receiving node's layout, or any other frame with a payload closes the connection
+//! (and counts in [`PdCounters::frames_rejected`]).
+//!
+//! Every link (TLS or, on loopback only, plain TCP; see [`crate::link_security`])
+//! starts with `Hello` from the dialer, answered by `Welcome` (the node's incarnation,
+//! and for a prefill node at a decode node its UCX region). Both ends send `Ping`
+//! after [`LinkSettings::heartbeat`] without a frame; a link that reads nothing for
+//! [`LinkSettings::dead_after`], or whose write does not complete within it, is closed
+//! as dead.
 //!
 //! Connections (one per pair, opened by the caller):
 //! - gateway -> every node: protocol messages both ways; a decode node also streams
 //!   each request's events (tokens, then `Done` or `Error`) on it, always before the
 //!   `Finished` that follows them (one writer queue per connection keeps the order);
+//!   a node says `Status { draining }` on it; `tessera node drain` sends `Drain`;
 //! - prefill node -> every decode node: `Commit`s, and page writes for the `tcp`
 //!   transport (a `Land` frame per page, a `Flush` answered by `FlushAck` once the
 //!   decode node applied every earlier write).
 
 use crate::error::{ServeError, ServeErrorKind};
+use crate::link_security::{LinkSettings, NodeLinks, ReadHalf, WriteHalf, HANDSHAKE_TIMEOUT};
+use crate::links::PdCounters;
 use crate::stream::StreamEvent;
 use serde::{Deserialize, Serialize};
-use std::io::{self, BufReader, BufWriter, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::future::Future;
+use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tessera_engine::{Event, FinishReason, GenerateRequest, Usage};
 use tessera_transfer::protocol::{Msg, ReqId, Role};
 use tessera_transfer::transport::DestPage;
 use tessera_transfer::ucx::UcxRegionDescriptor;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::sync::{mpsc, watch};
 
-/// Largest frame header or payload accepted (a page of a large model is a few MB).
-pub(crate) const MAX_FRAME: u32 = 256 << 20;
 /// Frames a connection queues for its writer before it counts as stalled: a sender
 /// that finds the queue full closes the connection (the peer is not reading).
 pub(crate) const WRITE_QUEUE: usize = 4096;
 
+/// The node links' runtime: sockets only (two worker threads), started on first use
+/// and kept for the life of the process.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("tessera-links")
+            .enable_all()
+            .build()
+            .expect("cannot start the node links' runtime")
+    })
+}
+
+/// Runs `f` on the links' runtime.
+pub(crate) fn spawn(f: impl Future<Output = ()> + Send + 'static) {
+    runtime().spawn(f);
+}
+
+/// Enters the links' runtime (to register signal handlers or listeners on it).
+pub(crate) fn enter() -> tokio::runtime::EnterGuard<'static> {
+    runtime().enter()
+}
+
+/// Runs `f` on the links' runtime and waits for it on this thread (any thread, also
+/// one of another runtime: it blocks only this thread).
+///
+/// Errors: `f`'s, or its task panicked.
+pub(crate) fn block_on<T: Send + 'static>(
+    f: impl Future<Output = io::Result<T>> + Send + 'static,
+) -> io::Result<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    runtime().spawn(async move {
+        let _ = tx.send(f.await);
+    });
+    rx.recv()
+        .unwrap_or_else(|_| Err(io::Error::other("node link task ended")))
+}
+
 /// One frame's header. Externally tagged: serde's internally tagged enums buffer
-/// their content, which cannot hold the `u128` sampler position.
+/// their content, which cannot hold the `u128` sampler position. New variants and
+/// fields are additive (serde defaults), so mixed versions fail only on what they
+/// do not know.
 // A frame lives only between a socket read and its dispatch; boxing the control
 // variant would cost an allocation per message for no memory saved.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum Frame {
-    /// First frame on a connection: the caller's role and, for a node, its name (its
-    /// listen address in the deployment file).
+    /// First frame on a connection: the caller's role (checked against its
+    /// certificate on TLS links) and, for a node, its name (its listen address in the
+    /// deployment file; on TLS links the certificate's address is used instead).
     Hello {
         from: Role,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+    },
+    /// A node's answer to an accepted `Hello`.
+    Welcome {
+        /// Random per node process start: a restarted node is a new node.
+        incarnation: u64,
+        /// For a prefill node at a decode node: where UCX puts go, when the decode
+        /// node registered its pool with UCX (`None`: TCP frames only).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ucx: Option<UcxRegionDescriptor>,
+        /// The node is draining: route no new requests to it.
+        #[serde(default)]
+        draining: bool,
     },
     /// A protocol message, with what the protocol leaves out.
     Control(Control),
@@ -56,9 +125,12 @@ pub(crate) enum Frame {
     FlushAck { id: u64 },
     /// Decode node -> gateway: one event of a request's stream.
     Event { req: ReqId, event: WireEvent },
-    /// Decode node -> prefill node, answering its `Hello`: where UCX puts go, when
-    /// the decode node registered its pool with UCX (`None`: TCP frames only).
-    Region { ucx: Option<UcxRegionDescriptor> },
+    /// Heartbeat (either direction), sent when a link was idle.
+    Ping,
+    /// Node -> gateway: the node's readiness changed (`draining`: route nothing new).
+    Status { draining: bool },
+    /// Gateway identity -> node: start draining (`tessera node drain`).
+    Drain,
 }
 
 /// A protocol message on the wire, with what the protocol leaves out: the request body
@@ -104,6 +176,22 @@ impl Frame {
     /// A control frame with nothing beside the message.
     pub(crate) fn control(msg: Msg) -> Self {
         Self::Control(Control::new(msg))
+    }
+
+    /// The variant's name (logs, violation messages).
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Frame::Hello { .. } => "hello",
+            Frame::Welcome { .. } => "welcome",
+            Frame::Control { .. } => "control",
+            Frame::Land { .. } => "land",
+            Frame::Flush { .. } => "flush",
+            Frame::FlushAck { .. } => "flush_ack",
+            Frame::Event { .. } => "event",
+            Frame::Ping => "ping",
+            Frame::Status { .. } => "status",
+            Frame::Drain => "drain",
+        }
     }
 }
 
@@ -196,71 +284,236 @@ fn encode(f: &Frame, payload: &[u8]) -> io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-fn read_len(r: &mut impl Read) -> io::Result<usize> {
-    let mut b = [0u8; 4];
-    r.read_exact(&mut b)?;
-    let n = u32::from_be_bytes(b);
-    if n > MAX_FRAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {n} bytes exceeds the {MAX_FRAME} byte limit"),
-        ));
-    }
-    Ok(n as usize)
+/// Why a link ended.
+#[derive(Debug)]
+pub(crate) enum LinkEnd {
+    /// Closed by either side, or an I/O error.
+    Closed(String),
+    /// Nothing read for [`LinkSettings::dead_after`].
+    Silent,
+    /// The peer broke the frame rules (a size cap, a malformed header, a frame it may
+    /// not send, a budget): the link is closed and the violation counted.
+    Violation(String),
 }
 
-/// Reads one frame.
-///
-/// Errors: the connection closed or failed, a length over [`MAX_FRAME`], a header
-/// that is not a [`Frame`].
-pub(crate) fn read_frame(r: &mut impl Read) -> io::Result<(Frame, Vec<u8>)> {
-    let mut header = vec![0u8; read_len(r)?];
-    r.read_exact(&mut header)?;
+impl std::fmt::Display for LinkEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LinkEnd::Closed(why) => write!(f, "closed: {why}"),
+            LinkEnd::Silent => f.write_str("dead: no frame within the liveness deadline"),
+            LinkEnd::Violation(why) => write!(f, "closed for a violation: {why}"),
+        }
+    }
+}
+
+impl LinkEnd {
+    /// Logs the end of the link to `peer` and counts a violation in `counters`.
+    pub(crate) fn note(&self, peer: &str, counters: &PdCounters) {
+        match self {
+            LinkEnd::Violation(_) => {
+                counters.frames_rejected.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer, "node link {self}");
+            }
+            LinkEnd::Silent => tracing::warn!(peer, "node link {self}"),
+            LinkEnd::Closed(_) => tracing::debug!(peer, "node link {self}"),
+        }
+    }
+}
+
+/// What a reader accepts.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FrameLimits {
+    /// Largest header, bytes.
+    pub(crate) max_header: usize,
+    /// The exact payload of a `Land` frame (one page of the receiving node's layout);
+    /// `None`: the link takes no page writes.
+    pub(crate) page_bytes: Option<usize>,
+}
+
+/// The reading half of a link: whole frames, pings skipped, each within the
+/// liveness deadline.
+pub(crate) struct FrameReader {
+    r: BufReader<ReadHalf>,
+    limits: FrameLimits,
+    dead_after: Duration,
+}
+
+async fn read_len(r: &mut BufReader<ReadHalf>) -> Result<usize, LinkEnd> {
+    r.read_u32()
+        .await
+        .map(|n| n as usize)
+        .map_err(|e| LinkEnd::Closed(e.to_string()))
+}
+
+/// Reads one frame, checking both lengths against `limits` before allocating.
+async fn read_frame(
+    r: &mut BufReader<ReadHalf>,
+    limits: FrameLimits,
+) -> Result<(Frame, Vec<u8>), LinkEnd> {
+    let closed = |e: io::Error| LinkEnd::Closed(e.to_string());
+    let n = read_len(r).await?;
+    if n > limits.max_header {
+        return Err(LinkEnd::Violation(format!(
+            "a frame header of {n} bytes (at most {})",
+            limits.max_header
+        )));
+    }
+    let mut header = vec![0u8; n];
+    r.read_exact(&mut header).await.map_err(closed)?;
     let f: Frame = serde_json::from_slice(&header)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    let mut payload = vec![0u8; read_len(r)?];
-    r.read_exact(&mut payload)?;
+        .map_err(|e| LinkEnd::Violation(format!("a malformed frame header: {e}")))?;
+    let p = read_len(r).await?;
+    let expected = match &f {
+        Frame::Land { .. } => limits
+            .page_bytes
+            .ok_or_else(|| LinkEnd::Violation("a page write on a link that takes none".into()))?,
+        _ => 0,
+    };
+    if p != expected {
+        return Err(LinkEnd::Violation(format!(
+            "a {} frame with a {p}-byte payload (expected {expected})",
+            f.kind()
+        )));
+    }
+    let mut payload = vec![0u8; p];
+    r.read_exact(&mut payload).await.map_err(closed)?;
     Ok((f, payload))
 }
 
+impl FrameReader {
+    /// Reads frames from `r` under `limits`; a link silent for `dead_after` is dead.
+    pub(crate) fn new(r: ReadHalf, limits: FrameLimits, dead_after: Duration) -> Self {
+        Self {
+            r: BufReader::new(r),
+            limits,
+            dead_after,
+        }
+    }
+
+    /// Accepts page writes of `bytes` from now on (a prefill node's link).
+    pub(crate) fn take_pages(&mut self, bytes: usize) {
+        self.limits.page_bytes = Some(bytes);
+    }
+
+    /// The next frame that is not a `Ping`.
+    pub(crate) async fn next(&mut self) -> Result<(Frame, Vec<u8>), LinkEnd> {
+        loop {
+            let f = tokio::time::timeout(self.dead_after, read_frame(&mut self.r, self.limits))
+                .await
+                .map_err(|_| LinkEnd::Silent)??;
+            if !matches!(f.0, Frame::Ping) {
+                return Ok(f);
+            }
+        }
+    }
+
+    /// The next frame, or how the link ended; also ends when `conn` is closed.
+    pub(crate) async fn next_on(&mut self, conn: &Conn) -> Result<(Frame, Vec<u8>), LinkEnd> {
+        tokio::select! {
+            _ = conn.closed() => Err(LinkEnd::Closed("closed by this side".into())),
+            f = self.next() => f,
+        }
+    }
+}
+
+/// What a connection's writer task takes.
+enum Out {
+    Frame(Vec<u8>),
+    /// Close once everything queued before is written.
+    Finish,
+}
+
+/// A connection's liveness, shared with its writer task.
+struct State {
+    alive: AtomicBool,
+    closed: watch::Sender<bool>,
+}
+
+impl State {
+    fn close(&self) {
+        self.alive.store(false, Ordering::Release);
+        self.closed.send_replace(true);
+    }
+}
+
 /// The writing half of a connection: frames are queued and written by the
-/// connection's writer thread, in order.
-#[derive(Debug)]
+/// connection's writer task, in order.
 pub(crate) struct Conn {
-    tx: mpsc::SyncSender<Vec<u8>>,
-    stream: TcpStream,
-    alive: Arc<AtomicBool>,
+    tx: mpsc::Sender<Out>,
+    state: Arc<State>,
+    peer: String,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("peer", &self.peer)
+            .field("alive", &self.is_alive())
+            .finish()
+    }
+}
+
+/// The writer task: queued frames (batched into one flush), a `Ping` after
+/// `heartbeat` of silence, every write within `dead_after`; ends (closing the
+/// connection) on a failed or stuck write, on `close`, on `Finish`, or when every
+/// [`Conn`] handle is gone.
+async fn write_loop(state: Arc<State>, w: WriteHalf, mut rx: mpsc::Receiver<Out>, s: LinkSettings) {
+    let mut w = BufWriter::new(w);
+    let mut closed = state.closed.subscribe();
+    let ping = encode(&Frame::Ping, &[]).unwrap_or_default();
+    loop {
+        let first = tokio::select! {
+            biased;
+            _ = closed.wait_for(|c| *c) => break,
+            m = rx.recv() => match m {
+                Some(m) => m,
+                None => break,
+            },
+            _ = tokio::time::sleep(s.heartbeat) => Out::Frame(ping.clone()),
+        };
+        let mut finish = false;
+        let write = async {
+            let mut next = Some(first);
+            while let Some(m) = next.take() {
+                match m {
+                    Out::Frame(b) => w.write_all(&b).await?,
+                    Out::Finish => {
+                        finish = true;
+                        break;
+                    }
+                }
+                next = rx.try_recv().ok();
+            }
+            w.flush().await
+        };
+        let ok = tokio::select! {
+            biased;
+            _ = closed.wait_for(|c| *c) => false,
+            r = tokio::time::timeout(s.dead_after, write) => matches!(r, Ok(Ok(()))),
+        };
+        if !ok || finish {
+            break;
+        }
+    }
+    state.close();
+    let _ = tokio::time::timeout(Duration::from_secs(1), w.shutdown()).await;
 }
 
 impl Conn {
-    /// Starts the writer thread of `stream`.
-    pub(crate) fn new(stream: TcpStream) -> io::Result<Arc<Self>> {
-        stream.set_nodelay(true)?;
-        let (tx, rx) = mpsc::sync_channel::<Vec<u8>>(WRITE_QUEUE);
-        let alive = Arc::new(AtomicBool::new(true));
-        let mut w = BufWriter::new(stream.try_clone()?);
-        let sock = stream.try_clone()?;
-        let a = alive.clone();
-        std::thread::Builder::new()
-            .name("tessera-conn-writer".into())
-            .spawn(move || {
-                while let Ok(buf) = rx.recv() {
-                    let mut ok = w.write_all(&buf).is_ok();
-                    // Batch what is already queued into one flush.
-                    while ok {
-                        match rx.try_recv() {
-                            Ok(buf) => ok = w.write_all(&buf).is_ok(),
-                            Err(_) => break,
-                        }
-                    }
-                    if !ok || w.flush().is_err() {
-                        a.store(false, Ordering::Release);
-                        let _ = sock.shutdown(Shutdown::Both);
-                        return;
-                    }
-                }
-            })?;
-        Ok(Arc::new(Self { tx, stream, alive }))
+    /// Starts the writer task of `w`; `peer` names the other end in logs.
+    pub(crate) fn start(w: WriteHalf, peer: String, s: LinkSettings) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel(WRITE_QUEUE);
+        let state = Arc::new(State {
+            alive: AtomicBool::new(true),
+            closed: watch::channel(false).0,
+        });
+        spawn(write_loop(state.clone(), w, rx, s));
+        Arc::new(Self { tx, state, peer })
+    }
+
+    /// The other end, for logs.
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
     }
 
     /// Queues a frame without blocking. A full queue means the peer stopped reading:
@@ -272,21 +525,23 @@ impl Conn {
         let Ok(buf) = encode(f, payload) else {
             return false;
         };
-        match self.tx.try_send(buf) {
+        match self.tx.try_send(Out::Frame(buf)) {
             Ok(()) => true,
-            Err(mpsc::TrySendError::Full(_)) => {
-                tracing::warn!(peer = ?self.stream.peer_addr().ok(), "peer stopped reading; closing the connection");
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                tracing::warn!(peer = %self.peer, "peer stopped reading; closing the connection");
                 self.close();
                 false
             }
-            Err(mpsc::TrySendError::Disconnected(_)) => {
+            Err(mpsc::error::TrySendError::Closed(_)) => {
                 self.close();
                 false
             }
         }
     }
 
-    /// Queues a frame, waiting for room (transfer workers only: they may block).
+    /// Queues a frame, waiting for room (transfer workers only: they may block; never
+    /// call it from an async task). A writer that cannot write within the liveness
+    /// deadline closes the connection, which ends the wait.
     pub(crate) fn send(&self, f: &Frame, payload: &[u8]) -> bool {
         if !self.is_alive() {
             return false;
@@ -294,7 +549,7 @@ impl Conn {
         let Ok(buf) = encode(f, payload) else {
             return false;
         };
-        self.tx.send(buf).is_ok()
+        self.tx.blocking_send(Out::Frame(buf)).is_ok()
     }
 
     /// Queues a protocol message.
@@ -302,15 +557,27 @@ impl Conn {
         self.try_send(&Frame::control(msg), &[])
     }
 
-    /// Closes both directions (readers see end of stream).
+    /// Closes the connection once every frame queued so far is written.
+    pub(crate) fn finish(&self) {
+        if self.tx.try_send(Out::Finish).is_err() {
+            self.close();
+        }
+    }
+
+    /// Closes both directions at once (readers see the end).
     pub(crate) fn close(&self) {
-        self.alive.store(false, Ordering::Release);
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.state.close();
     }
 
     /// Whether the connection is still usable.
     pub(crate) fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire)
+        self.state.alive.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the connection is closed.
+    pub(crate) async fn closed(&self) {
+        let mut rx = self.state.closed.subscribe();
+        let _ = rx.wait_for(|c| *c).await;
     }
 }
 
@@ -326,13 +593,169 @@ impl crate::links::Reply for Conn {
     }
 }
 
-/// Connects to `addr` (2 s timeout): the writing half and a buffered reader.
-pub(crate) fn connect(addr: &str) -> io::Result<(Arc<Conn>, BufReader<TcpStream>)> {
-    let sa = addr
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("no address for {addr}")))?;
-    let stream = TcpStream::connect_timeout(&sa, Duration::from_secs(2))?;
-    let conn = Conn::new(stream.try_clone()?)?;
-    Ok((conn, BufReader::new(stream)))
+/// What a node said in answer to `Hello`.
+#[derive(Debug)]
+pub(crate) struct Welcome {
+    /// Its incarnation (random per process start).
+    pub(crate) incarnation: u64,
+    /// Its UCX region (decode node, to a prefill node).
+    pub(crate) ucx: Option<UcxRegionDescriptor>,
+    /// Whether it is draining.
+    pub(crate) draining: bool,
+}
+
+/// Dials `addr` (expecting identity `peer_name`), says `Hello { from, name }` and reads
+/// the `Welcome`. Returns the connection, the welcome, and the reader for the rest
+/// of the link (which takes page writes of `page_bytes`, if any).
+///
+/// Errors: no connection, a failed handshake (another identity, another CA), no
+/// welcome within the handshake timeout (a node that refused us closes the link).
+pub(crate) async fn open_link(
+    links: NodeLinks,
+    addr: String,
+    peer_name: String,
+    from: Role,
+    name: Option<String>,
+    page_bytes: Option<usize>,
+) -> io::Result<(Arc<Conn>, Welcome, FrameReader)> {
+    let s = links.settings();
+    let (r, w) = links.dial(&addr, &peer_name).await?;
+    let conn = Conn::start(w, addr.clone(), s);
+    let mut reader = FrameReader::new(
+        r,
+        FrameLimits {
+            max_header: s.max_header,
+            page_bytes,
+        },
+        s.dead_after,
+    );
+    if !conn.try_send(&Frame::Hello { from, name }, &[]) {
+        return Err(io::Error::other("the connection closed before hello"));
+    }
+    let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, reader.next()).await;
+    let fail = |m: String| {
+        conn.close();
+        Err(io::Error::new(io::ErrorKind::ConnectionRefused, m))
+    };
+    match answer {
+        Ok(Ok((
+            Frame::Welcome {
+                incarnation,
+                ucx,
+                draining,
+            },
+            _,
+        ))) => Ok((
+            conn.clone(),
+            Welcome {
+                incarnation,
+                ucx,
+                draining,
+            },
+            reader,
+        )),
+        Ok(Ok((f, _))) => fail(format!("{addr} answered hello with a {} frame", f.kind())),
+        Ok(Err(e)) => fail(format!("{addr} did not welcome us ({e})")),
+        Err(_) => fail(format!("{addr} did not answer hello in time")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(page_bytes: Option<usize>) -> FrameLimits {
+        FrameLimits {
+            max_header: 1024,
+            page_bytes,
+        }
+    }
+
+    /// Reads one frame from `bytes` as a link would.
+    fn read(bytes: Vec<u8>, l: FrameLimits) -> Result<(Frame, Vec<u8>), LinkEnd> {
+        block_on(async move {
+            let r: ReadHalf = Box::new(std::io::Cursor::new(bytes));
+            let mut reader = FrameReader::new(r, l, Duration::from_secs(5));
+            Ok(reader.next().await)
+        })
+        .unwrap()
+    }
+
+    fn dest() -> DestPage {
+        DestPage {
+            page: 3,
+            tag: tessera_kernels::PageTag {
+                tenant: 1,
+                seq: 2,
+                epoch: 3,
+                logical_block: 0,
+            },
+        }
+    }
+
+    fn violation(r: Result<(Frame, Vec<u8>), LinkEnd>) -> String {
+        match r {
+            Err(LinkEnd::Violation(m)) => m,
+            other => panic!("expected a violation, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn frames_round_trip_and_pings_are_skipped() {
+        let mut bytes = encode(&Frame::Ping, &[]).unwrap();
+        bytes.extend(encode(&Frame::Flush { id: 7 }, &[]).unwrap());
+        let (f, p) = read(bytes, limits(None)).unwrap();
+        assert!(matches!(f, Frame::Flush { id: 7 }), "{f:?}");
+        assert!(p.is_empty());
+        let bytes = encode(
+            &Frame::Land {
+                req: 1,
+                dest: dest(),
+            },
+            &[9; 64],
+        )
+        .unwrap();
+        let (f, p) = read(bytes, limits(Some(64))).unwrap();
+        assert!(matches!(f, Frame::Land { req: 1, .. }));
+        assert_eq!(p, vec![9; 64]);
+    }
+
+    #[test]
+    fn size_caps_are_checked_from_the_length_prefix() {
+        // A 256 MiB header is refused from its prefix alone (nothing follows it).
+        let m = violation(read((256u32 << 20).to_be_bytes().to_vec(), limits(None)));
+        assert!(m.contains("268435456 bytes (at most 1024)"), "{m}");
+        // A payload on a frame that has none, announced as 256 MiB.
+        let mut bytes = encode(&Frame::Flush { id: 1 }, &[]).unwrap();
+        let n = bytes.len();
+        bytes[n - 4..].copy_from_slice(&(256u32 << 20).to_be_bytes());
+        let m = violation(read(bytes, limits(Some(64))));
+        assert!(
+            m.contains("flush frame with a 268435456-byte payload (expected 0)"),
+            "{m}"
+        );
+        let dest = dest();
+        // A page of the wrong size, and a page where none are taken.
+        let m = violation(read(
+            encode(&Frame::Land { req: 1, dest }, &[0; 63]).unwrap(),
+            limits(Some(64)),
+        ));
+        assert!(m.contains("63-byte payload (expected 64)"), "{m}");
+        let m = violation(read(
+            encode(&Frame::Land { req: 1, dest }, &[0; 64]).unwrap(),
+            limits(None),
+        ));
+        assert!(m.contains("takes none"), "{m}");
+        // Not JSON, or not a frame.
+        let mut bytes = 5u32.to_be_bytes().to_vec();
+        bytes.extend(b"hello");
+        assert!(violation(read(bytes, limits(None))).contains("malformed"));
+    }
+
+    #[test]
+    fn a_truncated_frame_is_a_closed_link_not_a_violation() {
+        let bytes = encode(&Frame::Flush { id: 1 }, &[]).unwrap();
+        let r = read(bytes[..bytes.len() - 2].to_vec(), limits(None));
+        assert!(matches!(r, Err(LinkEnd::Closed(_))), "{r:?}");
+    }
 }

@@ -45,6 +45,7 @@ pub(crate) struct Shared {
     capacity_pages: AtomicUsize,
     running: AtomicUsize,
     waiting: AtomicUsize,
+    live: AtomicUsize,
     metrics: Option<NodeHandles>,
 }
 
@@ -65,6 +66,16 @@ impl Shared {
             running: self.running.load(Ordering::Acquire),
             waiting: self.waiting.load(Ordering::Acquire),
         }
+    }
+
+    /// Publishes how many requests a node loop holds ([`NodeLoop::live`]).
+    pub(crate) fn publish_live(&self, live: usize) {
+        self.live.store(live, Ordering::Release);
+    }
+
+    /// Requests the node loop held after its last step ([`NodeLoop::live`]).
+    pub(crate) fn live(&self) -> usize {
+        self.live.load(Ordering::Acquire)
     }
 
     /// Publishes `e`'s counters (plus `waiting_extra` requests a node queues outside
@@ -100,6 +111,11 @@ pub(crate) trait NodeLoop {
     fn after_step(&mut self, _engine: &mut Engine) {}
     /// Requests the node queues outside the engine (counted as waiting).
     fn queued(&self) -> usize {
+        0
+    }
+    /// Requests the node holds in any non-terminal protocol state (a drain waits for
+    /// none to be left).
+    fn live(&self) -> usize {
         0
     }
     /// Whether the thread must exit now (dropping the engine and everything it holds).
@@ -146,5 +162,6 @@ pub(crate) fn run_node<N: NodeLoop>(
         engine.step();
         node.after_step(&mut engine);
         sh.publish(&engine, node.queued());
+        sh.publish_live(node.live());
     }
 }

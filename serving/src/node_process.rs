@@ -1,44 +1,86 @@
-//! `tessera node`: a prefill or decode node as its own process, serving protocol
-//! connections from gateways and (for a decode node) prefill nodes over TCP.
+//! `tessera node`: a prefill or decode node as its own process, serving node links
+//! from gateways and (for a decode node) prefill nodes.
 //!
 //! The engine thread runs the same node loop as in one process
-//! ([`crate::decode_node`], [`crate::prefill_node`]); connection threads only parse
-//! frames into its commands, and replies go out through each connection's writer
-//! queue, so no socket write ever blocks the engine.
+//! ([`crate::decode_node`], [`crate::prefill_node`]); connection tasks (on the node
+//! links' runtime, [`crate::net`]) authenticate the peer, parse frames into the engine
+//! thread's commands and check that each frame is one the peer may send; replies go
+//! out through each connection's writer queue, so no socket ever blocks the engine.
+//!
+//! Supervision: any panic (engine thread, connection task, anywhere) logs and ends
+//! the process with status 101, and an engine thread that stops ends it with status
+//! 1: its connections close, so gateways fail its requests at once, and a supervisor
+//! restarts it as a new incarnation. Drain (SIGTERM, or `Drain` from a gateway
+//! identity): the node tells its gateways it is draining, lets running requests
+//! finish until the drain deadline, ends the rest with an error, and exits 0.
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
-use crate::links::{CommitExtra, PdCounters, ReplyTo, TransferFault, WriterLink};
+use crate::link_security::{node_name, NodeLinks};
+use crate::links::{CommitExtra, PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
 use crate::metrics::{serve_metrics, NodeMetrics};
-use crate::net::{connect, read_frame, Conn, Control, Frame, WireEvent};
-use crate::node_loop::{run_node, Shared};
+use crate::net::{
+    self, block_on, open_link, Conn, Control, Frame, FrameLimits, FrameReader, LinkEnd, WireEvent,
+};
+use crate::node_loop::{run_node, NodeLoop, Shared};
 use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use std::collections::HashMap;
-use std::io::{self, BufReader};
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tessera_engine::sink::{EventSink, Gone};
 use tessera_engine::{Engine, EngineConfig, Event};
 use tessera_model::LoadedModel;
 use tessera_transfer::inproc::PageLanding;
-use tessera_transfer::protocol::{Msg, ReqId, Role};
+use tessera_transfer::protocol::{FailKind, FailReason, Msg, ReqId, Role};
 use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
 use tessera_transfer::ucx::{UcxContext, UcxRegionDescriptor, UcxSink, UcxSource, UcxSourceConfig};
 
-/// How long a flush waits for the decode node's acknowledgement.
+/// How long a flush waits for the decode node's acknowledgement (a dead link ends
+/// the wait sooner).
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a prefill node waits for a decode node to answer its hello.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// After a drain's deadline, how long the node waits for the requests it ended to
+/// be reported before it exits anyway.
+const DRAIN_GRACE: Duration = Duration::from_secs(10);
+/// Messages about requests a link never carried (`Abort`, `Poll`) that a link may
+/// send at once: a coordinator aborts a request at a prefill node that never saw it
+/// only when the client left before the prefill started; a flood of them would
+/// otherwise leave a tombstone per message.
+const UNKNOWN_BURST: f64 = 1024.0;
+/// ... and per second after the burst.
+const UNKNOWN_PER_SEC: f64 = 256.0;
 
 /// How page bytes move from prefill to decode nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportKind {
-    /// `Land` frames on the TCP control connection, flush acknowledged.
+    /// `Land` frames on the control connection, flush acknowledged.
     Tcp,
     /// UCX one-sided puts into the decode pool, registered with UCX (UCX picks
     /// shared memory, TCP or RDMA verbs; `UCX_TLS` narrows the choice).
     Ucx,
+}
+
+/// A deliberate panic for the supervision tests (`TESSERA_TEST_NODE_PANIC`, read
+/// once at start by `tessera node`; test-only, never set it in a deployment).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestPanic {
+    /// `engine`: the engine thread panics after its first step with a running
+    /// request (a decode node: mid-stream).
+    Engine,
+    /// `connection`: a connection task panics on its first control frame.
+    Connection,
+}
+
+impl TestPanic {
+    /// `engine` or `connection`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "engine" => Some(Self::Engine),
+            "connection" => Some(Self::Connection),
+            _ => None,
+        }
+    }
 }
 
 /// What `tessera node` runs.
@@ -56,6 +98,13 @@ pub struct NodeOptions {
     pub decode_peers: Vec<String>,
     /// Pool and batch sizes.
     pub engine: EngineConfig,
+    /// Authentication and timings of the node links.
+    pub links: NodeLinks,
+    /// How long a drain lets running requests finish before it ends them.
+    pub drain_timeout: Duration,
+    /// Test-only fault ([`TestPanic`]).
+    #[doc(hidden)]
+    pub test_panic: Option<TestPanic>,
     /// Serve `GET /metrics` (plain HTTP, read-only) on this address; `None`: no
     /// metrics listener.
     pub metrics_listen: Option<String>,
@@ -77,9 +126,221 @@ enum NodeCmds {
     Prefill(mpsc::Sender<PrefillCmd>),
 }
 
-/// Runs one node until the process is killed: binds `opts.listen` (and
-/// `opts.metrics_listen`), then serves protocol connections. Calls `ready` with the
-/// bound control address and the metrics address once listening.
+impl NodeCmds {
+    fn coordinator_lost(&self, req: ReqId) {
+        let _ = match self {
+            NodeCmds::Decode(tx) => tx.send(DecodeCmd::CoordinatorLost(req)).is_ok(),
+            NodeCmds::Prefill(tx) => tx.send(PrefillCmd::CoordinatorLost(req)).is_ok(),
+        };
+    }
+
+    fn end_all(&self) {
+        let reason = FailReason::new(
+            FailKind::Transport,
+            "the node is shutting down: its drain deadline passed before the request finished",
+        );
+        let _ = match self {
+            NodeCmds::Decode(tx) => tx.send(DecodeCmd::EndAll(reason)).is_ok(),
+            NodeCmds::Prefill(tx) => tx.send(PrefillCmd::EndAll).is_ok(),
+        };
+    }
+}
+
+/// Which coordinator link carries each request the node was handed: messages about
+/// a request are taken only from the link that carried it, and when a link closes
+/// its requests are aborted. An entry goes when the node sent the request's last
+/// message (`Finished`, `Rejected`, `CommitFailed`, `PrefillFailed`, `AbortAck`, or a
+/// prefill node's `Commit`).
+#[derive(Default)]
+struct Carried(Mutex<HashMap<ReqId, u64>>);
+
+impl Carried {
+    /// Records that link `conn` carries `req`; false when another link does.
+    fn claim(&self, req: ReqId, conn: u64) -> bool {
+        *self.0.lock().unwrap().entry(req).or_insert(conn) == conn
+    }
+
+    fn carrier(&self, req: ReqId) -> Option<u64> {
+        self.0.lock().unwrap().get(&req).copied()
+    }
+
+    fn done(&self, req: ReqId) {
+        self.0.lock().unwrap().remove(&req);
+    }
+
+    /// Forgets and returns the requests link `conn` carried.
+    fn take(&self, conn: u64) -> Vec<ReqId> {
+        let mut m = self.0.lock().unwrap();
+        let reqs: Vec<ReqId> = m
+            .iter()
+            .filter(|(_, c)| **c == conn)
+            .map(|(r, _)| *r)
+            .collect();
+        for r in &reqs {
+            m.remove(r);
+        }
+        reqs
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.lock().unwrap().is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+/// Whether a node's message to a coordinator is the last it sends for the request.
+fn is_last(msg: &Msg) -> bool {
+    matches!(
+        msg,
+        Msg::Finished { .. }
+            | Msg::Rejected { .. }
+            | Msg::CommitFailed { .. }
+            | Msg::PrefillFailed { .. }
+            | Msg::AbortAck { .. }
+    )
+}
+
+/// A coordinator link as a request's reply target.
+struct CoordReply {
+    conn: Arc<Conn>,
+    carried: Arc<Carried>,
+}
+
+impl Reply for CoordReply {
+    fn send(&self, msg: Msg) -> bool {
+        if is_last(&msg) {
+            self.carried.done(msg.req());
+        }
+        self.conn.control(msg)
+    }
+}
+
+/// Every open link of the process (to let queued frames out before a drained node
+/// exits).
+#[derive(Default)]
+struct Registry(Mutex<Vec<Weak<Conn>>>);
+
+impl Registry {
+    fn add(&self, c: &Arc<Conn>) {
+        let mut v = self.0.lock().unwrap();
+        v.retain(|w| w.strong_count() > 0);
+        v.push(Arc::downgrade(c));
+    }
+
+    fn open(&self) -> Vec<Arc<Conn>> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|c| c.is_alive())
+            .collect()
+    }
+}
+
+/// Everything a node's connection tasks share.
+struct NodeState {
+    role: Role,
+    links: NodeLinks,
+    cmds: NodeCmds,
+    region: Option<UcxRegionDescriptor>,
+    incarnation: u64,
+    counters: Arc<PdCounters>,
+    shared: Arc<Shared>,
+    page_bytes: usize,
+    decode_peers: usize,
+    carried: Arc<Carried>,
+    registry: Arc<Registry>,
+    /// Coordinator links (they hear `Status`).
+    gateways: Registry,
+    next_conn: AtomicU64,
+    draining: AtomicBool,
+    drain_timeout: Duration,
+    exit: Mutex<Option<mpsc::Sender<()>>>,
+    test_panic: Option<TestPanic>,
+}
+
+/// Logs any panic and ends the process with status 101 (a node never limps on with
+/// a dead engine or connection thread).
+fn exit_on_panic() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        tracing::error!(%info, "panic in a node process; exiting");
+        std::process::exit(101);
+    }));
+}
+
+/// A node loop that panics after its first step with a running request
+/// ([`TestPanic::Engine`]).
+struct PanicOnWork<N>(N);
+
+impl<N: NodeLoop> NodeLoop for PanicOnWork<N> {
+    type Cmd = N::Cmd;
+
+    fn on_cmd(&mut self, engine: &mut Engine, cmd: N::Cmd) {
+        self.0.on_cmd(engine, cmd)
+    }
+
+    fn busy(&self) -> bool {
+        self.0.busy()
+    }
+
+    fn after_step(&mut self, engine: &mut Engine) {
+        self.0.after_step(engine);
+        if engine.running_len() > 0 {
+            panic!("TESSERA_TEST_NODE_PANIC=engine: a test-only panic on the engine thread");
+        }
+    }
+
+    fn queued(&self) -> usize {
+        self.0.queued()
+    }
+
+    fn live(&self) -> usize {
+        self.0.live()
+    }
+
+    fn stop(&self) -> bool {
+        self.0.stop()
+    }
+}
+
+/// Starts the engine thread; the process exits if it ever stops.
+fn spawn_engine<N: NodeLoop + Send + 'static>(
+    engine: Engine,
+    node: N,
+    rx: mpsc::Receiver<N::Cmd>,
+    shared: Arc<Shared>,
+    name: &str,
+    panic: bool,
+) -> io::Result<()> {
+    let t = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            if panic {
+                run_node(engine, PanicOnWork(node), rx, &shared)
+            } else {
+                run_node(engine, node, rx, &shared)
+            }
+        })?;
+    std::thread::Builder::new()
+        .name("tessera-supervisor".into())
+        .spawn(move || {
+            let _ = t.join();
+            tracing::error!("the engine thread stopped; exiting");
+            std::process::exit(1);
+        })?;
+    Ok(())
+}
+
+/// Runs one node until it is drained (then returns `Ok`) or the process is killed:
+/// binds `opts.listen` (and `opts.metrics_listen`), then serves node links. Calls
+/// `ready` with the bound control address and the metrics address once listening.
+/// Installs a panic hook that ends the process (see the module docs).
 ///
 /// Errors: the role is not prefill or decode, an address cannot be bound, UCX is
 /// asked for and unavailable.
@@ -94,9 +355,11 @@ pub fn run_node_process(
             "a node is a prefill or a decode node",
         ));
     }
-    let listener = TcpListener::bind(&opts.listen)?;
+    exit_on_panic();
+    let listener = std::net::TcpListener::bind(&opts.listen)?;
+    listener.set_nonblocking(true)?;
     let metrics_listener = match &opts.metrics_listen {
-        Some(a) => Some(TcpListener::bind(a)?),
+        Some(a) => Some(std::net::TcpListener::bind(a)?),
         None => None,
     };
     let mut engine = Engine::new(
@@ -104,6 +367,7 @@ pub fn run_node_process(
         model.tokenizer.clone(),
         opts.engine.clone(),
     );
+    let page_bytes = engine.kv().layout().page_bytes();
     let metrics = Arc::new(NodeMetrics::new());
     let role_label = if opts.role == Role::Decode {
         "decode"
@@ -123,37 +387,75 @@ pub fn run_node_process(
         (Some(ctx), Role::Decode) => Some(register_pool(ctx, &engine)?),
         _ => None,
     };
+    let links = opts
+        .links
+        .clone()
+        .with_context(model.llama.config().context);
     let counters = Arc::new(PdCounters::default());
     let shared = Arc::new(Shared::with_metrics(handles.clone()));
+    let carried = Arc::new(Carried::default());
+    let registry = Arc::new(Registry::default());
+    let panic_engine = opts.test_panic == Some(TestPanic::Engine);
     let cmds = match opts.role {
         Role::Decode => {
             let (tx, rx) = mpsc::channel();
-            let node = DecodeLoop::new(counters.clone(), handles.clone());
-            let sh = shared.clone();
             engine.track_ended();
-            std::thread::Builder::new()
-                .name("tessera-decode".into())
-                .spawn(move || run_node(engine, node, rx, &sh))?;
+            let node = DecodeLoop::new(counters.clone(), handles.clone());
+            spawn_engine(
+                engine,
+                node,
+                rx,
+                shared.clone(),
+                "tessera-decode",
+                panic_engine,
+            )?;
             NodeCmds::Decode(tx)
         }
         _ => {
             let (tx, rx) = mpsc::channel();
-            let links: Arc<dyn PrefillLinks> = Arc::new(PeerLinks {
+            let peer_links: Arc<dyn PrefillLinks> = Arc::new(PeerLinks {
                 name: opts.listen.clone(),
                 peers: opts.decode_peers.clone(),
                 conns: opts.decode_peers.iter().map(|_| Mutex::new(None)).collect(),
                 ucx,
+                links: links.clone(),
+                carried: carried.clone(),
+                registry: registry.clone(),
+                counters: counters.clone(),
             });
-            let node = PrefillLoop::new(links, tx.clone(), handles.clone());
-            let sh = shared.clone();
-            std::thread::Builder::new()
-                .name("tessera-prefill".into())
-                .spawn(move || run_node(engine, node, rx, &sh))?;
+            let node = PrefillLoop::new(peer_links, tx.clone(), handles.clone());
+            spawn_engine(
+                engine,
+                node,
+                rx,
+                shared.clone(),
+                "tessera-prefill",
+                panic_engine,
+            )?;
             NodeCmds::Prefill(tx)
         }
     };
-    let cmds = Arc::new(cmds);
-    let region = Arc::new(region);
+    let (exit_tx, exit_rx) = mpsc::channel();
+    let node = Arc::new(NodeState {
+        role: opts.role,
+        links,
+        cmds,
+        region,
+        incarnation: rand::random(),
+        counters,
+        shared,
+        page_bytes,
+        decode_peers: opts.decode_peers.len(),
+        carried,
+        registry,
+        gateways: Registry::default(),
+        next_conn: AtomicU64::new(1),
+        draining: AtomicBool::new(false),
+        drain_timeout: opts.drain_timeout,
+        exit: Mutex::new(Some(exit_tx)),
+        test_panic: opts.test_panic,
+    });
+    let addr = listener.local_addr()?;
     let metrics_addr = match metrics_listener {
         Some(l) => {
             let addr = l.local_addr()?;
@@ -164,17 +466,528 @@ pub fn run_node_process(
         }
         None => None,
     };
-    ready(listener.local_addr()?, metrics_addr);
-    for stream in listener.incoming() {
-        let Ok(stream) = stream else { continue };
-        let (cmds, region) = (cmds.clone(), region.clone());
-        std::thread::spawn(move || {
-            if let Err(e) = serve_connection(stream, &cmds, &region) {
-                tracing::debug!(error = %e, "node connection ended");
-            }
-        });
+    {
+        let _rt = net::enter();
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        #[cfg(unix)]
+        {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let n = node.clone();
+            net::spawn(async move {
+                if term.recv().await.is_some() {
+                    n.begin_drain("SIGTERM");
+                }
+            });
+        }
+        net::spawn(accept_loop(node.clone(), listener));
     }
+    ready(addr, metrics_addr);
+    // Returns once a drain finished (or never).
+    let _ = exit_rx.recv();
     Ok(())
+}
+
+async fn accept_loop(node: Arc<NodeState>, listener: tokio::net::TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((tcp, peer)) => {
+                let n = node.clone();
+                tokio::spawn(async move { n.serve(tcp, peer.to_string()).await });
+            }
+            Err(e) => {
+                // Out of file descriptors or memory: back off instead of spinning.
+                tracing::warn!(error = %e, "accepting a node link failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// A budget of messages for requests a link never carried: a burst, refilled at a
+/// fixed rate.
+struct Budget {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Budget {
+    fn new() -> Self {
+        Self {
+            tokens: UNKNOWN_BURST,
+            at: Instant::now(),
+        }
+    }
+
+    /// Spends one; false when none is left.
+    fn spend(&mut self) -> bool {
+        self.spend_at(Instant::now())
+    }
+
+    /// [`Self::spend`] at time `now`.
+    fn spend_at(&mut self, now: Instant) -> bool {
+        let refill = now.duration_since(self.at).as_secs_f64() * UNKNOWN_PER_SEC;
+        self.tokens = (self.tokens + refill).min(UNKNOWN_BURST);
+        self.at = now;
+        if self.tokens < 1.0 {
+            return false;
+        }
+        self.tokens -= 1.0;
+        true
+    }
+}
+
+/// One accepted link, after its hello.
+struct Link {
+    id: u64,
+    from: Role,
+    conn: Arc<Conn>,
+    reply: ReplyTo,
+    unknown: Budget,
+    control_frames: u64,
+    /// A prefill peer as a request's writer (its name and this connection).
+    writer: WriterLink,
+}
+
+impl NodeState {
+    fn draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Serves one accepted connection: handshake, hello, then frames until it ends.
+    async fn serve(self: Arc<Self>, tcp: tokio::net::TcpStream, peer: String) {
+        let s = self.links.settings();
+        let (r, w, cert) = match self.links.accept(tcp).await {
+            Ok(x) => x,
+            Err(e) => {
+                self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, error = %e, "refused a node link: TLS handshake failed");
+                return;
+            }
+        };
+        let conn = Conn::start(w, peer.clone(), s);
+        let limits = FrameLimits {
+            max_header: s.max_header,
+            page_bytes: None,
+        };
+        let mut reader = FrameReader::new(r, limits, s.dead_after);
+        let (from, hello_name) = match reader.next_on(&conn).await {
+            Ok((Frame::Hello { from, name }, _)) => (from, name),
+            Ok((f, _)) => {
+                let end = LinkEnd::Violation(format!("a {} frame before hello", f.kind()));
+                end.note(&peer, &self.counters);
+                conn.close();
+                return;
+            }
+            Err(end) => {
+                end.note(&peer, &self.counters);
+                conn.close();
+                return;
+            }
+        };
+        let proven = match self.links.authorize(&cert, from, self.role) {
+            Ok(address) => address,
+            Err(why) => {
+                self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%peer, ?from, "refused a node link: {why}");
+                conn.close();
+                return;
+            }
+        };
+        // A prefill peer's name, what decode records name as a request's writer: the
+        // address its certificate proves (TLS), else what it says (loopback only).
+        let writer = WriterLink {
+            name: proven.or(hello_name).unwrap_or_else(|| peer.clone()),
+            link: Some(conn.clone()),
+        };
+        if from == Role::Prefill {
+            reader.take_pages(self.page_bytes);
+            if let NodeCmds::Decode(tx) = &self.cmds {
+                let _ = tx.send(DecodeCmd::WriterLink {
+                    name: writer.name.clone(),
+                    lost: false,
+                });
+            }
+        }
+        conn.try_send(
+            &Frame::Welcome {
+                incarnation: self.incarnation,
+                ucx: (from == Role::Prefill)
+                    .then(|| self.region.clone())
+                    .flatten(),
+                draining: self.draining(),
+            },
+            &[],
+        );
+        self.registry.add(&conn);
+        if from == Role::Coordinator {
+            self.gateways.add(&conn);
+        }
+        let mut link = Link {
+            id: self.next_conn.fetch_add(1, Ordering::Relaxed),
+            from,
+            reply: Arc::new(CoordReply {
+                conn: conn.clone(),
+                carried: self.carried.clone(),
+            }),
+            conn,
+            unknown: Budget::new(),
+            control_frames: 0,
+            writer,
+        };
+        let end = loop {
+            match reader.next_on(&link.conn).await {
+                Ok((frame, payload)) => {
+                    if let Err(why) = self.on_frame(&mut link, frame, payload) {
+                        break LinkEnd::Violation(why);
+                    }
+                }
+                Err(end) => break end,
+            }
+        };
+        end.note(&peer, &self.counters);
+        link.conn.close();
+        if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, &self.cmds) {
+            // Nothing it issued on this link can land any more.
+            let _ = tx.send(DecodeCmd::WriterLink {
+                name: link.writer.name.clone(),
+                lost: true,
+            });
+        }
+        // The coordinator is gone: nobody will finish or abort its requests, so the
+        // protocol aborts them (answers into the closed connection are dropped).
+        if from == Role::Coordinator {
+            for req in self.carried.take(link.id) {
+                self.cmds.coordinator_lost(req);
+            }
+        }
+    }
+
+    /// A message about `req` from a coordinator link that did not bring it: only
+    /// within the link's budget, and never one about another link's request.
+    /// Returns whether to pass it on.
+    fn about_unknown(&self, link: &mut Link, req: ReqId) -> Result<bool, String> {
+        match self.carried.carrier(req) {
+            Some(c) if c == link.id => return Ok(true),
+            Some(_) => {
+                tracing::warn!(?req, "dropped a message about another link's request");
+            }
+            None => {}
+        }
+        if !link.unknown.spend() {
+            return Err(format!(
+                "more than {UNKNOWN_BURST} messages (then {UNKNOWN_PER_SEC}/s) about requests this link never carried"
+            ));
+        }
+        Ok(self.carried.carrier(req).is_none())
+    }
+
+    /// Turns one frame into the engine thread's command, or says why the peer may not
+    /// send it (the link is then closed). Never blocks.
+    fn on_frame(
+        self: &Arc<Self>,
+        link: &mut Link,
+        frame: Frame,
+        payload: Vec<u8>,
+    ) -> Result<(), String> {
+        if matches!(frame, Frame::Control { .. }) {
+            link.control_frames += 1;
+            if link.control_frames == 1 && self.test_panic == Some(TestPanic::Connection) {
+                panic!(
+                    "TESSERA_TEST_NODE_PANIC=connection: a test-only panic on a connection task"
+                );
+            }
+        }
+        let gone = || "the engine thread is gone".to_string();
+        match (frame, &self.cmds, link.from) {
+            (Frame::Drain, _, Role::Coordinator) => {
+                self.begin_drain("a drain request from a gateway identity");
+                Ok(())
+            }
+            (
+                Frame::Control(Control {
+                    msg,
+                    body,
+                    prefill,
+                    trace,
+                    ..
+                }),
+                NodeCmds::Decode(tx),
+                Role::Coordinator,
+            ) => {
+                let req = msg.req();
+                let body = match (&msg, body) {
+                    (Msg::Prealloc { .. }, Some(body)) => {
+                        if !self.carried.claim(req, link.id) {
+                            return Err(format!(
+                                "Prealloc for {req:?}, which another link carries"
+                            ));
+                        }
+                        Some(RequestBody {
+                            req: body,
+                            sink: Box::new(ConnSink {
+                                conn: link.conn.clone(),
+                                req,
+                            }),
+                            submitted: Instant::now(),
+                            writer: prefill,
+                            trace: valid_traceparent(trace),
+                        })
+                    }
+                    (Msg::Prealloc { .. }, None) => {
+                        return Err("a Prealloc without its request body".into())
+                    }
+                    (Msg::Abort { .. } | Msg::Poll { .. }, _) => {
+                        if !self.about_unknown(link, req)? {
+                            return Ok(());
+                        }
+                        None
+                    }
+                    (m, _) => {
+                        return Err(format!(
+                            "a coordinator may not send {} to a decode node",
+                            msg_name(m)
+                        ))
+                    }
+                };
+                tx.send(DecodeCmd::FromCoordinator {
+                    msg,
+                    reply: link.reply.clone(),
+                    body,
+                })
+                .map_err(|_| gone())
+            }
+            (
+                Frame::Control(Control {
+                    msg,
+                    rng_pos,
+                    cached_tokens,
+                    ..
+                }),
+                NodeCmds::Decode(tx),
+                Role::Prefill,
+            ) => {
+                if !matches!(
+                    msg,
+                    Msg::Commit { .. } | Msg::Renew { .. } | Msg::WriterQuiet { .. }
+                ) {
+                    return Err(format!(
+                        "a prefill node may not send {} to a decode node",
+                        msg_name(&msg)
+                    ));
+                }
+                tx.send(DecodeCmd::FromPrefill {
+                    msg,
+                    extra: CommitExtra {
+                        rng_pos: rng_pos.unwrap_or(0),
+                        cached_tokens: cached_tokens.unwrap_or(0),
+                    },
+                    from: link.writer.clone(),
+                })
+                .map_err(|_| gone())
+            }
+            (
+                Frame::Control(Control {
+                    msg,
+                    body,
+                    decode,
+                    trace,
+                    ..
+                }),
+                NodeCmds::Prefill(tx),
+                Role::Coordinator,
+            ) => {
+                let req = msg.req();
+                let body = match (&msg, body.zip(decode)) {
+                    (Msg::Prefill { .. }, Some((body, decode))) => {
+                        if decode >= self.decode_peers {
+                            return Err(format!("a Prefill for decode node {decode}, which the deployment does not have"));
+                        }
+                        if !self.carried.claim(req, link.id) {
+                            return Err(format!("Prefill for {req:?}, which another link carries"));
+                        }
+                        Some((body, decode, valid_traceparent(trace)))
+                    }
+                    (Msg::Prefill { .. }, None) => {
+                        return Err("a Prefill without its request body and decode node".into())
+                    }
+                    (Msg::Abort { .. }, _) => {
+                        if !self.about_unknown(link, req)? {
+                            return Ok(());
+                        }
+                        None
+                    }
+                    (m, _) => {
+                        return Err(format!(
+                            "a coordinator may not send {} to a prefill node",
+                            msg_name(m)
+                        ))
+                    }
+                };
+                tx.send(PrefillCmd::FromCoordinator {
+                    msg,
+                    reply: link.reply.clone(),
+                    body,
+                })
+                .map_err(|_| gone())
+            }
+            (Frame::Land { req, dest }, NodeCmds::Decode(tx), Role::Prefill) => tx
+                .send(DecodeCmd::Land {
+                    landing: PageLanding {
+                        req,
+                        dest,
+                        bytes: payload,
+                    },
+                    from: link.writer.clone(),
+                })
+                .map_err(|_| gone()),
+            (Frame::Flush { id }, NodeCmds::Decode(tx), Role::Prefill) => {
+                let c = link.conn.clone();
+                let ack = Box::new(move || {
+                    c.try_send(&Frame::FlushAck { id }, &[]);
+                });
+                tx.send(DecodeCmd::AfterEarlier(ack)).map_err(|_| gone())
+            }
+            (f, _, from) => Err(format!("a {} frame from a {from:?} peer", f.kind())),
+        }
+    }
+
+    /// Starts a drain (once): tells the gateways, then waits on a thread of its own.
+    fn begin_drain(self: &Arc<Self>, why: &str) {
+        if self.draining.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!(
+            timeout = ?self.drain_timeout,
+            "draining ({why}): no new requests; running requests may finish until the deadline"
+        );
+        for g in self.gateways.open() {
+            g.try_send(&Frame::Status { draining: true }, &[]);
+        }
+        let node = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tessera-drain".into())
+            .spawn(move || node.drain());
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start the drain; exiting");
+            std::process::exit(1);
+        }
+    }
+
+    /// Whether the node holds no request any more.
+    fn idle(&self) -> bool {
+        self.carried.is_empty() && self.shared.live() == 0
+    }
+
+    /// Waits until `deadline` for the node to be idle; returns whether it is.
+    fn wait_idle(&self, deadline: Instant) -> bool {
+        let mut said = Instant::now();
+        while !self.idle() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            if said.elapsed() >= Duration::from_secs(5) {
+                said = Instant::now();
+                tracing::warn!(
+                    carried = self.carried.len(),
+                    held = self.shared.live(),
+                    "draining: requests still held"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
+    }
+
+    /// The drain: running requests finish until the deadline, the rest end with an
+    /// error; queued frames go out; then `run_node_process` returns.
+    fn drain(&self) {
+        if !self.wait_idle(Instant::now() + self.drain_timeout) {
+            tracing::warn!(
+                "drain deadline passed; ending the requests still running with an error"
+            );
+            self.cmds.end_all();
+            if !self.wait_idle(Instant::now() + DRAIN_GRACE) {
+                tracing::warn!("requests still held after the drain grace period; exiting anyway");
+            }
+        }
+        let conns = self.registry.open();
+        for c in &conns {
+            c.finish();
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while conns.iter().any(|c| c.is_alive()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        tracing::warn!("drained; exiting");
+        if let Some(tx) = self.exit.lock().unwrap().take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// `tessera node drain`: asks node `addr` (of `role`) to drain, over a link with the
+/// gateway identity, and returns once it said so; with `wait`, also waits (that long
+/// at most) until the node finished draining and closed the link.
+///
+/// Errors: the node cannot be reached or refused the link (not a gateway identity),
+/// it did not confirm, or it still runs after `wait`.
+pub fn drain_node(
+    links: &NodeLinks,
+    addr: &str,
+    role: Role,
+    wait: Option<Duration>,
+) -> io::Result<()> {
+    let name = node_name(role, addr)?;
+    let (links, addr) = (links.clone(), addr.to_string());
+    block_on(async move {
+        let (conn, welcome, mut reader) =
+            open_link(links, addr.clone(), name, Role::Coordinator, None, None).await?;
+        let timeout = |m: String| io::Error::new(io::ErrorKind::TimedOut, m);
+        if !welcome.draining {
+            conn.try_send(&Frame::Drain, &[]);
+            let confirmed = async {
+                loop {
+                    match reader.next_on(&conn).await {
+                        Ok((Frame::Status { draining: true }, _)) => return Ok(()),
+                        Ok(_) => continue,
+                        Err(e) => return Err(io::Error::other(format!("{addr}: {e}"))),
+                    }
+                }
+            };
+            tokio::time::timeout(crate::link_security::HANDSHAKE_TIMEOUT, confirmed)
+                .await
+                .map_err(|_| timeout(format!("{addr} did not confirm the drain")))??;
+        }
+        if let Some(wait) = wait {
+            let ended = async { while reader.next_on(&conn).await.is_ok() {} };
+            tokio::time::timeout(wait, ended)
+                .await
+                .map_err(|_| timeout(format!("{addr} still runs after {wait:?}")))?;
+        }
+        conn.finish();
+        Ok(())
+    })
+}
+
+fn msg_name(m: &Msg) -> &'static str {
+    match m {
+        Msg::Prealloc { .. } => "Prealloc",
+        Msg::Descriptor { .. } => "Descriptor",
+        Msg::Rejected { .. } => "Rejected",
+        Msg::Prefill { .. } => "Prefill",
+        Msg::Commit { .. } => "Commit",
+        Msg::Committed { .. } => "Committed",
+        Msg::CommitFailed { .. } => "CommitFailed",
+        Msg::Finished { .. } => "Finished",
+        Msg::PrefillFailed { .. } => "PrefillFailed",
+        Msg::Abort { .. } => "Abort",
+        Msg::AbortAck { .. } => "AbortAck",
+        Msg::Poll { .. } => "Poll",
+        Msg::LeaseExpired { .. } => "LeaseExpired",
+        Msg::Renew { .. } => "Renew",
+        Msg::WriterQuiet { .. } => "WriterQuiet",
+    }
 }
 
 /// Registers the decode engine's page memory with UCX and keeps a thread
@@ -230,177 +1043,6 @@ impl EventSink for ConnSink {
     }
 }
 
-/// Serves one connection: reads frames and turns each into the engine thread's
-/// command. When a gateway's connection ends, the node aborts the requests it
-/// carried (their coordinator is gone).
-fn serve_connection(
-    stream: TcpStream,
-    cmds: &NodeCmds,
-    region: &Option<UcxRegionDescriptor>,
-) -> io::Result<()> {
-    let conn = Conn::new(stream.try_clone()?)?;
-    let mut r = BufReader::new(stream);
-    let (Frame::Hello { from, name }, _) = read_frame(&mut r)? else {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "expected hello"));
-    };
-    // A prefill peer's name: what decode records name as a request's writer.
-    let peer_name = name
-        .clone()
-        .or_else(|| r.get_ref().peer_addr().ok().map(|a| a.to_string()))
-        .unwrap_or_default();
-    let writer = WriterLink {
-        name: peer_name.clone(),
-        link: Some(conn.clone()),
-    };
-    if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, cmds) {
-        let _ = tx.send(DecodeCmd::WriterLink {
-            name: peer_name.clone(),
-            lost: false,
-        });
-    }
-    if from == Role::Prefill && matches!(cmds, NodeCmds::Decode(_)) {
-        conn.try_send(
-            &Frame::Region {
-                ucx: region.clone(),
-            },
-            &[],
-        );
-    }
-    let reply: ReplyTo = conn.clone();
-    let mut carried: Vec<ReqId> = Vec::new();
-    let result = loop {
-        let (frame, payload) = match read_frame(&mut r) {
-            Ok(f) => f,
-            Err(e) => break Err(e),
-        };
-        let sent = match (frame, cmds, from) {
-            (
-                Frame::Control(Control {
-                    msg,
-                    body,
-                    prefill,
-                    trace,
-                    ..
-                }),
-                NodeCmds::Decode(tx),
-                Role::Coordinator,
-            ) => {
-                let req = msg.req();
-                if !carried.contains(&req) {
-                    carried.push(req);
-                }
-                let body = match (&msg, body) {
-                    (Msg::Prealloc { .. }, Some(body)) => Some(RequestBody {
-                        req: body,
-                        sink: Box::new(ConnSink {
-                            conn: conn.clone(),
-                            req,
-                        }),
-                        submitted: Instant::now(),
-                        writer: prefill,
-                        trace: valid_traceparent(trace),
-                    }),
-                    _ => None,
-                };
-                tx.send(DecodeCmd::FromCoordinator {
-                    msg,
-                    reply: reply.clone(),
-                    body,
-                })
-                .is_ok()
-            }
-            (
-                Frame::Control(Control {
-                    msg,
-                    rng_pos,
-                    cached_tokens,
-                    ..
-                }),
-                NodeCmds::Decode(tx),
-                Role::Prefill,
-            ) => tx
-                .send(DecodeCmd::FromPrefill {
-                    msg,
-                    extra: CommitExtra {
-                        rng_pos: rng_pos.unwrap_or(0),
-                        cached_tokens: cached_tokens.unwrap_or(0),
-                    },
-                    from: writer.clone(),
-                })
-                .is_ok(),
-            (
-                Frame::Control(Control {
-                    msg,
-                    body,
-                    decode,
-                    trace,
-                    ..
-                }),
-                NodeCmds::Prefill(tx),
-                Role::Coordinator,
-            ) => {
-                let req = msg.req();
-                if !carried.contains(&req) {
-                    carried.push(req);
-                }
-                tx.send(PrefillCmd::FromCoordinator {
-                    msg,
-                    reply: reply.clone(),
-                    body: body
-                        .zip(decode)
-                        .map(|(b, d)| (b, d, valid_traceparent(trace))),
-                })
-                .is_ok()
-            }
-            (Frame::Land { req, dest }, NodeCmds::Decode(tx), Role::Prefill) => tx
-                .send(DecodeCmd::Land {
-                    landing: PageLanding {
-                        req,
-                        dest,
-                        bytes: payload,
-                    },
-                    from: writer.clone(),
-                })
-                .is_ok(),
-            (Frame::Flush { id }, NodeCmds::Decode(tx), Role::Prefill) => {
-                let c = conn.clone();
-                let ack = Box::new(move || {
-                    c.try_send(&Frame::FlushAck { id }, &[]);
-                });
-                tx.send(DecodeCmd::AfterEarlier(ack)).is_ok()
-            }
-            (f, _, from) => {
-                break Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("unexpected frame from a {from:?} peer: {f:?}"),
-                ))
-            }
-        };
-        if !sent {
-            break Err(io::Error::other("the engine thread is gone"));
-        }
-    };
-    conn.close();
-    if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, cmds) {
-        // Nothing it issued on this link can land any more.
-        let _ = tx.send(DecodeCmd::WriterLink {
-            name: peer_name,
-            lost: true,
-        });
-    }
-    // The coordinator is gone: nobody will finish or abort its requests, so the
-    // protocol aborts them (answers into the closed connection are dropped).
-    if from == Role::Coordinator {
-        for req in carried {
-            let _ = match cmds {
-                NodeCmds::Decode(tx) => tx.send(DecodeCmd::CoordinatorLost(req)).is_ok(),
-                NodeCmds::Prefill(tx) => tx.send(PrefillCmd::CoordinatorLost(req)).is_ok(),
-            };
-        }
-    }
-    result
-}
-
 /// A peer's `traceparent`, kept only when it is one: `00-<32 hex>-<16 hex>-<2 hex>`
 /// (55 bytes). Anything else is dropped, so a peer cannot make the node log or
 /// export arbitrary text.
@@ -438,10 +1080,15 @@ struct PeerLinks {
     conns: Vec<Mutex<Option<Arc<Peer>>>>,
     /// This node's UCX context (`--transport ucx`).
     ucx: Option<UcxContext>,
+    links: NodeLinks,
+    carried: Arc<Carried>,
+    registry: Arc<Registry>,
+    counters: Arc<PdCounters>,
 }
 
 impl PeerLinks {
-    /// The connection to decode node `index`, opened (again) if needed.
+    /// The connection to decode node `index`, opened (again) if needed: TLS to that
+    /// node's identity, `Hello { from: Prefill }`, its welcome (and UCX region).
     fn peer(&self, index: usize) -> Result<Arc<Peer>, TransportError> {
         let gone = |m: String| TransportError::PeerGone(m);
         let (Some(addr), Some(slot)) = (self.peers.get(index), self.conns.get(index)) else {
@@ -453,29 +1100,17 @@ impl PeerLinks {
                 return Ok(p.clone());
             }
         }
-        let (conn, mut r) =
-            connect(addr).map_err(|e| gone(format!("cannot reach decode node {addr}: {e}")))?;
-        // A node that accepts but never answers (stopped, overloaded) must not hold
-        // this worker forever.
-        let _ = r.get_ref().set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-        if !conn.try_send(
-            &Frame::Hello {
-                from: Role::Prefill,
-                name: Some(self.name.clone()),
-            },
-            &[],
-        ) {
-            return Err(gone(format!("decode node {addr} closed the connection")));
-        }
-        let region = match read_frame(&mut r) {
-            Ok((Frame::Region { ucx }, _)) => ucx,
-            _ => {
-                conn.close();
-                return Err(gone(format!("decode node {addr} did not answer hello")));
-            }
-        };
-        let _ = r.get_ref().set_read_timeout(None);
-        let ucx = match (&self.ucx, region) {
+        let name = node_name(Role::Decode, addr).map_err(|e| gone(e.to_string()))?;
+        let (conn, welcome, mut reader) = block_on(open_link(
+            self.links.clone(),
+            addr.clone(),
+            name,
+            Role::Prefill,
+            Some(self.name.clone()),
+            None,
+        ))
+        .map_err(|e| gone(format!("cannot reach decode node {addr}: {e}")))?;
+        let ucx = match (&self.ucx, welcome.ucx) {
             (Some(ctx), Some(desc)) => {
                 match UcxSource::connect(ctx, &desc, UcxSourceConfig::default()) {
                     Ok(src) => Some(Mutex::new(src)),
@@ -491,19 +1126,32 @@ impl PeerLinks {
             }
             _ => None,
         };
+        self.registry.add(&conn);
         let peer = Arc::new(Peer {
             conn,
             acks: Mutex::new(HashMap::new()),
             next_flush: AtomicU64::new(1),
             ucx,
         });
-        let p = peer.clone();
-        std::thread::spawn(move || {
-            while let Ok((Frame::FlushAck { id }, _)) = read_frame(&mut r) {
-                if let Some(tx) = p.acks.lock().unwrap().remove(&id) {
-                    let _ = tx.send(());
+        let (p, counters) = (peer.clone(), self.counters.clone());
+        net::spawn(async move {
+            let end = loop {
+                match reader.next_on(&p.conn).await {
+                    Ok((Frame::FlushAck { id }, _)) => {
+                        if let Some(tx) = p.acks.lock().unwrap().remove(&id) {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok((f, _)) => {
+                        break LinkEnd::Violation(format!(
+                            "a {} frame from a decode node",
+                            f.kind()
+                        ))
+                    }
+                    Err(end) => break end,
                 }
-            }
+            };
+            end.note(p.conn.peer(), &counters);
             p.conn.close();
             // Waiting flushes fail: their senders drop.
             p.acks.lock().unwrap().clear();
@@ -526,7 +1174,9 @@ impl PrefillLinks for PeerLinks {
     }
 
     fn to_decode(&self, decode: usize, msg: Msg, extra: CommitExtra) -> bool {
-        self.peer(decode).is_ok_and(|p| {
+        let req = msg.req();
+        let commit = matches!(msg, Msg::Commit { .. });
+        let sent = self.peer(decode).is_ok_and(|p| {
             p.conn.send(
                 &Frame::Control(Control {
                     rng_pos: Some(extra.rng_pos),
@@ -535,15 +1185,20 @@ impl PrefillLinks for PeerLinks {
                 }),
                 &[],
             )
-        })
+        });
+        if commit {
+            // The prefill side's last message for the request.
+            self.carried.done(req);
+        }
+        sent
     }
 }
 
 /// [`KvTransport`] from a prefill node into one decode node: UCX one-sided puts
 /// and a UCX flush (remote completion) when both nodes run `--transport ucx`;
-/// otherwise each put is a `Land` frame on the TCP connection and `flush` waits for
-/// the decode node's `FlushAck`, which it sends after applying every earlier frame
-/// (so the writes have landed). Runs on a transfer worker: it may block.
+/// otherwise each put is a `Land` frame on the link and `flush` waits for the decode
+/// node's `FlushAck`, which it sends after applying every earlier frame (so the
+/// writes have landed). Runs on a transfer worker: it may block.
 struct PeerTransport {
     peer: Arc<Peer>,
 }
@@ -611,5 +1266,40 @@ mod tests {
         .unwrap();
         let e = pool_engine_config(&pool);
         assert_eq!((e.page_size, e.kv_pool_tokens), (16, 4096));
+    }
+
+    #[test]
+    fn carried_requests_belong_to_one_link_until_their_last_message() {
+        let c = Carried::default();
+        assert!(c.claim(ReqId(1), 7));
+        assert!(c.claim(ReqId(1), 7), "a re-sent Prealloc on the same link");
+        assert!(!c.claim(ReqId(1), 8), "another link may not take it over");
+        assert!(c.claim(ReqId(2), 8));
+        assert_eq!(c.carrier(ReqId(1)), Some(7));
+        c.done(ReqId(1));
+        assert_eq!(c.carrier(ReqId(1)), None);
+        assert_eq!(c.take(8), vec![ReqId(2)]);
+        assert!(c.is_empty());
+        assert!(is_last(&Msg::AbortAck {
+            req: ReqId(1),
+            from: Role::Decode
+        }));
+        assert!(!is_last(&Msg::Committed { req: ReqId(1) }));
+    }
+
+    #[test]
+    fn the_unknown_request_budget_is_a_burst_then_a_rate() {
+        let mut b = Budget::new();
+        let t0 = b.at;
+        let spent = (0..5000).take_while(|_| b.spend_at(t0)).count();
+        assert_eq!(spent, UNKNOWN_BURST as usize);
+        // A second later, one second's worth more, and no more.
+        let t1 = t0 + Duration::from_secs(1);
+        let spent = (0..5000).take_while(|_| b.spend_at(t1)).count();
+        assert_eq!(spent, UNKNOWN_PER_SEC as usize);
+        // Idle for long, the budget refills to the burst only.
+        let t2 = t1 + Duration::from_secs(3600);
+        let spent = (0..5000).take_while(|_| b.spend_at(t2)).count();
+        assert_eq!(spent, UNKNOWN_BURST as usize);
     }
 }

@@ -63,6 +63,9 @@ pub(crate) enum PrefillCmd {
     Drained(ReqId, Result<(), FailReason>),
     /// The coordinator of this request is gone (its connection closed).
     CoordinatorLost(ReqId),
+    /// A drain's deadline passed: every request still held is aborted as if its
+    /// coordinator were gone (stop, drain the writes, release).
+    EndAll,
     /// Stop at once, as a crash would (tests).
     Crash,
 }
@@ -584,6 +587,14 @@ impl NodeLoop for PrefillLoop {
                     p.on_coordinator_lost(req, env, out)
                 });
             }
+            PrefillCmd::EndAll => {
+                let live: Vec<ReqId> = self.records.keys().copied().collect();
+                for req in live {
+                    self.with_proto(engine, req, None, |p, env, out| {
+                        p.on_coordinator_lost(req, env, out)
+                    });
+                }
+            }
             PrefillCmd::Crash => self.crashed = true,
         }
         self.expire_tombstones();
@@ -591,6 +602,19 @@ impl NodeLoop for PrefillLoop {
 
     fn stop(&self) -> bool {
         self.crashed
+    }
+
+    fn live(&self) -> usize {
+        // A record whose protocol state is terminal (or gone) holds nothing.
+        self.records
+            .keys()
+            .filter(|r| {
+                self.proto
+                    .records()
+                    .state(**r)
+                    .is_some_and(|s| !s.is_terminal())
+            })
+            .count()
     }
 
     fn after_step(&mut self, engine: &mut Engine) {

@@ -1,0 +1,343 @@
+//! Who may be at the other end of a node link, and how that is proven: mutual TLS
+//! under the deployment's cluster CA, with each peer's identity (its role and
+//! address, carried in its certificate) checked against the deployment file on both
+//! ends; or, only when every node is on loopback and only when asked for
+//! (`--insecure-node-links`), plain TCP that trusts the peer's `Hello`.
+//!
+//! - A dialer (gateway -> node, prefill -> decode) asks for the name of the node it
+//!   means ([`LinkIdentity::name`]), so a certificate of any other identity fails the
+//!   handshake.
+//! - An acceptor requires a client certificate from the CA, then [`NodeLinks::authorize`]
+//!   checks it against what the peer says it is: `Hello{from: Coordinator}` only from
+//!   the gateway identity, `Hello{from: Prefill}` (which gets the UCX region) only from
+//!   a prefill node the file lists, nothing else.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_config::node_links::name_of;
+use tessera_config::{
+    is_loopback_address, DeploymentConfig, LinkFileError, LinkIdentity, Role as PoolRole,
+};
+use tessera_transfer::protocol::Role;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+
+/// Largest frame header accepted by default (control frames: a request body with its
+/// prompt ids fits many times over; see [`NodeLinks::with_context`]).
+pub const DEFAULT_MAX_HEADER: usize = 1 << 20;
+/// Time for a TCP connect.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time for a TLS handshake.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Timings and size caps every link of a process uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkSettings {
+    /// Idle time after which a link sends a `Ping` (`heartbeat_ms`).
+    pub heartbeat: Duration,
+    /// Silence (no frame read) or a stuck write after which a link is closed as dead
+    /// (`dead_after_ms`).
+    pub dead_after: Duration,
+    /// Largest frame header read, bytes; a longer length prefix closes the link
+    /// before anything is allocated.
+    pub max_header: usize,
+}
+
+/// Why a process cannot set up its node links.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkSetupError {
+    /// No `[node_links] ca`/`cert_dir` and no `--insecure-node-links`.
+    #[error(
+        "node links need mutual TLS, but the deployment file's [node_links] names no `ca` and \
+         `cert_dir` (create them with `tessera ops certs init` and `tessera ops certs issue`), \
+         or run every node on loopback with --insecure-node-links"
+    )]
+    NoTls,
+    /// `--insecure-node-links` with TLS configured too.
+    #[error(
+        "--insecure-node-links given, but [node_links] configures mutual TLS; drop one of them"
+    )]
+    Conflict,
+    /// `--insecure-node-links` with an address off loopback.
+    #[error(
+        "refusing plain node links: {address} is not a loopback address \
+         (--insecure-node-links is only allowed when every node and the listen address are \
+         on loopback; configure [node_links] ca and cert_dir instead)"
+    )]
+    NotLoopback {
+        /// The first address that is not on loopback.
+        address: String,
+    },
+    /// This process's certificate, key or CA.
+    #[error("node links: {0}")]
+    Files(#[from] LinkFileError),
+    /// rustls refused the material.
+    #[error("node links: TLS setup failed: {0}")]
+    Tls(String),
+}
+
+/// The TLS half of [`NodeLinks`].
+#[derive(Clone)]
+struct Tls {
+    server: Arc<rustls::ServerConfig>,
+    client: Arc<rustls::ClientConfig>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    /// `None`: plain TCP (loopback only, checked at construction).
+    tls: Option<Tls>,
+    settings: LinkSettings,
+    /// The gateway identity's name.
+    gateway: String,
+    /// Identity names of the prefill nodes the file lists, each with the node's
+    /// address (its name as a request's writer).
+    prefill: HashMap<String, String>,
+}
+
+/// How this process's node links authenticate, and their timings. Cheap to clone.
+#[derive(Clone)]
+pub struct NodeLinks(Arc<Inner>);
+
+impl std::fmt::Debug for NodeLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeLinks")
+            .field("mutual_tls", &self.0.tls.is_some())
+            .field("settings", &self.0.settings)
+            .finish()
+    }
+}
+
+/// A connection's reading and writing halves, TLS or not.
+pub(crate) type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+/// See [`ReadHalf`].
+pub(crate) type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+/// The peer's end-entity certificate (TLS links).
+pub(crate) type PeerCert = Option<rustls::pki_types::CertificateDer<'static>>;
+
+fn pool_role(role: Role) -> PoolRole {
+    match role {
+        Role::Prefill => PoolRole::Prefill,
+        _ => PoolRole::Decode,
+    }
+}
+
+/// The identity name of node `address` of `role` (what a dialer asks for).
+pub(crate) fn node_name(role: Role, address: &str) -> io::Result<String> {
+    LinkIdentity::Node {
+        role: pool_role(role),
+        address: address.to_string(),
+    }
+    .name()
+    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+}
+
+impl NodeLinks {
+    /// The node links of `me` in deployment `cfg`: mutual TLS from `[node_links]`
+    /// (this identity's certificate and key, checked against the CA and the identity's
+    /// name), or with `insecure`, plain TCP, allowed only when every node of the file
+    /// and `listen` (a node's own address) are on loopback.
+    ///
+    /// Errors: [`LinkSetupError`], naming the file or the address at fault.
+    pub fn from_deployment(
+        cfg: &DeploymentConfig,
+        me: &LinkIdentity,
+        insecure: bool,
+        listen: Option<&str>,
+    ) -> Result<Self, LinkSetupError> {
+        let links = cfg.links();
+        let tls = match (links.tls_files(), insecure) {
+            (Some(_), true) => return Err(LinkSetupError::Conflict),
+            (None, false) => return Err(LinkSetupError::NoTls),
+            (None, true) => {
+                let nodes = cfg.link_identities().into_iter().filter_map(|i| match i {
+                    LinkIdentity::Node { address, .. } => Some(address),
+                    LinkIdentity::Gateway => None,
+                });
+                let all: Vec<String> = nodes.chain(listen.map(str::to_string)).collect();
+                if let Some(address) = all.into_iter().find(|a| !is_loopback_address(a)) {
+                    return Err(LinkSetupError::NotLoopback { address });
+                }
+                None
+            }
+            (Some(_), false) => Some(tls_configs(&links.load(me)?)?),
+        };
+        let names = |role: PoolRole| -> HashMap<String, String> {
+            cfg.link_identities()
+                .into_iter()
+                .filter_map(|i| match &i {
+                    LinkIdentity::Node { role: r, address } if *r == role => {
+                        i.name().ok().map(|n| (n, address.clone()))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        Ok(Self(Arc::new(Inner {
+            tls,
+            settings: LinkSettings {
+                heartbeat: Duration::from_millis(links.heartbeat_ms),
+                dead_after: Duration::from_millis(links.dead_after_ms),
+                max_header: DEFAULT_MAX_HEADER,
+            },
+            gateway: LinkIdentity::Gateway
+                .name()
+                .expect("the gateway identity always has a name"),
+            prefill: names(PoolRole::Prefill),
+        })))
+    }
+
+    /// The same links with a header cap that fits the control frames of a model with a
+    /// `context`-token window (prompt ids as JSON): at least [`DEFAULT_MAX_HEADER`],
+    /// else 16 bytes per token.
+    pub fn with_context(self, context: usize) -> Self {
+        let mut inner = (*self.0).clone();
+        inner.settings.max_header = DEFAULT_MAX_HEADER.max(context.saturating_mul(16));
+        Self(Arc::new(inner))
+    }
+
+    /// Timings and caps.
+    pub fn settings(&self) -> LinkSettings {
+        self.0.settings
+    }
+
+    /// Whether links use mutual TLS (else plain TCP on loopback).
+    pub fn is_tls(&self) -> bool {
+        self.0.tls.is_some()
+    }
+
+    /// Connects to `addr`, expecting the node whose identity name is `peer_name`.
+    ///
+    /// Errors: no address, connect or handshake failure or timeout, a certificate that
+    /// is not `peer_name`'s from the CA.
+    pub(crate) async fn dial(
+        &self,
+        addr: &str,
+        peer_name: &str,
+    ) -> io::Result<(ReadHalf, WriteHalf)> {
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+        tcp.set_nodelay(true)?;
+        let Some(tls) = &self.0.tls else {
+            let (r, w) = tcp.into_split();
+            return Ok((Box::new(r), Box::new(w)));
+        };
+        let name =
+            name_of(peer_name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
+        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, connector.connect(name, tcp))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+        let (r, w) = tokio::io::split(stream);
+        Ok((Box::new(r), Box::new(w)))
+    }
+
+    /// Completes the server side of an accepted connection: the TLS handshake with a
+    /// client certificate from the CA (or nothing, on plain links).
+    ///
+    /// Errors: handshake failure or timeout (no certificate, another CA, plaintext).
+    pub(crate) async fn accept(
+        &self,
+        tcp: TcpStream,
+    ) -> io::Result<(ReadHalf, WriteHalf, PeerCert)> {
+        tcp.set_nodelay(true)?;
+        let Some(tls) = &self.0.tls else {
+            let (r, w) = tcp.into_split();
+            return Ok((Box::new(r), Box::new(w), None));
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
+        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+        let cert = stream
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| c.clone().into_owned());
+        let (r, w) = tokio::io::split(stream);
+        Ok((Box::new(r), Box::new(w), cert))
+    }
+
+    /// Whether a peer with `cert` may open a link saying `Hello{from}` to a node of
+    /// role `me`: a coordinator only with the gateway identity, a prefill node (to a
+    /// decode node only) only with the identity of a prefill node the file lists.
+    /// Plain links check only the roles. Returns, for a prefill peer on a TLS link,
+    /// the address its certificate proves (the node's name as a request's writer).
+    ///
+    /// Errors: why not, for the node's log.
+    pub(crate) fn authorize(
+        &self,
+        cert: &PeerCert,
+        from: Role,
+        me: Role,
+    ) -> Result<Option<String>, String> {
+        let allowed: Vec<(&String, Option<&String>)> = match (from, me) {
+            (Role::Coordinator, _) => vec![(&self.0.gateway, None)],
+            (Role::Prefill, Role::Decode) => {
+                self.0.prefill.iter().map(|(n, a)| (n, Some(a))).collect()
+            }
+            _ => return Err(format!("a {me:?} node takes no links from a {from:?} peer")),
+        };
+        if self.0.tls.is_none() {
+            return Ok(None);
+        }
+        let Some(cert) = cert else {
+            return Err("no client certificate".into());
+        };
+        let parsed = rustls::server::ParsedCertificate::try_from(cert)
+            .map_err(|e| format!("unreadable client certificate: {e}"))?;
+        let found = allowed.iter().find(|(name, _)| {
+            name_of(name).is_ok_and(|n| rustls::client::verify_server_name(&parsed, &n).is_ok())
+        });
+        if let Some((_, address)) = found {
+            Ok(address.cloned())
+        } else {
+            Err(format!(
+                "its certificate is not a {} identity of the deployment",
+                match from {
+                    Role::Coordinator => "gateway",
+                    _ => "prefill node",
+                }
+            ))
+        }
+    }
+}
+
+/// rustls configurations for one identity: a server that requires client
+/// certificates from the CA, a client that presents the identity's certificate and
+/// trusts only the CA.
+fn tls_configs(c: &tessera_config::LinkCredentials) -> Result<Tls, LinkSetupError> {
+    let err = |e: rustls::Error| LinkSetupError::Tls(e.to_string());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in &c.ca {
+        roots.add(ca.clone()).map_err(err)?;
+    }
+    let roots = Arc::new(roots);
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| LinkSetupError::Tls(e.to_string()))?;
+    let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(err)?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(c.chain.clone(), c.key.clone_key())
+        .map_err(err)?;
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(err)?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(c.chain.clone(), c.key.clone_key())
+        .map_err(err)?;
+    Ok(Tls {
+        server: Arc::new(server),
+        client: Arc::new(client),
+    })
+}
