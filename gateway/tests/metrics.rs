@@ -267,6 +267,11 @@ async fn every_counter_moves_by_exactly_what_the_requests_explain() {
         0.0
     );
     assert_eq!(d(late), pages);
+    // Each replayed write is a protocol violation by the writer.
+    assert_eq!(
+        d(r#"tessera_node_link_violations_total{node="decode-0",role="decode"}"#),
+        pages
+    );
     for reader in ["attention", "transfer_source"] {
         let k = format!(
             r#"tessera_kv_tag_mismatches_total{{node="prefill-0",role="prefill",reader="{reader}"}}"#
@@ -315,6 +320,115 @@ async fn every_counter_moves_by_exactly_what_the_requests_explain() {
                 &format!(r#"tessera_queue_depth{{node="{n}",role="{role}"}}"#)
             ),
             0.0
+        );
+    }
+}
+
+/// Every metric a dashboard panel or an alert rule queries is one this deployment
+/// exports (by the `# TYPE` line of its family, so families still without series
+/// count), and every alert links a runbook that exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_and_alert_queries_name_exported_metrics_and_runbooks_exist() {
+    let s = start_pd(GatewayConfig::default()).await;
+    let text = s
+        .admin(reqwest::Method::GET, "/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    // Families with series show in the scrape; labelled families stay silent until
+    // their first series, so the names registered in the metrics modules count too.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut families: std::collections::HashSet<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .map(str::to_string)
+        .collect();
+    assert!(families.contains("tessera_kv_capacity_pages"), "{text}");
+    for src in ["gateway/src/metrics.rs", "serving/src/metrics.rs"] {
+        let code = std::fs::read_to_string(root.join(src)).unwrap();
+        let mut lines = code.lines();
+        while let Some(l) = lines.next() {
+            if l.trim_end().ends_with(".register(") {
+                let name = lines.next().unwrap().trim().trim_end_matches(',');
+                families.insert(name.trim_matches('"').to_string());
+            }
+        }
+    }
+    assert!(families.contains("tessera_requests"), "{families:?}");
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("ops/dashboards/tessera.json")).unwrap(),
+    )
+    .expect("the dashboard is valid JSON");
+    let mut exprs = Vec::new();
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr", Value::String(e)) => out.push(e.clone()),
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    walk(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    let rules = std::fs::read_to_string(root.join("ops/alerts/tessera.rules.yml")).unwrap();
+    let mut alert_exprs = 0;
+    let all: Vec<&str> = rules.lines().collect();
+    for (i, raw) in all.iter().enumerate() {
+        let line = raw.trim();
+        if let Some(e) = line.strip_prefix("expr:") {
+            let mut e = e.trim().to_string();
+            if e == "|" || e == ">" {
+                // A block scalar: the more indented lines below.
+                let indent = raw.len() - raw.trim_start().len();
+                e = all[i + 1..]
+                    .iter()
+                    .take_while(|l| l.len() - l.trim_start().len() > indent || l.trim().is_empty())
+                    .map(|l| l.trim())
+                    .collect::<Vec<_>>()
+                    .join(" ");
+            }
+            exprs.push(e);
+            alert_exprs += 1;
+        }
+        if let Some(rb) = line.strip_prefix("runbook:") {
+            let path = root.join(rb.trim());
+            assert!(path.exists(), "alert runbook {} is missing", path.display());
+        }
+    }
+    assert!(alert_exprs >= 5);
+    for e in &exprs {
+        let mut checked = 0;
+        let mut rest = e.as_str();
+        while let Some(at) = rest.find("tessera_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[at + name.len()..];
+            let family = ["_total", "_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .unwrap_or(&name);
+            assert!(
+                families.contains(family),
+                "`{e}` queries {name}, which no family exports"
+            );
+            checked += 1;
+        }
+        // Only a scrape-target check (`up`, node down) names no metric of ours.
+        assert!(
+            checked > 0 || e.contains("up{"),
+            "`{e}` names no Tessera metric"
         );
     }
 }

@@ -382,6 +382,7 @@ impl DecodeLoop {
         self.counters
             .link_violations
             .fetch_add(1, Ordering::Relaxed);
+        self.metrics.link_violation();
         if what.contains("page write") {
             self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
             self.metrics.late_write_dropped();

@@ -95,6 +95,7 @@ pub struct NodeMetrics {
     tag_mismatches: Family<ReaderLabels, Counter>,
     commits_rejected: Family<ReasonLabels, Counter>,
     late_writes_dropped: Family<NodeLabels, Counter>,
+    link_violations: Family<NodeLabels, Counter>,
     transfer_bytes: Family<NodeLabels, Counter>,
     transfer_seconds: HistogramFamily<NodeLabels>,
 }
@@ -115,6 +116,7 @@ impl NodeMetrics {
             tag_mismatches: Family::default(),
             commits_rejected: Family::default(),
             late_writes_dropped: Family::default(),
+            link_violations: Family::default(),
             transfer_bytes: Family::default(),
             transfer_seconds: Family::new_with_constructor(transfer_histogram),
         };
@@ -143,6 +145,11 @@ impl NodeMetrics {
             "tessera_kv_late_writes_dropped",
             "Page writes dropped, never applied: late writes to a reservation that ended or was quarantined, and refused writes (from a node that is not the request's writer, or to pages not awaiting one).",
             m.late_writes_dropped.clone(),
+        );
+        r.register(
+            "tessera_node_link_violations",
+            "Protocol violations by a peer node (a write or commit from a node that is not the request's writer, a write into pages not awaiting one, a malformed page, a message a prefill node may not send): each cuts that peer's link.",
+            m.link_violations.clone(),
         );
         r.register(
             "tessera_kv_transfer_bytes",
@@ -209,6 +216,7 @@ impl NodeMetrics {
             sink_tag_mismatches: decode.then(|| reader("transfer_sink")),
             commits,
             late_writes: decode.then(|| self.late_writes_dropped.get_or_create_owned(&labels)),
+            link_violations: decode.then(|| self.link_violations.get_or_create_owned(&labels)),
             transfer_bytes: (role == "prefill")
                 .then(|| self.transfer_bytes.get_or_create_owned(&labels)),
             transfer_seconds: (role == "prefill")
@@ -241,6 +249,7 @@ pub(crate) struct NodeHandles {
     /// By [`COMMIT_REASONS`] index (decode nodes).
     commits: Vec<Counter>,
     late_writes: Option<Counter>,
+    link_violations: Option<Counter>,
     transfer_bytes: Option<Counter>,
     transfer_seconds: Option<Histogram>,
 }
@@ -282,6 +291,13 @@ impl NodeHandles {
     }
 
     /// A page write dropped (decode node).
+    /// A peer node broke the protocol (see `tessera_node_link_violations`).
+    pub(crate) fn link_violation(&self) {
+        if let Some(c) = &self.link_violations {
+            c.inc();
+        }
+    }
+
     pub(crate) fn late_write_dropped(&self) {
         if let Some(c) = &self.late_writes {
             c.inc();

@@ -752,6 +752,45 @@ mod tests {
         assert!(violation(read(bytes, limits(None))).contains("malformed"));
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Whatever a peer sends, the reader returns a frame, a violation or a closed
+        /// link: it never panics and never takes a payload beyond the caps. Inputs are
+        /// raw bytes and real frames with bytes flipped, cut or appended.
+        #[test]
+        fn arbitrary_bytes_never_panic_the_frame_reader(
+            raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+            flips in proptest::collection::vec((0usize..4096, proptest::prelude::any::<u8>()), 0..8),
+            cut in 0usize..4096,
+            which in 0u8..4,
+            page in proptest::prelude::any::<bool>(),
+        ) {
+            let mut bytes = match which {
+                0 => raw.clone(),
+                1 => encode(&Frame::Land { req: 1, dest: dest() }, &[7; 64]).unwrap(),
+                2 => encode(&Frame::control(Msg::Renew { req: ReqId(5) }), &[]).unwrap(),
+                _ => encode(&Frame::Flush { id: 9 }, &[]).unwrap(),
+            };
+            for (at, x) in &flips {
+                if !bytes.is_empty() {
+                    let n = bytes.len();
+                    bytes[at % n] ^= x;
+                }
+            }
+            bytes.truncate(cut.max(1));
+            if which != 0 {
+                bytes.extend(&raw);
+            }
+            match read(bytes, limits(page.then_some(64))) {
+                Ok((Frame::Land { .. }, p)) => proptest::prop_assert_eq!(p.len(), 64),
+                Ok((_, p)) => proptest::prop_assert!(p.is_empty()),
+                Err(LinkEnd::Violation(_) | LinkEnd::Closed(_)) => {}
+                Err(other) => proptest::prop_assert!(false, "unexpected end {:?}", other),
+            }
+        }
+    }
+
     #[test]
     fn a_truncated_frame_is_a_closed_link_not_a_violation() {
         let bytes = encode(&Frame::Flush { id: 1 }, &[]).unwrap();

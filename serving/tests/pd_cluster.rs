@@ -602,3 +602,111 @@ fn a_write_into_pages_already_committed_fails_that_request_and_is_not_applied() 
     let alone = solo(&m, other.clone());
     assert_eq!(collect(&mut h.submit(other).unwrap()), alone);
 }
+
+/// One forged writer-side input to a decode node.
+#[derive(Debug, Clone)]
+enum Forged {
+    /// A protocol message, as if from the named prefill node.
+    Msg { from: &'static str, msg: Msg },
+    /// A page write from prefill node 0 with any page, tag and size (bytes).
+    Write {
+        req: u64,
+        dest: DestPage,
+        len: usize,
+    },
+}
+
+fn forged(page_bytes: usize) -> impl proptest::strategy::Strategy<Value = Forged> {
+    use proptest::prelude::*;
+    let tag = (0u64..4, 0u64..64, 0u32..4, 0u32..8).prop_map(|(tenant, seq, epoch, b)| {
+        tessera_kernels::PageTag {
+            tenant,
+            seq,
+            epoch,
+            logical_block: b,
+        }
+    });
+    let dest = (0u32..300, tag).prop_map(|(page, tag)| DestPage { page, tag });
+    // Requests that exist or existed (small ids) and ones that never did.
+    let req = prop_oneof![0u64..64, any::<u64>()].prop_map(ReqId);
+    let from = prop_oneof![Just("prefill-0"), Just("prefill-7")];
+    let msg = prop_oneof![
+        (
+            req.clone(),
+            any::<u32>(),
+            proptest::collection::vec(
+                (dest.clone(), any::<u32>())
+                    .prop_map(|(dest, checksum)| PageCommit { dest, checksum }),
+                0..6
+            ),
+            prop_oneof![0u32..49_152, any::<u32>()],
+        )
+            .prop_map(|(req, tokens, pages, first_token)| Msg::Commit {
+                req,
+                tokens,
+                pages,
+                first_token,
+            }),
+        req.clone().prop_map(|req| Msg::Renew { req }),
+        req.clone().prop_map(|req| Msg::WriterQuiet { req }),
+        // Messages a prefill node may never send to a decode node.
+        req.clone().prop_map(|req| Msg::Committed { req }),
+        req.clone().prop_map(|req| Msg::Abort { req }),
+    ];
+    prop_oneof![
+        (from, msg).prop_map(|(from, msg)| Forged::Msg { from, msg }),
+        (req, dest, prop_oneof![Just(true), Just(false)], 0usize..512).prop_map(
+            move |(req, dest, whole, short)| Forged::Write {
+                req: req.0,
+                dest,
+                // A whole page of the node's layout, or a wrong size.
+                len: if whole { page_bytes } else { short },
+            }
+        ),
+    ]
+}
+
+/// Issue 10, item 2: arbitrary writer-side traffic (messages a prefill node may and
+/// may not send, for requests that exist and ones that never did, from the assigned
+/// writer and from another node; page writes of any page, tag and size) never
+/// panics the decode node: its pool comes back to full and the next request equals
+/// its solo run.
+#[test]
+fn forged_writer_traffic_never_panics_the_decode_node_and_its_pool_recovers() {
+    use proptest::test_runner::{Config, TestRunner};
+    let m = load();
+    let h = cluster(&m, 4096, 4096);
+    let c = h.cluster().unwrap();
+    let req = greedy(chat_prompt(&m, "Hi"), 6);
+    let alone = solo(&m, req.clone());
+    let page_bytes = m.llama.config().kv_layout(16).page_bytes();
+    let mut runner = TestRunner::new(Config {
+        cases: 24,
+        ..Config::default()
+    });
+    runner
+        .run(
+            &proptest::collection::vec(forged(page_bytes), 1..24),
+            |inputs| {
+                for f in inputs {
+                    match f {
+                        Forged::Msg { from, msg } => c.deliver_to_decode_from(0, msg, from),
+                        Forged::Write { req, dest, len } => c.deliver_write(
+                            0,
+                            tessera_transfer::inproc::PageLanding {
+                                req,
+                                dest,
+                                bytes: vec![0xA5; len],
+                            },
+                        ),
+                    }
+                }
+                assert_pools_full(&h);
+                let got = collect(&mut h.submit(req.clone()).unwrap());
+                proptest::prop_assert!(got == alone, "{got:?}");
+                assert_pools_full(&h);
+                Ok(())
+            },
+        )
+        .unwrap();
+}

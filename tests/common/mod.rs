@@ -623,3 +623,14 @@ pub fn prompt_of_words(words: usize, max_tokens: usize) -> Value {
     let words: Vec<&str> = std::iter::repeat_n("apple", words).collect();
     json!({"prompt": words.join(" "), "max_tokens": max_tokens, "temperature": 0})
 }
+
+/// A Workers AI `result` as solo-equality compares it: the answer and every usage
+/// count except `prompt_tokens_details` (a repeat may be served from a prefill node's
+/// prefix cache, so `cached_tokens` legitimately differs from the solo run's).
+pub fn answer(result: &Value) -> Value {
+    let mut v = result.clone();
+    if let Some(u) = v.get_mut("usage").and_then(Value::as_object_mut) {
+        u.remove("prompt_tokens_details");
+    }
+    v
+}
