@@ -401,6 +401,29 @@ impl DecodeLoop {
         }
     }
 
+    /// Applies, drops or refuses one page write from the request's writer, as the
+    /// protocol's `on_page_write` decides.
+    fn land(&mut self, engine: &mut Engine, landing: &PageLanding, from: &WriterLink) {
+        use tessera_transfer::protocol::PageWrite;
+        let req = ReqId(landing.req);
+        match self.proto.on_page_write(req, &landing.dest) {
+            PageWrite::Apply => {
+                if let Err(e) = engine.land(landing) {
+                    let what = format!("a malformed page write: {e}");
+                    self.violation(engine, req, from, &what);
+                }
+            }
+            // Late writes after the reservation ended or was quarantined (its
+            // coordinator gone): dropped, never applied.
+            PageWrite::DropLate => {
+                self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
+                self.metrics.late_write_dropped();
+                tracing::debug!(?req, "dropped a late KV page write");
+            }
+            PageWrite::Refuse(what) => self.violation(engine, req, from, what),
+        }
+    }
+
     /// Whether `from` may write for `req`: the assigned writer, or any when the
     /// coordinator named none.
     fn is_writer(&self, req: ReqId, from: &WriterLink) -> bool {
@@ -510,37 +533,15 @@ impl NodeLoop for DecodeLoop {
             }
             DecodeCmd::Land { landing, from } => {
                 let req = ReqId(landing.req);
-                let state = self.proto.records().state(req).cloned();
-                use tessera_transfer::protocol::DecodeState;
-                match state {
-                    _ if !self.is_writer(req, &from) => {
-                        self.violation(
-                            engine,
-                            req,
-                            &from,
-                            "a page write from a node that is not the request's writer",
-                        );
-                    }
-                    Some(DecodeState::Reserved { .. }) => {
-                        if let Err(e) = engine.land(&landing) {
-                            let what = format!("a malformed page write: {e}");
-                            self.violation(engine, req, &from, &what);
-                        }
-                    }
-                    // Late writes after the reservation ended or was quarantined (its
-                    // coordinator gone): dropped, never applied.
-                    Some(
-                        DecodeState::Quarantined(_)
-                        | DecodeState::Aborted
-                        | DecodeState::CommitFailed(_),
-                    ) => {
-                        self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
-                        self.metrics.late_write_dropped();
-                        tracing::debug!(?req, "dropped a late KV page write");
-                    }
-                    _ => {
-                        self.violation(engine, req, &from, "a page write for pages not awaiting one (unknown, committed or finished)");
-                    }
+                if !self.is_writer(req, &from) {
+                    self.violation(
+                        engine,
+                        req,
+                        &from,
+                        "a page write from a node that is not the request's writer",
+                    );
+                } else {
+                    self.land(engine, &landing, &from);
                 }
             }
             DecodeCmd::WriterLink { name, lost } => {

@@ -61,7 +61,7 @@ fn transfer_histogram() -> Histogram {
 }
 
 /// Every [`CommitError`]'s reason label, in declaration order.
-pub const COMMIT_REASONS: [&str; 8] = [
+pub const COMMIT_REASONS: [&str; 9] = [
     "unknown_request",
     "not_awaiting_commit",
     "token_count",
@@ -70,6 +70,7 @@ pub const COMMIT_REASONS: [&str; 8] = [
     "duplicate_page",
     "tag_mismatch",
     "checksum_mismatch",
+    "foreign_write",
 ];
 
 /// The stable label of a refused commit's reason (one of [`COMMIT_REASONS`]).
@@ -83,6 +84,7 @@ pub fn commit_reason(e: &CommitError) -> &'static str {
         CommitError::DuplicatePage { .. } => "duplicate_page",
         CommitError::TagMismatch { .. } => "tag_mismatch",
         CommitError::ChecksumMismatch { .. } => "checksum_mismatch",
+        CommitError::ForeignWrite { .. } => "foreign_write",
     }
 }
 
@@ -434,6 +436,7 @@ mod tests {
                 expected: 1,
                 got: 2,
             },
+            CommitError::ForeignWrite { page: 1 },
         ];
         let labels: Vec<&str> = errors.iter().map(commit_reason).collect();
         assert_eq!(labels, COMMIT_REASONS);

@@ -603,6 +603,82 @@ fn a_write_into_pages_already_committed_fails_that_request_and_is_not_applied() 
     assert_eq!(collect(&mut h.submit(other).unwrap()), alone);
 }
 
+/// Issue 10: the assigned writer of a reserved request aims a page write at a page
+/// of another, running request whose tag it knows (it transferred that request).
+/// The protocol allows writes only into the request's own reservation: the write
+/// is refused as a violation (failing the writing request), never applied, and
+/// the running request's output equals its solo run.
+#[test]
+fn a_write_aimed_at_another_requests_pages_is_refused_and_the_victim_is_untouched() {
+    let m = load();
+    let h = cluster(&m, 8192, 8192);
+    let c = h.cluster().unwrap();
+    c.tap_writes();
+    let mut victim = greedy(chat_prompt(&m, "Write a long story about the sea."), 200);
+    victim.ignore_eos = true;
+    let alone = solo(&m, victim.clone());
+    let mut victim_rx = h.submit(victim).unwrap();
+    let mut first = match victim_rx.blocking_recv() {
+        Some(StreamEvent::Token { id, text }) => (vec![id], text),
+        other => panic!("unexpected {other:?}"),
+    };
+    let victim_pages = c.tapped_writes();
+    let target = victim_pages.first().expect("the victim's page writes").dest;
+    let victim_req = victim_pages[0].req;
+    // A long prompt keeps the writing request reserved while its chunks are computed.
+    let long = m
+        .tokenizer
+        .encode(
+            &"the quick brown fox jumps over the lazy dog. ".repeat(150),
+            false,
+        )
+        .unwrap();
+    let mut writer_rx = h.submit(greedy(long, 4)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let writer_req = loop {
+        if let Some(w) = c.tapped_writes().into_iter().find(|w| w.req != victim_req) {
+            break w.req;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no page write of the second request"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let before = c
+        .counters()
+        .link_violations
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let page_bytes = m.llama.config().kv_layout(16).page_bytes();
+    c.deliver_write(
+        0,
+        tessera_transfer::inproc::PageLanding {
+            req: writer_req,
+            dest: target,
+            bytes: vec![0x5A; page_bytes],
+        },
+    );
+    let w = collect(&mut writer_rx);
+    let e = serve_error(&w, ServeErrorKind::Integrity);
+    assert!(e.contains("outside the reservation"), "{e}");
+    assert!(
+        c.counters()
+            .link_violations
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > before
+    );
+    let rest = collect(&mut victim_rx);
+    first.0.extend(rest.ids);
+    first.1.push_str(&rest.text);
+    let got = Streamed {
+        ids: first.0,
+        text: first.1,
+        last: rest.last,
+    };
+    assert_eq!(got, alone);
+    assert_pools_full(&h);
+}
+
 /// One forged writer-side input to a decode node.
 #[derive(Debug, Clone)]
 enum Forged {

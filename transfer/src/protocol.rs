@@ -97,6 +97,13 @@ pub enum CommitError {
         /// Physical page index.
         page: u32,
     },
+    /// The writer aimed a page write outside the reservation (refused, not applied):
+    /// it is not trusted to commit this request.
+    #[error("a page write aimed at page {page}, outside the reservation, was refused")]
+    ForeignWrite {
+        /// Physical page index the refused write aimed at.
+        page: u32,
+    },
     /// The bytes that landed do not match the source checksum.
     #[error("page {page} checksum {got:#010x} does not match the committed {expected:#010x}")]
     ChecksumMismatch {
@@ -838,6 +845,21 @@ impl RequestState for DecodeState {
     }
 }
 
+/// What a decode node does with one page write that arrived for a request (the
+/// writer's identity is checked by the driver before this is asked).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageWrite {
+    /// Apply it: the request is reserved and `dest` is one of its transfer pages.
+    Apply,
+    /// Drop it without applying: a late write into a reservation that ended or is
+    /// quarantined (S2: its pages are never read again before they are freed).
+    DropLate,
+    /// A protocol violation: the request is not awaiting writes (unknown, committed
+    /// or running), or `dest` is not one of the pages reserved for it (a write aimed
+    /// at another request's pages, I3/I4).
+    Refuse(&'static str),
+}
+
 /// A node's per-request records: the live state machine of each request, then its
 /// tombstone once terminal (what stops a late `Prealloc`, `Prefill` or `Commit` from
 /// acting again).
@@ -950,6 +972,9 @@ pub struct DecodeNode {
     /// quarantined, or even before their `Prealloc` arrived: the two come on different
     /// links), and the driver's clock when it said so.
     quiet: BTreeMap<ReqId, u64>,
+    /// Reserved requests whose writer aimed a page write outside the reservation,
+    /// and the page it aimed at: their commit fails.
+    foreign_writes: BTreeMap<ReqId, u32>,
     flaws: Flaws,
 }
 
@@ -966,6 +991,7 @@ impl DecodeNode {
             reqs: Records::default(),
             waiting: VecDeque::new(),
             quiet: BTreeMap::new(),
+            foreign_writes: BTreeMap::new(),
             flaws,
         }
     }
@@ -1020,6 +1046,7 @@ impl DecodeNode {
     fn set(&mut self, req: ReqId, state: DecodeState) {
         if state.is_terminal() {
             self.quiet.remove(&req);
+            self.foreign_writes.remove(&req);
         }
         self.reqs.insert(req, state);
     }
@@ -1154,6 +1181,32 @@ impl DecodeNode {
         }
     }
 
+    /// A page write into `dest` arrived for `req` from its writer (the driver checked
+    /// the writer's identity). Only a reserved request's own transfer pages, with the
+    /// tags its descriptor named, may be written. A write aimed anywhere else is
+    /// refused and the request's commit will fail ([`CommitError::ForeignWrite`]):
+    /// its writer is not trusted with it. Late writes into a reservation that ended
+    /// or is quarantined are dropped (S2: those pages are never read before they are
+    /// freed).
+    pub fn on_page_write(&mut self, req: ReqId, dest: &DestPage) -> PageWrite {
+        match self.reqs.get(&req) {
+            Some(DecodeState::Reserved { dest: pages, .. }) => {
+                if pages.iter().any(|p| p == dest) {
+                    PageWrite::Apply
+                } else {
+                    self.foreign_writes.entry(req).or_insert(dest.page);
+                    PageWrite::Refuse("a page write outside the request's reservation")
+                }
+            }
+            Some(
+                DecodeState::Quarantined(_) | DecodeState::Aborted | DecodeState::CommitFailed(_),
+            ) => PageWrite::DropLate,
+            _ => PageWrite::Refuse(
+                "a page write for pages not awaiting one (unknown, committed or finished)",
+            ),
+        }
+    }
+
     /// `Commit`: verifies it (I4) and admits the sequence, or fails the request and
     /// frees its pages. Anything but a first commit for a reserved request changes
     /// nothing: the latest reply is re-sent (an unknown request gets `CommitFailed`).
@@ -1186,6 +1239,8 @@ impl DecodeNode {
             } => {
                 let verdict = if self.flaws.decode_skips_commit_checks {
                     Ok(())
+                } else if let Some(&page) = self.foreign_writes.get(&req) {
+                    Err(CommitError::ForeignWrite { page })
                 } else {
                     verify_commit(req, *reserved, dest, tokens, pages, env)
                 };
