@@ -1054,3 +1054,44 @@ async fn ledger_rows_past_the_retention_are_pruned() {
         .unwrap();
     assert!(m.contains("tessera_usage_rows_pruned_total 1"), "{m}");
 }
+
+/// Issue 9, item 4: auth and the request-rate and concurrency limits are checked
+/// before the body is read. A tenant over its request rate that sends headers and
+/// withholds the body gets its 429 at once; were the body read first, the server
+/// would wait for it until the body deadline (30 s) and answer 408.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_refuse_before_the_body_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start().await;
+    let lim = Limits {
+        requests_per_minute: 1,
+        ..Limits::UNLIMITED
+    };
+    let (t, key) = s.tenant_with_key("one-a-minute", lim).await;
+    let body = json!({"prompt": "Hi", "max_tokens": 2});
+    let (st, _, v) = s.post(&s.run_url(&t.id), Some(&key), &body).await;
+    assert_eq!(st, 200, "{v}");
+    let mut sock = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let head = format!(
+        "POST /client/v4/accounts/{}/ai/run/{MODEL} HTTP/1.1\r\nhost: x\r\n\
+         authorization: Bearer {key}\r\ncontent-type: application/json\r\n\
+         content-length: 100000\r\n\r\n",
+        t.id
+    );
+    sock.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = async {
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = sock.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed without an answer");
+            got.extend_from_slice(&buf[..n]);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), read)
+        .await
+        .expect("no answer before the body was sent");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 429"), "{text}");
+    assert_eq!(s.state.limiter.inflight(&t.id), 0);
+}

@@ -347,3 +347,45 @@ async fn the_scheduling_and_salt_endpoints_refuse_tenants_and_bad_bodies() {
         .unwrap()
         .is_empty());
 }
+
+/// Issue 9, item 4: a 503 from a busy backend (here a batch request that expired
+/// in the queue before any compute) charges nothing: no daily tokens used or left
+/// reserved, no tokens in its ledger row, its slot given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_503_charges_nothing() {
+    let engine = EngineConfig {
+        batch_max_wait: Some(Duration::ZERO),
+        ..EngineConfig::default()
+    };
+    let s = start_with_engine(GatewayConfig::default(), engine).await;
+    let lim = Limits {
+        daily_tokens: 100_000,
+        ..Limits::UNLIMITED
+    };
+    let (t, key) = s.tenant_with_key("busy", lim).await;
+    let resp = s
+        .client
+        .post(s.run_url(&t.id))
+        .bearer_auth(&key)
+        .json(&json!({"prompt": "Tell me about the sea.", "max_tokens": 64, "priority": "batch"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
+    let row = s.row(&rid).await;
+    assert_eq!(
+        (
+            row.status,
+            row.input_tokens,
+            row.output_tokens,
+            row.cached_tokens
+        ),
+        (503, 0, 0, 0),
+        "{row:?}"
+    );
+    assert_eq!(s.state.limiter.inflight(&t.id), 0);
+    let daily = s.state.limiter.daily(&t.id).expect("a daily counter");
+    assert_eq!((daily.used, daily.reserved), (0, 0), "{daily:?}");
+    s.wait_idle().await;
+}
