@@ -8,290 +8,13 @@
 //! the pool's tag array before it reads a page and fails the sequence with
 //! [`IntegrityError`] on any difference, so a wrong mapping can never yield a token.
 //!
-//! The arithmetic (tiled, online softmax, int8 dot products) is in `flash`.
+//! The page layout, tags and tag check are in `page` (re-exported here); the
+//! arithmetic (tiled, online softmax, int8 dot products) is in `flash`.
 
-/// Owner tag of one physical KV page. Written when the page is filled, checked at
-/// every read. `epoch` changes every time the page is freed, so a tag taken before a
-/// free never validates after it.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[repr(C)]
-pub struct PageTag {
-    /// Tenant (account) that owns the data.
-    pub tenant: u64,
-    /// Sequence (request) id within the node.
-    pub seq: u64,
-    /// Page generation; bumped on free.
-    pub epoch: u32,
-    /// Index of this page in the sequence's block table.
-    pub logical_block: u32,
-}
-
-/// One block-table entry: where a logical block lives and the tag it must carry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BlockRef {
-    /// Physical page index in the pool.
-    pub page: u32,
-    /// Tag the page must carry.
-    pub tag: PageTag,
-}
-
-/// Shape of the KV pool's pages.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvLayout {
-    /// Transformer layers.
-    pub layers: usize,
-    /// Token slots per page.
-    pub page_size: usize,
-    /// KV heads.
-    pub kv_heads: usize,
-    /// Dimension per head.
-    pub head_dim: usize,
-}
-
-impl KvLayout {
-    /// `kv_heads * head_dim`: values per token per layer for K (or V).
-    pub fn kv_dim(&self) -> usize {
-        self.kv_heads * self.head_dim
-    }
-
-    /// Token slots of a page rounded up to a multiple of 4 (V is stored in groups
-    /// of 4 slots; the padding slots are never written or read).
-    pub fn slots4(&self) -> usize {
-        self.page_size.next_multiple_of(4)
-    }
-
-    /// Bytes of one (layer, KV head) block of a page. Within it, for `ps` slots,
-    /// `hd` dimensions and `s4 = slots4()`:
-    /// - `[0, hd*ps)`: K as `[hd/4][ps][4]` bytes: dimension `d` of slot `s` at
-    ///   `(d/4)*ps*4 + s*4 + d%4`, stored offset-binary (`k_i8 ^ 0x80`, i.e.
-    ///   `k_i8 + 128` as `u8`), so 4 consecutive dimensions of 16 slots are one
-    ///   64-byte row of a VNNI dot product;
-    /// - then `ps` `f32` (little-endian) K scales, one per slot: `k ~= scale * k_i8`;
-    /// - then V as `[s4/4][hd][4]` signed bytes: slot `s`, dimension `d` at
-    ///   `(s/4)*hd*4 + d*4 + s%4` (4 slots of one dimension side by side);
-    /// - then `s4` `f32` V scales.
-    pub fn head_block_bytes(&self) -> usize {
-        let (hd, ps, s4) = (self.head_dim, self.page_size, self.slots4());
-        hd * ps + 4 * ps + hd * s4 + 4 * s4
-    }
-
-    /// Bytes of one page: `layers * kv_heads` head blocks, layer-major.
-    pub fn page_bytes(&self) -> usize {
-        self.layers * self.kv_heads * self.head_block_bytes()
-    }
-
-    /// Byte offset of the (layer, KV head) block within a page.
-    pub fn head_offset(&self, layer: usize, head: usize) -> usize {
-        (layer * self.kv_heads + head) * self.head_block_bytes()
-    }
-
-    /// Byte offset of the K scales within a head block.
-    pub(crate) fn k_scale_offset(&self) -> usize {
-        self.head_dim * self.page_size
-    }
-
-    /// Byte offset of the V values within a head block.
-    pub(crate) fn v_offset(&self) -> usize {
-        self.k_scale_offset() + 4 * self.page_size
-    }
-
-    /// Byte offset of the V scales within a head block.
-    pub(crate) fn v_scale_offset(&self) -> usize {
-        self.v_offset() + self.head_dim * self.slots4()
-    }
-
-    /// Quantizes one token's K and V for `layer` (`k`, `v`: `[kv_heads * head_dim]`)
-    /// into slot `slot` of `page` (one page, [`Self::page_bytes`] long): per KV head,
-    /// symmetric 8-bit with round-to-nearest and scale `max|x| / 127`.
-    ///
-    /// Panics if `head_dim` is not a multiple of 4, `slot >= page_size` or a slice
-    /// has the wrong length.
-    pub fn write_token(&self, page: &mut [u8], layer: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let (hd, ps) = (self.head_dim, self.page_size);
-        assert!(hd.is_multiple_of(4), "head_dim must be a multiple of 4");
-        assert!(slot < ps, "slot {slot} outside a page of {ps}");
-        assert_eq!(page.len(), self.page_bytes(), "page length");
-        assert!(
-            k.len() == self.kv_dim() && v.len() == self.kv_dim(),
-            "K/V length"
-        );
-        for g in 0..self.kv_heads {
-            let hb = &mut page[self.head_offset(layer, g)..][..self.head_block_bytes()];
-            let d = quantize_i8_with(&k[g * hd..(g + 1) * hd], |dd, q| {
-                hb[(dd / 4) * ps * 4 + slot * 4 + dd % 4] = (q as u8) ^ 0x80;
-            });
-            let ks = self.k_scale_offset() + slot * 4;
-            hb[ks..ks + 4].copy_from_slice(&d.to_le_bytes());
-            let vo = self.v_offset() + (slot / 4) * hd * 4 + slot % 4;
-            let d = quantize_i8_with(&v[g * hd..(g + 1) * hd], |dd, q| hb[vo + dd * 4] = q as u8);
-            let vs = self.v_scale_offset() + slot * 4;
-            hb[vs..vs + 4].copy_from_slice(&d.to_le_bytes());
-        }
-    }
-
-    /// Zeroes every byte of slots `from..` (values and scales, every layer and
-    /// head) of `page`, so a partly filled page carries no stale bytes.
-    pub fn clear_slots_from(&self, page: &mut [u8], from: usize) {
-        assert_eq!(page.len(), self.page_bytes(), "page length");
-        let (hd, ps, s4) = (self.head_dim, self.page_size, self.slots4());
-        if from >= s4 {
-            return;
-        }
-        for hb in page.chunks_exact_mut(self.head_block_bytes()) {
-            for quad in 0..hd / 4 {
-                hb[quad * ps * 4 + from.min(ps) * 4..(quad + 1) * ps * 4].fill(0);
-            }
-            let ks = self.k_scale_offset();
-            hb[ks + from.min(ps) * 4..ks + ps * 4].fill(0);
-            for s in from..s4 {
-                let vo = self.v_offset() + (s / 4) * hd * 4 + s % 4;
-                for dd in 0..hd {
-                    hb[vo + dd * 4] = 0;
-                }
-            }
-            let vs = self.v_scale_offset();
-            hb[vs + from * 4..vs + s4 * 4].fill(0);
-        }
-    }
-
-    /// Dequantized K (`v = false`) or V of one slot, layer and KV head: the values
-    /// attention reads (for tests and debugging; the kernels read bytes directly).
-    pub fn read_token(
-        &self,
-        page: &[u8],
-        layer: usize,
-        head: usize,
-        slot: usize,
-        v: bool,
-    ) -> Vec<f32> {
-        let (hd, ps) = (self.head_dim, self.page_size);
-        let hb = &page[self.head_offset(layer, head)..][..self.head_block_bytes()];
-        let scale = |at: usize| f32::from_le_bytes(hb[at..at + 4].try_into().expect("4 bytes"));
-        if v {
-            let d = scale(self.v_scale_offset() + slot * 4);
-            let vo = self.v_offset() + (slot / 4) * hd * 4 + slot % 4;
-            (0..hd).map(|dd| hb[vo + dd * 4] as i8 as f32 * d).collect()
-        } else {
-            let d = scale(self.k_scale_offset() + slot * 4);
-            (0..hd)
-                .map(|dd| (hb[(dd / 4) * ps * 4 + slot * 4 + dd % 4] ^ 0x80) as i8 as f32 * d)
-                .collect()
-        }
-    }
-}
-
-/// Symmetric 8-bit quantization of `x` into `q` (same length): returns the scale
-/// `d = max|x| / 127` with `x ~= d * q`, round half away from zero (0 for a zero row).
-pub(crate) fn quantize_i8(x: &[f32], q: &mut [i8]) -> f32 {
-    quantize_i8_with(x, |i, v| q[i] = v)
-}
-
-/// [`quantize_i8`] handing value `i` to `put(i, q_i)` instead of storing it.
-fn quantize_i8_with(x: &[f32], mut put: impl FnMut(usize, i8)) -> f32 {
-    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-    for (i, &v) in x.iter().enumerate() {
-        put(i, (v * id).round() as i8);
-    }
-    d
-}
-
-/// A page's tag differs from the one its block table expects.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "KV page {page} (logical block {logical_block}) carries tag {found:?}, expected {expected:?}"
-)]
-pub struct IntegrityError {
-    /// Physical page.
-    pub page: u32,
-    /// Logical block in the reading sequence.
-    pub logical_block: u32,
-    /// Tag the block table expected.
-    pub expected: PageTag,
-    /// Tag found in the pool.
-    pub found: PageTag,
-}
-
-/// Whether tag checks (and the transfer's page checksums) run. Always on; only
-/// the integrity-overhead benchmark turns them off, to measure what they cost.
-static INTEGRITY_CHECKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Turns tag checks and transfer checksums off or on for the whole process.
-/// Benchmarks only (`serving/examples/integrity_overhead.rs`); nothing in a
-/// server calls it, and with checks off I3/I4 do not hold.
-#[doc(hidden)]
-pub fn set_integrity_checks_for_benchmark(on: bool) {
-    INTEGRITY_CHECKS.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether integrity checks run (see [`set_integrity_checks_for_benchmark`]).
-pub fn integrity_checks() -> bool {
-    INTEGRITY_CHECKS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Checks every block-table entry against the pool's tags.
-pub fn verify_tags(tags: &[PageTag], table: &[BlockRef]) -> Result<(), IntegrityError> {
-    if !integrity_checks() {
-        return Ok(());
-    }
-    for (i, e) in table.iter().enumerate() {
-        let found = tags.get(e.page as usize).copied().unwrap_or_default();
-        if found != e.tag || e.tag.logical_block as usize != i {
-            return Err(IntegrityError {
-                page: e.page,
-                logical_block: i as u32,
-                expected: e.tag,
-                found,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// One sequence's view of the KV pool for one layer: where its pages are and
-/// the tags they must carry.
-#[derive(Clone, Copy, Debug)]
-pub struct SeqKv<'a> {
-    /// Page shape.
-    pub layout: &'a KvLayout,
-    /// All page bytes of the pool (`pages * layout.page_bytes()`).
-    pub data: &'a [u8],
-    /// The pool's tag array, indexed by physical page.
-    pub tags: &'a [PageTag],
-    /// The sequence's block table (must cover the keys read).
-    pub table: &'a [BlockRef],
-    /// Transformer layer to read.
-    pub layer: usize,
-}
-
-/// The KV pool as attention reads it for one layer (shared by every job of a pass).
-#[derive(Clone, Copy, Debug)]
-pub struct PoolKv<'a> {
-    /// Page shape.
-    pub layout: &'a KvLayout,
-    /// All page bytes of the pool (`pages * layout.page_bytes()`).
-    pub data: &'a [u8],
-    /// The pool's tag array, indexed by physical page.
-    pub tags: &'a [PageTag],
-    /// Transformer layer to read.
-    pub layer: usize,
-}
-
-/// `m` query rows of one sequence (a prefill chunk, or one decode token).
-#[derive(Debug)]
-pub struct AttnJob<'a> {
-    /// Queries `[m, n_heads * head_dim]`, RoPE applied.
-    pub q: &'a [f32],
-    /// Row `i` attends to keys `0..n_keys[i]` (`[m]`, each >= 1).
-    pub n_keys: &'a [usize],
-    /// The sequence's block table (must cover `max(n_keys)` keys).
-    pub table: &'a [BlockRef],
-    /// Output `[m, n_heads * head_dim]`; all zero when the job fails.
-    pub out: &'a mut [f32],
-}
+pub use crate::page::{
+    integrity_checks, set_integrity_checks_for_benchmark, verify_tags, AttnJob, BlockRef,
+    IntegrityError, KvLayout, PageTag, PoolKv, SeqKv,
+};
 
 /// Causal attention of one query token over keys `0..n_keys` of one sequence.
 ///
@@ -358,17 +81,9 @@ pub fn paged_attention_jobs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::page::tests::{bits, tag};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
-
-    fn tag(seq: u64, lb: u32) -> PageTag {
-        PageTag {
-            tenant: 9,
-            seq,
-            epoch: 1,
-            logical_block: lb,
-        }
-    }
 
     /// A pool of `pages` pages, sequence 5 owning all of them in physical order
     /// reversed (logical block b on page pages-1-b), filled with random K/V for
@@ -462,10 +177,6 @@ mod tests {
         (0..m * row).map(|_| rng.random_range(-amp..amp)).collect()
     }
 
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|x| x.to_bits()).collect()
-    }
-
     #[test]
     fn attention_matches_exact_softmax_over_the_stored_values() {
         // Keys span many pages and two 512-key chunks; GQA with 9 query heads.
@@ -505,61 +216,6 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn stored_values_are_within_half_a_step_and_clearing_zeroes_only_later_slots() {
-        let layout = KvLayout {
-            layers: 2,
-            page_size: 6,
-            kv_heads: 2,
-            head_dim: 8,
-        };
-        let mut page = vec![0xAAu8; layout.page_bytes()];
-        let mut rng = ChaCha8Rng::seed_from_u64(3);
-        let mut written = Vec::new();
-        for slot in 0..6 {
-            let k: Vec<f32> = (0..16).map(|_| rng.random_range(-3.0..3.0)).collect();
-            let v: Vec<f32> = (0..16).map(|_| rng.random_range(-3.0..3.0)).collect();
-            layout.write_token(&mut page, 1, slot, &k, &v);
-            written.push((k, v));
-        }
-        for (slot, (k, v)) in written.iter().enumerate() {
-            for g in 0..2 {
-                for (x, back) in [(k, false), (v, true)] {
-                    let x = &x[g * 8..(g + 1) * 8];
-                    let step = x.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
-                    let got = layout.read_token(&page, 1, g, slot, back);
-                    for (a, b) in x.iter().zip(&got) {
-                        assert!((a - b).abs() <= step * 0.5 + 1e-6);
-                    }
-                }
-            }
-        }
-        let before = page.clone();
-        layout.clear_slots_from(&mut page, 4);
-        for layer in 0..2 {
-            for g in 0..2 {
-                for slot in 0..6 {
-                    for v in [false, true] {
-                        let now = layout.read_token(&page, layer, g, slot, v);
-                        if slot >= 4 {
-                            assert!(now.iter().all(|x| *x == 0.0), "slot {slot}");
-                        } else {
-                            assert_eq!(
-                                bits(&now),
-                                bits(&layout.read_token(&before, layer, g, slot, v))
-                            );
-                        }
-                    }
-                }
-            }
-        }
-        // Every byte the clear touched belongs to slots 4.. (K values, K scales, V
-        // values and scales, including the padding slots 6 and 7).
-        let changed = page.iter().zip(&before).filter(|(a, b)| a != b).count();
-        let per_head = 8 * 2 + 4 * 2 + 8 * 4 + 4 * 4;
-        assert_eq!(changed, 2 * 2 * per_head);
     }
 
     #[test]
@@ -780,18 +436,5 @@ mod tests {
         assert!(res[1].is_ok());
         assert!(o1.iter().all(|v| *v == 0.0));
         assert_eq!(bits(&o2), bits(&alone));
-    }
-
-    #[test]
-    fn a_stale_epoch_fails() {
-        let tags = vec![PageTag {
-            epoch: 2,
-            ..tag(5, 0)
-        }];
-        let table = [BlockRef {
-            page: 0,
-            tag: tag(5, 0),
-        }];
-        assert!(verify_tags(&tags, &table).is_err());
     }
 }

@@ -27,8 +27,8 @@
 //! split across threads without changing a bit: tasks compute chunk states, a
 //! second pass merges them in the same order a single task would.
 
-use crate::attention::{verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv};
-use crate::dot::{isa, Isa};
+use crate::isa::{isa, Isa};
+use crate::page::{verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv};
 
 /// Keys per chunk (rounded down to whole pages, at least one page).
 pub(crate) const CHUNK_KEYS: usize = 512;
@@ -235,7 +235,7 @@ pub(crate) fn run(
             let (t, h) = (u.t0 + i / group, u.g * group + i % group);
             let q = &job.q[t * row + h * hd..t * row + (h + 1) * hd];
             let qq = &mut rows.qq[i * hd..(i + 1) * hd];
-            rows.dq[i] = crate::attention::quantize_i8(q, qq) * scale;
+            rows.dq[i] = crate::page::quantize_i8(q, qq) * scale;
             rows.qsum[i] = qq.iter().map(|&v| v as i32).sum();
             rows.nk[i] = job.n_keys[t];
         }

@@ -11,8 +11,10 @@
 pub mod attention;
 pub mod dot;
 mod flash;
+mod isa;
 pub mod matmul;
 pub mod ops;
+mod page;
 pub mod pool;
 pub mod quant;
 

@@ -210,7 +210,7 @@ pub fn quantize_row_q8_split(
     sum: &mut [i32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::dot::isa() != crate::dot::Isa::Scalar {
+    if crate::isa::isa() != crate::isa::Isa::Scalar {
         // SAFETY: `isa()` verified avx2 and fma. Same results: rounding is exact.
         return unsafe { quantize_avx2(x, qs, d, s, sum) };
     }
