@@ -27,8 +27,8 @@
 //! or suspending a tenant also aborts its requests in flight.
 
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::server::{read_body, AppState};
-use crate::workers_ai::envelope;
+use crate::http::{envelope, read_body};
+use crate::state::AppState;
 use axum::extract::{ConnectInfo, Extension, Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::middleware::{self, Next};

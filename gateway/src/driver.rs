@@ -22,7 +22,7 @@
 use crate::error::{ApiError, ErrorKind};
 use crate::live::LiveGuard;
 use crate::metrics::AbortReason;
-use crate::server::{AppState, Ctx};
+use crate::state::{AppState, Ctx};
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_serving::{

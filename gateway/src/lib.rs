@@ -42,14 +42,16 @@ pub mod admin;
 pub mod listener;
 
 mod driver;
+mod http;
 mod live;
 mod openai;
 mod request_log;
+mod state;
 mod usage_api;
 mod workers_ai;
 
 pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES};
 pub use error::{ApiError, ErrorKind};
-pub use listener::ConnLimits;
-pub use server::{AppState, Deadlines, GatewayConfig, Server, UsageConfig, MAX_ID_BYTES};
+pub use server::Server;
+pub use state::{AppState, ConnLimits, Deadlines, GatewayConfig, UsageConfig, MAX_ID_BYTES};
 pub use tls::TlsMode;

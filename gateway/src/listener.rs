@@ -19,7 +19,8 @@
 //!
 //! Each request gets the peer address as axum's `ConnectInfo<SocketAddr>`.
 
-use crate::server::AppState;
+use crate::state::AppState;
+pub use crate::state::ConnLimits;
 use axum::body::Body;
 use axum::body::Bytes;
 use axum::extract::ConnectInfo;
@@ -37,31 +38,6 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tower::ServiceExt;
-
-/// Connection-level limits (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConnLimits {
-    /// Time allowed for a request head (request line and headers).
-    pub header_read: Duration,
-    /// Time allowed for the TLS handshake.
-    pub tls_handshake: Duration,
-    /// Idle time (no request in flight, no bytes either way) before a kept-alive
-    /// connection is closed.
-    pub keepalive_idle: Duration,
-    /// Most connections open at once, per listener.
-    pub max_connections: usize,
-}
-
-impl Default for ConnLimits {
-    fn default() -> Self {
-        Self {
-            header_read: Duration::from_secs(10),
-            tls_handshake: Duration::from_secs(10),
-            keepalive_idle: Duration::from_secs(5),
-            max_connections: 1024,
-        }
-    }
-}
 
 /// What to wait after `accept` failed with `e`, given the previous wait: `None`
 /// when the error concerns only the connection being accepted (try the next one

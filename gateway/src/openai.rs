@@ -4,7 +4,8 @@
 use crate::catalog::CatalogEntry;
 use crate::driver::{finish_label, Msg, TokenCounts};
 use crate::error::Flavor;
-use crate::server::{authenticate, sse, AppState, Ctx, Formatter, Shape};
+use crate::http::{authenticate, envelope, sse, Shape};
+use crate::state::{AppState, Ctx};
 use crate::workers_ai;
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
@@ -15,6 +16,16 @@ use std::sync::Arc;
 use tessera_serving::FinishReason;
 
 use workers_ai::usage;
+
+/// Renders driver messages in one API's shape.
+pub(crate) struct Formatter {
+    pub(crate) shape: Shape,
+    pub(crate) rid: String,
+    pub(crate) model: String,
+    pub(crate) created: i64,
+    pub(crate) include_usage: bool,
+    pub(crate) started: bool,
+}
 
 impl Formatter {
     fn id(&self) -> String {
@@ -148,7 +159,7 @@ async fn list(
             "object": "list",
             "data": state.catalog.entries().iter().map(model_object).collect::<Vec<_>>(),
         }),
-        Flavor::WorkersAi => workers_ai::envelope(Value::Array(
+        Flavor::WorkersAi => envelope(Value::Array(
             state
                 .catalog
                 .entries()

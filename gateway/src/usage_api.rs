@@ -5,8 +5,8 @@
 //! usage API cannot be used to load the store.
 
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::server::{authenticate, limit_error, AppState, Ctx};
-use crate::workers_ai::envelope;
+use crate::http::{authenticate, envelope, limit_error};
+use crate::state::{AppState, Ctx};
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};

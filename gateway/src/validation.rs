@@ -365,7 +365,7 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
 /// A 400 naming `field` when `v` is longer than [`crate::MAX_ID_BYTES`] bytes
 /// (ids and names: longer ones are never stored or looked up).
 pub(crate) fn check_len(field: &str, v: &str) -> Result<(), ApiError> {
-    let max = crate::server::MAX_ID_BYTES;
+    let max = crate::state::MAX_ID_BYTES;
     if v.len() > max {
         return Err(ApiError::field(
             field,

@@ -2,12 +2,8 @@
 //! `models/search`.
 
 use crate::driver::TokenCounts;
+use crate::http::{envelope, sse};
 use serde_json::{json, Value};
-
-/// Successful envelope around `result`.
-pub(crate) fn envelope(result: Value) -> Value {
-    json!({"result": result, "success": true, "errors": [], "messages": []})
-}
 
 /// The usage object of both API shapes: counts, and the prompt tokens served from
 /// the prefix cache in `prompt_tokens_details.cached_tokens`.
@@ -27,12 +23,12 @@ pub(crate) fn complete(text: &str, t: TokenCounts) -> Value {
 
 /// One SSE frame of text.
 pub(crate) fn text_frame(text: &str) -> String {
-    crate::server::sse(&json!({"response": text}))
+    sse(&json!({"response": text}))
 }
 
 /// The final frames: usage, then `[DONE]`.
 pub(crate) fn done_frames(t: TokenCounts) -> String {
-    let mut s = crate::server::sse(&json!({"response": "", "usage": usage(t)}));
+    let mut s = sse(&json!({"response": "", "usage": usage(t)}));
     s.push_str("data: [DONE]\n\n");
     s
 }
@@ -40,5 +36,5 @@ pub(crate) fn done_frames(t: TokenCounts) -> String {
 /// An error after the stream began (status 200 was already sent): an error frame
 /// and no `[DONE]`, so no client mistakes the partial text for a complete answer.
 pub(crate) fn error_frame(e: &crate::ApiError) -> String {
-    crate::server::sse(&json!({"error": {"code": e.kind.workers_code(), "message": e.message}}))
+    sse(&json!({"error": {"code": e.kind.workers_code(), "message": e.message}}))
 }

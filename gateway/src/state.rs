@@ -1,0 +1,407 @@
+//! The gateway's state and settings: [`AppState`] (one per process) with its
+//! in-flight count and guard, the per-request context [`Ctx`], the configuration
+//! ([`GatewayConfig`], [`Deadlines`], [`UsageConfig`], [`ConnLimits`]) and the
+//! length limit on ids. Every other module takes these from here.
+
+use crate::catalog::Catalog;
+use crate::error::{ApiError, Flavor};
+use crate::live::Live;
+use crate::tls::TlsMode;
+use axum::http::HeaderValue;
+use axum::response::Response;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tessera_model::LoadedModel;
+use tessera_serving::EngineHandle;
+use tessera_tenancy::{now_ms, Limiter, Limits, Store, UsageRecord};
+use tokio::sync::{watch, Notify};
+
+/// Longest accepted path segment, and longest model id, in bytes (longer ones are
+/// refused before any store access).
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Request deadlines (see the README's table of timeouts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadlines {
+    /// Time allowed to receive the whole request body (408, 3007).
+    pub body_read: Duration,
+    /// Time from arrival to the first generated token (then abort: 408, 3007).
+    pub first_token: Duration,
+    /// Time from arrival to the end of the answer (then abort: 408, 3007).
+    pub total: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self {
+            body_read: Duration::from_secs(30),
+            first_token: Duration::from_secs(120),
+            total: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The usage API's own limits and the ledger's retention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UsageConfig {
+    /// Usage-API queries per tenant per minute (0: unlimited).
+    pub queries_per_minute: u32,
+    /// Longest `since..until` range one query may cover; an absent `since` is
+    /// `until` minus this.
+    pub max_range: Duration,
+    /// Ledger rows older than this are deleted (`None`: kept forever).
+    pub retention: Option<Duration>,
+    /// How often the retention prune runs.
+    pub prune_interval: Duration,
+}
+
+impl Default for UsageConfig {
+    fn default() -> Self {
+        Self {
+            queries_per_minute: 60,
+            max_range: Duration::from_secs(31 * 86_400),
+            retention: Some(Duration::from_secs(90 * 86_400)),
+            prune_interval: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// Connection-level limits (see the [`listener`](crate::listener) module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Time allowed for a request head (request line and headers).
+    pub header_read: Duration,
+    /// Time allowed for the TLS handshake.
+    pub tls_handshake: Duration,
+    /// Idle time (no request in flight, no bytes either way) before a kept-alive
+    /// connection is closed.
+    pub keepalive_idle: Duration,
+    /// Most connections open at once, per listener.
+    pub max_connections: usize,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        Self {
+            header_read: Duration::from_secs(10),
+            tls_handshake: Duration::from_secs(10),
+            keepalive_idle: Duration::from_secs(5),
+            max_connections: 1024,
+        }
+    }
+}
+
+/// Server settings.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// Address to listen on (port 0 picks a free port).
+    pub listen: SocketAddr,
+    /// Serve the admin API and `/metrics` on this address instead (then the public
+    /// listener answers 404 there). Same TLS mode and plain-HTTP rule as `listen`.
+    pub admin_listen: Option<SocketAddr>,
+    /// TLS mode.
+    pub tls: TlsMode,
+    /// Serve plain HTTP on a non-loopback address (off: refuse to start).
+    pub allow_insecure_http: bool,
+    /// Largest accepted request body in bytes.
+    pub max_body_bytes: usize,
+    /// Bearer token of the admin API (at least [`crate::admin::MIN_TOKEN_BYTES`]
+    /// bytes, else [`Server::bind`](crate::Server::bind) refuses); `None` disables the admin API.
+    pub admin_token: Option<String>,
+    /// Bearer token that reads `/metrics` and nothing else (same length rule).
+    pub metrics_token: Option<String>,
+    /// Limits of tenants created through the admin API without (all) limits.
+    pub default_limits: Limits,
+    /// Connection limits (header, TLS and idle timeouts, connection cap).
+    pub conn: ConnLimits,
+    /// Request deadlines.
+    pub deadlines: Deadlines,
+    /// Usage API limits and ledger retention.
+    pub usage: UsageConfig,
+    /// How often the keys of requests in flight are checked for revocation,
+    /// expiry and suspension made elsewhere (the admin API's own changes act at once).
+    pub revocation_poll: Duration,
+    /// On shutdown, how long running requests may finish before they are aborted
+    /// (their usage rows are still written).
+    pub drain_timeout: Duration,
+    /// Tenants with their own `tenant` label in the metrics (the top N by requests;
+    /// the rest are `other`).
+    pub metrics_top_tenants: usize,
+    /// Put the prompt and the output text in each request's log line (debugging
+    /// only: off by default, the line carries counts and ids, never text or keys).
+    pub log_request_text: bool,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
+            admin_listen: None,
+            tls: TlsMode::Off,
+            allow_insecure_http: false,
+            max_body_bytes: 1 << 20,
+            admin_token: None,
+            metrics_token: None,
+            default_limits: Limits::NEW_TENANT,
+            conn: ConnLimits::default(),
+            deadlines: Deadlines::default(),
+            usage: UsageConfig::default(),
+            revocation_poll: Duration::from_millis(250),
+            drain_timeout: Duration::from_secs(30),
+            metrics_top_tenants: crate::metrics::DEFAULT_TOP_TENANTS,
+            log_request_text: false,
+        }
+    }
+}
+
+/// Everything a request needs; one per process, shared by `Arc`.
+pub struct AppState {
+    /// Tenancy store.
+    pub store: Store,
+    /// The engine.
+    pub engine: EngineHandle,
+    /// The model (tokenizer, chat template).
+    pub model: LoadedModel,
+    /// Served models.
+    pub catalog: Catalog,
+    /// Per-tenant limits.
+    pub limiter: Limiter,
+    /// Admin API token.
+    pub admin_token: Option<String>,
+    /// Metrics-only token.
+    pub metrics_token: Option<String>,
+    /// Limits of new tenants.
+    pub default_limits: Limits,
+    /// Body size limit.
+    pub max_body_bytes: usize,
+    /// Request deadlines.
+    pub deadlines: Deadlines,
+    /// Usage API limits and retention.
+    pub usage: UsageConfig,
+    /// Drain deadline on shutdown.
+    pub drain_timeout: Duration,
+    /// Whether request log lines carry the prompt and output text.
+    pub log_request_text: bool,
+    /// Prometheus metrics.
+    pub metrics: crate::metrics::Metrics,
+    /// Requests in flight by key (revocation and suspension abort them).
+    pub(crate) live: Arc<Live>,
+    pub(crate) revocation_poll: Duration,
+    /// Set to true to abort every running request (shutdown after the drain deadline).
+    abort_all: watch::Sender<bool>,
+    /// Requests whose driver has not yet written the usage row.
+    inflight: AtomicUsize,
+    idle: Notify,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// State for one model served by `engine`.
+    pub fn new(
+        store: Store,
+        model: LoadedModel,
+        engine: EngineHandle,
+        cfg: &GatewayConfig,
+    ) -> Arc<Self> {
+        let context = engine.limits().context;
+        Arc::new(Self {
+            store,
+            engine,
+            model,
+            catalog: Catalog::single(tessera_model::gguf::DEFAULT_MODEL_ID, context),
+            limiter: Limiter::new(),
+            admin_token: cfg.admin_token.clone(),
+            metrics_token: cfg.metrics_token.clone(),
+            default_limits: cfg.default_limits,
+            max_body_bytes: cfg.max_body_bytes,
+            deadlines: cfg.deadlines,
+            usage: cfg.usage,
+            drain_timeout: cfg.drain_timeout,
+            log_request_text: cfg.log_request_text,
+            metrics: crate::metrics::Metrics::new(
+                &[tessera_model::gguf::DEFAULT_MODEL_ID],
+                cfg.metrics_top_tenants,
+            ),
+            live: Arc::new(Live::default()),
+            revocation_poll: cfg.revocation_poll,
+            abort_all: watch::channel(false).0,
+            inflight: AtomicUsize::new(0),
+            idle: Notify::new(),
+        })
+    }
+
+    /// Requests in flight (admitted, usage row not yet written).
+    pub fn inflight(&self) -> usize {
+        self.inflight.load(Ordering::Acquire)
+    }
+
+    /// A receiver that turns true when running requests must abort.
+    pub(crate) fn abort_signal(&self) -> watch::Receiver<bool> {
+        self.abort_all.subscribe()
+    }
+
+    /// Counts a request in flight until the guard drops.
+    pub(crate) fn inflight_guard(self: &Arc<Self>) -> InflightGuard {
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+        InflightGuard(self.clone())
+    }
+
+    /// Waits until no request is in flight, or `timeout` passes; returns whether idle.
+    pub async fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.idle.notified();
+            if self.inflight() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.inflight() == 0;
+            }
+        }
+    }
+
+    /// Shutdown after the accept loop stopped: lets running requests finish for
+    /// the drain timeout, then aborts the rest (each driver drops its engine
+    /// receiver, so the engine frees the pages, and writes its usage row) and waits
+    /// for their rows.
+    pub async fn drain(&self) {
+        if self.wait_idle(self.drain_timeout).await {
+            return;
+        }
+        tracing::warn!(
+            inflight = self.inflight(),
+            "drain deadline passed: aborting running requests"
+        );
+        let _ = self.abort_all.send(true);
+        if !self.wait_idle(Duration::from_secs(10)).await {
+            tracing::error!(
+                inflight = self.inflight(),
+                "requests still running after abort"
+            );
+        }
+    }
+
+    /// Writes a usage row (logged, not surfaced, if the store fails), counts it in
+    /// the metrics and logs the request's line.
+    pub(crate) async fn record(&self, r: &UsageRecord) {
+        self.record_with_text(r, None).await
+    }
+
+    /// [`Self::record`]; `text` is the (prompt, output) the request's log line
+    /// carries when `log_request_text` is on.
+    pub(crate) async fn record_with_text(&self, r: &UsageRecord, text: Option<(&str, &str)>) {
+        self.metrics.observe(r);
+        crate::request_log::finished(r, text.filter(|_| self.log_request_text));
+        match self.store.record_usage(r).await {
+            Ok(true) => {}
+            Ok(false) => tracing::error!(request_id = %r.request_id, "usage row already exists"),
+            Err(e) => {
+                tracing::error!(request_id = %r.request_id, error = %e, "cannot write usage row")
+            }
+        }
+    }
+}
+
+/// Decrements the in-flight count on drop.
+pub(crate) struct InflightGuard(Arc<AppState>);
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        if self.0.inflight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// Per-request context: who, what, since when.
+#[derive(Clone, Debug)]
+pub(crate) struct Ctx {
+    pub(crate) rid: String,
+    pub(crate) started: Instant,
+    pub(crate) created_ms: i64,
+    pub(crate) endpoint: &'static str,
+    pub(crate) flavor: Flavor,
+    pub(crate) tenant_id: String,
+    pub(crate) key_id: String,
+    pub(crate) model: String,
+    /// The prompt as text, only with `log_request_text` (the debug log line).
+    pub(crate) prompt_text: Option<String>,
+}
+
+impl Ctx {
+    pub(crate) fn new(endpoint: &'static str, flavor: Flavor) -> Self {
+        Self {
+            rid: tessera_tenancy::random_hex(16),
+            started: Instant::now(),
+            created_ms: now_ms(),
+            endpoint,
+            flavor,
+            tenant_id: String::new(),
+            key_id: String::new(),
+            model: String::new(),
+            prompt_text: None,
+        }
+    }
+
+    pub(crate) fn usage(
+        &self,
+        status: u16,
+        error_code: u32,
+        finish: &str,
+        input: usize,
+        output: usize,
+        ttft_us: i64,
+    ) -> UsageRecord {
+        UsageRecord {
+            request_id: self.rid.clone(),
+            tenant_id: self.tenant_id.clone(),
+            key_id: self.key_id.clone(),
+            model: self.model.clone(),
+            endpoint: self.endpoint.into(),
+            status,
+            error_code,
+            finish: finish.into(),
+            input_tokens: input as i64,
+            output_tokens: output as i64,
+            cached_tokens: 0,
+            ttft_us,
+            duration_us: self.started.elapsed().as_micros() as i64,
+            created_ms: self.created_ms,
+        }
+    }
+
+    /// Records the error's usage row (nothing was computed: 0 tokens) and renders it.
+    pub(crate) async fn fail(&self, state: &AppState, e: ApiError) -> Response {
+        let row = self.usage(
+            e.kind.status().as_u16(),
+            e.kind.workers_code(),
+            "error",
+            0,
+            0,
+            0,
+        );
+        state.record(&row).await;
+        e.into_response_as(self.flavor, &self.rid)
+    }
+
+    /// A refusal before admission: counted in the metrics by `reason`, rendered,
+    /// and no usage row (anonymous and over-limit traffic writes nothing).
+    pub(crate) fn refuse(&self, state: &AppState, reason: &'static str, e: ApiError) -> Response {
+        state.metrics.refused(reason);
+        e.into_response_as(self.flavor, &self.rid)
+    }
+
+    pub(crate) fn header(&self, mut r: Response) -> Response {
+        if let Ok(v) = HeaderValue::from_str(&self.rid) {
+            r.headers_mut().insert("x-request-id", v);
+        }
+        r
+    }
+}
