@@ -612,6 +612,24 @@ impl NodeLoop for DecodeLoop {
         self.proto.waiting().count()
     }
 
+    fn quarantined_pages(&self, engine: &Engine) -> usize {
+        use tessera_transfer::protocol::DecodeState;
+        let kv = engine.kv();
+        // Live requests only (the driver drops a record once the protocol's is
+        // terminal), so this is cheap per step.
+        self.records
+            .keys()
+            .filter(|req| {
+                matches!(
+                    self.proto.records().state(**req),
+                    Some(DecodeState::Quarantined(_))
+                )
+            })
+            .filter_map(|req| kv.table(seq_of(*req)))
+            .map(|t| t.iter().filter(|r| !kv.pool().is_cached(r.page)).count())
+            .sum()
+    }
+
     fn after_step(&mut self, engine: &mut Engine) {
         for (seq, end) in engine.take_ended() {
             let req = ReqId(seq.0);

@@ -22,7 +22,7 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_engine::{Engine, EngineMetrics};
+use tessera_engine::{Engine, EngineMetrics, PageStates};
 use tessera_transfer::protocol::CommitError;
 
 /// A node's identity in its series.
@@ -88,6 +88,18 @@ pub fn commit_reason(e: &CommitError) -> &'static str {
     }
 }
 
+/// The `state` labels of `tessera_kv_pages`, in the order [`page_counts`] returns
+/// them; the five sum to the pool's capacity.
+pub const PAGE_STATES: [&str; 5] = ["free", "reserved", "in_use", "cached", "quarantined"];
+
+/// Pages per [`PAGE_STATES`] entry: the engine's states, with the `quarantined`
+/// pages (which the engine holds as reserved: it does not know the protocol's
+/// states) moved out of `reserved`.
+pub fn page_counts(s: PageStates, quarantined: usize) -> [usize; 5] {
+    let q = quarantined.min(s.reserved);
+    [s.free, s.reserved - q, s.in_use, s.cached, q]
+}
+
 /// The metric families of every node in this process, and their registry.
 #[derive(Debug)]
 pub struct NodeMetrics {
@@ -125,7 +137,7 @@ impl NodeMetrics {
         let r = &mut m.registry;
         r.register(
             "tessera_kv_pages",
-            "KV pages by state (free, reserved: held for a transfer or an export, in_use: held by running sequences, cached: held by the prefix cache, evictable unless reused).",
+            "KV pages by state (free, reserved: held for a transfer or an export, in_use: held by running sequences, cached: held by the prefix cache, evictable unless reused, quarantined: a decode reservation whose coordinator is gone or whose lease ran out, never read, held until its writer is known quiet).",
             m.kv_pages.clone(),
         );
         r.register(
@@ -174,7 +186,7 @@ impl NodeMetrics {
             node: node.to_string(),
             role,
         };
-        let page = |state| {
+        let page = |state: &'static str| {
             self.kv_pages.get_or_create_owned(&PageLabels {
                 node: node.to_string(),
                 role,
@@ -204,12 +216,7 @@ impl NodeMetrics {
             Vec::new()
         };
         NodeHandles {
-            pages: [
-                page("free"),
-                page("reserved"),
-                page("in_use"),
-                page("cached"),
-            ],
+            pages: PAGE_STATES.map(page),
             queue: self.queue_depth.get_or_create_owned(&labels),
             engine: EngineMetrics {
                 attention_tag_mismatches: reader("attention"),
@@ -243,8 +250,8 @@ impl NodeMetrics {
 /// One node's resolved metric handles (cheap to clone: each is an `Arc`).
 #[derive(Clone, Debug)]
 pub(crate) struct NodeHandles {
-    /// free, reserved, in_use, cached.
-    pages: [Gauge; 4],
+    /// By [`PAGE_STATES`] index.
+    pages: [Gauge; 5],
     queue: Gauge,
     engine: EngineMetrics,
     sink_tag_mismatches: Option<Counter>,
@@ -263,13 +270,13 @@ impl NodeHandles {
     }
 
     /// Publishes the engine's page states and queue (`waiting_extra`: requests the
-    /// node queues outside the engine).
-    pub(crate) fn publish(&self, e: &Engine, waiting_extra: usize) {
-        let s = e.page_states();
+    /// node queues outside the engine; `quarantined`: pages of quarantined
+    /// reservations, which the engine counts as reserved).
+    pub(crate) fn publish(&self, e: &Engine, waiting_extra: usize, quarantined: usize) {
         for (g, v) in self
             .pages
             .iter()
-            .zip([s.free, s.reserved, s.in_use, s.cached])
+            .zip(page_counts(e.page_states(), quarantined))
         {
             g.set(v as i64);
         }
@@ -458,9 +465,30 @@ mod tests {
             r#"tessera_kv_tag_mismatches_total{node="decode-0",role="decode",reader="transfer_sink"} 1"#,
             r#"tessera_kv_tag_mismatches_total{node="decode-0",role="decode",reader="attention"} 0"#,
             r#"tessera_kv_late_writes_dropped_total{node="decode-0",role="decode"} 1"#,
+            // Every page state has its series from the start, quarantined included.
+            r#"tessera_kv_pages{node="decode-0",role="decode",state="quarantined"} 0"#,
+            r#"tessera_kv_pages{node="decode-0",role="decode",state="reserved"} 0"#,
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn quarantined_pages_move_out_of_reserved() {
+        let s = PageStates {
+            free: 10,
+            reserved: 6,
+            in_use: 3,
+            cached: 1,
+        };
+        // The engine's 6 reserved pages: 4 of a quarantined reservation.
+        assert_eq!(page_counts(s, 4), [10, 2, 3, 1, 4]);
+        assert_eq!(page_counts(s, 0), [10, 6, 3, 1, 0]);
+        // Never more quarantined than the engine holds reserved; the sum stays the
+        // capacity.
+        let c = page_counts(s, 9);
+        assert_eq!(c, [10, 0, 3, 1, 6]);
+        assert_eq!(c.iter().sum::<usize>(), 20);
     }
 }

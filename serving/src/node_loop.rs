@@ -81,6 +81,17 @@ impl Shared {
     /// Publishes `e`'s counters (plus `waiting_extra` requests a node queues outside
     /// the engine, e.g. decode reservations waiting for pages).
     pub(crate) fn publish(&self, e: &Engine, waiting_extra: usize) {
+        self.publish_node(e, waiting_extra, || 0);
+    }
+
+    /// [`Self::publish`], with the pages of quarantined reservations counted apart in
+    /// the metrics (`quarantined` runs only when this node has metrics).
+    pub(crate) fn publish_node(
+        &self,
+        e: &Engine,
+        waiting_extra: usize,
+        quarantined: impl FnOnce() -> usize,
+    ) {
         self.free_pages
             .store(e.kv().pool().free_pages(), Ordering::Release);
         self.cached_pages
@@ -91,7 +102,7 @@ impl Shared {
         self.waiting
             .store(e.waiting_len() + waiting_extra, Ordering::Release);
         if let Some(m) = &self.metrics {
-            m.publish(e, waiting_extra);
+            m.publish(e, waiting_extra, quarantined());
         }
     }
 }
@@ -118,6 +129,11 @@ pub(crate) trait NodeLoop {
     fn live(&self) -> usize {
         0
     }
+    /// KV pages held by reservations the protocol quarantined (never read, freed once
+    /// their writer is quiet); the engine counts them as reserved.
+    fn quarantined_pages(&self, _engine: &Engine) -> usize {
+        0
+    }
     /// Whether the thread must exit now (dropping the engine and everything it holds).
     fn stop(&self) -> bool {
         false
@@ -132,6 +148,8 @@ pub(crate) fn run_node<N: NodeLoop>(
     rx: mpsc::Receiver<N::Cmd>,
     sh: &Shared,
 ) {
+    // Before the first command: a fresh node's gauges show its whole pool free.
+    sh.publish_node(&engine, node.queued(), || node.quarantined_pages(&engine));
     let mut open = true;
     loop {
         if !engine.has_work() && !node.busy() {
@@ -161,7 +179,7 @@ pub(crate) fn run_node<N: NodeLoop>(
         }
         engine.step();
         node.after_step(&mut engine);
-        sh.publish(&engine, node.queued());
+        sh.publish_node(&engine, node.queued(), || node.quarantined_pages(&engine));
         sh.publish_live(node.live());
     }
 }
