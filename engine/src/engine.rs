@@ -16,10 +16,10 @@ use crate::scheduler::{
     self, FairnessConfig, Priority, Queued, SeqProgress, Served, StepLimits, Vtc, Work,
 };
 use crate::sink::EventSink;
+pub use crate::sink::{EngineError, Event, FinishReason, Usage};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_kernels::IntegrityError;
 use tessera_model::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
 use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
 use tessera_model::kv::{KvManager, PagePool, ReserveError, SeqId};
@@ -101,86 +101,6 @@ impl Default for EngineConfig {
             batch_prefill_chunk: 128,
         }
     }
-}
-
-/// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// End-of-sequence token or stop string.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-}
-
-/// Failures after admission on this engine; the request yields no further tokens.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum EngineError {
-    /// A KV page's tag did not match (I3).
-    #[error("KV integrity check failed: {0}")]
-    Integrity(#[from] IntegrityError),
-    /// The engine stopped before the request finished.
-    #[error("engine shut down")]
-    Shutdown,
-    /// A batch-class request waited for admission longer than the engine allows;
-    /// nothing was computed. Retryable.
-    #[error(
-        "the request waited {waited_ms} ms in the batch queue (limit {limit_ms} ms); retry later"
-    )]
-    BatchQueueTimeout {
-        /// How long it waited (ms).
-        waited_ms: u64,
-        /// The engine's limit (ms).
-        limit_ms: u64,
-    },
-}
-
-impl EngineError {
-    /// Stable machine label.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Self::Integrity(_) => "integrity",
-            Self::Shutdown => "shutdown",
-            Self::BatchQueueTimeout { .. } => "batch_queue_timeout",
-        }
-    }
-}
-
-/// Token counts and timings of a finished request.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Usage {
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Generated tokens (including a final stop token).
-    pub completion_tokens: usize,
-    /// Prompt tokens reused from the prefix cache (not computed; included in
-    /// `prompt_tokens`).
-    pub cached_tokens: usize,
-    /// Submit to first token.
-    pub ttft: Duration,
-    /// Mean time per output token after the first.
-    pub tpot: Duration,
-}
-
-/// What a request's stream receives, in order: tokens, then one `Done` or `Error`.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Event {
-    /// A generated token and the text it completed (may be empty mid-character or
-    /// while a possible stop string is held back).
-    Token {
-        /// Token id.
-        id: u32,
-        /// Newly completed text.
-        text: String,
-    },
-    /// Normal end.
-    Done {
-        /// Why.
-        reason: FinishReason,
-        /// Counts and timings.
-        usage: Usage,
-    },
-    /// Abnormal end; no further tokens.
-    Error(EngineError),
 }
 
 /// How a sequence left the running batch (decode role: reported to the protocol).

@@ -1,8 +1,9 @@
 //! Where a request's events go, as the engine sees it: the client's stream in this
 //! process, a node link to the gateway, or nowhere (a prefill node's sequence, whose
-//! first token travels in the transfer commit instead).
+//! first token travels in the transfer commit instead), and the events themselves.
 
-use crate::Event;
+use std::time::Duration;
+use tessera_kernels::IntegrityError;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// The receiver of a request's events is gone: the engine aborts the request.
@@ -45,4 +46,84 @@ impl EventSink for Discard {
     fn send(&mut self, _event: Event) -> Result<(), Gone> {
         Ok(())
     }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End-of-sequence token or stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// Failures after admission on this engine; the request yields no further tokens.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// A KV page's tag did not match (I3).
+    #[error("KV integrity check failed: {0}")]
+    Integrity(#[from] IntegrityError),
+    /// The engine stopped before the request finished.
+    #[error("engine shut down")]
+    Shutdown,
+    /// A batch-class request waited for admission longer than the engine allows;
+    /// nothing was computed. Retryable.
+    #[error(
+        "the request waited {waited_ms} ms in the batch queue (limit {limit_ms} ms); retry later"
+    )]
+    BatchQueueTimeout {
+        /// How long it waited (ms).
+        waited_ms: u64,
+        /// The engine's limit (ms).
+        limit_ms: u64,
+    },
+}
+
+impl EngineError {
+    /// Stable machine label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Integrity(_) => "integrity",
+            Self::Shutdown => "shutdown",
+            Self::BatchQueueTimeout { .. } => "batch_queue_timeout",
+        }
+    }
+}
+
+/// Token counts and timings of a finished request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens (including a final stop token).
+    pub completion_tokens: usize,
+    /// Prompt tokens reused from the prefix cache (not computed; included in
+    /// `prompt_tokens`).
+    pub cached_tokens: usize,
+    /// Submit to first token.
+    pub ttft: Duration,
+    /// Mean time per output token after the first.
+    pub tpot: Duration,
+}
+
+/// What a request's stream receives, in order: tokens, then one `Done` or `Error`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// A generated token and the text it completed (may be empty mid-character or
+    /// while a possible stop string is held back).
+    Token {
+        /// Token id.
+        id: u32,
+        /// Newly completed text.
+        text: String,
+    },
+    /// Normal end.
+    Done {
+        /// Why.
+        reason: FinishReason,
+        /// Counts and timings.
+        usage: Usage,
+    },
+    /// Abnormal end; no further tokens.
+    Error(EngineError),
 }
