@@ -3,6 +3,11 @@
 //! with streaming, over-long prompts and client disconnects mixed in. The report
 //! must show zero foreign canaries, zero solo mismatches, every over-long prompt
 //! rejected with a 4xx and the usage API matching what the clients counted.
+//! The report's fairness section (per-tenant service, TTFT, Jain's index) must be
+//! there, and a prefix-sharing run (`--shared-prefix-tokens`, OpenAI shape) must
+//! show every tenant's repeated prefix served from the prefix cache
+//! (`cached_tokens` > 0), with the same checks at zero and the ledger's cached
+//! tokens matching the answers'.
 //! A second test kills the server with SIGKILL during the run and restarts it
 //! through the fault hooks.
 
@@ -64,6 +69,10 @@ async fn loadtest(args: &[&str], admin: Option<&str>, out: &Path) -> (bool, Valu
 
 fn n(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -164,13 +173,53 @@ async fn harness_against_real_server_finds_no_leaks_mismatches_or_usage_errors()
             tu["expected"]["input_tokens"]["lo"]
         );
         assert!(n(&tu["observed"]["output_tokens"]) > 0);
+        // The ledger's cached prompt tokens are checked against the answers' too.
+        assert!(tu["expected"]["cached_tokens"]["hi"].is_u64(), "{tu:#}");
+        assert!(tu["observed"]["cached_tokens"].is_u64(), "{tu:#}");
     }
     assert_eq!(requests, 39);
+    // Fairness: one row per tenant with its service, demand and TTFT; every
+    // request was served in full (completed, or dropped by its client), so each
+    // tenant got all it asked for and Jain's index over served/asked is 1.
+    let fair = &t["fairness"];
+    let rows = fair["tenants"].as_array().expect("fairness.tenants");
+    assert_eq!(rows.len(), 3, "{fair:#}");
+    assert!(f(&fair["jain_index"]) > 0.999, "{fair:#}");
+    let eq = f(&fair["jain_index_equal_split"]);
+    assert!(eq > 1.0 / 3.0 && eq <= 1.0 + 1e-9, "{fair:#}");
+    let (mut sent, mut out_tokens, mut ttfts, mut share) = (0, 0, 0, 0.0);
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(n(&row["tenant"]), i as u64);
+        assert_eq!(row["label"], format!("t{i}"));
+        assert_eq!(
+            n(&row["output_tokens"]),
+            n(&row["demand_output_tokens"]),
+            "{row:#}"
+        );
+        assert!(n(&row["input_tokens"]) > 0, "{row:#}");
+        assert!(row["ttft_ms"]["p50"].is_number() && row["ttft_ms"]["p99"].is_number());
+        sent += n(&row["requests_sent"]);
+        out_tokens += n(&row["output_tokens"]);
+        ttfts += n(&row["ttft_ms"]["count"]);
+        share += f(&row["service_share"]);
+    }
+    assert_eq!(sent, 30);
+    assert_eq!(ttfts, n(&t["latency"]["ttft_ms"]["count"]));
+    assert!((share - 1.0).abs() < 1e-9, "{fair:#}");
+    assert!(out_tokens >= n(&t["throughput"]["output_tokens"]));
+    // The prefix-cache section is there without a shared prefix too.
+    let pc = &t["prefix_cache"];
+    assert_eq!(pc["shared_prefix_tokens"], Value::Null);
+    assert_eq!(pc["tenants"].as_array().unwrap().len(), 3);
+    assert!(n(&pc["prompt_tokens"]) > 0, "{pc:#}");
     // Metrics and report files.
     assert!(n(&t["latency"]["ttft_ms"]["count"]) >= 5);
     assert!(t["throughput"]["output_tokens_per_s"].as_f64().unwrap() > 0.0);
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();
-    assert!(html.contains("PASSED") && html.matches("<svg").count() == 4);
+    // Four plots, two fairness bar charts, one prefix-cache bar chart.
+    assert!(html.contains("PASSED") && html.matches("<svg").count() == 7);
+    assert!(html.contains("<h3>Fairness</h3>") && html.contains("Jain's index"));
+    assert!(html.contains("<h3>Prefix cache</h3>"));
     let lines = std::fs::read_to_string(out.join("requests.jsonl")).unwrap();
     assert_eq!(lines.lines().count(), 39);
 
@@ -202,6 +251,115 @@ async fn harness_against_real_server_finds_no_leaks_mismatches_or_usage_errors()
     .await;
     assert!(!ok);
     assert!(log.contains("401"), "{log}");
+
+    // Prefix sharing: two tenants, every prompt of a tenant starting with the
+    // same 160 words, then a short question; OpenAI shape, half streamed.
+    let out = dir.path().join("report-prefix");
+    let (ok, r, log) = loadtest(
+        &[
+            "--url",
+            &base,
+            "--api",
+            "openai",
+            "--tenants",
+            "2",
+            "--prompts-per-tenant",
+            "2",
+            "--requests",
+            "12",
+            "--concurrency",
+            "3",
+            "--seed",
+            "7",
+            "--shared-prefix-tokens",
+            "160",
+            "--prompt-len",
+            "fixed:6",
+            "--output-len",
+            "fixed:12",
+            "--stream-share",
+            "0.5",
+        ],
+        Some(admin),
+        &out,
+    )
+    .await;
+    assert!(ok, "loadtest failed:\n{log}\n{r:#}");
+    assert_eq!(r["passed"], true, "{:#}", r["failures"]);
+    assert_eq!(r["workload"]["shared_prefix_tokens"], 160);
+    let t = &r["targets"][0];
+    let c = &t["checks"];
+    assert_eq!(n(&c["leaks"]), 0, "{:#}", c["canary"]);
+    // Answers that reused cached pages equal their solo answers.
+    assert_eq!(n(&c["mismatches"]), 0, "{:#}", c["solo_equality"]);
+    assert_eq!(
+        n(&c["solo_equality"]["compared"]),
+        n(&t["requests"]["completed"])
+    );
+    assert_eq!(n(&c["usage_mismatches"]), 0, "{:#}", c["usage"]);
+    let pc = &t["prefix_cache"];
+    assert_eq!(pc["shared_prefix_tokens"], 160);
+    let rows = pc["tenants"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for (i, row) in rows.iter().enumerate() {
+        // Each tenant's repeated prefix (at least 160 tokens: ten 16-token
+        // pages) came from the cache: its own solo requests put it there.
+        assert!(n(&row["requests_with_hit"]) >= 1, "{pc:#}");
+        assert!(
+            n(&row["cached_tokens"]) >= 128 * n(&row["requests_with_hit"]),
+            "{pc:#}"
+        );
+        assert!(
+            n(&row["cached_tokens"]) < n(&row["prompt_tokens"]),
+            "{pc:#}"
+        );
+        assert!(f(&row["hit_rate"]) > 0.5, "{pc:#}");
+        // The ledger charged the same cached tokens (solo and load phases).
+        let tu = &c["usage"]["tenants"][i];
+        assert_eq!(tu["matched"], true, "{tu:#}");
+        assert!(
+            n(&tu["observed"]["cached_tokens"]) >= n(&row["cached_tokens"]),
+            "{tu:#}"
+        );
+        // The fairness rows carry the same totals.
+        assert_eq!(
+            t["fairness"]["tenants"][i]["cached_tokens"],
+            row["cached_tokens"]
+        );
+    }
+    assert!(f(&pc["hit_rate"]) > 0.5, "{pc:#}");
+    assert!(
+        f(&t["fairness"]["jain_index"]) > 0.999,
+        "{:#}",
+        t["fairness"]
+    );
+    // Per request, from the client log: a hit never covers the whole prompt.
+    let logged: Vec<Value> = std::fs::read_to_string(out.join("requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(logged.len(), 4 + 12);
+    // The solo phase runs each tenant's two prompts in turn, each for the first
+    // time: the first misses (nothing of the tenant is cached yet), the second, a
+    // different question, hits on the shared prefix alone.
+    for tenant in 0..2u64 {
+        let solo: Vec<&Value> = logged
+            .iter()
+            .filter(|o| o["phase"] == "solo" && o["tenant"] == tenant)
+            .collect();
+        assert_eq!(solo.len(), 2);
+        assert_eq!(n(&solo[0]["cached_tokens"]), 0, "{}", solo[0]);
+        let (c, p) = (n(&solo[1]["cached_tokens"]), n(&solo[1]["prompt_tokens"]));
+        assert!(c >= 160 && c < p, "{}", solo[1]);
+    }
+    for o in logged.iter().filter(|o| o["cached_tokens"].is_u64()) {
+        assert!(n(&o["cached_tokens"]) < n(&o["prompt_tokens"]), "{o}");
+    }
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("shared prefix of 160 words per tenant"));
+    assert!(html.contains("<h3>Prefix cache</h3>") && html.contains("<h3>Fairness</h3>"));
+    assert!(log.contains("prefix cache"), "{log}");
     child.kill().await.unwrap();
 }
 

@@ -156,6 +156,14 @@ pub struct LoadtestArgs {
     /// Distinct prompts per tenant (each is first run alone for solo-equality).
     #[arg(long, default_value_t = 8)]
     pub prompts_per_tenant: usize,
+    /// Prefix-sharing workload: every prompt of a tenant starts with the same
+    /// text of this many words (no tokenizer here: about 1.2 tokens a word with
+    /// SmolLM2's), different per tenant, then its canary and question
+    /// (`--prompt-len` words of its own: keep it short).
+    /// A tenant-scoped prefix cache can then hit within a tenant only; the report
+    /// shows the cached prompt tokens per tenant and the hit rate.
+    #[arg(long)]
+    pub shared_prefix_tokens: Option<usize>,
     /// Share of requests that stream (server-sent events), 0..=1.
     #[arg(long, default_value_t = 1.0)]
     pub stream_share: f64,
@@ -256,6 +264,9 @@ impl LoadtestArgs {
         }
         if self.prompts_per_tenant == 0 {
             return Err("--prompts-per-tenant must be >= 1. Given: 0".into());
+        }
+        if self.shared_prefix_tokens == Some(0) {
+            return Err("--shared-prefix-tokens must be >= 1. Given: 0".into());
         }
         if let Some(d) = self.duration_secs {
             if !(d > 0.0 && d.is_finite()) {

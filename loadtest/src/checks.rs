@@ -4,7 +4,8 @@
 //! - **solo-equality**: with greedy decoding each completed response equals its
 //!   prompt's solo response (text and token count);
 //! - **over-long**: every prompt longer than the context window gets a 4xx;
-//! - **usage**: the usage API's totals per tenant equal what the clients counted.
+//! - **usage**: the usage API's totals per tenant equal what the clients counted
+//!   (requests, input, output and cached prompt tokens, errors).
 //!
 //! ## How the clients count usage
 //!
@@ -26,6 +27,13 @@
 //! | error event after 200 | 1 | P | k..=H | 1 |
 //! | connection refused | 0 | 0 | 0 | 0 |
 //! | stream cut, or no status otherwise | 0..=1 | 0..=P | 0..=H | 0..=1 |
+//!
+//! Cached prompt tokens (the ledger's `cached_tokens`, prompt tokens the prefix
+//! cache served): exactly the reported `cached_tokens` of a complete answer, 0 for
+//! a refusal or a 4xx, and `0..=P` for every other row (the server may have
+//! finished an answer the client never read to the end, and may count a hit
+//! before failing). A server whose answers do not report `cached_tokens` gets
+//! `0..=P` for every complete answer too.
 //!
 //! P is the prompt's token count and H = min(`max_tokens`, the solo answer's
 //! token count) (greedy decoding cannot go past where the solo answer stopped),
@@ -291,6 +299,10 @@ pub struct UsageTotals {
     pub output_tokens: u64,
     /// Rows with a status >= 400.
     pub errors: u64,
+    /// Prompt tokens served from the prefix cache (0 from a server that does
+    /// not report them).
+    #[serde(default)]
+    pub cached_tokens: u64,
 }
 
 impl UsageTotals {
@@ -301,6 +313,7 @@ impl UsageTotals {
             input_tokens: self.input_tokens.saturating_sub(before.input_tokens),
             output_tokens: self.output_tokens.saturating_sub(before.output_tokens),
             errors: self.errors.saturating_sub(before.errors),
+            cached_tokens: self.cached_tokens.saturating_sub(before.cached_tokens),
         }
     }
 }
@@ -316,6 +329,9 @@ pub struct ExpectedUsage {
     pub output_tokens: Range,
     /// Error rows.
     pub errors: Range,
+    /// Cached prompt tokens.
+    #[serde(default)]
+    pub cached_tokens: Range,
 }
 
 impl ExpectedUsage {
@@ -325,6 +341,7 @@ impl ExpectedUsage {
             && self.input_tokens.contains(t.input_tokens)
             && self.output_tokens.contains(t.output_tokens)
             && self.errors.contains(t.errors)
+            && self.cached_tokens.contains(t.cached_tokens)
     }
 
     /// Whether every range is a single value.
@@ -334,6 +351,7 @@ impl ExpectedUsage {
             self.input_tokens,
             self.output_tokens,
             self.errors,
+            self.cached_tokens,
         ]
         .iter()
         .all(|r| r.lo == r.hi)
@@ -344,6 +362,7 @@ impl ExpectedUsage {
         self.input_tokens.add(o.input_tokens);
         self.output_tokens.add(o.output_tokens);
         self.errors.add(o.errors);
+        self.cached_tokens.add(o.cached_tokens);
     }
 }
 
@@ -371,6 +390,10 @@ pub fn expected_for(w: &Workload, solo: &[Option<Outcome>], o: &Outcome) -> Expe
             input_tokens: o.prompt_tokens.map(Range::exact).unwrap_or(p_exact),
             output_tokens: Range::exact(o.output_tokens()),
             errors: zero,
+            cached_tokens: match o.cached_tokens {
+                Some(c) => Range::exact(c),
+                None => Range::upto(o.prompt_tokens.or(p).unwrap_or(u64::MAX)),
+            },
         },
         End::HttpError if matches!(o.status, Some(401 | 403 | 429)) => ExpectedUsage::default(),
         End::HttpError if o.status.is_some_and(|s| s < 500 && s != 408) => ExpectedUsage {
@@ -378,12 +401,14 @@ pub fn expected_for(w: &Workload, solo: &[Option<Outcome>], o: &Outcome) -> Expe
             input_tokens: zero,
             output_tokens: zero,
             errors: one,
+            cached_tokens: zero,
         },
         End::HttpError => ExpectedUsage {
             requests: one,
             input_tokens: p_upto,
             output_tokens: Range::upto(h),
             errors: one,
+            cached_tokens: p_upto,
         },
         End::Disconnected => ExpectedUsage {
             requests: one,
@@ -393,6 +418,7 @@ pub fn expected_for(w: &Workload, solo: &[Option<Outcome>], o: &Outcome) -> Expe
                 hi: h.max(seen),
             },
             errors: Range::upto(1),
+            cached_tokens: p_upto,
         },
         End::StreamError => ExpectedUsage {
             requests: one,
@@ -402,6 +428,7 @@ pub fn expected_for(w: &Workload, solo: &[Option<Outcome>], o: &Outcome) -> Expe
                 hi: h.max(seen),
             },
             errors: one,
+            cached_tokens: p_upto,
         },
         // The connection was never made: the server cannot have a row.
         End::Transport if o.error.as_deref() == Some("connect") => ExpectedUsage::default(),
@@ -410,6 +437,7 @@ pub fn expected_for(w: &Workload, solo: &[Option<Outcome>], o: &Outcome) -> Expe
             input_tokens: p_upto,
             output_tokens: Range::upto(h.max(seen)),
             errors: Range::upto(1),
+            cached_tokens: p_upto,
         },
     }
 }
@@ -434,6 +462,7 @@ pub fn expected_usage(
                     &mut e.input_tokens,
                     &mut e.output_tokens,
                     &mut e.errors,
+                    &mut e.cached_tokens,
                 ] {
                     r.lo = 0;
                 }
@@ -526,6 +555,7 @@ mod tests {
             text: text.into(),
             prompt_tokens: Some(40 + prompt as u64),
             completion_tokens: Some(tokens),
+            cached_tokens: Some(0),
             text_events: tokens as usize,
             start_s: 0.0,
             ttft_s: Some(0.01),
@@ -654,6 +684,7 @@ mod tests {
             input_tokens: 40,
             output_tokens: 10,
             errors: 1,
+            cached_tokens: 0,
         };
         assert!(e[0].admits(&exact));
         assert!(!e[0].admits(&UsageTotals {
@@ -701,6 +732,7 @@ mod tests {
                     input_tokens: 41,
                     output_tokens: 4,
                     errors: 1,
+                    cached_tokens: 0,
                 },
                 UsageTotals::default(),
             ],
@@ -715,10 +747,69 @@ mod tests {
                     input_tokens: 41,
                     output_tokens: 2,
                     errors: 1,
+                    cached_tokens: 0,
                 },
                 UsageTotals::default(),
             ],
         );
         assert_eq!(r.mismatches, 1);
+    }
+
+    #[test]
+    fn cached_tokens_are_exact_for_complete_answers_and_bounded_otherwise() {
+        let w = workload();
+        let solo: Vec<Option<Outcome>> =
+            (0..4).map(|i| Some(outcome(&w, i, i, "abc", 10))).collect();
+        // Two complete answers of tenant 0 (prompt 0: 40 tokens), one a hit.
+        let miss = outcome(&w, 0, 0, "abc", 10);
+        let mut hit = outcome(&w, 1, 0, "abc", 10);
+        hit.cached_tokens = Some(32);
+        let e = expected_usage(&w, &solo, &[&[miss.clone(), hit.clone()]], |_| false);
+        assert_eq!(e[0].cached_tokens, Range::exact(32));
+        assert!(e[0].is_exact());
+        let ledger = UsageTotals {
+            requests: 2,
+            input_tokens: 80,
+            output_tokens: 20,
+            errors: 0,
+            cached_tokens: 32,
+        };
+        assert!(e[0].admits(&ledger));
+        // A ledger that lost the hit, or charged one the answers did not report.
+        for c in [0, 48] {
+            assert!(!e[0].admits(&UsageTotals {
+                cached_tokens: c,
+                ..ledger
+            }));
+        }
+        // A disconnect may have finished on the server with a hit: 0..=P.
+        let mut d = outcome(&w, 2, 0, "ab", 0);
+        d.end = End::Disconnected;
+        d.cached_tokens = None;
+        d.text_events = 2;
+        assert_eq!(
+            expected_for(&w, &solo, &d).cached_tokens,
+            Range { lo: 0, hi: 40 }
+        );
+        // A validation 4xx and a refusal have none.
+        let mut bad = outcome(&w, 3, 0, "", 0);
+        bad.end = End::HttpError;
+        bad.status = Some(400);
+        assert_eq!(expected_for(&w, &solo, &bad).cached_tokens, Range::exact(0));
+        // A server that does not report cached tokens: anything up to the prompt.
+        let mut quiet = miss;
+        quiet.cached_tokens = None;
+        assert_eq!(
+            expected_for(&w, &solo, &quiet).cached_tokens,
+            Range { lo: 0, hi: 40 }
+        );
+        // Near a node kill the lower bound drops like the others'.
+        let loose = expected_usage(&w, &solo, &[&[hit]], |_| true);
+        assert_eq!(loose[0].cached_tokens, Range { lo: 0, hi: 32 });
+        // Reports written before this field read back as 0.
+        let old: UsageTotals =
+            serde_json::from_str(r#"{"requests":1,"input_tokens":2,"output_tokens":3,"errors":0}"#)
+                .unwrap();
+        assert_eq!(old.cached_tokens, 0);
     }
 }

@@ -72,6 +72,11 @@ pub struct Outcome {
     pub prompt_tokens: Option<u64>,
     /// Generated tokens the server reported.
     pub completion_tokens: Option<u64>,
+    /// Prompt tokens the server reported as served from its prefix cache
+    /// (OpenAI and Tessera: `usage.prompt_tokens_details.cached_tokens`; also
+    /// read from `usage.cached_tokens`); `None` when the usage did not say.
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
     /// Events with non-empty text received.
     pub text_events: usize,
     /// Start, from the start of the phase.
@@ -102,6 +107,7 @@ impl Outcome {
             text: String::new(),
             prompt_tokens: None,
             completion_tokens: None,
+            cached_tokens: None,
             text_events: 0,
             start_s,
             ttft_s: None,
@@ -167,15 +173,32 @@ fn error_code(v: &Value) -> Option<String> {
         .or_else(|| Some("error".into()))
 }
 
-fn usage_of(v: &Value) -> Option<(Option<u64>, Option<u64>)> {
+/// Token counts of a usage object.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Usage {
+    prompt: Option<u64>,
+    completion: Option<u64>,
+    cached: Option<u64>,
+}
+
+/// The usage object of a response or event (`usage`, or Workers AI's
+/// `result.usage`). Cached prompt tokens are read from
+/// `prompt_tokens_details.cached_tokens` (OpenAI's field; Tessera sends it in both
+/// API shapes) or a flat `cached_tokens` (Workers AI's documented field).
+fn usage_of(v: &Value) -> Option<Usage> {
     let u = v
         .get("usage")
         .filter(|u| u.is_object())
         .or_else(|| v.get("result")?.get("usage").filter(|u| u.is_object()))?;
-    Some((
-        u.get("prompt_tokens").and_then(Value::as_u64),
-        u.get("completion_tokens").and_then(Value::as_u64),
-    ))
+    Some(Usage {
+        prompt: u.get("prompt_tokens").and_then(Value::as_u64),
+        completion: u.get("completion_tokens").and_then(Value::as_u64),
+        cached: u
+            .get("prompt_tokens_details")
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Value::as_u64)
+            .or_else(|| u.get("cached_tokens").and_then(Value::as_u64)),
+    })
 }
 
 /// Text of a whole response or of one stream event, in any supported shape.
@@ -301,9 +324,10 @@ impl Target {
                         out.end = End::StreamError;
                         out.error = error_code(&v).or_else(|| Some("no_text".into()));
                     }
-                    if let Some((p, c)) = usage_of(&v) {
-                        out.prompt_tokens = p;
-                        out.completion_tokens = c;
+                    if let Some(u) = usage_of(&v) {
+                        out.prompt_tokens = u.prompt;
+                        out.completion_tokens = u.completion;
+                        out.cached_tokens = u.cached;
                     }
                 }
                 Err(e) => {
@@ -361,9 +385,10 @@ fn parse_event(data: &str, out: &mut Outcome) -> Event {
     if v.get("error").is_some_and(|e| !e.is_null()) {
         return Event::Error(error_code(&v).unwrap_or_else(|| "error".into()));
     }
-    if let Some((p, c)) = usage_of(&v) {
-        out.prompt_tokens = p.or(out.prompt_tokens);
-        out.completion_tokens = c.or(out.completion_tokens);
+    if let Some(u) = usage_of(&v) {
+        out.prompt_tokens = u.prompt.or(out.prompt_tokens);
+        out.completion_tokens = u.completion.or(out.completion_tokens);
+        out.cached_tokens = u.cached.or(out.cached_tokens);
     }
     match text_of(&v) {
         Some(t) if !t.is_empty() => Event::Text(t.to_string()),
@@ -479,6 +504,7 @@ mod tests {
             Event::Other
         ));
         assert_eq!((o.prompt_tokens, o.completion_tokens), (Some(5), Some(3)));
+        assert_eq!(o.cached_tokens, None);
         assert!(matches!(
             parse_event(r#"{"choices":[{"delta":{"content":"x"}}]}"#, &mut o),
             Event::Text(t) if t == "x"
@@ -492,6 +518,43 @@ mod tests {
             Event::Error(c) if c == "3043"
         ));
         assert!(matches!(parse_event("[DONE]", &mut o), Event::Done));
+    }
+
+    #[test]
+    fn cached_tokens_in_every_usage_shape() {
+        // Tessera and OpenAI: prompt_tokens_details.cached_tokens (stream events and
+        // whole answers, both envelopes).
+        let mut o = blank();
+        parse_event(
+            r#"{"response":"","usage":{"prompt_tokens":40,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":32}}}"#,
+            &mut o,
+        );
+        assert_eq!(o.cached_tokens, Some(32));
+        let v: Value = serde_json::from_str(
+            r#"{"result":{"response":"x","usage":{"prompt_tokens":9,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}},"success":true}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            usage_of(&v),
+            Some(Usage {
+                prompt: Some(9),
+                completion: Some(1),
+                cached: Some(0)
+            })
+        );
+        // Workers AI's flat field.
+        let v: Value =
+            serde_json::from_str(r#"{"usage":{"prompt_tokens":20,"cached_tokens":16}}"#).unwrap();
+        assert_eq!(usage_of(&v).unwrap().cached, Some(16));
+        // An OpenAI final chunk with usage after the text: the earlier value stays
+        // when a later usage object does not say.
+        let mut o = blank();
+        parse_event(
+            r#"{"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":16}}}"#,
+            &mut o,
+        );
+        parse_event(r#"{"usage":{"prompt_tokens":20}}"#, &mut o);
+        assert_eq!(o.cached_tokens, Some(16));
     }
 
     #[test]

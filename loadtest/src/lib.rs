@@ -14,8 +14,14 @@
 //!    completed response equals its solo answer; over-long prompts get a 4xx; the
 //!    usage API's totals equal what the clients counted, per tenant;
 //! 5. **report** ([`report`]): `report.json`, `report.html` (plots inline),
-//!    `requests.jsonl`, and a summary; with `--compare URL` the same workload runs
-//!    against a second server and both are shown side by side.
+//!    `requests.jsonl`, and a summary; per tenant the service, demand, TTFT and
+//!    prefix-cache hits with Jain's fairness index ([`fairness`]); with
+//!    `--compare URL` the same workload runs against a second server and both are
+//!    shown side by side.
+//!
+//! `--shared-prefix-tokens N` turns the workload into a prefix-sharing one: every
+//! prompt of a tenant starts with the same N-word text of its own
+//! ([`workload`]).
 //!
 //! Entry points: [`run`] (async, returns the [`Report`]) and [`main`] (the CLI:
 //! its own runtime, prints the summary, fails when a check fails).
@@ -23,6 +29,7 @@
 pub mod args;
 pub mod checks;
 pub mod client;
+pub mod fairness;
 pub mod fault;
 pub mod metrics;
 pub mod report;

@@ -5,6 +5,7 @@
 
 use crate::checks::{CanaryReport, EqualityReport, OverlongReport, UsageReport};
 use crate::client::{End, Outcome};
+use crate::fairness::{FairnessReport, PrefixCacheReport};
 use crate::fault::FaultReport;
 use crate::metrics::{Bucket, Latency, Throughput};
 use anyhow::{Context, Result};
@@ -45,6 +46,10 @@ pub struct WorkloadInfo {
     pub tenants: usize,
     /// Distinct prompts per tenant (plus one over-long each).
     pub prompts_per_tenant: usize,
+    /// `--shared-prefix-tokens`: words of the prefix every prompt of a tenant
+    /// starts with (per tenant different); `None`: no shared prefix.
+    #[serde(default)]
+    pub shared_prefix_tokens: Option<usize>,
     /// `closed_loop` or `open_loop`.
     pub arrival: String,
     /// Closed loop: clients.
@@ -179,6 +184,14 @@ pub struct TargetReport {
     pub checks: Checks,
     /// Fault mix, if one ran.
     pub fault: Option<FaultReport>,
+    /// Per-tenant service, demand and TTFT of the load phase, and Jain's
+    /// fairness index ([`crate::fairness`]).
+    #[serde(default)]
+    pub fairness: FairnessReport,
+    /// Prompt tokens served from the server's prefix cache per tenant in the
+    /// load phase, as the answers' usage reported them.
+    #[serde(default)]
+    pub prefix_cache: PrefixCacheReport,
 }
 
 /// One compared figure.
@@ -311,6 +324,211 @@ fn line_chart(
     }
 }
 
+/// A small grouped bar chart as an SVG string: one group per category, one bar
+/// per `(name, values)` series (values in category order).
+fn bar_chart(
+    title: &str,
+    y_desc: &str,
+    categories: &[String],
+    series: &[(String, Vec<f64>)],
+) -> String {
+    let mut svg = String::new();
+    let n = categories.len().max(1);
+    let y_max = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        // Room above the tallest bar for the legend.
+        * 1.45;
+    let drawn = (|| -> Result<(), Box<dyn std::error::Error + '_>> {
+        let root = SVGBackend::with_string(&mut svg, (420, 260)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d(-0.5f64..n as f64 - 0.5, 0f64..y_max)?;
+        chart
+            .configure_mesh()
+            .y_desc(y_desc)
+            .x_labels(n)
+            .x_label_formatter(&|x| {
+                let i = x.round();
+                if (x - i).abs() < 1e-6 && i >= 0.0 {
+                    categories.get(i as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .disable_x_mesh()
+            .light_line_style(WHITE.mix(0.0))
+            .draw()?;
+        let k = series.len().max(1) as f64;
+        let width = 0.8 / k;
+        for (j, (name, values)) in series.iter().enumerate() {
+            let color = Palette99::pick(j).to_rgba();
+            chart
+                .draw_series(values.iter().enumerate().map(|(i, v)| {
+                    let x0 = i as f64 - 0.4 + j as f64 * width;
+                    Rectangle::new([(x0, 0.0), (x0 + width * 0.9, *v)], color.filled())
+                }))?
+                .label(name.as_str())
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    })();
+    match drawn {
+        Ok(()) => svg,
+        Err(e) => format!("<p>plot failed: {}</p>", esc(&e.to_string())),
+    }
+}
+
+fn opt3(x: Option<f64>) -> String {
+    x.map(|x| format!("{x:.3}")).unwrap_or_else(|| "-".into())
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map(|x| format!("{:.1}%", x * 100.0))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// The fairness section of one target: a table per tenant, Jain's indices and
+/// a bar chart of service vs demand shares.
+fn fairness_html(h: &mut String, f: &FairnessReport) {
+    let _ = write!(
+        h,
+        "<h3>Fairness</h3><p>Jain's index <b>{}</b> over output tokens received / output tokens asked for (1 = every tenant got the same fraction of its demand); {} over output tokens received (1 = every tenant got the same number). Jain, Chiu, Hawe 1984: J = (Σx)² / (n·Σx²).</p>",
+        opt3(f.jain_index),
+        opt3(f.jain_index_equal_split)
+    );
+    h.push_str("<table><tr><th>tenant</th><th>requests</th><th>completed</th><th>input tokens</th><th>cached tokens</th><th>output tokens</th><th>asked for</th><th>service share</th><th>demand share</th><th>TTFT p50 ms</th><th>TTFT p99 ms</th><th>e2e p50 ms</th></tr>");
+    for t in &f.tenants {
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1}%</td><td>{:.1}%</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td></tr>",
+            esc(&t.label),
+            t.requests_sent,
+            t.requests_completed,
+            t.input_tokens,
+            t.cached_tokens,
+            t.output_tokens,
+            t.demand_output_tokens,
+            t.service_share * 100.0,
+            t.demand_share * 100.0,
+            t.ttft_ms.p50,
+            t.ttft_ms.p99,
+            t.e2e_ms.p50
+        );
+    }
+    h.push_str("</table>");
+    let cats: Vec<String> = f.tenants.iter().map(|t| t.label.clone()).collect();
+    let share = |g: fn(&crate::fairness::TenantService) -> f64| -> Vec<f64> {
+        f.tenants.iter().map(|t| g(t) * 100.0).collect()
+    };
+    h.push_str("<div class=plots>");
+    h.push_str(&bar_chart(
+        "Share of service vs demand",
+        "%",
+        &cats,
+        &[
+            ("service".into(), share(|t| t.service_share)),
+            ("demand".into(), share(|t| t.demand_share)),
+        ],
+    ));
+    h.push_str(&bar_chart(
+        "TTFT per tenant",
+        "ms",
+        &cats,
+        &[
+            (
+                "p50".into(),
+                f.tenants.iter().map(|t| t.ttft_ms.p50).collect(),
+            ),
+            (
+                "p99".into(),
+                f.tenants.iter().map(|t| t.ttft_ms.p99).collect(),
+            ),
+        ],
+    ));
+    h.push_str("</div>");
+}
+
+/// The prefix-cache section of one target: cached prompt tokens and hit rate per
+/// tenant (and the ledger's cached tokens when the usage check read them).
+fn prefix_html(h: &mut String, p: &PrefixCacheReport, ledger: Option<&[u64]>) {
+    let _ = write!(
+        h,
+        "<h3>Prefix cache</h3><p>{}; {} of {} prompt tokens served from the cache (<b>{}</b>), {} of {} answers with a hit.</p>",
+        match p.shared_prefix_tokens {
+            Some(n) => format!("shared prefix of {n} words per tenant"),
+            None => "no shared prefix".into(),
+        },
+        p.cached_tokens,
+        p.prompt_tokens,
+        pct(p.hit_rate),
+        p.requests_with_hit,
+        p.requests_with_usage
+    );
+    h.push_str("<table><tr><th>tenant</th><th>answers with usage</th><th>with a hit</th><th>prompt tokens</th><th>cached tokens</th><th>hit rate</th>");
+    if ledger.is_some() {
+        h.push_str("<th>ledger cached tokens (solo + load)</th>");
+    }
+    h.push_str("</tr>");
+    for (i, t) in p.tenants.iter().enumerate() {
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>",
+            esc(&t.label),
+            t.requests_with_usage,
+            t.requests_with_hit,
+            t.prompt_tokens,
+            t.cached_tokens,
+            pct(t.hit_rate)
+        );
+        if let Some(l) = ledger {
+            let _ = write!(
+                h,
+                "<td>{}</td>",
+                l.get(i).map(u64::to_string).unwrap_or_default()
+            );
+        }
+        h.push_str("</tr>");
+    }
+    h.push_str("</table>");
+    if p.prompt_tokens > 0 {
+        let cats: Vec<String> = p.tenants.iter().map(|t| t.label.clone()).collect();
+        h.push_str(&bar_chart(
+            "Prompt tokens: cached vs computed",
+            "tokens",
+            &cats,
+            &[
+                (
+                    "cached".into(),
+                    p.tenants.iter().map(|t| t.cached_tokens as f64).collect(),
+                ),
+                (
+                    "computed".into(),
+                    p.tenants
+                        .iter()
+                        .map(|t| t.prompt_tokens.saturating_sub(t.cached_tokens) as f64)
+                        .collect(),
+                ),
+            ],
+        ));
+    }
+}
+
 /// CDF points of samples (seconds) in milliseconds.
 fn cdf(samples_s: impl Iterator<Item = f64>) -> Vec<(f64, f64)> {
     let mut v: Vec<f64> = samples_s.map(|s| s * 1e3).collect();
@@ -363,7 +581,7 @@ code{{background:#f3f3f3;padding:1px 3px}}</style></head><body>"
     let _ = write!(
         h,
         "<h2>Workload</h2><p>seed {}, {} tenants × {} prompts, {}, {} requests{}, prompt {} words, output {} tokens, mode {}, \
-stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens</p>",
+stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens{}</p>",
         w.seed,
         w.tenants,
         w.prompts_per_tenant,
@@ -380,7 +598,10 @@ stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens</p
         w.stream_share * 100.0,
         w.overlong_share * 100.0,
         w.disconnect_share * 100.0,
-        w.context_window
+        w.context_window,
+        w.shared_prefix_tokens
+            .map(|n| format!(", shared prefix of {n} words per tenant"))
+            .unwrap_or_default()
     );
     // Checks.
     h.push_str("<h2>Isolation checks</h2><table><tr><th>target</th><th>foreign canaries</th><th>solo mismatches</th><th>over-long not 4xx</th><th>usage mismatches</th><th>canaries echoed</th><th>compared with solo</th></tr>");
@@ -478,7 +699,7 @@ stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens</p
             h.push_str("</ul>");
         }
         if let Some(u) = &t.checks.usage {
-            h.push_str("<table><tr><th>tenant</th><th>requests</th><th>input tokens</th><th>output tokens</th><th>errors</th><th>match</th></tr>");
+            h.push_str("<table><tr><th>tenant</th><th>requests</th><th>input tokens</th><th>output tokens</th><th>errors</th><th>cached tokens</th><th>match</th></tr>");
             for tu in &u.tenants {
                 let cell = |r: crate::checks::Range, v: u64| {
                     if r.lo == r.hi {
@@ -489,18 +710,26 @@ stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens</p
                 };
                 let _ = write!(
                     h,
-                    "<tr><td>{}</td>{}{}{}{}<td class={}>{}</td></tr>",
+                    "<tr><td>{}</td>{}{}{}{}{}<td class={}>{}</td></tr>",
                     esc(&tu.label),
                     cell(tu.expected.requests, tu.observed.requests),
                     cell(tu.expected.input_tokens, tu.observed.input_tokens),
                     cell(tu.expected.output_tokens, tu.observed.output_tokens),
                     cell(tu.expected.errors, tu.observed.errors),
+                    cell(tu.expected.cached_tokens, tu.observed.cached_tokens),
                     if tu.matched { "ok" } else { "bad" },
                     if tu.matched { "yes" } else { "NO" }
                 );
             }
             h.push_str("</table>");
         }
+        fairness_html(&mut h, &t.fairness);
+        let ledger: Option<Vec<u64>> = t
+            .checks
+            .usage
+            .as_ref()
+            .map(|u| u.tenants.iter().map(|x| x.observed.cached_tokens).collect());
+        prefix_html(&mut h, &t.prefix_cache, ledger.as_deref());
     }
     if let Some(c) = &report.comparison {
         let _ = write!(
@@ -633,6 +862,36 @@ pub fn summary(report: &Report) -> String {
             show(c.usage.is_some(), c.usage_mismatches),
             t.errors_by_code
         );
+        let f = &t.fairness;
+        let _ = writeln!(
+            s,
+            "{}: Jain's index {} (equal split {}); per tenant output tokens/asked for, TTFT p50/p99 ms: {}",
+            t.label,
+            opt3(f.jain_index),
+            opt3(f.jain_index_equal_split),
+            f.tenants
+                .iter()
+                .map(|x| format!(
+                    "{} {}/{} {:.0}/{:.0}",
+                    x.label, x.output_tokens, x.demand_output_tokens, x.ttft_ms.p50, x.ttft_ms.p99
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let p = &t.prefix_cache;
+        let _ = writeln!(
+            s,
+            "{}: prefix cache {} of {} prompt tokens cached ({}); per tenant: {}",
+            t.label,
+            p.cached_tokens,
+            p.prompt_tokens,
+            pct(p.hit_rate),
+            p.tenants
+                .iter()
+                .map(|x| format!("{} {}", x.label, pct(x.hit_rate)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         if let Some(f) = &t.fault {
             let _ = writeln!(
                 s,
@@ -682,4 +941,131 @@ pub fn write(
     std::fs::write(dir.join("requests.jsonl"), lines)
         .with_context(|| format!("writing {}", dir.join("requests.jsonl").display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::LoadtestArgs;
+    use crate::fairness::{fairness, prefix_cache};
+    use crate::workload::Workload;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: LoadtestArgs,
+    }
+
+    /// A report of one target with two tenants' answers, as the runner builds it.
+    fn report() -> (Report, Vec<Outcome>) {
+        let a = Cli::parse_from(["x", "--prompts-per-tenant", "1", "--output-len", "8"]).a;
+        let w = Workload::new(&a, 2, 64).unwrap();
+        let outs: Vec<Outcome> = (0..4)
+            .map(|i| Outcome {
+                end: End::Complete,
+                status: Some(200),
+                prompt_tokens: Some(100),
+                completion_tokens: Some(8),
+                cached_tokens: Some(if i < 2 { 0 } else { 96 }),
+                text_events: 8,
+                ttft_s: Some(0.05 * (i + 1) as f64),
+                e2e_s: 0.5,
+                event_times_s: vec![0.05 * (i + 1) as f64],
+                ..Outcome::pending(i, i % 2, i % 2, true, 0.1 * i as f64)
+            })
+            .collect();
+        let labels = vec!["t0".to_string(), "t1".to_string()];
+        let t = TargetReport {
+            label: "tessera".into(),
+            base_url: "http://127.0.0.1:1".into(),
+            api: "openai".into(),
+            model: "m".into(),
+            solo: None,
+            requests: RequestCounts::of(&outs, |_| false),
+            latency: crate::metrics::latency(&outs),
+            throughput: crate::metrics::throughput(&outs),
+            errors_by_code: BTreeMap::new(),
+            timeline_bucket_s: 0.5,
+            timeline: crate::metrics::timeline(&outs, 1.0, 0.5),
+            checks: Checks::default(),
+            fault: None,
+            fairness: fairness(&w, &[], &outs, &labels),
+            prefix_cache: prefix_cache(2, &outs, &labels, Some(64)),
+        };
+        let r = Report {
+            schema_version: SCHEMA_VERSION,
+            created_unix_s: 0,
+            workload: WorkloadInfo {
+                seed: 0,
+                tenants: 2,
+                prompts_per_tenant: 1,
+                shared_prefix_tokens: Some(64),
+                arrival: "closed_loop".into(),
+                concurrency: Some(2),
+                rate_per_s: None,
+                requests: Some(4),
+                duration_s: None,
+                prompt_len: "fixed:8".into(),
+                output_len: "fixed:8".into(),
+                prompts_file: None,
+                mode: "chat".into(),
+                stream_share: 1.0,
+                overlong_share: 0.0,
+                disconnect_share: 0.0,
+                context_window: 64,
+            },
+            targets: vec![t],
+            comparison: None,
+            passed: true,
+            failures: vec![],
+        };
+        (r, outs)
+    }
+
+    #[test]
+    fn fairness_and_prefix_sections_in_json_html_and_summary() {
+        let (r, outs) = report();
+        // JSON: stable names under each target and in the workload.
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["workload"]["shared_prefix_tokens"], 64);
+        let t = &v["targets"][0];
+        assert_eq!(t["fairness"]["jain_index"], 1.0);
+        assert_eq!(t["fairness"]["jain_index_equal_split"], 1.0);
+        assert_eq!(t["fairness"]["tenants"][1]["output_tokens"], 16);
+        assert_eq!(t["fairness"]["tenants"][1]["service_share"], 0.5);
+        assert_eq!(t["prefix_cache"]["cached_tokens"], 192);
+        assert_eq!(t["prefix_cache"]["hit_rate"], 0.48);
+        assert_eq!(t["prefix_cache"]["tenants"][0]["requests_with_hit"], 1);
+        // A report written before these sections existed still reads.
+        let mut old = v.clone();
+        for k in ["fairness", "prefix_cache"] {
+            old["targets"][0].as_object_mut().unwrap().remove(k);
+        }
+        old["workload"]
+            .as_object_mut()
+            .unwrap()
+            .remove("shared_prefix_tokens");
+        let back: Report = serde_json::from_value(old).unwrap();
+        assert_eq!(back.targets[0].fairness, FairnessReport::default());
+        assert_eq!(back.workload.shared_prefix_tokens, None);
+
+        // HTML: the tables, both indices, and three bar charts beside the four plots.
+        let h = html(&r, &[&outs]);
+        assert!(h.contains("<h3>Fairness</h3>") && h.contains("<h3>Prefix cache</h3>"));
+        assert!(h.contains("Jain's index <b>1.000</b>"));
+        assert!(h.contains("<td>t1</td><td>2</td><td>2</td><td>200</td><td>96</td><td>16</td><td>16</td><td>50.0%</td><td>50.0%</td>"));
+        assert!(h.contains("shared prefix of 64 words per tenant"));
+        assert!(h.contains("<td>48.0%</td>"));
+        assert_eq!(h.matches("<svg").count(), 4 + 3);
+        assert!(h.contains("Share of service vs demand") && h.contains("cached vs computed"));
+        assert!(!h.contains("plot failed"));
+        // Summary lines.
+        let s = summary(&r);
+        assert!(s.contains("Jain's index 1.000 (equal split 1.000)"), "{s}");
+        assert!(
+            s.contains("prefix cache 192 of 400 prompt tokens cached (48.0%)"),
+            "{s}"
+        );
+    }
 }

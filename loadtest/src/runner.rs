@@ -5,6 +5,7 @@
 use crate::args::{Api, LoadtestArgs};
 use crate::checks::{self, UsageTotals};
 use crate::client::{self, Call, End, Outcome, Target};
+use crate::fairness;
 use crate::fault::{self, FaultPlan, FaultTimes};
 use crate::metrics;
 use crate::report::{
@@ -96,6 +97,7 @@ async fn read_usage(http: &reqwest::Client, base: &str, t: &Tenant) -> Result<Us
         input_tokens: n("input_tokens"),
         output_tokens: n("output_tokens"),
         errors: n("errors"),
+        cached_tokens: n("cached_tokens"),
     })
 }
 
@@ -320,8 +322,16 @@ async fn run_load(
     (outs, times)
 }
 
-/// Target report without checks.
-fn measure(target: &Target, w: &Workload, outs: &[Outcome]) -> TargetReport {
+/// Target report without checks. `solo` (by prompt id; empty: none) sizes each
+/// request's demand for the fairness report; `labels` names the tenants.
+fn measure(
+    target: &Target,
+    w: &Workload,
+    outs: &[Outcome],
+    solo: &[Option<Outcome>],
+    labels: &[String],
+    shared_prefix_tokens: Option<usize>,
+) -> TargetReport {
     let tp = metrics::throughput(outs);
     let end = outs
         .iter()
@@ -346,6 +356,8 @@ fn measure(target: &Target, w: &Workload, outs: &[Outcome]) -> TargetReport {
         timeline: metrics::timeline(outs, end, bucket),
         checks: Checks::default(),
         fault: None,
+        fairness: fairness::fairness(w, solo, outs, labels),
+        prefix_cache: fairness::prefix_cache(w.tenants(), outs, labels, shared_prefix_tokens),
     }
 }
 
@@ -435,7 +447,14 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
         deadline: run_length.1,
     });
     let (outs, fault_times) = run_load(phase, &args, fault_plan.clone()).await;
-    let mut main = measure(&target, &w, &outs);
+    let mut main = measure(
+        &target,
+        &w,
+        &outs,
+        &solo,
+        &labels,
+        args.shared_prefix_tokens,
+    );
     main.solo = solo_report;
 
     // Outage window, for excusing failures a dead node explains.
@@ -572,7 +591,14 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
             deadline: run_length.1,
         });
         let (couts, _) = run_load(phase, &args, None).await;
-        let mut b = measure(&ctarget, &w, &couts);
+        let mut b = measure(
+            &ctarget,
+            &w,
+            &couts,
+            &[],
+            &labels,
+            args.shared_prefix_tokens,
+        );
         if checks_on {
             let canary = checks::canary_check(&w, &[("load", &couts)]);
             let ol = checks::overlong_check(&w, &couts, |_| false);
@@ -592,6 +618,7 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
             seed: args.seed,
             tenants: tenants.len(),
             prompts_per_tenant: args.prompts_per_tenant,
+            shared_prefix_tokens: args.shared_prefix_tokens,
             arrival: if args.rate.is_some() {
                 "open_loop"
             } else {

@@ -103,6 +103,9 @@ pub struct Workload {
     pub prompts: Vec<Prompt>,
     /// Canaries per tenant (tenant index -> canaries of its prompts).
     pub canaries: Vec<Vec<String>>,
+    /// Per tenant, the text every one of its normal prompts starts with
+    /// (`--shared-prefix-tokens`; empty strings without it).
+    pub prefixes: Vec<String>,
     /// Normal prompt ids per tenant.
     normal: Vec<Vec<usize>>,
     /// Over-long prompt id per tenant.
@@ -139,7 +142,35 @@ fn filler(rng: &mut impl Rng, words: usize) -> String {
     out
 }
 
-fn render(mode: Mode, context: &str, canary: &str, task: &str) -> String {
+/// The shared prefix of one tenant (`--shared-prefix-tokens`): exactly `words`
+/// words, starting with a random tag (so two tenants' prefixes differ from their
+/// first tokens on), then corpus sentences.
+fn shared_prefix(rng: &mut impl Rng, words: usize) -> String {
+    let tag: String = (0..8)
+        .map(|_| CANARY_ALPHABET[rng.random_range(0..CANARY_ALPHABET.len())] as char)
+        .collect();
+    let head = format!("Background notes {tag} for this conversation:");
+    let body = filler(rng, words);
+    head.split_whitespace()
+        .chain(body.split_whitespace())
+        .take(words)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The prompt text: the tenant's shared prefix (if any) first, so that every
+/// prompt of the tenant begins with the same tokens; then the canary and the
+/// question.
+fn render(mode: Mode, prefix: &str, context: &str, canary: &str, task: &str) -> String {
+    let body = render_body(mode, context, canary, task);
+    if prefix.is_empty() {
+        body
+    } else {
+        format!("{prefix}\n\n{body}")
+    }
+}
+
+fn render_body(mode: Mode, context: &str, canary: &str, task: &str) -> String {
     match mode {
         // The canary first (its KV is in the first pages), the question last: the
         // small default model answers with the code, then the task.
@@ -193,12 +224,27 @@ impl Workload {
     /// Builds the prompts for `tenants` tenants. `context_window` (tokens) sizes the
     /// over-long prompts: each has more words than that.
     ///
+    /// With `--shared-prefix-tokens N` each tenant gets its own N-word prefix,
+    /// drawn from a generator of its own (so the rest of the workload is the
+    /// same as without the flag), put in front of each of its normal prompts.
+    ///
     /// # Errors
-    /// An unreadable or malformed `--prompts-file`.
+    /// An unreadable or malformed `--prompts-file`; a shared prefix that does
+    /// not fit the context window.
     pub fn new(args: &LoadtestArgs, tenants: usize, context_window: usize) -> Result<Self> {
         let file = match &args.prompts_file {
             Some(p) => Some(read_prompts_file(p)?),
             None => None,
+        };
+        let prefixes: Vec<String> = match args.shared_prefix_tokens {
+            Some(n) if n >= context_window => bail!(
+                "--shared-prefix-tokens ({n}) must be less than the context window ({context_window} tokens)"
+            ),
+            Some(n) => {
+                let mut prng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x05ba_7ed0_9f1c_ed00);
+                (0..tenants).map(|_| shared_prefix(&mut prng, n)).collect()
+            }
+            None => vec![String::new(); tenants],
         };
         let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
         let mut prompts = Vec::new();
@@ -219,14 +265,14 @@ impl Workload {
                 let (text, max_tokens) = match &file {
                     Some(items) => {
                         let (p, m) = &items[rng.random_range(0..items.len())];
-                        let text = render(args.mode, p, &c, task);
+                        let text = render(args.mode, &prefixes[t], p, &c, task);
                         (text, m.unwrap_or_else(|| args.output_len.sample(&mut rng)))
                     }
                     None => {
                         let words = args.prompt_len.sample(&mut rng);
                         let ctx = filler(&mut rng, words);
                         (
-                            render(args.mode, &ctx, &c, task),
+                            render(args.mode, &prefixes[t], &ctx, &c, task),
                             args.output_len.sample(&mut rng),
                         )
                     }
@@ -248,7 +294,7 @@ impl Workload {
         for (t, tenant_canaries) in canaries.iter_mut().enumerate() {
             let c = fresh_canary(&mut rng);
             let ctx = filler(&mut rng, context_window + 256);
-            let text = render(args.mode, &ctx, &c, TASKS[0]);
+            let text = render(args.mode, "", &ctx, &c, TASKS[0]);
             let id = prompts.len();
             over_long.push(id);
             tenant_canaries.push(c.clone());
@@ -265,6 +311,7 @@ impl Workload {
         Ok(Self {
             prompts,
             canaries,
+            prefixes,
             normal,
             over_long,
             seed: args.seed,
@@ -431,6 +478,59 @@ mod tests {
             let first: std::collections::HashSet<_> = used.iter().take(5).collect();
             assert_eq!(first.len(), used.len().min(5), "{used:?}");
         }
+    }
+
+    #[test]
+    fn shared_prefix_is_the_same_within_a_tenant_and_differs_across() {
+        let plain = Workload::new(
+            &args(&["--seed", "4", "--prompts-per-tenant", "3"]),
+            3,
+            4096,
+        )
+        .unwrap();
+        let a = args(&[
+            "--seed",
+            "4",
+            "--prompts-per-tenant",
+            "3",
+            "--shared-prefix-tokens",
+            "200",
+        ]);
+        let w = Workload::new(&a, 3, 4096).unwrap();
+        assert_eq!(w.prefixes.len(), 3);
+        for (t, pre) in w.prefixes.iter().enumerate() {
+            assert_eq!(pre.split_whitespace().count(), 200, "{pre}");
+            for p in w.normal_prompts().filter(|p| p.tenant == t) {
+                // The prefix first; the canary and question after it, as without
+                // the flag (the rest of the workload does not change).
+                let rest = p.text.strip_prefix(pre.as_str()).expect("prefix first");
+                assert_eq!(rest.trim_start(), plain.prompts[p.id].text);
+                assert!(p.text.find(&p.canary).unwrap() > pre.len());
+                assert_eq!(p.max_tokens, plain.prompts[p.id].max_tokens);
+            }
+        }
+        // Per tenant different from the first words on.
+        let firsts: std::collections::HashSet<_> = w
+            .prefixes
+            .iter()
+            .map(|p| p.split_whitespace().take(3).collect::<Vec<_>>())
+            .collect();
+        assert_eq!(firsts.len(), 3);
+        // Over-long prompts carry no prefix; the request sequence is unchanged.
+        assert!(w
+            .prompts
+            .iter()
+            .filter(|p| p.over_long)
+            .all(|p| !p.text.starts_with(&w.prefixes[p.tenant])));
+        let (wa, wb) = (Arc::new(w), Arc::new(plain));
+        assert_eq!(
+            wa.requests().take(30).collect::<Vec<_>>(),
+            wb.requests().take(30).collect::<Vec<_>>()
+        );
+        // Same seed, same prefixes; and a prefix that cannot fit is refused.
+        assert_eq!(Workload::new(&a, 3, 4096).unwrap().prefixes, wa.prefixes);
+        assert!(Workload::new(&a, 3, 200).is_err());
+        assert!(args(&["--shared-prefix-tokens", "0"]).validate().is_err());
     }
 
     #[test]
