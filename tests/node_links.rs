@@ -8,6 +8,12 @@
 //! The raw clients write frames by hand from the documented format (`u32` header
 //! length, JSON header, `u32` payload length, payload) and name identities by the
 //! documented rule (`<role>-<port>.<host>.tessera`, files `<role>-<host>-<port>.pem`).
+//! Raw clients with valid identities of the cluster CA also drive the protocol
+//! themselves: as the gateway identity they reserve pages for requests of their own
+//! (ids they choose), and as a prefill identity they write and commit those pages; so
+//! their page writes and commits can be aimed at live reservations whose pages and
+//! state they know. The tenant's own requests (ids and pages only its gateway
+//! knows) are what must stay correct throughout.
 //!
 //! Every wait is bounded by a deadline; nothing asserts how fast anything runs.
 
@@ -17,12 +23,16 @@ use common::*;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tessera_engine::{GenerateRequest, Priority};
+use tessera_model::sampling::SamplingParams;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
+use tokio::process::Child;
 
 /// How long a node may take to close a link it refused (its handshake timeout is 10 s).
 const REFUSAL: Duration = Duration::from_secs(15);
@@ -45,6 +55,18 @@ fn hello(from: &str) -> Vec<u8> {
 async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Value> {
     let n = r.read_u32().await? as usize;
     let mut h = vec![0u8; n];
+    r.read_exact(&mut h).await?;
+    let p = r.read_u32().await? as usize;
+    let mut payload = vec![0u8; p];
+    r.read_exact(&mut payload).await?;
+    Ok(serde_json::from_slice(&h).unwrap_or(Value::Null))
+}
+
+/// [`read_frame`] whose first byte was read already.
+async fn read_frame_after<R: AsyncRead + Unpin>(first: u8, r: &mut R) -> std::io::Result<Value> {
+    let mut len = [first, 0, 0, 0];
+    r.read_exact(&mut len[1..]).await?;
+    let mut h = vec![0u8; u32::from_be_bytes(len) as usize];
     r.read_exact(&mut h).await?;
     let p = r.read_u32().await? as usize;
     let mut payload = vec![0u8; p];
@@ -193,6 +215,227 @@ fn serve_tenant(
         Ok(n)
     });
     (stop, task)
+}
+
+/// A raw node link with a valid identity: frames written by hand, frames read with
+/// deadlines. Frames read while waiting for another are kept, in order, for later.
+struct Raw {
+    r: ReadHalf<Tls>,
+    w: WriteHalf<Tls>,
+    kept: Vec<Value>,
+    /// When this side last wrote (it pings after a second without a write).
+    sent: Instant,
+}
+
+impl Raw {
+    /// TLS to `port` (identity `name`) as `c`, `Hello { from }`, and its welcome.
+    async fn open(port: u16, name: &str, c: &tokio_rustls::TlsConnector, from: &str) -> Self {
+        let mut s = tls(port, name, c).await.unwrap();
+        s.write_all(&hello(from)).await.unwrap();
+        let w = first_frame(&mut s).await;
+        assert!(
+            w.as_ref().is_some_and(is_welcome),
+            "{from} not welcomed: {w:?}"
+        );
+        let (r, w) = tokio::io::split(s);
+        Self {
+            r,
+            w,
+            kept: Vec::new(),
+            sent: Instant::now(),
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        self.w.write_all(bytes).await.unwrap();
+        self.sent = Instant::now();
+    }
+
+    /// The first frame (kept or new) that `want` accepts; the others stay kept (pings
+    /// are dropped). While it waits it pings after every second without a write, as
+    /// a node does (the node closes a link it reads nothing from as dead). `None`
+    /// when the link ends first or the deadline passes.
+    async fn until(&mut self, want: impl Fn(&Value) -> bool) -> Option<Value> {
+        if let Some(i) = self.kept.iter().position(&want) {
+            return Some(self.kept.remove(i));
+        }
+        let deadline = Instant::now() + REQUEST;
+        let ping = frame(&json!("ping"), &[]);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            let beat = Duration::from_secs(1);
+            if self.sent.elapsed() >= beat {
+                self.w.write_all(&ping).await.ok()?;
+                self.sent = Instant::now();
+            }
+            let wait = left.min(beat.saturating_sub(self.sent.elapsed()));
+            // The read is cancel-safe only between frames: a partly read frame is
+            // lost on timeout, so wait for the first byte, then read the frame.
+            let mut first = [0u8; 1];
+            match tokio::time::timeout(wait, self.r.read_exact(&mut first)).await {
+                Err(_) => continue,
+                Ok(Err(_)) => return None,
+                Ok(Ok(_)) => {}
+            }
+            let rest = tokio::time::timeout(left, read_frame_after(first[0], &mut self.r));
+            match rest.await {
+                Ok(Ok(h)) if want(&h) => return Some(h),
+                Ok(Ok(h)) if h == json!("ping") => {}
+                Ok(Ok(h)) => self.kept.push(h),
+                _ => return None,
+            }
+        }
+    }
+
+    /// The next protocol message about `req` (its events are kept).
+    async fn reply(&mut self, req: u64) -> Value {
+        let h = self.until(|h| h["control"]["msg"]["req"] == req).await;
+        h.unwrap_or_else(|| panic!("no reply about request {req}"))["control"]["msg"].clone()
+    }
+
+    /// How many stream events about `req` were kept.
+    fn events(&self, req: u64) -> usize {
+        self.kept
+            .iter()
+            .filter(|h| h["event"]["req"] == req)
+            .count()
+    }
+
+    /// Asserts that the node closes the link (whatever it sends first).
+    async fn assert_cut(mut self, what: &str) {
+        let (_, ended) = read_frames(&mut self.r, REFUSAL).await;
+        assert!(ended, "{what}: the node kept the link open");
+    }
+}
+
+/// What a raw client needs to know of the model: one KV page's size on the wire
+/// (the deployment's 16-token pages) and the vocabulary size.
+fn model_shape() -> (usize, usize) {
+    let m = tessera_model::LoadedModel::load(&model_path()).unwrap();
+    let c = m.llama.config();
+    (c.kv_layout(16).page_bytes(), c.vocab)
+}
+
+/// A raw request's id: far from any gateway's (a random 32-bit prefix, a counter).
+fn raw_req(i: u64) -> u64 {
+    0x7a57_0000_0000_0000 + i
+}
+
+/// `Prealloc` for raw request `req` with a body of `prompt` tokens and `max_tokens`,
+/// claiming `counts` (prompt, max) in the message, written by the prefill node
+/// `writer` (its address in the deployment file). Greedy; it ignores end-of-sequence,
+/// so it decodes until `max_tokens` or until it is ended.
+fn raw_prealloc(
+    req: u64,
+    prompt: usize,
+    max_tokens: usize,
+    counts: (usize, usize),
+    writer: &str,
+) -> Vec<u8> {
+    let body = GenerateRequest {
+        tenant: 77,
+        priority: Priority::default(),
+        weight: 1,
+        cache_namespace: None,
+        prompt: (0..prompt as u32).map(|i| 100 + i).collect(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop: Vec::new(),
+        ignore_eos: true,
+    };
+    frame(
+        &json!({"control": {
+            "msg": {"type": "prealloc", "req": req, "tenant": 77,
+                    "prompt_tokens": counts.0, "max_tokens": counts.1},
+            "body": body,
+            "prefill": writer,
+        }}),
+        &[],
+    )
+}
+
+/// A raw reservation's destination pages, from its `Descriptor`.
+fn descriptor(reply: &Value) -> Vec<Value> {
+    assert_eq!(reply["type"], "descriptor", "{reply}");
+    reply["pages"].as_array().unwrap().clone()
+}
+
+/// A page write of `bytes` for `req` into `dest`.
+fn land(req: u64, dest: &Value, bytes: &[u8]) -> Vec<u8> {
+    frame(&json!({"land": {"req": req, "dest": dest}}), bytes)
+}
+
+/// The commit of `req`'s `pages`, each holding `bytes` (`tokens` prompt tokens).
+fn raw_commit(
+    req: u64,
+    tokens: usize,
+    pages: &[Value],
+    bytes: &[u8],
+    first_token: usize,
+) -> Vec<u8> {
+    let sum = tessera_transfer::checksum::page_checksum(bytes);
+    let pages: Vec<Value> = pages
+        .iter()
+        .map(|d| json!({"dest": d, "checksum": sum}))
+        .collect();
+    frame(
+        &json!({"control": {"msg": {"type": "commit", "req": req, "tokens": tokens,
+                                    "pages": pages, "first_token": first_token}}}),
+        &[],
+    )
+}
+
+/// Starts a node like [`start_node_with`], with its metrics on a port of its own;
+/// returns the metrics URL too.
+async fn start_node_with_metrics(
+    dir: &Path,
+    config: &Path,
+    role: &str,
+    port: u16,
+    extra: &[&str],
+) -> (Child, String) {
+    let listen = format!("127.0.0.1:{port}");
+    let transport = transport();
+    let mut args = vec![
+        "node",
+        "--role",
+        role,
+        "--config",
+        config.to_str().unwrap(),
+        "--listen",
+        &listen,
+        "--transport",
+        &transport,
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let log = dir.join(format!("{role}-{port}.log"));
+    let (child, lines) = spawn_until(&args, &log, |l| l.contains("listening on")).await;
+    let url = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("tessera node: metrics on "))
+        .unwrap_or_else(|| panic!("no metrics line in {lines:?}"))
+        .trim()
+        .to_string();
+    (child, url)
+}
+
+/// One series of a node's `/metrics` (`name{labels}`), 0 when it is not exported.
+async fn metric(url: &str, series: &str) -> f64 {
+    let text = reqwest::get(url).await.unwrap().text().await.unwrap();
+    let m: HashMap<&str, f64> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k, v.parse().ok()?))
+        })
+        .collect();
+    m.get(series).copied().unwrap_or(0.0)
 }
 
 /// Every attack on the node ports of a running deployment is refused (the link is
@@ -357,6 +600,199 @@ async fn attacks_on_node_ports_are_refused_while_a_tenant_is_served() {
         .unwrap()
         .unwrap_or_else(|e| panic!("{e}\n{}", dep.logs()));
     assert!(served >= 1, "the tenant got no answer during the attacks");
+    dep.pool_is_free().await;
+}
+
+/// Page writes and commits from raw clients holding valid identities of the cluster
+/// CA, aimed at live reservations of a real decode node while a tenant is served:
+/// a `Prealloc` whose counts disagree with its body is refused (no panic); a
+/// full-page write from a listed prefill identity that is not the request's writer
+/// is refused before it touches anything (the request later commits its own bytes,
+/// and keeps decoding when the same stranger writes after the commit); a full-page
+/// write from the writer after its commit was verified is refused and ends that
+/// request; a write aimed at another reservation's page is refused and that page
+/// keeps its bytes (its commit verifies; the aimer's commit fails); a commit whose
+/// first token is outside the vocabulary fails its request with an integrity error.
+/// Each refused write cuts its link and counts in `tessera_node_link_violations_total`;
+/// the node never exits, the tenant's answers equal its solo answer, and the decode
+/// pool is whole at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tenant_is_served() {
+    let (page_bytes, vocab) = model_shape();
+    let dir = tempfile::tempdir().unwrap();
+    let (p, stranger, d) = (free_port(), free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
+    // A second prefill node in the file (never started): an identity the decode node
+    // accepts as a prefill peer, but no request's writer.
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        &format!("nodes = [\"127.0.0.1:{p}\"]"),
+        &format!("nodes = [\"127.0.0.1:{p}\", \"127.0.0.1:{stranger}\"]"),
+    );
+    std::fs::write(&config, text).unwrap();
+    let certs = dir.path().join("certs");
+    ops(&[
+        "certs",
+        "issue",
+        "--config",
+        config.to_str().unwrap(),
+        "--dir",
+        certs.to_str().unwrap(),
+    ]);
+    let (decode, metrics) = start_node_with_metrics(dir.path(), &config, "decode", d, &[]).await;
+    let prefill = start_node(dir.path(), &config, "prefill", p).await;
+    let gateway = start_config_gateway(dir.path(), &config, "data", "gateway.log", &[]).await;
+    let mut dep = Deployment {
+        prefill_addr: format!("127.0.0.1:{p}"),
+        decode_addr: format!("127.0.0.1:{d}"),
+        dir,
+        config,
+        prefill: Some(prefill),
+        decode: Some(decode),
+        gateway,
+    };
+    let body = greedy(12);
+    let solo = dep.gateway.run_when_up(&body).await["result"].clone();
+    let (stop, tenant) = serve_tenant(&dep.gateway, body, solo);
+
+    let ca = certs.join("ca.pem");
+    let as_gateway = client(&ca, Some(&identity(&certs, "gateway")));
+    let as_writer = client(
+        &ca,
+        Some(&identity(&certs, &format!("prefill-127.0.0.1-{p}"))),
+    );
+    let as_stranger = client(
+        &ca,
+        Some(&identity(&certs, &format!("prefill-127.0.0.1-{stranger}"))),
+    );
+    let decode_name = node_name("decode", d);
+    let writer = format!("127.0.0.1:{p}");
+    let violations =
+        format!(r#"tessera_node_link_violations_total{{node="127.0.0.1:{d}",role="decode"}}"#);
+    let mut counted = metric(&metrics, &violations).await;
+    // Asserts one more violation was counted (it is, before the link is cut).
+    let mut one_more = |now: f64, what: &str| {
+        assert_eq!(now, counted + 1.0, "{what}: not counted once");
+        counted = now;
+    };
+    let mut gw = Raw::open(d, &decode_name, &as_gateway, "Coordinator").await;
+    let zeros = vec![0u8; page_bytes];
+    let forged = vec![0x11u8; page_bytes];
+
+    // A Prealloc whose counts disagree with its body (prompt, then max_tokens): refused
+    // as invalid, nothing reserved, the link and the node unharmed.
+    for (i, counts) in [(20, 4), (30, 5)].into_iter().enumerate() {
+        let req = raw_req(i as u64);
+        gw.send(&raw_prealloc(req, 30, 4, counts, &writer)).await;
+        let r = gw.reply(req).await;
+        assert_eq!(r["type"], "rejected", "{r}");
+        assert_eq!(r["reason"]["kind"], "Invalid", "{r}");
+    }
+
+    // R1: 20 prompt tokens (two pages), a long decode.
+    let r1 = raw_req(10);
+    gw.send(&raw_prealloc(r1, 20, 4000, (20, 4000), &writer))
+        .await;
+    let pages1 = descriptor(&gw.reply(r1).await);
+    assert_eq!(pages1.len(), 2);
+    // A full page from a listed prefill identity that is not R1's writer: refused.
+    let mut s = Raw::open(d, &decode_name, &as_stranger, "Prefill").await;
+    s.send(&land(r1, &pages1[0], &forged)).await;
+    s.assert_cut("a page from a prefill identity that is not the writer")
+        .await;
+    one_more(metric(&metrics, &violations).await, "stranger's page");
+    // The writer writes and commits R1's pages: the commit verifies, so the
+    // stranger's page never landed.
+    let mut w = Raw::open(d, &decode_name, &as_writer, "Prefill").await;
+    for dest in &pages1 {
+        w.send(&land(r1, dest, &zeros)).await;
+    }
+    w.send(&raw_commit(r1, 20, &pages1, &zeros, 100)).await;
+    let r = gw.reply(r1).await;
+    assert_eq!(r["type"], "committed", "{r}\n{}", dep.logs());
+    // The stranger again, now that R1 decodes: refused, and R1 keeps decoding (a
+    // stranger's refused frame ends nothing but its own link).
+    let mut s = Raw::open(d, &decode_name, &as_stranger, "Prefill").await;
+    s.send(&land(r1, &pages1[1], &forged)).await;
+    s.assert_cut("a stranger's page after the commit").await;
+    one_more(metric(&metrics, &violations).await, "stranger's late page");
+    // The writer itself after its commit was verified: refused, and R1 ends with an
+    // integrity failure that names the writer's late page (not the stranger's).
+    w.send(&land(r1, &pages1[1], &forged)).await;
+    w.assert_cut("the writer's page after its commit").await;
+    one_more(metric(&metrics, &violations).await, "writer's late page");
+    let r = gw.reply(r1).await;
+    assert_eq!(r["type"], "finished", "{r}");
+    let reason = &r["outcome"]["Failed"]["reason"];
+    assert_eq!(reason["kind"], "integrity", "{r}");
+    assert!(
+        reason["message"].as_str().unwrap().contains("not awaiting"),
+        "R1 was ended by another frame than its writer's late page: {r}"
+    );
+    assert!(gw.events(r1) >= 1, "R1 never decoded");
+
+    // R3 aims a page at R4's page, which R4's writer already wrote: refused, and R4's
+    // page keeps its bytes (R4's commit verifies) while R3's commit fails.
+    let (r3, r4) = (raw_req(11), raw_req(12));
+    gw.send(&raw_prealloc(r3, 20, 4, (20, 4), &writer)).await;
+    let pages3 = descriptor(&gw.reply(r3).await);
+    gw.send(&raw_prealloc(r4, 20, 4, (20, 4), &writer)).await;
+    let pages4 = descriptor(&gw.reply(r4).await);
+    let mut w = Raw::open(d, &decode_name, &as_writer, "Prefill").await;
+    for dest in &pages4 {
+        w.send(&land(r4, dest, &zeros)).await;
+    }
+    w.send(&land(r3, &pages4[0], &forged)).await;
+    w.assert_cut("a page aimed at another reservation").await;
+    one_more(metric(&metrics, &violations).await, "page aimed at R4");
+    let mut w = Raw::open(d, &decode_name, &as_writer, "Prefill").await;
+    w.send(&raw_commit(r4, 20, &pages4, &zeros, 100)).await;
+    let r = gw.reply(r4).await;
+    assert_eq!(r["type"], "committed", "R4's page was touched: {r}");
+    for dest in &pages3 {
+        w.send(&land(r3, dest, &zeros)).await;
+    }
+    w.send(&raw_commit(r3, 20, &pages3, &zeros, 100)).await;
+    let r = gw.reply(r3).await;
+    assert_eq!(r["type"], "commit_failed", "{r}");
+    assert!(!r["reason"]["ForeignWrite"].is_null(), "{r}");
+    let r = gw.reply(r4).await;
+    assert_eq!(r["type"], "finished", "{r}");
+    assert_eq!(r["outcome"], "Completed", "{r}");
+
+    // R5's commit names a first token outside the vocabulary: it verifies (the pages
+    // are right), and the request fails with an integrity error; the node lives on.
+    let r5 = raw_req(13);
+    gw.send(&raw_prealloc(r5, 20, 4, (20, 4), &writer)).await;
+    let pages5 = descriptor(&gw.reply(r5).await);
+    for dest in &pages5 {
+        w.send(&land(r5, dest, &zeros)).await;
+    }
+    w.send(&raw_commit(r5, 20, &pages5, &zeros, vocab)).await;
+    let r = gw.reply(r5).await;
+    assert_eq!(r["type"], "finished", "{r}");
+    let reason = &r["outcome"]["Failed"]["reason"];
+    assert_eq!(reason["kind"], "integrity", "{r}");
+    assert!(
+        reason["message"].as_str().unwrap().contains("vocabulary"),
+        "{r}"
+    );
+    assert_eq!(
+        metric(&metrics, &violations).await,
+        counted,
+        "a valid frame counted"
+    );
+
+    // The tenant was served correctly throughout, the node never exited, and the
+    // decode pool is whole.
+    stop.store(true, Ordering::Release);
+    let served = tenant
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{e}\n{}", dep.logs()));
+    assert!(served >= 1, "the tenant got no answer during the attacks");
+    let decode = dep.decode.as_mut().unwrap();
+    assert!(decode.try_wait().unwrap().is_none(), "{}", dep.logs());
+    drop((gw, w));
     dep.pool_is_free().await;
 }
 
@@ -749,6 +1185,192 @@ async fn sigterm_drains_a_decode_node_and_ends_the_rest_at_the_deadline() {
     // The other node's stream is untouched.
     b.read_until(Duration::from_secs(1), |_| false).await;
     assert!(!b.has_error(), "{:?}", b.events.last());
+}
+
+/// A decode node refuses new work once its drain began, and the gateway serves what
+/// it refused on the other decode node. Decode 0's pool is full (one request holds
+/// a whole context window) when a request is routed to it and waits there for pages;
+/// SIGTERM: the waiting request is refused by the node (it held nothing) and gets its
+/// solo answer from decode 1; a `Prealloc` a raw gateway-identity client sends after
+/// the node said it drains is refused as draining (busy, retryable); requests sent
+/// during the drain all get their solo answers; the running request ends at the
+/// deadline with an error, and the node exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_decode_node_refuses_new_work_and_the_other_serves_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d0, d1) = (free_port(), free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d0, d1], (CONTEXT, CONTEXT));
+    let (mut decode0, metrics0) = start_node_with_metrics(
+        dir.path(),
+        &config,
+        "decode",
+        d0,
+        &["--drain-timeout-secs", "10"],
+    )
+    .await;
+    let _decode1 = start_node(dir.path(), &config, "decode", d1).await;
+    let _prefill = start_node(dir.path(), &config, "prefill", p).await;
+    let gw = start_config_gateway(dir.path(), &config, "data", "gateway.log", &[]).await;
+    let short = greedy(12);
+    let solo = gw.run_when_up(&short).await["result"].clone();
+    let prompt = gw.run_when_up(&endless(1)).await["result"]["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    // Routing: fewest outstanding, ties to the lower index. `a` fills decode 0's pool
+    // (prompt + max_tokens = the whole pool), `b` goes to decode 1, `c` to decode 0,
+    // where it waits for pages.
+    let mut a = gw.stream(&endless(CONTEXT - prompt)).await;
+    a.read_texts(2).await;
+    let mut b = gw.stream(&endless(4000)).await;
+    b.read_texts(2).await;
+    assert!(a.tokens() >= 2 && b.tokens() >= 2, "{}", logs(dir.path()));
+    let (url, key, body) = (gw.url(), gw.key.clone(), short.clone());
+    let c = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(url)
+            .bearer_auth(key)
+            .json(&body)
+            .timeout(REQUEST)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap_or(Value::Null))
+    });
+    let queue = format!(r#"tessera_queue_depth{{node="127.0.0.1:{d0}",role="decode"}}"#);
+    let deadline = Instant::now() + REQUEST;
+    while metric(&metrics0, &queue).await < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the third request never waited at decode 0\n{}",
+            logs(dir.path())
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let certs = dir.path().join("certs");
+    let as_gateway = client(&certs.join("ca.pem"), Some(&identity(&certs, "gateway")));
+    let mut raw = Raw::open(d0, &node_name("decode", d0), &as_gateway, "Coordinator").await;
+
+    let pid = decode0.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    // The waiting request: refused at decode 0, served by decode 1.
+    let (status, v) = tokio::time::timeout(REQUEST, c).await.unwrap().unwrap();
+    assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
+    assert_eq!(answer(&v["result"]), answer(&solo));
+    // A Prealloc after the node said it drains: refused as draining.
+    let status = raw.until(|h| !h["status"].is_null()).await;
+    assert_eq!(status, Some(json!({"status": {"draining": true}})));
+    let req = raw_req(1);
+    raw.send(&raw_prealloc(
+        req,
+        20,
+        4,
+        (20, 4),
+        &format!("127.0.0.1:{p}"),
+    ))
+    .await;
+    let r = raw.reply(req).await;
+    assert_eq!(r["type"], "rejected", "{r}");
+    assert_eq!(r["by"], "Decode", "{r}");
+    assert_eq!(r["reason"]["kind"], "Busy", "{r}");
+    assert!(
+        r["reason"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("draining"),
+        "{r}"
+    );
+    // Requests sent during the drain.
+    for _ in 0..3 {
+        let (status, v) = gw.run(&short).await;
+        assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
+        assert_eq!(answer(&v["result"]), answer(&solo));
+    }
+    drop(raw);
+    a.read_to_end().await;
+    a.assert_cut(&logs(dir.path()));
+    let status = tokio::time::timeout(START, decode0.wait())
+        .await
+        .expect("the drained node exits")
+        .unwrap();
+    assert!(status.success(), "{status:?}\n{}", logs(dir.path()));
+    b.read_until(Duration::from_secs(1), |_| false).await;
+    assert!(!b.has_error(), "{:?}", b.events.last());
+}
+
+/// A `Prefill` for raw request `req` (20 prompt tokens, two destination pages that
+/// need not exist) to be written into decode node 0.
+fn raw_prefill(req: u64) -> Vec<u8> {
+    let tag = |b: u32| json!({"tenant": 77, "seq": req, "epoch": 1, "logical_block": b});
+    frame(
+        &json!({"control": {
+            "msg": {"type": "prefill", "req": req, "tenant": 77, "prompt_tokens": 20,
+                    "max_tokens": 4,
+                    "dest": [{"page": 0, "tag": tag(0)}, {"page": 1, "tag": tag(1)}]},
+            "body": {"tenant": 77, "prompt": vec![100; 20], "max_tokens": 4,
+                     "sampling": {}, "stop": [], "ignore_eos": false},
+            "decode": 0,
+        }}),
+        &[],
+    )
+}
+
+/// A prefill node refuses new work once its drain began and finishes what it holds.
+/// A raw gateway-identity client hands it a request whose transfer cannot complete
+/// yet (its decode node's port accepts connections but never answers the TLS
+/// handshake), then asks it to drain on the same link: the node says it drains, a
+/// second `Prefill` is refused as draining (busy, retryable) before anything is
+/// computed, the held request fails once its transfer does, and the node exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_prefill_node_refuses_new_work_and_finishes_what_it_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d) = (free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
+    // The decode node's port: connections queue in the backlog, nothing answers.
+    let _silent = std::net::TcpListener::bind(("127.0.0.1", d)).unwrap();
+    let mut prefill = start_node(dir.path(), &config, "prefill", p).await;
+    let certs = dir.path().join("certs");
+    let as_gateway = client(&certs.join("ca.pem"), Some(&identity(&certs, "gateway")));
+    let mut raw = Raw::open(p, &node_name("prefill", p), &as_gateway, "Coordinator").await;
+    // Held: the node carries it until its transfer fails (in order on this link, so
+    // before the drain below).
+    let (held, late) = (raw_req(1), raw_req(2));
+    raw.send(&raw_prefill(held)).await;
+    raw.send(&frame(&json!("drain"), &[])).await;
+    let status = raw.until(|h| !h["status"].is_null()).await;
+    assert_eq!(
+        status,
+        Some(json!({"status": {"draining": true}})),
+        "{}",
+        logs(dir.path())
+    );
+    raw.send(&raw_prefill(late)).await;
+    let r = raw.reply(late).await;
+    assert_eq!(r["type"], "rejected", "{r}");
+    assert_eq!(r["by"], "Prefill", "{r}");
+    assert_eq!(r["reason"]["kind"], "Busy", "{r}");
+    assert!(
+        r["reason"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("draining"),
+        "{r}"
+    );
+    let r = raw
+        .until(|h| h["control"]["msg"]["req"] == held)
+        .await
+        .unwrap_or_else(|| panic!("no reply about the held request\n{}", logs(dir.path())));
+    let r = &r["control"]["msg"];
+    assert_eq!(r["type"], "prefill_failed", "{r}\n{}", logs(dir.path()));
+    let status = tokio::time::timeout(START, prefill.wait())
+        .await
+        .expect("the drained node exits")
+        .unwrap();
+    assert!(status.success(), "{status:?}\n{}", logs(dir.path()));
 }
 
 /// `tessera node drain ADDR --config FILE --wait-secs N` on the prefill node while it

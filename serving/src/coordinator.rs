@@ -2,7 +2,10 @@
 //! replies, a watch for cancelled clients and dead nodes, and a retransmission timer.
 //! Everything it decides comes from the protocol machine; this file only moves
 //! messages, maps the outcome to the client's stream and holds the request's release
-//! guard until the protocol says `Released` (I6).
+//! guard until the protocol says `Released` (I6). One routing decision is made here:
+//! a request a draining node refused ([`Refusal::drained_by`]) holds nothing anywhere
+//! once released and has sent the client nothing, so it starts again, as a new
+//! request, on a pair without that node, instead of failing.
 
 use crate::error::ServeError;
 use crate::routing::Router;
@@ -13,7 +16,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection};
-use tessera_transfer::protocol::{Coordinator, Msg, Outcome, Output, ReqId, Role};
+use tessera_transfer::protocol::{Coordinator, Msg, Outcome, Output, Refusal, ReqId, Role};
 
 /// What travels with a protocol message besides the message: the request body
 /// (prompt ids, sampling) that the protocol leaves out, where its events go, and the
@@ -50,6 +53,10 @@ pub(crate) enum CoordCmd {
         decode: usize,
         /// The submitter's span as a W3C `traceparent` (traces on).
         trace: Option<String>,
+        /// The request's session key (routing affinity), for a restart elsewhere.
+        affinity: Option<u64>,
+        /// Where request ids come from (a restart takes a new one).
+        ids: Arc<AtomicU64>,
     },
     /// A node's reply.
     FromNode(Msg),
@@ -87,7 +94,9 @@ pub(crate) trait CoordLinks: Send + Sync {
 pub(crate) struct Submitter {
     tx: mpsc::Sender<CoordCmd>,
     admission: PdAdmission,
-    next_req: AtomicU64,
+    /// Request ids, shared with the coordinator thread (a restarted request gets a
+    /// new one: the nodes that saw the old id keep a tombstone of it).
+    next_req: Arc<AtomicU64>,
 }
 
 impl Submitter {
@@ -96,7 +105,7 @@ impl Submitter {
         Self {
             tx,
             admission,
-            next_req: AtomicU64::new(first_req_id()),
+            next_req: Arc::new(AtomicU64::new(first_req_id())),
         }
     }
 
@@ -135,6 +144,8 @@ impl Submitter {
             prefill,
             decode,
             trace: crate::telemetry::traceparent(),
+            affinity,
+            ids: self.next_req.clone(),
         };
         if let Err(mpsc::SendError(CoordCmd::Start { client, .. })) = self.tx.send(start) {
             links.router().release(prefill, decode);
@@ -176,6 +187,82 @@ struct CoordReq {
     last_heard: Instant,
     /// The request's W3C `traceparent`, sent to both nodes.
     trace: Option<String>,
+    /// The session key the pair was chosen with.
+    affinity: Option<u64>,
+    /// Request ids (for a restart).
+    ids: Arc<AtomicU64>,
+    /// A draining node refused the request: once released it starts again elsewhere
+    /// (this refusal goes to the client only if no other pair is left).
+    restart: Option<Refusal>,
+    /// Nodes that refused this request (any of its starts) because they drain.
+    avoid: Vec<(Role, usize)>,
+}
+
+/// The protocol machine of `body` as request `req`, and what it emits first (the
+/// `Prealloc`).
+fn protocol_for(req: ReqId, body: &GenerateRequest) -> (Coordinator, Vec<Output>) {
+    let mut out = Vec::new();
+    let proto = Coordinator::start(
+        req,
+        body.tenant,
+        body.prompt.len() as u32,
+        body.max_tokens as u32,
+        &mut out,
+    );
+    (proto, out)
+}
+
+/// A released request that a draining node refused: starts it again, as a new
+/// request, on a pair that avoids every node that refused it for draining (so it
+/// restarts at most once per node), or fails the client with the refusal (busy,
+/// retryable) when no such pair is up. Nothing was held for it anywhere and the
+/// client has had no token (a decode node streams only after a verified commit).
+fn restart(
+    nodes: &dyn CoordLinks,
+    reqs: &mut HashMap<ReqId, CoordReq>,
+    old: ReqId,
+    mut r: CoordReq,
+    refusal: Refusal,
+) {
+    if let Some(role) = refusal.drained_by() {
+        let index = if role == Role::Prefill {
+            r.prefill
+        } else {
+            r.decode
+        };
+        r.avoid.push((role, index));
+    }
+    if r.client.is_cancelled() {
+        return; // nobody waits for it: dropping it ends the stream
+    }
+    let avoid = std::mem::take(&mut r.avoid);
+    let pair = nodes.router().assign(
+        |role, i| nodes.accepts_new(role, i) && !avoid.contains(&(role, i)),
+        r.affinity,
+    );
+    let Some((prefill, decode)) = pair else {
+        r.client.fail(ServeError::refused(&refusal));
+        return;
+    };
+    let req = ReqId(r.ids.fetch_add(1, Ordering::Relaxed));
+    tracing::info!(
+        ?old,
+        new = ?req,
+        prefill,
+        decode,
+        "a draining node refused the request; starting it again on other nodes"
+    );
+    r.avoid = avoid;
+    r.restart = None;
+    (r.prefill, r.decode) = (prefill, decode);
+    (r.prefill_down, r.decode_down) = (false, false);
+    r.prefill_epoch = nodes.epoch(Role::Prefill, prefill);
+    r.decode_epoch = nodes.epoch(Role::Decode, decode);
+    let (proto, out) = protocol_for(req, &r.body);
+    r.proto = proto;
+    r.last_heard = Instant::now();
+    reqs.insert(req, r);
+    execute(nodes, reqs, req, out);
 }
 
 /// How often the coordinator looks for clients that went away and dead nodes.
@@ -209,15 +296,10 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                 prefill,
                 decode,
                 trace,
+                affinity,
+                ids,
             }) => {
-                let mut out = Vec::new();
-                let proto = Coordinator::start(
-                    req,
-                    body.tenant,
-                    body.prompt.len() as u32,
-                    body.max_tokens as u32,
-                    &mut out,
-                );
+                let (proto, out) = protocol_for(req, &body);
                 reqs.insert(
                     req,
                     CoordReq {
@@ -233,6 +315,10 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         decode_epoch: nodes.epoch(Role::Decode, decode),
                         last_heard: Instant::now(),
                         trace,
+                        affinity,
+                        ids,
+                        restart: None,
+                        avoid: Vec::new(),
                     },
                 );
                 execute(&*nodes, &mut reqs, req, out);
@@ -355,6 +441,10 @@ fn execute(
                 // streamed the tokens and `Done`, or nobody is listening.
                 match outcome {
                     Outcome::Succeeded | Outcome::Aborted => {}
+                    // Started again elsewhere once released (see `restart`).
+                    Outcome::Rejected(refusal) if refusal.drained_by().is_some() => {
+                        r.restart = Some(refusal)
+                    }
                     Outcome::Rejected(refusal) => r.client.fail(ServeError::refused(&refusal)),
                     Outcome::Failed(f) => r.client.fail(ServeError::from_failure(&f)),
                 }
@@ -363,8 +453,13 @@ fn execute(
                 nodes.router().release(r.prefill, r.decode);
                 nodes.released(req);
                 // Dropping the request drops its release guard: the client's stream
-                // learns that nothing is held for it anywhere.
-                reqs.remove(&req);
+                // learns that nothing is held for it anywhere (unless it starts
+                // again elsewhere, keeping the guard).
+                if let Some(mut r) = reqs.remove(&req) {
+                    if let Some(refusal) = r.restart.take() {
+                        restart(nodes, reqs, req, r, refusal);
+                    }
+                }
             }
         }
     }

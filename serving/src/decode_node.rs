@@ -70,6 +70,9 @@ pub(crate) enum DecodeCmd {
     AfterEarlier(Box<dyn FnOnce() + Send>),
     /// The coordinator of this request is gone (its connection closed).
     CoordinatorLost(ReqId),
+    /// The node began draining: the protocol refuses new requests from now on, and
+    /// those waiting for pages at once (their coordinators start them elsewhere).
+    Drain,
     /// A drain's deadline passed: running sequences end with `reason` (their
     /// coordinators hear `Finished` with the failure); requests not decoding yet are
     /// aborted as if their coordinator were gone.
@@ -331,6 +334,12 @@ impl DecodeLoop {
             };
             self.proto.on_capacity(&mut env, &mut out);
         }
+        self.reply_each(out);
+    }
+
+    /// Sends each message to its own request's coordinator (outputs about several
+    /// requests) and drops the driver record of each request that ended.
+    fn reply_each(&mut self, out: Vec<Output>) {
         for o in out {
             if let Output::Send { msg, .. } = o {
                 let req = msg.req();
@@ -376,8 +385,11 @@ impl DecodeLoop {
     }
 
     /// A frame from `from` that breaks the protocol for `req`: counted, `from`'s link
-    /// cut, and a running request fails rather than decode from pages its writer
-    /// touched after the commit.
+    /// cut, and, when `from` is the request's own writer, a running request fails
+    /// rather than decode from pages its writer touched after the commit. A frame
+    /// from any other peer fails nothing but that peer's link: it was refused before
+    /// it touched anything, and the request (maybe another tenant's) is not its to
+    /// end.
     fn violation(&mut self, engine: &mut Engine, req: ReqId, from: &WriterLink, what: &str) {
         self.counters
             .link_violations
@@ -389,10 +401,12 @@ impl DecodeLoop {
         }
         tracing::warn!(?req, peer = %from.name, "{what}; cutting the link");
         from.cut();
-        if matches!(
-            self.proto.records().state(req),
-            Some(tessera_transfer::protocol::DecodeState::Running)
-        ) {
+        if self.is_writer(req, from)
+            && matches!(
+                self.proto.records().state(req),
+                Some(tessera_transfer::protocol::DecodeState::Running)
+            )
+        {
             engine.release_seq(seq_of(req));
             let reason = FailReason::new(FailKind::Integrity, what.to_string());
             self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
@@ -571,6 +585,11 @@ impl NodeLoop for DecodeLoop {
                 self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                     p.on_coordinator_lost(req, env, out)
                 });
+            }
+            DecodeCmd::Drain => {
+                let mut out = Vec::new();
+                self.proto.begin_drain(&mut out);
+                self.reply_each(out);
             }
             DecodeCmd::EndAll(reason) => {
                 let live: Vec<ReqId> = self.records.keys().copied().collect();

@@ -134,6 +134,15 @@ impl NodeCmds {
         };
     }
 
+    /// Tells the engine thread's protocol machine that the node drains: it refuses
+    /// new requests from now on (a refusal the coordinator retries elsewhere).
+    fn begin_drain(&self) {
+        let _ = match self {
+            NodeCmds::Decode(tx) => tx.send(DecodeCmd::Drain).is_ok(),
+            NodeCmds::Prefill(tx) => tx.send(PrefillCmd::Drain).is_ok(),
+        };
+    }
+
     fn end_all(&self) {
         let reason = FailReason::new(
             FailKind::Transport,
@@ -861,6 +870,10 @@ impl NodeState {
             timeout = ?self.drain_timeout,
             "draining ({why}): no new requests; running requests may finish until the deadline"
         );
+        // The protocol refuses new requests from here on (the coordinator retries
+        // them on another node); told before the gateways, so whatever a gateway
+        // sends after it read the status below is refused, never accepted.
+        self.cmds.begin_drain();
         for g in self.gateways.open() {
             g.try_send(&Frame::Status { draining: true }, &[]);
         }

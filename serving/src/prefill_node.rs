@@ -63,6 +63,8 @@ pub(crate) enum PrefillCmd {
     Drained(ReqId, Result<(), FailReason>),
     /// The coordinator of this request is gone (its connection closed).
     CoordinatorLost(ReqId),
+    /// The node began draining: the protocol refuses new requests from now on.
+    Drain,
     /// A drain's deadline passed: every request still held is aborted as if its
     /// coordinator were gone (stop, drain the writes, release).
     EndAll,
@@ -587,6 +589,7 @@ impl NodeLoop for PrefillLoop {
                     p.on_coordinator_lost(req, env, out)
                 });
             }
+            PrefillCmd::Drain => self.proto.begin_drain(),
             PrefillCmd::EndAll => {
                 let live: Vec<ReqId> = self.records.keys().copied().collect();
                 for req in live {

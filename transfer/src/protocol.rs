@@ -43,6 +43,33 @@ pub struct Refusal {
     pub message: String,
 }
 
+impl Refusal {
+    /// The refusal of a node that drains (SIGTERM, `tessera node drain`): it takes no
+    /// new request. Like any refusal it holds nothing for the request anywhere; it is
+    /// retryable ([`RefusalKind::Busy`]), and a coordinator starts the request again
+    /// on other nodes when it sees one ([`Refusal::drained_by`]).
+    pub fn draining(by: Role) -> Self {
+        let node = match by {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Coordinator => "coordinator",
+        };
+        Self {
+            kind: RefusalKind::Busy,
+            message: format!("the {node} node is draining and takes no new requests"),
+        }
+    }
+
+    /// The role of the node that refused, when this is a drain refusal
+    /// ([`Refusal::draining`]); `None` for any other refusal. (The refusal's wire form
+    /// is kind and message only, so a drain refusal is recognised by its exact value.)
+    pub fn drained_by(&self) -> Option<Role> {
+        [Role::Decode, Role::Prefill]
+            .into_iter()
+            .find(|r| *self == Self::draining(*r))
+    }
+}
+
 /// One written page as the prefill node commits it: the destination page (with the
 /// tag the decode node expects) and the checksum of the bytes the prefill put there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -975,6 +1002,8 @@ pub struct DecodeNode {
     /// Reserved requests whose writer aimed a page write outside the reservation,
     /// and the page it aimed at: their commit fails.
     foreign_writes: BTreeMap<ReqId, u32>,
+    /// The node drains ([`DecodeNode::begin_drain`]): new requests are refused.
+    draining: bool,
     flaws: Flaws,
 }
 
@@ -992,6 +1021,7 @@ impl DecodeNode {
             waiting: VecDeque::new(),
             quiet: BTreeMap::new(),
             foreign_writes: BTreeMap::new(),
+            draining: false,
             flaws,
         }
     }
@@ -1033,6 +1063,27 @@ impl DecodeNode {
             Msg::WriterQuiet { req } => self.on_writer_quiet(req, env, out),
             _ => {}
         }
+    }
+
+    /// The node starts draining: from now on every new request is refused with
+    /// [`Refusal::draining`] (a duplicate `Prealloc` of a request it already has is
+    /// answered from its record, as always). Requests waiting for pages hold nothing
+    /// and have not started: they are refused now, so their coordinators start them
+    /// elsewhere instead of waiting for pages here. Reserved and running requests are
+    /// untouched (the driver ends what is left at its drain deadline).
+    pub fn begin_drain(&mut self, out: &mut Vec<Output>) {
+        self.draining = true;
+        for req in std::mem::take(&mut self.waiting) {
+            if matches!(self.reqs.get(&req), Some(DecodeState::Waiting { .. })) {
+                self.set(req, DecodeState::Refused(Refusal::draining(Role::Decode)));
+                self.resend(req, out);
+            }
+        }
+    }
+
+    /// Whether the node drains ([`DecodeNode::begin_drain`]).
+    pub fn is_draining(&self) -> bool {
+        self.draining
     }
 
     /// Whether page writes for `req` may be applied now: only while its pages are
@@ -1100,7 +1151,8 @@ impl DecodeNode {
 
     /// `Prealloc`: admission (I1) and reservation for a new request, or a place in
     /// the FIFO of requests waiting for pages; a duplicate re-sends the latest reply; a
-    /// tombstone ignores it.
+    /// tombstone ignores it. A draining node refuses every new request
+    /// ([`Refusal::draining`]).
     pub fn on_prealloc(
         &mut self,
         req: ReqId,
@@ -1114,6 +1166,11 @@ impl DecodeNode {
             None => {}
             Some(DecodeState::Aborted) => return,
             Some(_) => return self.resend(req, out),
+        }
+        if self.draining {
+            // Before admission: nothing is looked at or held for it here.
+            self.set(req, DecodeState::Refused(Refusal::draining(Role::Decode)));
+            return self.resend(req, out);
         }
         if let Err(refusal) = env.admit(req, tenant, prompt_tokens, max_tokens) {
             self.set(req, DecodeState::Refused(refusal));
@@ -1550,6 +1607,8 @@ impl RequestState for PrefillState {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PrefillNode {
     reqs: Records<PrefillState>,
+    /// The node drains ([`PrefillNode::begin_drain`]): new requests are refused.
+    draining: bool,
     flaws: Flaws,
 }
 
@@ -1564,8 +1623,22 @@ impl PrefillNode {
     pub fn with_flaws(flaws: Flaws) -> Self {
         Self {
             reqs: Records::default(),
+            draining: false,
             flaws,
         }
+    }
+
+    /// The node starts draining: from now on every new request is refused with
+    /// [`Refusal::draining`] (a duplicate `Prefill` of a request it already has is
+    /// answered from its record, as always); requests it computes or drains are
+    /// untouched.
+    pub fn begin_drain(&mut self) {
+        self.draining = true;
+    }
+
+    /// Whether the node drains ([`PrefillNode::begin_drain`]).
+    pub fn is_draining(&self) -> bool {
+        self.draining
     }
 
     /// Every request's record (state machine, then tombstone).
@@ -1595,7 +1668,8 @@ impl PrefillNode {
 
     /// `Prefill`: descriptor check, admission (I1) and allocation, then compute. A
     /// duplicate re-sends the latest reply (`Commit`, `PrefillFailed`, `Rejected`); a
-    /// tombstone ignores it.
+    /// tombstone ignores it. A draining node refuses every new request
+    /// ([`Refusal::draining`]).
     #[allow(clippy::too_many_arguments)]
     pub fn on_prefill(
         &mut self,
@@ -1626,6 +1700,17 @@ impl PrefillNode {
                 return send(out, Role::Coordinator, msg);
             }
             Some(_) => return, // working on it, or aborted (tombstone)
+        }
+        if self.draining {
+            let refusal = Refusal::draining(Role::Prefill);
+            self.reqs
+                .insert(req, PrefillState::Refused(refusal.clone()));
+            let msg = Msg::Rejected {
+                req,
+                by: Role::Prefill,
+                reason: refusal,
+            };
+            return send(out, Role::Coordinator, msg);
         }
         let needed = env.pages_for(prompt_tokens);
         if dest.len() != needed {
@@ -2350,6 +2435,59 @@ mod tests {
         assert_eq!(node.records().len(), 1);
     }
 
+    #[test]
+    fn a_draining_decode_node_refuses_new_and_waiting_requests_and_keeps_the_rest() {
+        let mut node = DecodeNode::new();
+        let mut env = FakeDecode::new();
+        env.wait_when_full = true;
+        // 1 holds 3 of the 4 pages; 2 waits for pages.
+        assert!(matches!(
+            reply(&prealloc(&mut node, &mut env, 1, 40)),
+            Msg::Descriptor { .. }
+        ));
+        assert!(prealloc(&mut node, &mut env, 2, 20).is_empty());
+        let mut out = Vec::new();
+        node.begin_drain(&mut out);
+        assert!(node.is_draining());
+        // The waiting request holds nothing: refused now, so it starts elsewhere.
+        let drained = Msg::Rejected {
+            req: ReqId(2),
+            by: Role::Decode,
+            reason: Refusal::draining(Role::Decode),
+        };
+        assert_eq!(reply(&out), &drained);
+        assert_eq!(node.waiting().count(), 0);
+        // A new request, even one that would fit, is refused before admission.
+        let out = prealloc(&mut node, &mut env, 3, 1);
+        let Msg::Rejected { by, reason, .. } = reply(&out) else {
+            panic!("{out:?}");
+        };
+        assert_eq!((*by, reason.kind), (Role::Decode, RefusalKind::Busy));
+        assert_eq!(reason.drained_by(), Some(Role::Decode));
+        assert_eq!(env.free, 1, "nothing reserved for a refused request");
+        // The reserved request is untouched: its duplicate gets its descriptor again,
+        // and freed pages are offered to nobody.
+        assert!(matches!(
+            reply(&prealloc(&mut node, &mut env, 1, 40)),
+            Msg::Descriptor { .. }
+        ));
+        node.on_abort(ReqId(1), &mut env, &mut Vec::new());
+        env.free += 3;
+        let mut out = Vec::new();
+        node.on_capacity(&mut env, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        // Only a drain refusal says it is one.
+        let busy = Refusal {
+            kind: RefusalKind::Busy,
+            message: "no pages".into(),
+        };
+        assert_eq!(busy.drained_by(), None);
+        assert_eq!(
+            Refusal::draining(Role::Prefill).drained_by(),
+            Some(Role::Prefill)
+        );
+    }
+
     /// A prefill environment that records the calls the protocol makes.
     #[derive(Default)]
     struct FakePrefill {
@@ -2442,6 +2580,50 @@ mod tests {
         node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut again);
         assert_eq!(again, out);
         assert_eq!(env.calls.len(), 4);
+    }
+
+    #[test]
+    fn a_draining_prefill_node_refuses_new_requests_and_finishes_its_own() {
+        let mut node = PrefillNode::new();
+        let mut env = FakePrefill {
+            room: true,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.begin_drain();
+        assert!(node.is_draining());
+        // A new request is refused before admission: nothing allocated.
+        let other = ReqId(8);
+        node.on_prefill(other, 3, 20, 4, dests(2), &mut env, &mut out);
+        let refused = [Output::Send {
+            to: Role::Coordinator,
+            msg: Msg::Rejected {
+                req: other,
+                by: Role::Prefill,
+                reason: Refusal::draining(Role::Prefill),
+            },
+        }];
+        assert_eq!(out, refused);
+        assert_eq!(env.calls, ["admit 20", "start 20 2"]);
+        // Its duplicate gets the same refusal.
+        let mut again = Vec::new();
+        node.on_prefill(other, 3, 20, 4, dests(2), &mut env, &mut again);
+        assert_eq!(again, refused);
+        // The request it computes still commits.
+        let mut out = Vec::new();
+        node.on_computed(R, 42, &[100, 101], &mut env, &mut out);
+        node.on_drained(R, Ok(()), &mut env, &mut out);
+        assert!(
+            matches!(
+                out.as_slice(),
+                [Output::Send {
+                    to: Role::Decode,
+                    msg: Msg::Commit { .. }
+                }]
+            ),
+            "{out:?}"
+        );
     }
 
     #[test]

@@ -23,7 +23,11 @@
 //! - crashes: the prefill or the decode node may crash once at any point: it loses its
 //!   state and pages, messages to it are dropped, its transport connection is torn
 //!   down (writes from a dead prefill vanish; writes to a dead decode fail at the
-//!   source), and each coordinator's failure detector tells it on its own schedule.
+//!   source), and each coordinator's failure detector tells it on its own schedule;
+//! - drains: a node may begin draining at any point (`begin_drain`): it refuses every
+//!   new request from then on, and the decode node also those waiting for pages (the
+//!   real coordinator starts such a request again on other nodes; with one node per
+//!   role here, the refusal is its outcome).
 //!
 //! Properties, checked in every reachable state (S1-S5 of DESIGN.md §6):
 //! - S1: every sequence decode admitted reads only pages held for it, carrying its
@@ -299,6 +303,8 @@ struct Ghost {
     /// Decode admitted the sequence on anything else.
     admitted_bad: bool,
     finished_ok: bool,
+    /// A drain refused the request while it waited for decode pages.
+    drained_while_waiting: bool,
 }
 
 /// Faults and client behaviour still available.
@@ -315,6 +321,8 @@ struct Budget {
     coord_crashes: u8,
     /// A decode reservation's lease may run out before its commit.
     lease_expiries: u8,
+    /// Nodes may begin draining (each once).
+    drains: u8,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -364,6 +372,7 @@ enum Action {
     CoordinatorCrash,
     Notify(usize),
     LeaseExpire(ReqId),
+    BeginDrain(Role),
 }
 
 impl Action {
@@ -379,6 +388,7 @@ impl Action {
                 | Action::Crash(_)
                 | Action::CoordinatorCrash
                 | Action::LeaseExpire(_)
+                | Action::BeginDrain(_)
         )
     }
 }
@@ -691,6 +701,14 @@ impl Model for PdModel {
                 }
             }
         }
+        if left.drains > 0 {
+            if st.prefill.as_ref().is_some_and(|(p, _)| !p.is_draining()) {
+                acts.push(Action::BeginDrain(Role::Prefill));
+            }
+            if st.decode.as_ref().is_some_and(|(d, _)| !d.is_draining()) {
+                acts.push(Action::BeginDrain(Role::Decode));
+            }
+        }
         if !st.coord_alive {
             return; // nothing drives the coordinators any more
         }
@@ -917,6 +935,24 @@ impl Model for PdModel {
                 let (node, pool) = st.decode.as_mut()?;
                 node.on_lease_expired(req, pool, &mut out);
             }
+            Action::BeginDrain(role) => {
+                st.left.drains -= 1;
+                match role {
+                    Role::Prefill => st.prefill.as_mut()?.0.begin_drain(),
+                    _ => {
+                        st.decode.as_mut()?.0.begin_drain(&mut out);
+                        for o in &out {
+                            if let Output::Send {
+                                msg: Msg::Rejected { req, .. },
+                                ..
+                            } = o
+                            {
+                                st.ghost[req.0 as usize].drained_while_waiting = true;
+                            }
+                        }
+                    }
+                }
+            }
             Action::Detect(which, role) => {
                 let all = 0..st.coords.len();
                 for i in all.filter(|&i| which == EVERY_COORDINATOR || which == i) {
@@ -1062,6 +1098,29 @@ impl Model for PdModel {
                 },
             ));
         }
+        if self.cfg.budget.drains > 0 {
+            p.push(Property::sometimes(
+                "a draining decode node refuses a request that waited for pages",
+                |_, st: &PdState| {
+                    st.ghost.iter().any(|g| {
+                        g.drained_while_waiting
+                            && matches!(g.outcomes.first(), Some(Outcome::Rejected(r))
+                                if r.drained_by() == Some(Role::Decode))
+                    })
+                },
+            ));
+            p.push(Property::sometimes(
+                "a draining prefill node refuses a request",
+                |_, st: &PdState| {
+                    st.prefill.as_ref().is_some_and(|(p, _)| {
+                        p.records().states().any(|(_, s)| {
+                            matches!(s, tessera_transfer::protocol::PrefillState::Refused(r)
+                                if r.drained_by() == Some(Role::Prefill))
+                        })
+                    })
+                },
+            ));
+        }
         if self.cfg.expect_commit_failure {
             p.push(Property::sometimes(
                 "a commit fails verification",
@@ -1129,6 +1188,7 @@ fn two_requests() -> Cfg {
             crashes: 0,
             coord_crashes: 0,
             lease_expiries: 0,
+            drains: 0,
         },
         crash_roles: vec![],
         joint_detection: false,
@@ -1227,6 +1287,17 @@ fn lease_expiry() -> Cfg {
     c
 }
 
+/// [`queued`] (the second request waits for decode pages; one lost and one
+/// duplicated message) where either node may begin draining at any point: a drain
+/// refuses new requests and, at the decode node, the waiting one.
+fn draining() -> Cfg {
+    let mut c = queued();
+    c.budget.drains = 2;
+    // Drain refusals are rejections.
+    c.expect_rejection = true;
+    c
+}
+
 /// Checks every property in every reachable state (BFS) and returns the number of
 /// unique states.
 fn check_safe(name: &str, cfg: Cfg) -> usize {
@@ -1252,6 +1323,7 @@ const OVERSIZED_STATES: usize = 389987;
 const QUEUED_STATES: usize = 150082;
 const COORDINATOR_CRASH_STATES: usize = 166502;
 const LEASE_STATES: usize = 37812;
+const DRAINING_STATES: usize = 757469;
 
 #[test]
 fn safe_with_abort_and_reordering() {
@@ -1305,6 +1377,11 @@ fn safe_when_the_coordinator_crashes_with_writes_in_flight() {
 #[test]
 fn safe_when_a_reservation_lease_expires() {
     assert_eq!(check_safe("lease expiry", lease_expiry()), LEASE_STATES);
+}
+
+#[test]
+fn safe_when_nodes_drain() {
+    assert_eq!(check_safe("draining", draining()), DRAINING_STATES);
 }
 
 #[test]
@@ -1433,6 +1510,7 @@ fn every_request_can_finish_despite_faults() {
     every_request_can_finish("queued", queued());
     every_request_can_finish("coordinator crash", coordinator_crash());
     every_request_can_finish("lease expiry", lease_expiry());
+    every_request_can_finish("draining", draining());
 }
 
 /// The configuration, with coordinators learning of the crash together (the
