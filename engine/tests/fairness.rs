@@ -295,3 +295,66 @@ fn an_interactive_request_runs_alone_past_a_full_batch_load() {
     eprintln!("interactive TTFT medians over 10: idle {mi:?}, under a full batch load {ml:?}");
     assert!(ml <= mi * 2, "loaded {ml:?} vs idle {mi:?}");
 }
+
+/// Two tenants kept backlogged (more requests outstanding than the engine's slots)
+/// with different shapes: tenant 1 long prompts and answers, tenant 2 short ones.
+/// Returns, in cost units, the largest service difference over any window of
+/// `steps` steps, max over t1 < t2 of |W1(t1,t2) - W2(t1,t2)| (the quantity of
+/// Sheng et al., OSDI'24, arXiv 2401.00588, Theorem 4.3), and the bound 2U of that
+/// theorem, U = max(w_p * L_input, w_q * M): L_input the longest prompt, M the most
+/// tokens the batch can hold (slots x (prompt + max_tokens)).
+fn backlogged_service_difference(m: &LoadedModel, policy: Policy, steps: usize) -> (f64, f64) {
+    let slots = 4;
+    let mut l = Load::new(m, cfg(policy, slots));
+    l.shapes = vec![
+        (1, 12, 24, Priority::Interactive, 6),
+        (2, 1, 4, Priority::Interactive, 6),
+    ];
+    l.top_up();
+    let l_input = (0..2)
+        .map(|_| l.request(1, 12, 24).prompt.len())
+        .max()
+        .unwrap();
+    let max_tokens = 24;
+    let c = FairnessConfig::default();
+    let u = f64::max(
+        f64::from(c.prefill_cost) * l_input as f64,
+        f64::from(c.decode_cost) * (slots * (l_input + max_tokens)) as f64,
+    );
+    // Both backlogs form, then the window starts.
+    for _ in 0..3 {
+        l.step();
+        l.top_up();
+    }
+    l.e.reset_served();
+    let (mut lo, mut hi) = (0.0f64, 0.0f64);
+    for _ in 0..steps {
+        l.step();
+        l.top_up();
+        let served = l.e.served();
+        let w = |t: u64| served.get(&t).map_or(0.0, cost);
+        let d = w(1) - w(2);
+        lo = lo.min(d);
+        hi = hi.max(d);
+    }
+    (hi - lo, 2.0 * u)
+}
+
+/// Issue 12: the service difference of two backlogged tenants stays within the
+/// paper's bound under VTC; FIFO, the control, serves the tenant with the longer
+/// requests ever more and leaves the bound behind.
+#[test]
+fn backlogged_tenants_service_difference_stays_within_the_vtc_bound() {
+    let m = load();
+    let (vtc, bound) = backlogged_service_difference(&m, Policy::Vtc, 300);
+    let (fifo, _) = backlogged_service_difference(&m, Policy::Fifo, 300);
+    eprintln!(
+        "two backlogged tenants (long vs short requests), 300 steps: largest service \
+         difference over any window: VTC {vtc} cost units, FIFO {fifo}; bound 2U = {bound}"
+    );
+    assert!(vtc <= bound, "VTC {vtc} over the bound {bound}");
+    assert!(
+        fifo > bound,
+        "FIFO {fifo} within the bound {bound}: the control shows nothing"
+    );
+}
