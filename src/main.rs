@@ -139,14 +139,22 @@ enum CertsCommand {
 
 #[derive(Subcommand)]
 enum ModelCommand {
-    /// Download and verify the default model (SmolLM2-135M-Instruct, GGUF Q4_1).
+    /// Download and verify the default model (SmolLM2-135M-Instruct, GGUF Q4_1);
+    /// with --variant, also write requantized copies of it.
     Fetch {
         /// Where to keep model files.
         #[arg(long, default_value = "models")]
         models_dir: PathBuf,
-        /// Download again even if a verified copy exists.
+        /// Download (and requantize) again even if a verified copy exists.
         #[arg(long)]
         force: bool,
+        /// Also write a requantized copy of the default model (repeatable): `q8_0`
+        /// (served as @cf/huggingfacetb/smollm2-135m-instruct-q8) or `q4_0`
+        /// (...-q4). Every weight matrix is dequantized and requantized to GGML
+        /// blocks by our quantizers; the result's sha256 is printed and checked
+        /// against the one recorded in the binary.
+        #[arg(long, value_parser = ["q8_0", "q4_0"])]
+        variant: Vec<String>,
     },
 }
 
@@ -183,9 +191,18 @@ fn run() -> Result<()> {
     };
     match cli.command {
         Command::Model {
-            command: ModelCommand::Fetch { models_dir, force },
+            command:
+                ModelCommand::Fetch {
+                    models_dir,
+                    force,
+                    variant,
+                },
         } => {
-            model_fetch::fetch_default_model(&model_fetch::FetchOptions { models_dir, force })?;
+            let opts = model_fetch::FetchOptions { models_dir, force };
+            model_fetch::fetch_default_model(&opts)?;
+            for v in variant {
+                model_fetch::fetch_variant(&opts, &v)?;
+            }
             Ok(())
         }
         Command::Generate(args) => generate::run(args),

@@ -65,21 +65,69 @@ pub fn fetch_default_model(opts: &FetchOptions) -> Result<PathBuf> {
     Fetcher::default_model().fetch(opts)
 }
 
+/// Writes the requantized copy `name` (`q8_0`, `q4_0`) of the installed default
+/// model into `opts.models_dir` and returns its path; prints its sha256.
+///
+/// Does nothing (besides hashing) when the file is there with the sha256 recorded
+/// in [`tessera_model::gguf_write::VARIANTS`], unless `opts.force`. The output is
+/// deterministic, so any other sha256 is an error (the file is deleted), naming
+/// both hashes.
+pub fn fetch_variant(opts: &FetchOptions, name: &str) -> Result<PathBuf> {
+    use tessera_model::gguf_write::{requantize, Variant};
+    let v = Variant::named(name).with_context(|| format!("unknown variant {name}"))?;
+    let target = opts.models_dir.join(v.file);
+    if target.exists() && !opts.force {
+        let actual =
+            sha256_file(&target).with_context(|| format!("reading {}", target.display()))?;
+        if actual == v.sha256 {
+            eprintln!(
+                "{} already at {} (sha256 {actual}); nothing to do (use --force to rewrite)",
+                v.id,
+                target.display()
+            );
+            return Ok(target);
+        }
+        eprintln!(
+            "existing {} has sha256 {actual}, expected {}; writing it again",
+            target.display(),
+            v.sha256
+        );
+    }
+    let source = default_model_path(&opts.models_dir);
+    eprintln!(
+        "requantizing {} to {} ({})...",
+        source.display(),
+        v.format.name(),
+        target.display()
+    );
+    let w = requantize(&source, &target, v.format)
+        .with_context(|| format!("writing the {} variant", v.name))?;
+    if w.sha256 != v.sha256 {
+        let _ = fs::remove_file(&target);
+        bail!(
+            "sha256 mismatch for the {} variant {}: expected {}, got {}; the file was deleted",
+            v.name,
+            target.display(),
+            v.sha256,
+            w.sha256
+        );
+    }
+    eprintln!(
+        "wrote {} ({} matrices in {}, {} bytes)",
+        target.display(),
+        w.matrices,
+        v.format.name(),
+        w.bytes
+    );
+    println!("{}  {}  {}", w.sha256, target.display(), v.id);
+    Ok(target)
+}
+
 /// Stream-hashes a file; returns the sha256 as lowercase hex.
 pub fn sha256_file(path: &Path) -> io::Result<String> {
-    let mut file = File::open(path)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = match file.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        hasher.update(&buf[..n]);
-    }
-    Ok(format!("{:x}", hasher.finalize()))
+    tessera_model::gguf_write::sha256_of(path)
+        .map(|(hash, _)| hash)
+        .map_err(io::Error::other)
 }
 
 /// Checks that `path` has sha256 `expected` (hex, any case); the error names both hashes.

@@ -120,6 +120,52 @@ pub fn quantize_block_q8_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Quantizes 32 floats into one GGUF `Q4_0` block (18 bytes), as GGML's reference
+/// `quantize_row_q4_0_ref` (`ggml/src/ggml-quants.c`) does: `d = m / -8` where `m` is
+/// the value of largest magnitude (sign kept), `q = min(15, trunc(x / d + 8.5))`,
+/// weight `j` in the low nibble of byte `j` and weight `j + 16` in its high nibble.
+pub fn quantize_block_q4_0(x: &[f32], out: &mut [u8]) {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in &x[..QK] {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let d = max / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for j in 0..QK / 2 {
+        // `as i8` truncates toward zero, as C's `(int8_t)` does for these values.
+        let lo = ((x[j] * id + 8.5) as i8).min(15) as u8;
+        let hi = ((x[j + QK / 2] * id + 8.5) as i8).min(15) as u8;
+        out[2 + j] = lo | (hi << 4);
+    }
+}
+
+/// Quantizes a row-major `f32` matrix (`x.len()` a multiple of 32; blocks run along
+/// each row) into GGUF blocks of `format` (`Q8_0` or `Q4_0`): `x.len() / 32 *
+/// format.block_bytes()` bytes, the layout a GGUF tensor of that type stores.
+///
+/// Panics for `Q4_1` (no writer here) or a length that is not whole blocks.
+pub fn quantize_blocks(format: QFormat, x: &[f32]) -> Vec<u8> {
+    assert!(
+        x.len().is_multiple_of(QK),
+        "{} values: not whole blocks",
+        x.len()
+    );
+    let bb = format.block_bytes();
+    let mut out = vec![0u8; x.len() / QK * bb];
+    for (blk, o) in x.chunks_exact(QK).zip(out.chunks_exact_mut(bb)) {
+        match format {
+            QFormat::Q8_0 => quantize_block_q8_0(blk, o),
+            QFormat::Q4_0 => quantize_block_q4_0(blk, o),
+            QFormat::Q4_1 => panic!("no Q4_1 quantizer"),
+        }
+    }
+    out
+}
+
 /// Repacks a row-major GGUF matrix (`rows x cols`, `cols / 32` blocks per row) of
 /// `format` into tiles (see the module docs); rows past `rows` in the last tile are
 /// zero (scale 0). `bytes.len()` must be `rows * cols / 32 * format.block_bytes()`.
@@ -307,6 +353,41 @@ mod tests {
             (out[0], out[16], out[1]),
             (2.0 * 0.25, -5.0 * 0.25, -8.0 * 0.25)
         );
+    }
+
+    #[test]
+    fn q4_0_and_q8_0_quantizers_follow_ggml() {
+        // Largest magnitude -4 (negative): d = -4 / -8 = 0.5; q = trunc(x / 0.5 + 8.5).
+        let mut x = [0f32; QK];
+        x[0] = -4.0;
+        x[1] = 1.0;
+        x[16] = 3.75; // 7.5 + 8.5 = 16 -> capped at 15
+        x[17] = -0.3; // -0.6 + 8.5 = 7.9 -> 7
+        let mut b = [0u8; 18];
+        quantize_block_q4_0(&x, &mut b);
+        assert_eq!(f16::from_le_bytes([b[0], b[1]]).to_f32(), 0.5);
+        assert_eq!(b[2], (15 << 4), "x[0] = -4 -> q 0; x[16] -> q 15");
+        assert_eq!(b[3], 10 | (7 << 4), "x[1] = 1 -> q 10; x[17] -> q 7");
+        let mut back = [0f32; QK];
+        dequantize_block(QFormat::Q4_0, &b, &mut back);
+        assert_eq!((back[0], back[1], back[16]), (-4.0, 1.0, 3.5));
+        // All zeros: scale 0, every q 8 (weight 0).
+        quantize_block_q4_0(&[0.0; QK], &mut b);
+        assert!(b[2..].iter().all(|&q| q == 0x88));
+        // Rows of both formats round-trip within half a step.
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let xs: Vec<f32> = (0..4 * QK).map(|_| rng.random_range(-2.0..2.0)).collect();
+        for format in [QFormat::Q8_0, QFormat::Q4_0] {
+            let bytes = quantize_blocks(format, &xs);
+            assert_eq!(bytes.len(), 4 * format.block_bytes());
+            for (blk, x) in bytes.chunks_exact(format.block_bytes()).zip(xs.chunks(QK)) {
+                dequantize_block(format, blk, &mut back);
+                let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32().abs();
+                for (a, b) in back.iter().zip(x) {
+                    assert!((a - b).abs() <= d * 1.01 + 1e-6, "{format:?}: {a} vs {b}");
+                }
+            }
+        }
     }
 
     #[test]

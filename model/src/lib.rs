@@ -1,6 +1,8 @@
 //! Tessera model runtime: everything that turns a GGUF file into logits.
 //!
 //! - [`gguf`]: load a GGUF file (weights, tokenizer and chat template from one file).
+//! - [`gguf_write`]: write GGUF files (requantized Q8_0/Q4_0 copies, random-weight
+//!   test models).
 //! - [`llama`]: the llama forward pass over the paged KV cache.
 //! - [`kv`]: the page pool (tags, epochs, free list) and per-sequence block tables.
 //! - [`tokenizer`], [`chat`], [`detok`], [`sampling`]: text in and out.
@@ -8,6 +10,7 @@
 pub mod chat;
 pub mod detok;
 pub mod gguf;
+pub mod gguf_write;
 pub mod kv;
 pub mod llama;
 pub mod sampling;

@@ -216,6 +216,30 @@ fn read_matrix<R: Read + Seek>(
     })
 }
 
+/// Feeds a matrix's format, size and its first and last 4 KiB of weights to `h`.
+fn weights_digest(m: &QMatrix, h: &mut impl sha2::Digest) {
+    const SAMPLE: usize = 4096;
+    let bytes: &[u8] = match m.weights() {
+        tessera_kernels::matmul::Weights::Quant { format, tiles } => {
+            h.update(format.name());
+            tiles
+        }
+        tessera_kernels::matmul::Weights::F32(v) => {
+            h.update("F32");
+            let n = v.len().min(SAMPLE / 4);
+            for x in v[..n].iter().chain(&v[v.len() - n..]) {
+                h.update(x.to_le_bytes());
+            }
+            &[]
+        }
+    };
+    h.update((m.rows() as u64).to_le_bytes());
+    h.update((m.cols() as u64).to_le_bytes());
+    let n = bytes.len().min(SAMPLE);
+    h.update(&bytes[..n]);
+    h.update(&bytes[bytes.len() - n..]);
+}
+
 impl Llama {
     /// Loads weights described by `content` from `reader` (the same GGUF file).
     pub fn load<R: Read + Seek>(content: &Content, reader: &mut R) -> Result<Self, ModelError> {
@@ -257,6 +281,16 @@ impl Llama {
             {
                 h.update(v.to_le_bytes());
             }
+            // Each matrix's format and the ends of its weights: two files of one
+            // shape (a requantized copy, other weights) never share a fingerprint.
+            let matrices = layers
+                .iter()
+                .flat_map(|l| [&l.wqkv, &l.wo, &l.gate_up, &l.down])
+                .chain([&embed])
+                .chain(output.as_ref());
+            for m in matrices {
+                weights_digest(m, &mut h);
+            }
             h.finalize().into()
         };
         Ok(Self {
@@ -275,9 +309,11 @@ impl Llama {
         &self.cfg
     }
 
-    /// A digest identifying these weights: SHA-256 of the hyperparameters and the
-    /// normalization weights of every layer (32 bytes; the prefix cache keys include
-    /// it, so K/V computed by one model is never found for another).
+    /// A digest identifying these weights: SHA-256 of the hyperparameters, the
+    /// normalization weights of every layer and each matrix's format, size and first
+    /// and last 4 KiB (32 bytes; the prefix cache keys include it, so K/V computed by
+    /// one model is never found for another, and a decode node refuses a commit of
+    /// K/V another model computed).
     pub fn fingerprint(&self) -> [u8; 32] {
         self.fingerprint
     }
