@@ -7,8 +7,12 @@
 //!   verifies each KV page's tag before reading it.
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU.
 //! - [`pool`]: the fork-join thread pool the kernels run on.
+//! - `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled kernels, cuBLAS,
+//!   the device KV pool with its tag array).
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dot;
 mod flash;
 mod isa;

@@ -29,6 +29,11 @@ impl Rope {
         Self { head_dim, inv_freq }
     }
 
+    /// The rotation frequencies, `[head_dim / 2]` (the device RoPE reads them).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// Rotates adjacent pairs `(x[2i], x[2i+1])` of every head in `x`
     /// (`[n_heads * head_dim]`) by `pos * inv_freq[i]`: GGML's "normal" RoPE mode,
     /// which llama GGUF files expect (their Q/K weights are permuted for it).
