@@ -2,8 +2,8 @@
 // the tag array's writes and checks (DESIGN.md §2 I3, §5).
 //
 // Every kernel that touches a page first compares the page's tag in the device tag
-// array with the tag the sequence's block table expects (tenant, sequence, epoch,
-// logical block). A mismatch (or a block-table entry out of range) is recorded in
+// array with the tag the sequence's block-table entry expects (tenant, sequence,
+// epoch, logical block). A mismatch (or a block-table entry out of range) is recorded in
 // the sequence's failure word (`slot_fail[slot]`, atomicMin of the logical block),
 // the page is neither read nor written, and the row's output is zero. The engine
 // reads the failure words after the step and fails exactly those sequences.
@@ -48,7 +48,6 @@ extern "C" __global__ void paged_attention(const float* __restrict__ q, u32 q_st
     const u32 slot = t.row_slot[row];
     const u32 nk = t.row_pos[row] + 1;
     const u32 off = t.slot_off[slot], len = t.slot_len[slot];
-    const u64 tenant = t.slot_tenant[slot], seq = t.slot_seq[slot];
     const u64 head_off = (u64)(layer * g.kv_heads + kvh) * g.head_bytes;
     const float4* q4 = reinterpret_cast<const float4*>(qs);
 
@@ -71,7 +70,7 @@ extern "C" __global__ void paged_attention(const float* __restrict__ q, u32 q_st
                 if (page >= g.n_pages) {
                     bad = true;
                 } else if (check_tags) {
-                    bad = !tag_matches(tags[page], tenant, seq, t.tbl_epoch[off + b], b);
+                    bad = !tag_matches(tags[page], t.tbl_tag[off + b], b);
                 }
             }
         }
@@ -185,9 +184,7 @@ extern "C" __global__ void kv_store(const float* __restrict__ qkv, u32 qkv_strid
     u32 page = 0;
     if (!bad) {
         page = t.tbl_page[off + b];
-        bad = page >= g.n_pages ||
-              (check_tags && !tag_matches(tags[page], t.slot_tenant[slot], t.slot_seq[slot],
-                                          t.tbl_epoch[off + b], b));
+        bad = page >= g.n_pages || (check_tags && !tag_matches(tags[page], t.tbl_tag[off + b], b));
     }
     if (bad) {
         if (lane == 0) atomicMin(&t.slot_fail[slot], b);
@@ -244,9 +241,7 @@ extern "C" __global__ void verify_page_tags(const u32* __restrict__ pages,
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const u32 p = pages[i];
-    const PageTag e = expected[i];
-    bad[i] = (p >= n_pages ||
-              !tag_matches(tags[p], e.tenant, e.seq, e.epoch, e.logical_block))
+    bad[i] = (p >= n_pages || !tag_matches(tags[p], expected[i], expected[i].logical_block))
                  ? 1u
                  : 0u;
 }

@@ -83,25 +83,26 @@ static_assert(sizeof(KvGeom) == 48, "KvGeom layout");
 
 // One forward step's sequences and their block tables (kernels/src/cuda/abi.rs
 // `SeqTables`): all device pointers. A "slot" is one sequence of the step; rows
-// are query tokens. 72 bytes.
+// are query tokens. Each block-table entry carries the full tag its page must
+// hold (a prefix-cache page carries the cache entry's sequence id, not the
+// reader's). 56 bytes.
 struct SeqTables {
-    const u32* row_slot;     // [rows] slot of each row
-    const u32* row_pos;      // [rows] position: the row attends to keys 0..=pos
-    const u32* slot_off;     // [slots] first entry of the slot's block table
-    const u32* slot_len;     // [slots] entries of the slot's block table
-    const u64* slot_tenant;  // [slots] tenant the slot's pages must carry
-    const u64* slot_seq;     // [slots] sequence id the slot's pages must carry
-    const u32* tbl_page;     // [entries] physical page of each logical block
-    const u32* tbl_epoch;    // [entries] epoch each page must carry
-    u32* slot_fail;          // [slots] first failing logical block, or TESSERA_NO_FAILURE
+    const u32* row_slot;      // [rows] slot of each row
+    const u32* row_pos;       // [rows] position: the row attends to keys 0..=pos
+    const u32* slot_off;      // [slots] first entry of the slot's block table
+    const u32* slot_len;      // [slots] entries of the slot's block table
+    const u32* tbl_page;      // [entries] physical page of each logical block
+    const PageTag* tbl_tag;   // [entries] tag each page must carry
+    u32* slot_fail;           // [slots] first failing logical block, or TESSERA_NO_FAILURE
 };
-static_assert(sizeof(SeqTables) == 72, "SeqTables layout");
+static_assert(sizeof(SeqTables) == 56, "SeqTables layout");
 static_assert(sizeof(PageTag) == 24, "PageTag layout");
 
-// Whether `found` is the tag a block table expects for logical block `lb` of
-// sequence (tenant, seq) at `epoch` (the CPU's verify_tags).
-__device__ __forceinline__ bool tag_matches(const PageTag& found, u64 tenant, u64 seq,
-                                            u32 epoch, u32 lb) {
-    return found.tenant == tenant && found.seq == seq && found.epoch == epoch &&
-           found.logical_block == lb;
+// Whether `found` is the tag a block-table entry expects for logical block `lb`
+// (the CPU's verify_tags: the whole tag, and the entry's own logical block).
+__device__ __forceinline__ bool tag_matches(const PageTag& found, const PageTag& expected,
+                                            u32 lb) {
+    return found.tenant == expected.tenant && found.seq == expected.seq &&
+           found.epoch == expected.epoch && found.logical_block == expected.logical_block &&
+           expected.logical_block == lb;
 }

@@ -57,15 +57,7 @@ fn upload_pool(dev: &CudaDevice, f: &Fixture) -> DeviceKv {
 }
 
 fn step_seqs(f: &Fixture) -> Vec<StepSeq<'_>> {
-    f.tables
-        .iter()
-        .enumerate()
-        .map(|(s, t)| StepSeq {
-            tenant: attention_cases::tag(s, 0).tenant,
-            seq: attention_cases::tag(s, 0).seq,
-            table: t,
-        })
-        .collect()
+    f.tables.iter().map(|t| StepSeq { table: t }).collect()
 }
 
 #[test]
@@ -252,7 +244,7 @@ fn gpu_dequantization_equals_the_cpu_blocks_rounded_to_bf16() {
         }
         let dev_blocks = dev.upload(&bytes).unwrap();
         let mut out = dev.zeros::<u16>(n_blocks * 32).unwrap();
-        dev.dequantize(format, &dev_blocks, n_blocks, &mut out)
+        dev.dequantize(format, &dev_blocks, n_blocks, &mut out, 0)
             .unwrap();
         let got = dev.download(&out, n_blocks * 32).unwrap();
         let mut want = vec![0f32; 32];

@@ -6,8 +6,11 @@
 //! - [`llama`]: the llama forward pass over the paged KV cache.
 //! - [`kv`]: the page pool (tags, epochs, free list) and per-sequence block tables.
 //! - [`tokenizer`], [`chat`], [`detok`], [`sampling`]: text in and out.
+//! - `cuda` (feature `cuda`): the forward pass on a CUDA device.
 
 pub mod chat;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod detok;
 pub mod gguf;
 pub mod gguf_write;

@@ -57,7 +57,7 @@ impl KvGeom {
     }
 }
 
-/// One step's sequences and block tables on the device (C `SeqTables`, 72
+/// One step's sequences and block tables on the device (C `SeqTables`, 56
 /// bytes): raw device addresses (`CUdeviceptr`) of the arrays the C side names,
 /// all inside buffers the caller keeps alive until the step's kernels finished.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -71,14 +71,10 @@ pub struct SeqTables {
     pub slot_off: u64,
     /// `u32 [slots]`: block-table entries of each slot.
     pub slot_len: u64,
-    /// `u64 [slots]`: tenant of each slot.
-    pub slot_tenant: u64,
-    /// `u64 [slots]`: sequence id of each slot.
-    pub slot_seq: u64,
     /// `u32 [entries]`: physical page of each entry.
     pub tbl_page: u64,
-    /// `u32 [entries]`: epoch each entry's page must carry.
-    pub tbl_epoch: u64,
+    /// `PageTag [entries]`: the tag each entry's page must carry.
+    pub tbl_tag: u64,
     /// `u32 [slots]`: failure words (first failing logical block, or `u32::MAX`).
     pub slot_fail: u64,
 }
@@ -97,11 +93,11 @@ mod tests {
     fn sizes_match_the_c_static_asserts() {
         assert_eq!(std::mem::size_of::<PageTag>(), 24);
         assert_eq!(std::mem::size_of::<KvGeom>(), 48);
-        assert_eq!(std::mem::size_of::<SeqTables>(), 72);
+        assert_eq!(std::mem::size_of::<SeqTables>(), 56);
         let h = include_str!("../../cuda/tessera_common.cuh");
         for s in [
             "sizeof(KvGeom) == 48",
-            "sizeof(SeqTables) == 72",
+            "sizeof(SeqTables) == 56",
             "sizeof(PageTag) == 24",
         ] {
             assert!(h.contains(s), "{s}");

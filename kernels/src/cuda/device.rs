@@ -204,6 +204,27 @@ impl CudaDevice {
         drv("cuMemcpyHtoD", self.stream.memcpy_htod(data, &mut view))
     }
 
+    /// Copies the first `n` elements of `src` into `dst` at element `at`.
+    pub fn copy_into<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        n: usize,
+        dst: &mut CudaSlice<T>,
+        at: usize,
+    ) -> Result<(), CudaError> {
+        shape(n <= src.len() && at + n <= dst.len(), || {
+            format!("copy of {n} elements to {at} of {}", dst.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut view = dst.slice_mut(at..at + n);
+        drv(
+            "cuMemcpyDtoD",
+            self.stream.memcpy_dtod(&src.slice(..n), &mut view),
+        )
+    }
+
     /// The first `n` elements of `src`, on the host (synchronizes).
     pub fn download<T: DeviceRepr + Default + Clone>(
         &self,
@@ -533,16 +554,17 @@ impl CudaDevice {
     }
 
     /// Dequantizes `n_blocks` GGUF blocks of `format` (raw file bytes) into bf16
-    /// (`out`: `[n_blocks * 32]`).
+    /// elements `at..at + n_blocks * 32` of `out` (a row range of a stacked matrix).
     pub fn dequantize(
         &self,
         format: QFormat,
         blocks: &CudaSlice<u8>,
         n_blocks: usize,
         out: &mut CudaSlice<u16>,
+        at: usize,
     ) -> Result<(), CudaError> {
         shape(
-            blocks.len() >= n_blocks * format.block_bytes() && out.len() >= n_blocks * 32,
+            blocks.len() >= n_blocks * format.block_bytes() && out.len() >= at + n_blocks * 32,
             || format!("{} dequantize buffers", format.name()),
         )?;
         if n_blocks == 0 {
@@ -554,8 +576,9 @@ impl CudaDevice {
             QFormat::Q8_0 => ("dequant_q8_0", 32),
         };
         let nb = n_blocks as u64;
+        let mut view = out.slice_mut(at..at + n_blocks * 32);
         let mut b = self.stream.launch_builder(self.f(name));
-        b.arg(blocks).arg(&nb).arg(out);
+        b.arg(blocks).arg(&nb).arg(&mut view);
         // SAFETY: matches the dequant kernels' signature; sizes checked.
         drv("launch dequantize", unsafe {
             b.launch(cover(n_blocks * per_block, 256))
@@ -721,6 +744,21 @@ impl DeviceKv {
         .map(drop)
     }
 
+    /// The device tag of one page (synchronizes).
+    pub fn read_tag(&self, dev: &CudaDevice, page: u32) -> Result<PageTag, CudaError> {
+        shape((page as usize) < self.pages, || {
+            format!("page {page} of {}", self.pages)
+        })?;
+        let mut out = [PageTag::default()];
+        let p = page as usize;
+        drv(
+            "cuMemcpyDtoH",
+            dev.stream.memcpy_dtoh(&self.tags.slice(p..p + 1), &mut out),
+        )?;
+        dev.synchronize()?;
+        Ok(out[0])
+    }
+
     /// The whole device tag array (synchronizes).
     pub fn read_tags(&self, dev: &CudaDevice) -> Result<Vec<PageTag>, CudaError> {
         dev.download(&self.tags, self.pages)
@@ -812,14 +850,10 @@ impl DeviceKv {
     }
 }
 
-/// One sequence of a step: its owner and block table (entry `b` must name a page
-/// carrying `tag` with `logical_block == b`).
+/// One sequence of a step: its block table (entry `b` names a page that must
+/// carry `tag`, with `tag.logical_block == b`, as `verify_tags` checks on the CPU).
 #[derive(Clone, Copy, Debug)]
 pub struct StepSeq<'a> {
-    /// Tenant the pages must carry.
-    pub tenant: u64,
-    /// Sequence id the pages must carry.
-    pub seq: u64,
     /// Block table (covering every key the step's rows of this sequence read).
     pub table: &'a [BlockRef],
 }
@@ -831,6 +865,55 @@ pub struct StepRow {
     pub slot: u32,
     /// Position: the row's K/V go to this slot; it attends to keys `0..=pos`.
     pub pos: u32,
+}
+
+/// A step packed into 32-bit words: `row_slot[r] row_pos[r] slot_off[s]
+/// slot_len[s] tbl_page[e] fail[s]`, padded to 8 bytes, then `tbl_tag[e]` (6 words
+/// each: tenant lo, hi, seq lo, hi, epoch, logical block); failure words clear.
+struct Packed {
+    words: Vec<u32>,
+    page_at: usize,
+    fail_at: usize,
+    tag_at: usize,
+}
+
+fn pack(rows: &[StepRow], seqs: &[StepSeq]) -> Packed {
+    let s = seqs.len();
+    let entries: usize = seqs.iter().map(|q| q.table.len()).sum();
+    let mut w: Vec<u32> = Vec::with_capacity(2 * rows.len() + 3 * s + 7 * entries + 1);
+    w.extend(rows.iter().map(|x| x.slot));
+    w.extend(rows.iter().map(|x| x.pos));
+    let mut off = 0u32;
+    for q in seqs {
+        w.push(off);
+        off += q.table.len() as u32;
+    }
+    w.extend(seqs.iter().map(|q| q.table.len() as u32));
+    let page_at = w.len();
+    w.extend(seqs.iter().flat_map(|q| q.table.iter().map(|e| e.page)));
+    let fail_at = w.len();
+    w.extend(std::iter::repeat_n(NO_FAILURE, s));
+    if w.len() % 2 == 1 {
+        w.push(0);
+    }
+    let tag_at = w.len();
+    for e in seqs.iter().flat_map(|q| q.table.iter()) {
+        let t = e.tag;
+        w.extend([
+            t.tenant as u32,
+            (t.tenant >> 32) as u32,
+            t.seq as u32,
+            (t.seq >> 32) as u32,
+            t.epoch,
+            t.logical_block,
+        ]);
+    }
+    Packed {
+        words: w,
+        page_at,
+        fail_at,
+        tag_at,
+    }
 }
 
 /// A step's rows, sequences and block tables packed into one device buffer (one
@@ -884,38 +967,12 @@ impl StepTables {
         shape(rows.iter().all(|x| (x.slot as usize) < s), || {
             "a row names a sequence outside the step".into()
         })?;
-        let entries: usize = seqs.iter().map(|q| q.table.len()).sum();
-        // Layout (32-bit words): row_slot[r] row_pos[r] slot_off[s] slot_len[s]
-        // pad-to-even slot_tenant[2s] slot_seq[2s] tbl_page[e] tbl_epoch[e] fail[s].
-        let mut w: Vec<u32> = Vec::with_capacity(2 * r + 6 * s + 2 * entries + 2);
-        w.extend(rows.iter().map(|x| x.slot));
-        w.extend(rows.iter().map(|x| x.pos));
-        let mut off = 0u32;
-        for q in seqs {
-            w.push(off);
-            off += q.table.len() as u32;
-        }
-        w.extend(seqs.iter().map(|q| q.table.len() as u32));
-        if w.len() % 2 == 1 {
-            w.push(0);
-        }
-        let tenant_at = w.len();
-        for q in seqs {
-            w.extend([q.tenant as u32, (q.tenant >> 32) as u32]);
-        }
-        let seq_at = w.len();
-        for q in seqs {
-            w.extend([q.seq as u32, (q.seq >> 32) as u32]);
-        }
-        let page_at = w.len();
-        w.extend(seqs.iter().flat_map(|q| q.table.iter().map(|e| e.page)));
-        let epoch_at = w.len();
-        w.extend(
-            seqs.iter()
-                .flat_map(|q| q.table.iter().map(|e| e.tag.epoch)),
-        );
-        let fail_at = w.len();
-        w.extend(std::iter::repeat_n(NO_FAILURE, s));
+        let Packed {
+            words: w,
+            page_at,
+            fail_at,
+            tag_at,
+        } = pack(rows, seqs);
         if w.len() > self.buf.len() {
             self.buf = dev.zeros::<u32>(w.len().next_power_of_two())?;
         }
@@ -927,10 +984,8 @@ impl StepTables {
             row_pos: at(r),
             slot_off: at(2 * r),
             slot_len: at(2 * r + s),
-            slot_tenant: at(tenant_at),
-            slot_seq: at(seq_at),
             tbl_page: at(page_at),
-            tbl_epoch: at(epoch_at),
+            tbl_tag: at(tag_at),
             slot_fail: at(fail_at),
         };
         self.rows = r;
@@ -962,5 +1017,64 @@ impl StepTables {
             .into_iter()
             .map(|f| (f != NO_FAILURE).then_some(f))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_packed_step_decodes_to_its_rows_and_tables() {
+        let tag = |seq: u64, lb: u32| PageTag {
+            tenant: 0x1_0000_0007,
+            seq,
+            epoch: 9,
+            logical_block: lb,
+        };
+        let t0 = [
+            BlockRef {
+                page: 5,
+                tag: tag(u64::MAX - 1, 0),
+            },
+            BlockRef {
+                page: 2,
+                tag: tag(3, 1),
+            },
+        ];
+        let t1 = [BlockRef {
+            page: 7,
+            tag: tag(4, 0),
+        }];
+        let rows = [
+            StepRow { slot: 1, pos: 0 },
+            StepRow { slot: 0, pos: 17 },
+            StepRow { slot: 0, pos: 18 },
+        ];
+        let p = pack(&rows, &[StepSeq { table: &t0 }, StepSeq { table: &t1 }]);
+        let w = &p.words;
+        assert_eq!(&w[0..3], &[1, 0, 0]);
+        assert_eq!(&w[3..6], &[0, 17, 18]);
+        assert_eq!(&w[6..8], &[0, 2]); // slot_off
+        assert_eq!(&w[8..10], &[2, 1]); // slot_len
+        assert_eq!(p.page_at, 10);
+        assert_eq!(&w[10..13], &[5, 2, 7]);
+        assert_eq!(p.fail_at, 13);
+        assert_eq!(&w[13..15], &[NO_FAILURE, NO_FAILURE]);
+        assert_eq!(p.tag_at % 2, 0, "tags are 8-byte aligned");
+        let tag_of = |e: usize| {
+            let x = &w[p.tag_at + 6 * e..p.tag_at + 6 * e + 6];
+            PageTag {
+                tenant: x[0] as u64 | (x[1] as u64) << 32,
+                seq: x[2] as u64 | (x[3] as u64) << 32,
+                epoch: x[4],
+                logical_block: x[5],
+            }
+        };
+        assert_eq!(
+            [tag_of(0), tag_of(1), tag_of(2)],
+            [t0[0].tag, t0[1].tag, t1[0].tag]
+        );
+        assert_eq!(w.len(), p.tag_at + 18);
     }
 }

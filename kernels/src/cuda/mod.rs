@@ -22,6 +22,8 @@ pub mod nvrtc;
 pub mod sizing;
 pub mod sources;
 
+/// cudarc's device buffer, the type the launches take.
+pub use cudarc::driver::CudaSlice;
 pub use device::{AttentionLaunch, CudaDevice, DeviceInfo, DeviceKv, StepRow, StepSeq, StepTables};
 pub use nvrtc::{Nvrtc, NvrtcError};
 pub use sizing::{pool_pages, SizingError};
