@@ -2,6 +2,7 @@
 //! the library crates; no logic lives here.
 
 mod bench;
+mod device;
 mod generate;
 mod model_fetch;
 mod node;

@@ -44,6 +44,8 @@ pub(crate) struct NodeArgs {
     /// Zero KV pages when they are freed.
     #[arg(long)]
     kv_scrub: bool,
+    #[command(flatten)]
+    device: crate::device::DeviceArgs,
     /// Serve Prometheus metrics at `GET /metrics` (plain HTTP, read-only) on this
     /// address, on a listener of its own (keep it on a private network).
     #[arg(long)]
@@ -218,6 +220,8 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         Err(_) => None,
     };
     let entry = pool_model(&cfg, pool)?;
+    let engines = [(role, pool.name.as_str())];
+    a.device.prepare(&entry.id, &entry.path, &engines)?;
     let model = load_model(entry)?;
     // I2: refuse to start with a pool that cannot hold one full context window.
     pool.check_fits(&entry.id, model.llama.config().context)

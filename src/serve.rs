@@ -52,6 +52,8 @@ pub(crate) struct ServeArgs {
     /// freed pages unreadable).
     #[arg(long)]
     kv_scrub: bool,
+    #[command(flatten)]
+    device: crate::device::DeviceArgs,
     /// TLS: `off`, or `self-signed` (a fresh certificate for localhost, written to
     /// DATA_DIR/tls-cert.pem).
     #[arg(long, default_value = "off")]
@@ -198,6 +200,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             t,
         )?;
     }
+    device_check(&a)?;
     let remote = match &a.config {
         Some(f) => Some(crate::node::remote_deployment(f, a.insecure_node_links)?),
         None => None,
@@ -397,4 +400,26 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
         }
         let _ = ctrl_c.await;
     }
+}
+
+/// `--device cuda` (issue 16): before anything is loaded, each model this process
+/// would serve is put on the device and its engines' pools checked (I2); see
+/// `crate::device`. Nothing for `--device cpu`.
+fn device_check(a: &ServeArgs) -> Result<()> {
+    if a.device.device == crate::device::Device::Cpu {
+        return Ok(());
+    }
+    if a.config.is_some() {
+        anyhow::bail!("--device cuda: with --config the nodes compute (`tessera node --device cuda`), not the gateway");
+    }
+    let models = [(DEFAULT_MODEL_ID.to_string(), model_path(a.model.clone())?)];
+    let engines: &[(Role, &str)] = if a.colocated {
+        &[(Role::Colocated, "colocated")]
+    } else {
+        &[(Role::Prefill, "prefill"), (Role::Decode, "decode")]
+    };
+    for (id, path) in &models {
+        a.device.prepare(id, path, engines)?;
+    }
+    Ok(())
 }
