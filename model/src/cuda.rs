@@ -347,6 +347,19 @@ impl CudaLlama {
         })
     }
 
+    /// [`Self::load`] from a GGUF file.
+    ///
+    /// Errors: as [`Self::load`]; the file's ([`ModelError::Gguf`]).
+    pub fn load_file(
+        path: &std::path::Path,
+        dev: CudaDevice,
+        opts: CudaOptions,
+    ) -> Result<Self, CudaModelError> {
+        let mut f = std::fs::File::open(path).map_err(candle_core::Error::from)?;
+        let content = Content::read(&mut f)?;
+        Self::load(&content, &mut f, dev, opts)
+    }
+
     /// Model hyperparameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
