@@ -236,10 +236,11 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     let opts = NodeOptions {
         role: protocol_role(role),
         listen,
-        links,
+        // Links that name the model: peers serving another one are refused.
+        links: links.for_model(model.llama.fingerprint()),
         drain_timeout: Duration::from_secs(a.drain_timeout_secs),
         test_panic,
-        decode_peers: decode_nodes(&cfg),
+        decode_peers: decode_nodes(&cfg, &entry.id),
         engine,
         metrics_listen: a.metrics_listen.clone(),
         transport: match a.transport {
@@ -262,43 +263,72 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     .context("running the node")
 }
 
-fn decode_nodes(cfg: &DeploymentConfig) -> Vec<String> {
-    cfg.pools_with_role(Role::Decode)
+/// The pools of `role` that serve model `id`, in file order.
+fn pools_of<'a>(
+    cfg: &'a DeploymentConfig,
+    role: Role,
+    id: &'a str,
+) -> impl Iterator<Item = &'a PoolConfig> + 'a {
+    cfg.pools_with_role(role).filter(move |p| p.serves(id))
+}
+
+/// The decode nodes serving model `id`, in file order: the list a prefill node of
+/// that model and the gateway's cluster for it both index (so an index names the
+/// same node on both sides, and never a node of another model).
+fn decode_nodes(cfg: &DeploymentConfig, id: &str) -> Vec<String> {
+    pools_of(cfg, Role::Decode, id)
         .flat_map(|p| p.nodes.iter().cloned())
         .collect()
 }
 
-/// What `tessera serve --config` needs from the deployment file: the model to
-/// tokenize with, the nodes and their pool sizes. Checks the whole file first,
-/// I2 included, against the model's real context window.
+/// What `tessera serve --config` needs from the deployment file: for every
+/// `[[models]]` entry, the entry and the prefill and decode nodes of the pools that
+/// serve it with their pool sizes; and the file. Checks the whole file first, I2
+/// included, against each model's real context window, and that each prefill and
+/// decode pool serves one model (a node loads one).
 pub(crate) fn remote_deployment(
     path: &Path,
     insecure_node_links: bool,
-) -> Result<(ModelEntry, RemoteNodes, DeploymentConfig)> {
+) -> Result<(Vec<(ModelEntry, RemoteNodes)>, DeploymentConfig)> {
     let cfg = load_config(path)?;
     let verdict = cfg.check_offline();
     if !verdict.is_ok() {
         bail!("refusing to start: {}", verdict.into_result().unwrap_err());
     }
-    let prefill: Vec<&PoolConfig> = cfg.pools_with_role(Role::Prefill).collect();
-    let decode: Vec<&PoolConfig> = cfg.pools_with_role(Role::Decode).collect();
-    if prefill.is_empty() || decode.is_empty() {
-        bail!(
-            "{} needs at least one prefill and one decode pool for a disaggregated gateway",
-            path.display()
-        );
+    let links =
+        NodeLinks::from_deployment(&cfg, &LinkIdentity::Gateway, insecure_node_links, None)?;
+    let mut out = Vec::new();
+    for pool in cfg
+        .pools_with_role(Role::Prefill)
+        .chain(cfg.pools_with_role(Role::Decode))
+    {
+        pool_model(&cfg, pool)?;
     }
-    let model = pool_model(&cfg, decode[0])?.clone();
-    let nodes = RemoteNodes {
-        prefill: prefill
-            .iter()
-            .flat_map(|p| p.nodes.iter().cloned())
-            .collect(),
-        decode: decode_nodes(&cfg),
-        prefill_pool_tokens: prefill.iter().map(|p| p.usable_tokens()).min().unwrap_or(0),
-        decode_pool_tokens: decode.iter().map(|p| p.usable_tokens()).min().unwrap_or(0),
-        page_size: decode[0].page_size,
-        links: NodeLinks::from_deployment(&cfg, &LinkIdentity::Gateway, insecure_node_links, None)?,
-    };
-    Ok((model, nodes, cfg))
+    for m in &cfg.models {
+        let prefill: Vec<&PoolConfig> = pools_of(&cfg, Role::Prefill, &m.id).collect();
+        let decode: Vec<&PoolConfig> = pools_of(&cfg, Role::Decode, &m.id).collect();
+        if prefill.is_empty() || decode.is_empty() {
+            bail!(
+                "{}: model {} needs at least one prefill and one decode pool for a disaggregated gateway",
+                path.display(),
+                m.id
+            );
+        }
+        let usable = |pools: &[&PoolConfig]| pools.iter().map(|p| p.usable_tokens()).min();
+        out.push((
+            m.clone(),
+            RemoteNodes {
+                prefill: prefill
+                    .iter()
+                    .flat_map(|p| p.nodes.iter().cloned())
+                    .collect(),
+                decode: decode_nodes(&cfg, &m.id),
+                prefill_pool_tokens: usable(&prefill).unwrap_or(0),
+                decode_pool_tokens: usable(&decode).unwrap_or(0),
+                page_size: decode[0].page_size,
+                links: links.clone(),
+            },
+        ));
+    }
+    Ok((out, cfg))
 }

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tessera_config::{check_pool_fits, Role};
 use tessera_gateway::{
-    check_token, AppState, ConnLimits, Deadlines, GatewayConfig, Server, TlsMode, UsageConfig,
+    check_token, AppState, ConnLimits, Deadlines, GatewayConfig, ServedModel, Server, TlsMode,
+    UsageConfig,
 };
 use tessera_model::gguf::DEFAULT_MODEL_ID;
 use tessera_model::LoadedModel;
@@ -31,9 +32,13 @@ pub(crate) struct ServeArgs {
     config: Option<PathBuf>,
     #[command(flatten)]
     store: StoreArgs,
-    /// GGUF model file (default: the fetched default model).
-    #[arg(long, env = "TESSERA_MODEL")]
-    model: Option<PathBuf>,
+    /// A model to serve, as `ID=PATH` (catalog id, GGUF file) or a bare `PATH`
+    /// (served as the default model's id); repeatable: every model gets its own
+    /// engines (each with the pool sizes below) and requests are routed by model id.
+    /// Default: the fetched default model. With --config the file's `[[models]]` are
+    /// served instead.
+    #[arg(long, env = "TESSERA_MODEL", value_parser = parse_model_arg, conflicts_with = "config")]
+    model: Vec<ModelArg>,
     /// Run one prefill and one decode engine joined by the KV transfer protocol over
     /// the in-process transport (the default).
     #[arg(long, conflicts_with = "colocated")]
@@ -134,6 +139,36 @@ pub(crate) struct ServeArgs {
     log_request_text: bool,
 }
 
+/// One `--model` value: the catalog id and the GGUF file.
+#[derive(Clone, Debug)]
+pub(crate) struct ModelArg {
+    id: String,
+    path: PathBuf,
+}
+
+/// Parses `ID=PATH` or `PATH` (the default model's id). The id must be 1 to 256
+/// bytes without whitespace; the message names `--model` and the value.
+fn parse_model_arg(v: &str) -> Result<ModelArg, String> {
+    let (id, path) = match v.split_once('=') {
+        Some((id, path)) => (id.to_string(), path),
+        None => (DEFAULT_MODEL_ID.to_string(), v),
+    };
+    if id.is_empty() || id.len() > tessera_gateway::MAX_ID_BYTES || id.contains(char::is_whitespace)
+    {
+        return Err(format!(
+            "--model: the model id must be 1 to {} bytes without whitespace (ID=PATH). Given: {v:?}",
+            tessera_gateway::MAX_ID_BYTES
+        ));
+    }
+    if path.is_empty() {
+        return Err(format!("--model: no file after `=`. Given: {v:?}"));
+    }
+    Ok(ModelArg {
+        id,
+        path: path.into(),
+    })
+}
+
 /// The admin token and where it came from: `--admin-token`, `TESSERA_ADMIN_TOKEN`,
 /// `--admin-token-file`, or DATA_DIR/admin-token (created with a fresh token when
 /// absent). Refuses an empty or short token, naming its source. Returns (token,
@@ -205,48 +240,38 @@ async fn serve(a: ServeArgs) -> Result<()> {
         Some(f) => Some(crate::node::remote_deployment(f, a.insecure_node_links)?),
         None => None,
     };
-    let path = match &remote {
-        Some((entry, _, _)) if a.model.is_none() => entry.path.clone(),
-        _ => model_path(a.model.clone())?,
-    };
-    let model = LoadedModel::load(&path).with_context(|| format!("loading {}", path.display()))?;
     let listen = a
         .listen
-        .or(remote.as_ref().map(|(_, _, cfg)| cfg.gateway.listen))
+        .or(remote.as_ref().map(|(_, cfg)| cfg.gateway.listen))
         .unwrap_or_else(|| "127.0.0.1:8787".parse().expect("valid address"));
-    let engine_cfg = |tokens: usize| EngineConfig {
-        kv_pool_tokens: tokens,
-        kv_scrub: a.kv_scrub,
-        ..EngineConfig::default()
+    let served = match remote {
+        Some((models, _)) => {
+            let mut served = Vec::new();
+            for (entry, nodes) in models {
+                let model = load(&entry.path)?;
+                let engine = EngineHandle::connect_remote(&model, nodes);
+                served.push((entry.id, entry.path, model, engine));
+            }
+            served
+        }
+        None => embedded(&a)?,
     };
-    let context = model.llama.config().context;
-    // I2: refuse to start with a pool that cannot hold one full context window.
-    let pools: &[(Role, &str, usize)] = if remote.is_some() {
-        &[] // the nodes check their own pools; the file was checked above
-    } else if a.colocated {
-        &[(Role::Colocated, "colocated", a.kv_pool_tokens)]
-    } else {
-        &[
-            (Role::Prefill, "prefill", a.prefill_kv_pool_tokens),
-            (Role::Decode, "decode", a.kv_pool_tokens),
-        ]
-    };
-    for &(role, name, tokens) in pools {
-        let page = EngineConfig::default().page_size;
-        check_pool_fits(DEFAULT_MODEL_ID, context, role, name, tokens / page * page)
-            .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
-    }
-    let engine = if let Some((_, nodes, _)) = remote {
-        EngineHandle::connect_remote(&model, nodes)
-    } else if a.colocated {
-        EngineHandle::spawn(&model, engine_cfg(a.kv_pool_tokens))
-    } else {
-        EngineHandle::spawn_disaggregated(
-            &model,
-            &[engine_cfg(a.prefill_kv_pool_tokens)],
-            &[engine_cfg(a.kv_pool_tokens)],
-        )
-    };
+    let engine = served[0].3.clone();
+    let first_id = served[0].0.clone();
+    let model_lines: Vec<String> = served
+        .iter()
+        .map(|(id, path, _, e)| {
+            format!(
+                "tessera: serving {id} (context {} tokens) from {}",
+                e.limits().context,
+                path.display()
+            )
+        })
+        .collect();
+    let served: Vec<ServedModel> = served
+        .into_iter()
+        .map(|(id, _, model, engine)| ServedModel::new(&id, model, engine))
+        .collect();
     let store = a.store.open().await?;
     let data_dir = &a.store.data_dir;
     let tls = match (a.tls.as_str(), &a.tls_cert, &a.tls_key) {
@@ -295,7 +320,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
         log_request_text: a.log_request_text,
         ..GatewayConfig::default()
     };
-    let state = AppState::new(store.clone(), model, engine.clone(), &cfg);
+    let state = AppState::with_models(store.clone(), served, &cfg)
+        .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
     let server = Server::bind(&cfg, state).await?;
     let addr = server.local_addr();
     let admin_base = server
@@ -316,11 +342,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
         ),
         None => format!("co-located: KV pool {} tokens", limits.pool_tokens),
     };
-    say!(
-        "tessera: serving {DEFAULT_MODEL_ID} (context {} tokens; {mode}) from {}",
-        limits.context,
-        path.display()
-    );
+    for line in &model_lines {
+        say!("{line}");
+    }
+    say!("tessera: engines: {mode} (per model)");
     say!(
         "tessera: store {} ({})",
         store.backend(),
@@ -370,7 +395,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     say!("");
     say!("Try it:");
     say!(
-        "curl{cacert} {host}/client/v4/accounts/{account}/ai/run/{DEFAULT_MODEL_ID} \\\n  -H \"Authorization: Bearer {key}\" \\\n  -d '{{\"prompt\": \"What is a tessellation?\", \"max_tokens\": 64}}'"
+        "curl{cacert} {host}/client/v4/accounts/{account}/ai/run/{first_id} \\\n  -H \"Authorization: Bearer {key}\" \\\n  -d '{{\"prompt\": \"What is a tessellation?\", \"max_tokens\": 64}}'"
     );
     say!("");
     server
@@ -379,6 +404,84 @@ async fn serve(a: ServeArgs) -> Result<()> {
             eprintln!("tessera: shutting down (draining running requests)");
         })
         .await
+}
+
+fn load(path: &Path) -> Result<LoadedModel> {
+    LoadedModel::load(path).with_context(|| format!("loading {}", path.display()))
+}
+
+/// The `--model` values, or the fetched default model when none is given.
+fn model_args(a: &ServeArgs) -> Result<Vec<ModelArg>> {
+    if !a.model.is_empty() {
+        return Ok(a.model.clone());
+    }
+    Ok(vec![ModelArg {
+        id: DEFAULT_MODEL_ID.into(),
+        path: model_path(None)?,
+    }])
+}
+
+/// The models of `tessera serve` without a deployment file, each loaded and given
+/// its own engines in this process: (id, path, model, engines). Refuses to start
+/// when a pool cannot hold one full context window of a model (I2), naming both.
+fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHandle)>> {
+    let args = model_args(a)?;
+    let engine_cfg = |tokens: usize| EngineConfig {
+        kv_pool_tokens: tokens,
+        kv_scrub: a.kv_scrub,
+        ..EngineConfig::default()
+    };
+    let pools: &[(Role, &str, usize)] = if a.colocated {
+        &[(Role::Colocated, "colocated", a.kv_pool_tokens)]
+    } else {
+        &[
+            (Role::Prefill, "prefill", a.prefill_kv_pool_tokens),
+            (Role::Decode, "decode", a.kv_pool_tokens),
+        ]
+    };
+    // One registry for every model's engines; with several models node names carry
+    // the model's position (`m1-decode-0`).
+    let metrics = std::sync::Arc::new(tessera_serving::NodeMetrics::new());
+    let mut out = Vec::new();
+    for (i, m) in args.iter().enumerate() {
+        if out
+            .iter()
+            .any(|(id, ..): &(String, _, _, _)| id.eq_ignore_ascii_case(&m.id))
+        {
+            anyhow::bail!("--model: model id {} is given twice", m.id);
+        }
+        let model = load(&m.path)?;
+        let context = model.llama.config().context;
+        // I2: refuse to start with a pool that cannot hold one full context window.
+        for &(role, name, tokens) in pools {
+            let page = EngineConfig::default().page_size;
+            check_pool_fits(&m.id, context, role, name, tokens / page * page)
+                .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+        }
+        let prefix = if args.len() > 1 {
+            format!("m{i}-")
+        } else {
+            String::new()
+        };
+        let engine = if a.colocated {
+            EngineHandle::spawn_in(
+                &model,
+                engine_cfg(a.kv_pool_tokens),
+                metrics.clone(),
+                &prefix,
+            )
+        } else {
+            EngineHandle::spawn_disaggregated_in(
+                &model,
+                &[engine_cfg(a.prefill_kv_pool_tokens)],
+                &[engine_cfg(a.kv_pool_tokens)],
+                metrics.clone(),
+                &prefix,
+            )
+        };
+        out.push((m.id.clone(), m.path.clone(), model, engine));
+    }
+    Ok(out)
 }
 
 /// Ctrl-C, or SIGTERM (what service managers and Kubernetes send). The handlers are
@@ -412,7 +515,8 @@ fn device_check(a: &ServeArgs) -> Result<()> {
     if a.config.is_some() {
         anyhow::bail!("--device cuda: with --config the nodes compute (`tessera node --device cuda`), not the gateway");
     }
-    let models = [(DEFAULT_MODEL_ID.to_string(), model_path(a.model.clone())?)];
+    let models: Vec<(String, PathBuf)> =
+        model_args(a)?.into_iter().map(|m| (m.id, m.path)).collect();
     let engines: &[(Role, &str)] = if a.colocated {
         &[(Role::Colocated, "colocated")]
     } else {

@@ -278,6 +278,11 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// The fingerprint of the engine's model ([`Llama::fingerprint`], 32 bytes).
+    pub fn model_fingerprint(&self) -> [u8; 32] {
+        self.model_fp
+    }
+
     /// Builds an engine with a pool of `cfg.kv_pool_tokens / cfg.page_size` pages.
     pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Self {
         let layout = model.config().kv_layout(cfg.page_size);

@@ -254,7 +254,7 @@ async fn json_body(state: &AppState, req: Request) -> Result<Value, ApiError> {
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     let body = s
         .metrics
-        .render_with(s.engine.stats(), s.inflight(), s.engine.node_metrics());
+        .render_with(s.engine_stats(), s.inflight(), s.engine.node_metrics());
     (
         [(
             "content-type",

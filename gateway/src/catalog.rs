@@ -16,25 +16,51 @@ pub struct CatalogEntry {
     pub context_window: usize,
 }
 
-/// The models this gateway serves (one engine per entry; today exactly one).
+impl CatalogEntry {
+    /// A text-generation model `id` with a `context_window`-token window.
+    pub fn new(id: &str, context_window: usize) -> Self {
+        let description = if id == tessera_model::gguf::DEFAULT_MODEL_ID {
+            "SmolLM2-135M-Instruct (Hugging Face TB), GGUF Q4_1, served by the Tessera CPU \
+             runtime"
+                .to_string()
+        } else {
+            format!("{id}, served by the Tessera CPU runtime")
+        };
+        Self {
+            id: id.into(),
+            task: "Text Generation".into(),
+            description,
+            context_window,
+        }
+    }
+}
+
+/// The models this gateway serves (one set of engines per entry).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Catalog {
     entries: Vec<CatalogEntry>,
 }
 
 impl Catalog {
-    /// A catalog with the default model and the given context window.
+    /// A catalog with one model and the given context window.
     pub fn single(id: &str, context_window: usize) -> Self {
         Self {
-            entries: vec![CatalogEntry {
-                id: id.into(),
-                task: "Text Generation".into(),
-                description: "SmolLM2-135M-Instruct (Hugging Face TB), GGUF Q4_1, served by the \
-                              Tessera CPU runtime"
-                    .into(),
-                context_window,
-            }],
+            entries: vec![CatalogEntry::new(id, context_window)],
         }
+    }
+
+    /// A catalog of `entries`, in that order.
+    ///
+    /// Errors: two entries whose ids are equal ignoring case (requests resolve ids
+    /// case-insensitively), naming the id.
+    pub fn new(entries: Vec<CatalogEntry>) -> Result<Self, String> {
+        let mut seen = std::collections::HashSet::new();
+        for e in &entries {
+            if !seen.insert(e.id.to_ascii_lowercase()) {
+                return Err(format!("model id {} is served twice", e.id));
+            }
+        }
+        Ok(Self { entries })
     }
 
     /// All entries.

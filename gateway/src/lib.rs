@@ -53,5 +53,7 @@ mod workers_ai;
 pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES};
 pub use error::{ApiError, ErrorKind};
 pub use server::Server;
-pub use state::{AppState, ConnLimits, Deadlines, GatewayConfig, UsageConfig, MAX_ID_BYTES};
+pub use state::{
+    AppState, ConnLimits, Deadlines, GatewayConfig, ServedModel, UsageConfig, MAX_ID_BYTES,
+};
 pub use tls::TlsMode;

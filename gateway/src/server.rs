@@ -151,11 +151,19 @@ async fn generate_in_span(
             return ctx.fail(&state, e).await;
         }
     };
+    // Routing: the model id (or an alias) names the one set of engines that serves
+    // it; its own tokenizer, chat template and limits validate the request.
+    let Some(served) = state.served(&parsed.model) else {
+        drop(validation);
+        return ctx
+            .fail(&state, validation::no_such_model(&parsed.model))
+            .await;
+    };
     let v: Validated = match validation::validate(
         parsed,
         &state.catalog,
-        &state.model,
-        state.engine.limits(),
+        &served.model,
+        served.engine.limits(),
         &tenant_context(tenant),
     ) {
         Ok(v) => v,
@@ -168,7 +176,7 @@ async fn generate_in_span(
     ctx.model = v.model.id.clone();
     span.record("model", ctx.model.as_str());
     if state.log_request_text {
-        ctx.prompt_text = Some(state.model.tokenizer.decode(&v.request.prompt, false));
+        ctx.prompt_text = Some(served.model.tokenizer.decode(&v.request.prompt, false));
     }
     let prompt_tokens = v.request.prompt.len();
     if state.limiter.needs_daily(&tenant.id, tenant.limits) {
@@ -194,7 +202,7 @@ async fn generate_in_span(
     };
     // The backend re-checks I1 against its own pool.
     let affinity = session_affinity(&parts.headers, &tenant.id);
-    let events = match state
+    let events = match served
         .engine
         .submit_with_affinity(v.request.clone(), affinity)
     {
@@ -402,6 +410,9 @@ async fn healthz() -> &'static str {
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if !state.store.ping().await {
         (StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n").into_response()
+    } else if let Some(m) = state.models.iter().find(|m| !m.engine.ready()) {
+        let msg = format!("no prefill or decode node of {} reachable\n", m.entry.id);
+        (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
     } else if !state.engine.ready() {
         (
             StatusCode::SERVICE_UNAVAILABLE,

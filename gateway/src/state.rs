@@ -3,7 +3,7 @@
 //! ([`GatewayConfig`], [`Deadlines`], [`UsageConfig`], [`ConnLimits`]) and the
 //! length limit on ids. Every other module takes these from here.
 
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, CatalogEntry};
 use crate::error::{ApiError, Flavor};
 use crate::live::Live;
 use crate::tls::TlsMode;
@@ -156,15 +156,42 @@ impl Default for GatewayConfig {
     }
 }
 
+/// One model this gateway serves: its catalog entry, the loaded file (tokenizer,
+/// chat template, limits) and the engines (a cluster of prefill and decode nodes, or
+/// one co-located engine) that serve it and no other model.
+#[derive(Clone)]
+pub struct ServedModel {
+    /// Catalog entry (id, metadata).
+    pub entry: CatalogEntry,
+    /// The model file as loaded (tokenizer, chat template, hyperparameters).
+    pub model: LoadedModel,
+    /// The engines serving it: requests for this model go here and nowhere else.
+    pub engine: EngineHandle,
+}
+
+impl ServedModel {
+    /// Model `id` served by `engine`; the catalog entry's context window is the
+    /// engine's.
+    pub fn new(id: &str, model: LoadedModel, engine: EngineHandle) -> Self {
+        Self {
+            entry: CatalogEntry::new(id, engine.limits().context),
+            model,
+            engine,
+        }
+    }
+}
+
 /// Everything a request needs; one per process, shared by `Arc`.
 pub struct AppState {
     /// Tenancy store.
     pub store: Store,
-    /// The engine.
+    /// The first served model's engines (see [`AppState::models`] for every model).
     pub engine: EngineHandle,
-    /// The model (tokenizer, chat template).
+    /// The first served model's file (see [`AppState::models`]).
     pub model: LoadedModel,
-    /// Served models.
+    /// Served models, each with its own engines, in catalog order.
+    pub models: Vec<ServedModel>,
+    /// Served models' catalog (ids, aliases, metadata).
     pub catalog: Catalog,
     /// Per-tenant limits.
     pub limiter: Limiter,
@@ -203,19 +230,34 @@ impl std::fmt::Debug for AppState {
 }
 
 impl AppState {
-    /// State for one model served by `engine`.
+    /// State for one model (the default model's id) served by `engine`.
     pub fn new(
         store: Store,
         model: LoadedModel,
         engine: EngineHandle,
         cfg: &GatewayConfig,
     ) -> Arc<Self> {
-        let context = engine.limits().context;
-        Arc::new(Self {
+        let served = ServedModel::new(tessera_model::gguf::DEFAULT_MODEL_ID, model, engine);
+        Self::with_models(store, vec![served], cfg).expect("one model is a valid catalog")
+    }
+
+    /// State for `models`, each served by its own engines; a request is routed by
+    /// its model id (or an alias) to that model's engines only.
+    ///
+    /// Errors: no models, or two entries sharing an id or alias (the message names it).
+    pub fn with_models(
+        store: Store,
+        models: Vec<ServedModel>,
+        cfg: &GatewayConfig,
+    ) -> Result<Arc<Self>, String> {
+        let catalog = Catalog::new(models.iter().map(|m| m.entry.clone()).collect())?;
+        let first = models.first().ok_or("a gateway needs at least one model")?;
+        let ids: Vec<&str> = models.iter().map(|m| m.entry.id.as_str()).collect();
+        Ok(Arc::new(Self {
             store,
-            engine,
-            model,
-            catalog: Catalog::single(tessera_model::gguf::DEFAULT_MODEL_ID, context),
+            engine: first.engine.clone(),
+            model: first.model.clone(),
+            catalog,
             limiter: Limiter::new(),
             admin_token: cfg.admin_token.clone(),
             metrics_token: cfg.metrics_token.clone(),
@@ -225,16 +267,28 @@ impl AppState {
             usage: cfg.usage,
             drain_timeout: cfg.drain_timeout,
             log_request_text: cfg.log_request_text,
-            metrics: crate::metrics::Metrics::new(
-                &[tessera_model::gguf::DEFAULT_MODEL_ID],
-                cfg.metrics_top_tenants,
-            ),
+            metrics: crate::metrics::Metrics::new(&ids, cfg.metrics_top_tenants),
             live: Arc::new(Live::default()),
             revocation_poll: cfg.revocation_poll,
             abort_all: watch::channel(false).0,
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
-        })
+            models,
+        }))
+    }
+
+    /// The served model a request for `id` (a catalog id or alias, any case) goes to.
+    pub fn served(&self, id: &str) -> Option<&ServedModel> {
+        let entry = self.catalog.get(id)?;
+        self.models.iter().find(|m| m.entry.id == entry.id)
+    }
+
+    /// Counters summed over every model's engines.
+    pub fn engine_stats(&self) -> tessera_serving::EngineStats {
+        self.models
+            .iter()
+            .map(|m| m.engine.stats())
+            .fold(Default::default(), tessera_serving::EngineStats::sum)
     }
 
     /// Requests in flight (admitted, usage row not yet written).

@@ -459,6 +459,13 @@ pub fn openai_completion(o: &Map<String, Value>) -> Result<ParsedRequest, ApiErr
     openai_common(o, Input::Prompt { text, chat: false })
 }
 
+/// The 404 for a model id the catalog does not have (Workers AI code 5007).
+pub fn no_such_model(id: &str) -> ApiError {
+    let mut e = ApiError::new(ErrorKind::NoSuchModel, format!("No such model {id}"));
+    e.param = Some("model".into());
+    e
+}
+
 /// Maps an engine admission rejection to the client error.
 pub fn rejection(r: &Rejection) -> ApiError {
     match r {
@@ -488,11 +495,10 @@ pub fn validate(
     limits: AdmissionLimits,
     tenant: &TenantContext,
 ) -> Result<Validated, ApiError> {
-    let entry = catalog.get(&p.model).cloned().ok_or_else(|| {
-        let mut e = ApiError::new(ErrorKind::NoSuchModel, format!("No such model {}", p.model));
-        e.param = Some("model".into());
-        e
-    })?;
+    let entry = catalog
+        .get(&p.model)
+        .cloned()
+        .ok_or_else(|| no_such_model(&p.model))?;
     // Chat input: control tokens only where the template put them (message
     // contents are plain text, so they cannot open new turns).
     let prompt = match &p.input {

@@ -254,19 +254,56 @@ impl PdCluster {
     ///
     /// Panics if either list is empty.
     pub fn spawn(model: &LoadedModel, prefill: &[EngineConfig], decode: &[EngineConfig]) -> Self {
+        Self::spawn_in(model, prefill, decode, Arc::new(NodeMetrics::new()), "")
+    }
+
+    /// [`Self::spawn`] publishing into `metrics` (shared by every model's engines of
+    /// a process) under node names `{prefix}prefill-N` and `{prefix}decode-N`.
+    pub fn spawn_in(
+        model: &LoadedModel,
+        prefill: &[EngineConfig],
+        decode: &[EngineConfig],
+        metrics: Arc<NodeMetrics>,
+        prefix: &str,
+    ) -> Self {
+        let with = |cfgs: &[EngineConfig]| -> Vec<(LoadedModel, EngineConfig)> {
+            cfgs.iter().map(|c| (model.clone(), c.clone())).collect()
+        };
+        Self::spawn_nodes(&with(prefill), &with(decode), metrics, prefix)
+    }
+
+    /// [`Self::spawn`] with each engine's own model. A deployment never mixes models
+    /// in one cluster (one cluster per model behind the gateway); tests use this to
+    /// plant a transfer between engines of different models, which the decode node
+    /// must refuse at the commit (the model fingerprints differ).
+    ///
+    /// Panics if either list is empty.
+    #[doc(hidden)]
+    pub fn spawn_models(
+        prefill: &[(LoadedModel, EngineConfig)],
+        decode: &[(LoadedModel, EngineConfig)],
+    ) -> Self {
+        Self::spawn_nodes(prefill, decode, Arc::new(NodeMetrics::new()), "")
+    }
+
+    fn spawn_nodes(
+        prefill: &[(LoadedModel, EngineConfig)],
+        decode: &[(LoadedModel, EngineConfig)],
+        metrics: Arc<NodeMetrics>,
+        prefix: &str,
+    ) -> Self {
         assert!(!prefill.is_empty() && !decode.is_empty());
         let (coord_tx, coord_rx) = mpsc::channel();
-        let engine = |cfg: &EngineConfig| {
+        let engine = |(model, cfg): &(LoadedModel, EngineConfig)| {
             Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg.clone())
         };
         let mut decode_parts = Vec::new();
         let mut prefill_parts = Vec::new();
-        let metrics = Arc::new(NodeMetrics::new());
         let decode_metrics: Vec<NodeHandles> = (0..decode.len())
-            .map(|i| metrics.node(&format!("decode-{i}"), "decode"))
+            .map(|i| metrics.node(&format!("{prefix}decode-{i}"), "decode"))
             .collect();
         let prefill_metrics: Vec<NodeHandles> = (0..prefill.len())
-            .map(|i| metrics.node(&format!("prefill-{i}"), "prefill"))
+            .map(|i| metrics.node(&format!("{prefix}prefill-{i}"), "prefill"))
             .collect();
         let nodes = Arc::new({
             let decode_slots = decode
@@ -322,7 +359,8 @@ impl PdCluster {
                 nodes: nodes.clone(),
                 index: i,
             });
-            let node = PrefillLoop::new(links, self_tx, nodes.prefill_metrics[i].clone());
+            let fp = e.model_fingerprint();
+            let node = PrefillLoop::new(links, self_tx, nodes.prefill_metrics[i].clone(), fp);
             let t = spawn_node(
                 format!("tessera-prefill-{i}"),
                 e,

@@ -9,6 +9,7 @@
 //! as soon as the protocol's record is terminal.
 
 use crate::error::refusal;
+use crate::link_security::short_fingerprint;
 use crate::links::{settle, CommitExtra, ExpiryClock, PdCounters, ReplyTo, WriterLink};
 use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
@@ -186,6 +187,19 @@ impl DecodeEnv for EngineEnv<'_> {
         _pages: &[DestPage],
     ) -> Result<(), FailReason> {
         let internal = |m: String| FailReason::new(FailKind::Internal, m);
+        if let Some(theirs) = self.commit.model {
+            let mine = self.engine.model_fingerprint();
+            if theirs != mine {
+                return Err(FailReason::new(
+                    FailKind::Integrity,
+                    format!(
+                        "the commit's KV was computed by another model (fingerprint {}) than this node serves ({})",
+                        short_fingerprint(&theirs),
+                        short_fingerprint(&mine)
+                    ),
+                ));
+            }
+        }
         let vocab = self.engine.limits().vocab;
         if first_token as usize >= vocab {
             return Err(FailReason::new(

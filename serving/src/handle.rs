@@ -58,10 +58,20 @@ impl EngineHandle {
     /// Starts the engine thread. It exits once every handle is dropped and the
     /// requests it already accepted have finished.
     pub fn spawn(model: &LoadedModel, cfg: EngineConfig) -> Self {
+        Self::spawn_in(model, cfg, Arc::new(NodeMetrics::new()), "")
+    }
+
+    /// [`Self::spawn`] publishing into `metrics` (shared by every model's engines of
+    /// a process) as node `{prefix}colocated-0`.
+    pub fn spawn_in(
+        model: &LoadedModel,
+        cfg: EngineConfig,
+        metrics: Arc<NodeMetrics>,
+        prefix: &str,
+    ) -> Self {
         let mut engine = Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg);
         let limits = engine.limits();
-        let metrics = Arc::new(NodeMetrics::new());
-        let handles = metrics.node("colocated-0", "colocated");
+        let handles = metrics.node(&format!("{prefix}colocated-0"), "colocated");
         engine.set_metrics(handles.engine_metrics());
         let shared = Arc::new(Shared::with_metrics(handles));
         shared.publish(&engine, 0);
@@ -89,6 +99,30 @@ impl EngineHandle {
     ) -> Self {
         Self {
             inner: Inner::Disaggregated(Arc::new(PdCluster::spawn(model, prefill, decode))),
+        }
+    }
+
+    /// [`Self::spawn_disaggregated`] publishing into `metrics` (shared by every
+    /// model's engines of a process) under node names `{prefix}prefill-N`,
+    /// `{prefix}decode-N` ([`PdCluster::spawn_in`]).
+    pub fn spawn_disaggregated_in(
+        model: &LoadedModel,
+        prefill: &[EngineConfig],
+        decode: &[EngineConfig],
+        metrics: Arc<NodeMetrics>,
+        prefix: &str,
+    ) -> Self {
+        let c = PdCluster::spawn_in(model, prefill, decode, metrics, prefix);
+        Self {
+            inner: Inner::Disaggregated(Arc::new(c)),
+        }
+    }
+
+    /// A handle on a cluster built elsewhere (tests: [`PdCluster::spawn_models`]).
+    #[doc(hidden)]
+    pub fn from_cluster(cluster: PdCluster) -> Self {
+        Self {
+            inner: Inner::Disaggregated(Arc::new(cluster)),
         }
     }
 

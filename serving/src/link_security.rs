@@ -93,8 +93,13 @@ struct Inner {
     /// The gateway identity's name.
     gateway: String,
     /// Identity names of the prefill nodes the file lists, each with the node's
-    /// address (its name as a request's writer).
+    /// address (its name as a request's writer). For a decode node, only the prefill
+    /// nodes of pools that serve a model its own pool serves.
     prefill: HashMap<String, String>,
+    /// The fingerprint (64 hex digits, [`tessera_model::llama::Llama::fingerprint`])
+    /// of the model this process's links serve ([`NodeLinks::for_model`]): said in
+    /// `Hello` and `Welcome`, and a peer that says another one is refused.
+    model: Option<String>,
 }
 
 /// How this process's node links authenticate, and their timings. Cheap to clone.
@@ -164,11 +169,37 @@ impl NodeLinks {
             }
             (Some(_), false) => Some(tls_configs(&links.load(me)?)?),
         };
+        // A decode node takes writers only from prefill pools that share a model
+        // with its own pool (KV of one model never lands in another's pages).
+        let my_models: Option<Vec<&str>> = match me {
+            LinkIdentity::Node {
+                role: PoolRole::Decode,
+                address,
+            } => cfg
+                .pools
+                .iter()
+                .find(|p| p.role == PoolRole::Decode && p.nodes.contains(address))
+                .map(|p| cfg.models_served_by(p).map(|m| m.id.as_str()).collect()),
+            _ => None,
+        };
+        let shares_model = |address: &str| {
+            my_models.as_ref().is_none_or(|mine| {
+                cfg.pools
+                    .iter()
+                    .filter(|p| p.nodes.iter().any(|n| n == address))
+                    .any(|p| {
+                        cfg.models_served_by(p)
+                            .any(|m| mine.contains(&m.id.as_str()))
+                    })
+            })
+        };
         let names = |role: PoolRole| -> HashMap<String, String> {
             cfg.link_identities()
                 .into_iter()
                 .filter_map(|i| match &i {
-                    LinkIdentity::Node { role: r, address } if *r == role => {
+                    LinkIdentity::Node { role: r, address }
+                        if *r == role && shares_model(address) =>
+                    {
                         i.name().ok().map(|n| (n, address.clone()))
                     }
                     _ => None,
@@ -186,7 +217,36 @@ impl NodeLinks {
                 .name()
                 .expect("the gateway identity always has a name"),
             prefill: names(PoolRole::Prefill),
+            model: None,
         })))
+    }
+
+    /// The same links for a process (or, at a gateway, a cluster) serving the model
+    /// with `fingerprint` ([`tessera_model::llama::Llama::fingerprint`], 32 bytes):
+    /// its links say so in `Hello` and `Welcome` and refuse a peer that names
+    /// another model.
+    pub fn for_model(self, fingerprint: [u8; 32]) -> Self {
+        let mut inner = (*self.0).clone();
+        inner.model = Some(fingerprint_hex(&fingerprint));
+        Self(Arc::new(inner))
+    }
+
+    /// The model fingerprint these links serve (hex), if set.
+    pub(crate) fn model(&self) -> Option<String> {
+        self.0.model.clone()
+    }
+
+    /// Refuses a peer that serves another model than these links: `theirs` is the
+    /// fingerprint the peer said (`None`: a peer that says nothing, accepted).
+    pub(crate) fn check_model(&self, theirs: Option<&str>) -> Result<(), String> {
+        match (&self.0.model, theirs) {
+            (Some(mine), Some(theirs)) if mine != theirs => Err(format!(
+                "it serves model {}, this end serves model {} (KV never moves between models)",
+                short(theirs),
+                short(mine)
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The same links with a header cap that fits the control frames of a model with a
@@ -262,10 +322,12 @@ impl NodeLinks {
         Ok((Box::new(r), Box::new(w), cert))
     }
 
-    /// Whether a peer with `cert` may open a link saying `Hello{from}` to a node of
-    /// role `me`: a coordinator only with the gateway identity, a prefill node (to a
-    /// decode node only) only with the identity of a prefill node the file lists.
-    /// Plain links check only the roles. Returns, for a prefill peer on a TLS link,
+    /// Whether a peer with `cert` may open a link saying `Hello{from, model}` to a
+    /// node of role `me`: never when it names another model than this node's
+    /// ([`Self::check_model`]); a coordinator only with the gateway identity, a prefill
+    /// node (to a decode node only) only with the identity of a prefill node the file
+    /// lists for a pool sharing a model with this node's. Plain links check only the
+    /// roles and the model. Returns, for a prefill peer on a TLS link,
     /// the address its certificate proves (the node's name as a request's writer).
     ///
     /// Errors: why not, for the node's log.
@@ -274,7 +336,9 @@ impl NodeLinks {
         cert: &PeerCert,
         from: Role,
         me: Role,
+        model: Option<&str>,
     ) -> Result<Option<String>, String> {
+        self.check_model(model)?;
         let allowed: Vec<(&String, Option<&String>)> = match (from, me) {
             (Role::Coordinator, _) => vec![(&self.0.gateway, None)],
             (Role::Prefill, Role::Decode) => {
@@ -305,6 +369,37 @@ impl NodeLinks {
             ))
         }
     }
+}
+
+/// A model fingerprint as 64 lowercase hex digits (how links and commits carry it).
+pub(crate) fn fingerprint_hex(fp: &[u8; 32]) -> String {
+    fp.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A fingerprint from 64 hex digits; anything else gives all zeros (which no model
+/// has, so the comparison fails).
+pub(crate) fn parse_fingerprint(hex: &str) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    if hex.len() != 64 {
+        return out;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        match u8::from_str_radix(hex.get(2 * i..2 * i + 2).unwrap_or("zz"), 16) {
+            Ok(b) => *o = b,
+            Err(_) => return [0; 32],
+        }
+    }
+    out
+}
+
+/// The first 12 hex digits of a fingerprint, for messages.
+pub(crate) fn short_fingerprint(fp: &[u8; 32]) -> String {
+    fingerprint_hex(fp)[..12].to_string()
+}
+
+/// [`short_fingerprint`] of a hex fingerprint.
+fn short(hex: &str) -> &str {
+    hex.get(..12).unwrap_or(hex)
 }
 
 /// rustls configurations for one identity: a server that requires client

@@ -20,12 +20,15 @@ pub(crate) trait Reply: Send + Sync {
 pub(crate) type ReplyTo = Arc<dyn Reply>;
 
 /// What travels from a prefill node to a decode node beside a `Commit` (the protocol
-/// leaves it out): the sampler position after the first token, and how many prompt
-/// tokens the prefill node took from its prefix cache (for the request's usage).
+/// leaves it out): the sampler position after the first token, how many prompt
+/// tokens the prefill node took from its prefix cache (for the request's usage), and
+/// the fingerprint of the model that computed the KV (a decode node serving another
+/// model fails the commit; `None` from a peer that does not say).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct CommitExtra {
     pub(crate) rng_pos: u128,
     pub(crate) cached_tokens: usize,
+    pub(crate) model: Option<[u8; 32]>,
 }
 
 /// A link a node can cut when its peer breaks the protocol.

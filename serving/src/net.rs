@@ -102,6 +102,10 @@ pub(crate) enum Frame {
         from: Role,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         name: Option<String>,
+        /// The fingerprint (hex) of the model the caller serves; a node serving
+        /// another model refuses the link (absent: not checked).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        model: Option<String>,
     },
     /// A node's answer to an accepted `Hello`.
     Welcome {
@@ -114,6 +118,10 @@ pub(crate) enum Frame {
         /// The node is draining: route no new requests to it.
         #[serde(default)]
         draining: bool,
+        /// The fingerprint (hex) of the model the node serves; a dialer serving
+        /// another model drops the link.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        model: Option<String>,
     },
     /// A protocol message, with what the protocol leaves out.
     Control(Control),
@@ -155,6 +163,10 @@ pub(crate) struct Control {
     /// gateway exports traces), so the node's spans join the request's trace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) trace: Option<String>,
+    /// The fingerprint (hex) of the model that computed the committed KV (`Commit`);
+    /// a decode node serving another model fails the commit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) model: Option<String>,
 }
 
 impl Control {
@@ -168,6 +180,7 @@ impl Control {
             cached_tokens: None,
             prefill: None,
             trace: None,
+            model: None,
         }
     }
 }
@@ -629,7 +642,8 @@ pub(crate) async fn open_link(
         },
         s.dead_after,
     );
-    if !conn.try_send(&Frame::Hello { from, name }, &[]) {
+    let model = links.model();
+    if !conn.try_send(&Frame::Hello { from, name, model }, &[]) {
         return Err(io::Error::other("the connection closed before hello"));
     }
     let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, reader.next()).await;
@@ -643,17 +657,21 @@ pub(crate) async fn open_link(
                 incarnation,
                 ucx,
                 draining,
+                model,
             },
             _,
-        ))) => Ok((
-            conn.clone(),
-            Welcome {
-                incarnation,
-                ucx,
-                draining,
-            },
-            reader,
-        )),
+        ))) => match links.check_model(model.as_deref()) {
+            Err(why) => fail(format!("{addr}: {why}")),
+            Ok(()) => Ok((
+                conn.clone(),
+                Welcome {
+                    incarnation,
+                    ucx,
+                    draining,
+                },
+                reader,
+            )),
+        },
         Ok(Ok((f, _))) => fail(format!("{addr} answered hello with a {} frame", f.kind())),
         Ok(Err(e)) => fail(format!("{addr} did not welcome us ({e})")),
         Err(_) => fail(format!("{addr} did not answer hello in time")),

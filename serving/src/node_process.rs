@@ -15,7 +15,7 @@
 //! finish until the drain deadline, ends the rest with an error, and exits 0.
 
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
-use crate::link_security::{node_name, NodeLinks};
+use crate::link_security::{fingerprint_hex, node_name, parse_fingerprint, NodeLinks};
 use crate::links::{CommitExtra, PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
 use crate::metrics::{serve_metrics, NodeMetrics};
 use crate::net::{
@@ -432,7 +432,8 @@ pub fn run_node_process(
                 registry: registry.clone(),
                 counters: counters.clone(),
             });
-            let node = PrefillLoop::new(peer_links, tx.clone(), handles.clone());
+            let fp = engine.model_fingerprint();
+            let node = PrefillLoop::new(peer_links, tx.clone(), handles.clone(), fp);
             spawn_engine(
                 engine,
                 node,
@@ -580,8 +581,8 @@ impl NodeState {
             page_bytes: None,
         };
         let mut reader = FrameReader::new(r, limits, s.dead_after);
-        let (from, hello_name) = match reader.next_on(&conn).await {
-            Ok((Frame::Hello { from, name }, _)) => (from, name),
+        let (from, hello_name, hello_model) = match reader.next_on(&conn).await {
+            Ok((Frame::Hello { from, name, model }, _)) => (from, name, model),
             Ok((f, _)) => {
                 let end = LinkEnd::Violation(format!("a {} frame before hello", f.kind()));
                 end.note(&peer, &self.counters);
@@ -594,7 +595,10 @@ impl NodeState {
                 return;
             }
         };
-        let proven = match self.links.authorize(&cert, from, self.role) {
+        let proven = match self
+            .links
+            .authorize(&cert, from, self.role, hello_model.as_deref())
+        {
             Ok(address) => address,
             Err(why) => {
                 self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
@@ -625,6 +629,7 @@ impl NodeState {
                     .then(|| self.region.clone())
                     .flatten(),
                 draining: self.draining(),
+                model: self.links.model(),
             },
             &[],
         );
@@ -771,6 +776,7 @@ impl NodeState {
                     msg,
                     rng_pos,
                     cached_tokens,
+                    model,
                     ..
                 }),
                 NodeCmds::Decode(tx),
@@ -790,6 +796,7 @@ impl NodeState {
                     extra: CommitExtra {
                         rng_pos: rng_pos.unwrap_or(0),
                         cached_tokens: cached_tokens.unwrap_or(0),
+                        model: model.as_deref().map(parse_fingerprint),
                     },
                     from: link.writer.clone(),
                 })
@@ -1194,6 +1201,7 @@ impl PrefillLinks for PeerLinks {
                 &Frame::Control(Control {
                     rng_pos: Some(extra.rng_pos),
                     cached_tokens: Some(extra.cached_tokens),
+                    model: extra.model.map(|m| fingerprint_hex(&m)),
                     ..Control::new(msg)
                 }),
                 &[],

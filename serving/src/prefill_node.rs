@@ -329,17 +329,22 @@ pub(crate) struct PrefillLoop {
     crashed: bool,
     last_renew: std::time::Instant,
     clock: ExpiryClock,
+    /// The fingerprint of the model this node computes with (sent with each commit).
+    model: [u8; 32],
 }
 
 impl PrefillLoop {
     /// A prefill node's loop; `self_tx` is its own command queue (transfer workers
-    /// report through it); transfers count into `metrics`.
+    /// report through it); transfers count into `metrics`; `model` is its engine's
+    /// model fingerprint.
     pub(crate) fn new(
         links: Arc<dyn PrefillLinks>,
         self_tx: mpsc::Sender<PrefillCmd>,
         metrics: NodeHandles,
+        model: [u8; 32],
     ) -> Self {
         Self {
+            model,
             proto: PrefillNode::new(),
             records: HashMap::new(),
             io: NodeIo {
@@ -404,6 +409,7 @@ impl PrefillLoop {
                     let extra = CommitExtra {
                         rng_pos: r.first.map_or(0, |f| f.rng_word_pos),
                         cached_tokens: r.cached_tokens,
+                        model: Some(self.model),
                     };
                     let duplicate = r.fault == Some(TransferFault::DuplicateCommit)
                         && matches!(msg, Msg::Commit { .. });

@@ -259,7 +259,8 @@ pub struct RemoteNodes {
 
 impl RemoteCluster {
     /// Starts the coordinator and connects to every node (nodes that are not up
-    /// yet are retried in the background).
+    /// yet are retried in the background). Every node must serve `model`: links
+    /// carry its fingerprint, and a node of another model is never connected.
     pub fn connect(model: &LoadedModel, nodes: RemoteNodes) -> Self {
         let cfg = model.llama.config();
         let (tx, rx) = mpsc::channel();
@@ -277,7 +278,13 @@ impl RemoteCluster {
             streams: Mutex::new(HashMap::new()),
             router: Router::new(nodes.prefill.len(), nodes.decode.len()),
             coord: tx,
-            links: nodes.links.clone().with_context(cfg.context),
+            // Links that name this model: a node serving another one refuses them
+            // (and the gateway drops a node that welcomes it as another model).
+            links: nodes
+                .links
+                .clone()
+                .with_context(cfg.context)
+                .for_model(model.llama.fingerprint()),
             counters: Arc::new(PdCounters::default()),
         });
         let all: Vec<(Role, usize)> = (0..links.prefill.len())

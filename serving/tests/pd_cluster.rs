@@ -559,6 +559,43 @@ fn a_commit_with_a_first_token_outside_the_vocabulary_fails_only_that_request() 
     assert_eq!(collect(&mut h.submit(req).unwrap()), alone);
 }
 
+/// KV never moves between models: a cluster whose prefill engine runs one model and
+/// whose decode engine runs another of the same shape (so the pages have the same
+/// layout and bytes would fit; no deployment builds one, the test plants it) has the
+/// decode node refuse the commit (the model fingerprints differ): no token is decoded
+/// from the foreign KV, the request ends with an integrity error and both pools are
+/// full again. The same pair with one model on both sides serves its solo answer.
+#[test]
+fn a_commit_of_kv_computed_by_another_model_is_refused() {
+    use tessera_model::gguf_write::{requantize, Variant};
+    use tessera_serving::cluster::PdCluster;
+    let a = load();
+    let path = std::env::temp_dir().join(format!("tessera-q4_0-{}.gguf", std::process::id()));
+    let q4_0 = Variant::named("q4_0").unwrap().format;
+    requantize(&model_path(), &path, q4_0).unwrap();
+    let b = LoadedModel::load(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(a.config().kv_layout(16), b.config().kv_layout(16));
+    let mixed = EngineHandle::from_cluster(PdCluster::spawn_models(
+        &[(a.clone(), cfg(4096))],
+        &[(b.clone(), cfg(4096))],
+    ));
+    let req = greedy(chat_prompt(&a, "What is the capital of France?"), 8);
+    let o = collect(&mut mixed.submit(req.clone()).unwrap());
+    assert!(o.ids.is_empty(), "{o:?}");
+    let e = serve_error(&o, ServeErrorKind::Integrity);
+    assert!(e.contains("another model"), "{e}");
+    assert_pools_full(&mixed);
+    let same = EngineHandle::from_cluster(PdCluster::spawn_models(
+        &[(b.clone(), cfg(4096))],
+        &[(b.clone(), cfg(4096))],
+    ));
+    assert_eq!(
+        collect(&mut same.submit(req.clone()).unwrap()),
+        solo(&b, req)
+    );
+}
+
 /// Page writes replayed into a request that is already decoding (its commit was
 /// verified) are a protocol violation: they are never applied, and the request fails
 /// with an integrity error rather than decode from pages its writer touched after

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_gateway::{AppState, GatewayConfig, Server, TlsMode};
+use tessera_gateway::{AppState, GatewayConfig, ServedModel, Server, TlsMode};
 use tessera_model::LoadedModel;
 use tessera_serving::EngineConfig;
 use tessera_serving::EngineHandle;
@@ -71,15 +71,11 @@ pub async fn start_pd(cfg: GatewayConfig) -> TestServer {
 }
 
 async fn start_full(
-    mut cfg: GatewayConfig,
+    cfg: GatewayConfig,
     url: Option<String>,
     ecfg: EngineConfig,
     pd: bool,
 ) -> TestServer {
-    let dir = tempfile::tempdir().unwrap();
-    let url =
-        url.unwrap_or_else(|| format!("sqlite://{}", dir.path().join("tessera.db").display()));
-    let store = Store::connect(&url).await.unwrap();
     let model = LoadedModel::load(&model_path()).expect("model (run `tessera model fetch`)");
     let engine = if pd {
         EngineHandle::spawn_disaggregated(
@@ -90,6 +86,24 @@ async fn start_full(
     } else {
         EngineHandle::spawn(&model, ecfg)
     };
+    start_served(cfg, url, vec![ServedModel::new(MODEL, model, engine)]).await
+}
+
+/// Starts the server with `models`, each served by its own engines, on a SQLite
+/// file in a temp dir.
+pub async fn start_models(cfg: GatewayConfig, models: Vec<ServedModel>) -> TestServer {
+    start_served(cfg, None, models).await
+}
+
+async fn start_served(
+    mut cfg: GatewayConfig,
+    url: Option<String>,
+    models: Vec<ServedModel>,
+) -> TestServer {
+    let dir = tempfile::tempdir().unwrap();
+    let url =
+        url.unwrap_or_else(|| format!("sqlite://{}", dir.path().join("tessera.db").display()));
+    let store = Store::connect(&url).await.unwrap();
     cfg.listen = "127.0.0.1:0".parse().unwrap();
     if cfg.admin_listen.is_some() {
         cfg.admin_listen = Some("127.0.0.1:0".parse().unwrap());
@@ -98,7 +112,7 @@ async fn start_full(
     if let TlsMode::SelfSigned(None) = cfg.tls {
         cfg.tls = TlsMode::SelfSigned(Some(dir.path().join("cert.pem")));
     }
-    let state = AppState::new(store.clone(), model, engine, &cfg);
+    let state = AppState::with_models(store.clone(), models, &cfg).unwrap();
     let server = Server::bind(&cfg, state.clone()).await.unwrap();
     let addr = server.local_addr();
     let base = format!("{}://{}", server.scheme(), addr);
