@@ -13,7 +13,7 @@ use crate::link_security::short_fingerprint;
 use crate::links::{settle, CommitExtra, ExpiryClock, PdCounters, ReplyTo, WriterLink};
 use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,7 +24,7 @@ use tessera_model::kv::SeqId;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::protocol::{
     DecodeEnv, DecodeNode, DecodeOutcome, FailKind, FailReason, Msg, Output, Refusal, RefusalKind,
-    ReqId, ReserveError,
+    ReqId, ReserveError, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -43,6 +43,15 @@ pub(crate) struct RequestBody {
 
 /// How long a reservation waits for its commit or a renewal before its lease runs out.
 pub(crate) const LEASE: Duration = Duration::from_secs(30);
+
+/// How often the node asks the writer of a reservation quarantined for a lost
+/// coordinator again whether it is quiet (the first `QuietQuery` goes out with the
+/// quarantine, and when the writer's link opens).
+const ASK_EVERY: Duration = Duration::from_secs(1);
+
+/// How long an idle node loop waits for a command while it holds requests, before it
+/// runs its timers (leases, quiet queries).
+const TIMER: Duration = Duration::from_secs(1);
 
 /// A decode node's commands.
 pub(crate) enum DecodeCmd {
@@ -65,8 +74,16 @@ pub(crate) enum DecodeCmd {
         landing: PageLanding,
         from: WriterLink,
     },
-    /// A prefill node's link closed (`true`) or opened again (`false`).
-    WriterLink { name: String, lost: bool },
+    /// Link `id` of prefill node `name` opened (`to`: where the node asks that writer
+    /// whether it is quiet for a quarantined reservation) or closed (`None`). The
+    /// writer is gone (nothing it issued can land any more) only once every link of
+    /// it closed: across a reconnect its new link may be up before the old one is
+    /// noticed closed.
+    WriterLink {
+        name: String,
+        id: u64,
+        to: Option<ReplyTo>,
+    },
     /// Runs once every earlier command was applied (a TCP flush acknowledgement).
     AfterEarlier(Box<dyn FnOnce() + Send>),
     /// The coordinator of this request is gone (its connection closed).
@@ -256,9 +273,12 @@ pub(crate) struct DecodeLoop {
     metrics: NodeHandles,
     crashed: bool,
     clock: ExpiryClock,
-    /// Prefill nodes whose link is closed now.
+    /// The open links of each prefill node, by link id (the newest last).
+    writer_links: HashMap<String, BTreeMap<u64, ReplyTo>>,
+    /// Prefill nodes that had a link and have none open now.
     gone_writers: HashSet<String>,
     last_lease_check: Instant,
+    last_ask: Instant,
 }
 
 impl DecodeLoop {
@@ -272,8 +292,10 @@ impl DecodeLoop {
             metrics,
             crashed: false,
             clock: ExpiryClock::new(),
+            writer_links: HashMap::new(),
             gone_writers: HashSet::new(),
             last_lease_check: Instant::now(),
+            last_ask: Instant::now(),
         }
     }
 
@@ -318,9 +340,12 @@ impl DecodeLoop {
 
     fn emit(&mut self, reply: Option<&ReplyTo>, out: Vec<Output>) {
         for o in out {
-            if let Output::Send { msg, .. } = o {
+            if let Output::Send { to, msg } = o {
+                if to == Role::Prefill {
+                    self.to_writer(msg);
+                    continue;
+                }
                 self.reserved(&msg);
-                // A decode node only ever answers coordinators.
                 match reply {
                     Some(r) => {
                         r.send(msg);
@@ -355,15 +380,64 @@ impl DecodeLoop {
     /// requests) and drops the driver record of each request that ended.
     fn reply_each(&mut self, out: Vec<Output>) {
         for o in out {
-            if let Output::Send { msg, .. } = o {
+            if let Output::Send { to, msg } = o {
                 let req = msg.req();
-                self.reserved(&msg);
-                if let Some(r) = self.records.get(&req) {
-                    r.reply.send(msg);
+                if to == Role::Prefill {
+                    self.to_writer(msg);
+                } else {
+                    self.reserved(&msg);
+                    if let Some(r) = self.records.get(&req) {
+                        r.reply.send(msg);
+                    }
                 }
                 self.settle(req);
             }
         }
+    }
+
+    /// Sends `msg` (a `QuietQuery`) to the writer of its request, on the writer's
+    /// newest open link; when it has none, the node asks again once one opens.
+    fn to_writer(&self, msg: Msg) {
+        let req = msg.req();
+        let writer = self.records.get(&req).and_then(|r| r.writer.as_ref());
+        let link = writer
+            .and_then(|w| self.writer_links.get(w))
+            .and_then(|links| links.values().next_back());
+        match link {
+            Some(l) => {
+                l.send(msg);
+            }
+            None => tracing::debug!(?req, ?writer, "no open link to the request's writer"),
+        }
+    }
+
+    /// The requests whose assigned writer is `name`.
+    fn written_by(&self, name: &str) -> Vec<ReqId> {
+        self.records
+            .iter()
+            .filter(|(_, r)| r.writer.as_deref() == Some(name))
+            .map(|(req, _)| *req)
+            .collect()
+    }
+
+    /// Once every [`ASK_EVERY`]: asks the writer of every reservation quarantined for a
+    /// lost coordinator whether it is quiet (the protocol decides which).
+    fn ask_writers(&mut self, engine: &mut Engine) {
+        if self.last_ask.elapsed() < ASK_EVERY {
+            return;
+        }
+        self.last_ask = Instant::now();
+        let mut out = Vec::new();
+        {
+            let mut env = EngineEnv {
+                engine,
+                records: &mut self.records,
+                commit: CommitExtra::default(),
+                gone_writers: &self.gone_writers,
+            };
+            self.proto.ask_writers(&mut env, &mut out);
+        }
+        self.reply_each(out);
     }
 
     fn settle(&mut self, req: ReqId) {
@@ -572,14 +646,32 @@ impl NodeLoop for DecodeLoop {
                     self.land(engine, &landing, &from);
                 }
             }
-            DecodeCmd::WriterLink { name, lost } => {
-                if lost {
-                    let reqs: Vec<ReqId> = self
-                        .records
-                        .iter()
-                        .filter(|(_, r)| r.writer.as_deref() == Some(name.as_str()))
-                        .map(|(req, _)| *req)
-                        .collect();
+            DecodeCmd::WriterLink {
+                name,
+                id,
+                to: Some(to),
+            } => {
+                self.gone_writers.remove(&name);
+                self.writer_links
+                    .entry(name.clone())
+                    .or_default()
+                    .insert(id, to);
+                // Reservations quarantined while the writer had no open link: ask now.
+                for req in self.written_by(&name) {
+                    self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
+                        p.ask_writer(req, env, out)
+                    });
+                }
+            }
+            DecodeCmd::WriterLink { name, id, to: None } => {
+                let open = self.writer_links.get_mut(&name).is_some_and(|links| {
+                    links.remove(&id);
+                    !links.is_empty()
+                });
+                // Writes on another open link of the writer can still land: not gone.
+                if !open {
+                    self.writer_links.remove(&name);
+                    let reqs = self.written_by(&name);
                     self.gone_writers.insert(name);
                     for req in reqs {
                         self.with_proto(
@@ -590,8 +682,6 @@ impl NodeLoop for DecodeLoop {
                             |p, env, out| p.on_writer_quiet(req, env, out),
                         );
                     }
-                } else {
-                    self.gone_writers.remove(&name);
                 }
             }
             DecodeCmd::AfterEarlier(f) => f(),
@@ -631,10 +721,15 @@ impl NodeLoop for DecodeLoop {
         }
         self.expire_tombstones();
         self.check_leases(engine);
+        self.ask_writers(engine);
     }
 
     fn stop(&self) -> bool {
         self.crashed
+    }
+
+    fn timer(&self) -> Option<Duration> {
+        (!self.records.is_empty()).then_some(TIMER)
     }
 
     fn live(&self) -> usize {
@@ -689,5 +784,6 @@ impl NodeLoop for DecodeLoop {
         self.offer_capacity(engine);
         self.expire_tombstones();
         self.check_leases(engine);
+        self.ask_writers(engine);
     }
 }

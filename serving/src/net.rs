@@ -23,7 +23,9 @@
 //!   a node says `Status { draining }` on it; `tessera node drain` sends `Drain`;
 //! - prefill node -> every decode node: `Commit`s, and page writes for the `tcp`
 //!   transport (a `Land` frame per page, a `Flush` answered by `FlushAck` once the
-//!   decode node applied every earlier write).
+//!   decode node applied every earlier write); the decode node asks `QuietQuery` on
+//!   it (about a reservation it quarantined when the coordinator was lost), and the
+//!   prefill node answers `WriterQuiet` on the same link.
 
 use crate::error::{ServeError, ServeErrorKind};
 use crate::link_security::{LinkSettings, NodeLinks, ReadHalf, WriteHalf, HANDSHAKE_TIMEOUT};

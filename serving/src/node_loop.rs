@@ -5,6 +5,7 @@
 use crate::metrics::NodeHandles;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
+use std::time::Duration;
 use tessera_engine::Engine;
 
 /// Point-in-time engine counters (updated after every step).
@@ -120,6 +121,13 @@ pub(crate) trait NodeLoop {
     }
     /// Called after every step and command batch.
     fn after_step(&mut self, _engine: &mut Engine) {}
+    /// How long the loop may wait for a command while the engine is idle before the
+    /// node's timers must run (the loop then steps the idle engine and calls
+    /// [`after_step`](Self::after_step)); `None`: no timer pending, wait for a
+    /// command.
+    fn timer(&self) -> Option<Duration> {
+        None
+    }
     /// Requests the node queues outside the engine (counted as waiting).
     fn queued(&self) -> usize {
         0
@@ -141,7 +149,8 @@ pub(crate) trait NodeLoop {
 }
 
 /// The engine thread's loop: apply queued commands, step, publish counters. Blocks
-/// on the queue when idle; exits once every sender is gone and nothing runs.
+/// on the queue when idle (at most [`NodeLoop::timer`]); exits once every sender is
+/// gone and nothing runs.
 pub(crate) fn run_node<N: NodeLoop>(
     mut engine: Engine,
     mut node: N,
@@ -156,9 +165,19 @@ pub(crate) fn run_node<N: NodeLoop>(
             if !open {
                 return;
             }
-            match rx.recv() {
-                Ok(c) => node.on_cmd(&mut engine, c),
-                Err(_) => return,
+            let cmd = match node.timer() {
+                None => rx.recv().map_err(|_| ()).map(Some),
+                Some(wait) => match rx.recv_timeout(wait) {
+                    Ok(c) => Ok(Some(c)),
+                    // A timer is due: the idle step and `after_step` below run it.
+                    Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
+                    Err(mpsc::RecvTimeoutError::Disconnected) => Err(()),
+                },
+            };
+            match cmd {
+                Ok(Some(c)) => node.on_cmd(&mut engine, c),
+                Ok(None) => {}
+                Err(()) => return,
             }
         }
         loop {

@@ -316,6 +316,10 @@ impl<N: NodeLoop> NodeLoop for PanicOnWork<N> {
     fn stop(&self) -> bool {
         self.0.stop()
     }
+
+    fn timer(&self) -> Option<Duration> {
+        self.0.timer()
+    }
 }
 
 /// Starts the engine thread; the process exits if it ever stops.
@@ -431,6 +435,7 @@ pub fn run_node_process(
                 carried: carried.clone(),
                 registry: registry.clone(),
                 counters: counters.clone(),
+                cmds: tx.clone(),
             });
             let fp = engine.model_fingerprint();
             let node = PrefillLoop::new(peer_links, tx.clone(), handles.clone(), fp);
@@ -613,12 +618,15 @@ impl NodeState {
             name: proven.or(hello_name).unwrap_or_else(|| peer.clone()),
             link: Some(conn.clone()),
         };
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         if from == Role::Prefill {
             reader.take_pages(self.page_bytes);
             if let NodeCmds::Decode(tx) = &self.cmds {
+                // Also where the decode node asks this writer whether it is quiet.
                 let _ = tx.send(DecodeCmd::WriterLink {
                     name: writer.name.clone(),
-                    lost: false,
+                    id,
+                    to: Some(conn.clone()),
                 });
             }
         }
@@ -638,7 +646,7 @@ impl NodeState {
             self.gateways.add(&conn);
         }
         let mut link = Link {
-            id: self.next_conn.fetch_add(1, Ordering::Relaxed),
+            id,
             from,
             reply: Arc::new(CoordReply {
                 conn: conn.clone(),
@@ -660,14 +668,17 @@ impl NodeState {
             }
         };
         end.note(&peer, &self.counters);
-        link.conn.close();
         if let (Role::Prefill, NodeCmds::Decode(tx)) = (from, &self.cmds) {
-            // Nothing it issued on this link can land any more.
+            // Nothing it issued on this link can land any more (no frame of it is
+            // read after this). Told before the link is closed, so whoever sees it
+            // closed knows the engine thread hears of it before any later command.
             let _ = tx.send(DecodeCmd::WriterLink {
                 name: link.writer.name.clone(),
-                lost: true,
+                id: link.id,
+                to: None,
             });
         }
+        link.conn.close();
         // The coordinator is gone: nobody will finish or abort its requests, so the
         // protocol aborts them (answers into the closed connection are dropped).
         if from == Role::Coordinator {
@@ -1007,6 +1018,7 @@ fn msg_name(m: &Msg) -> &'static str {
         Msg::LeaseExpired { .. } => "LeaseExpired",
         Msg::Renew { .. } => "Renew",
         Msg::WriterQuiet { .. } => "WriterQuiet",
+        Msg::QuietQuery { .. } => "QuietQuery",
     }
 }
 
@@ -1104,6 +1116,8 @@ struct PeerLinks {
     carried: Arc<Carried>,
     registry: Arc<Registry>,
     counters: Arc<PdCounters>,
+    /// This node's engine thread (a decode node's `QuietQuery` goes there).
+    cmds: mpsc::Sender<PrefillCmd>,
 }
 
 impl PeerLinks {
@@ -1153,13 +1167,26 @@ impl PeerLinks {
             next_flush: AtomicU64::new(1),
             ucx,
         });
-        let (p, counters) = (peer.clone(), self.counters.clone());
+        let (p, counters, cmds) = (peer.clone(), self.counters.clone(), self.cmds.clone());
         net::spawn(async move {
+            // Queries beyond this budget are dropped (the decode node asks again).
+            let mut queries = Budget::new();
             let end = loop {
                 match reader.next_on(&p.conn).await {
                     Ok((Frame::FlushAck { id }, _)) => {
                         if let Some(tx) = p.acks.lock().unwrap().remove(&id) {
                             let _ = tx.send(());
+                        }
+                    }
+                    Ok((Frame::Control(c), _)) if matches!(c.msg, Msg::QuietQuery { .. }) => {
+                        let req = c.msg.req();
+                        if !queries.spend() {
+                            tracing::debug!(?req, "dropped a quiet query over the budget");
+                        } else if cmds
+                            .send(PrefillCmd::QuietQuery { req, decode: index })
+                            .is_err()
+                        {
+                            break LinkEnd::Closed("the engine thread is gone".into());
                         }
                     }
                     Ok((f, _)) => {

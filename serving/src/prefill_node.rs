@@ -63,6 +63,10 @@ pub(crate) enum PrefillCmd {
     Drained(ReqId, Result<(), FailReason>),
     /// The coordinator of this request is gone (its connection closed).
     CoordinatorLost(ReqId),
+    /// Decode node `decode` holds the request's pages quarantined (its coordinator is
+    /// gone) and asks whether this node is quiet for it (`QuietQuery`); the answer,
+    /// if any, goes to that decode node.
+    QuietQuery { req: ReqId, decode: usize },
     /// The node began draining: the protocol refuses new requests from now on.
     Drain,
     /// A drain's deadline passed: every request still held is aborted as if its
@@ -595,6 +599,23 @@ impl NodeLoop for PrefillLoop {
                     p.on_coordinator_lost(req, env, out)
                 });
             }
+            PrefillCmd::QuietQuery { req, decode } => {
+                let mut out = Vec::new();
+                self.proto.on_quiet_query(req, &mut out);
+                for o in out {
+                    if let Output::Send { msg, .. } = o {
+                        // Through the asker's worker: after every put queued to it.
+                        let job = Job::Send {
+                            msg,
+                            extra: CommitExtra::default(),
+                        };
+                        if !self.io.submit(decode, job) {
+                            tracing::warn!(?req, decode, "quiet answer not queued");
+                        }
+                    }
+                }
+                self.settle(req);
+            }
             PrefillCmd::Drain => self.proto.begin_drain(),
             PrefillCmd::EndAll => {
                 let live: Vec<ReqId> = self.records.keys().copied().collect();
@@ -630,5 +651,11 @@ impl NodeLoop for PrefillLoop {
         self.computed(engine);
         self.expire_tombstones();
         self.renew_leases();
+    }
+
+    /// While it holds requests (some may only wait for their transfer to drain, with
+    /// the engine idle), the loop wakes to renew their decode leases.
+    fn timer(&self) -> Option<std::time::Duration> {
+        (self.live() > 0).then_some(std::time::Duration::from_secs(1))
     }
 }

@@ -314,8 +314,20 @@ pub enum Msg {
     },
     /// Prefill -> decode: the prefill node drained every write it issued for the
     /// request and will issue none (sent when its coordinator is gone, so the decode
-    /// node can free pages it quarantined).
+    /// node can free pages it quarantined, or as the answer to a `QuietQuery`).
     WriterQuiet {
+        /// Request.
+        req: ReqId,
+    },
+    /// Decode -> prefill (the request's writer): the decode node holds the request's
+    /// pages quarantined because its coordinator is gone, so nobody else will quiet
+    /// the prefill side; is the prefill node quiet for it? Answered with
+    /// `WriterQuiet` once it will write nothing more for the request: at once when it
+    /// holds no live record of it (it then keeps a record that fails a late
+    /// `Prefill`), after its writes drained when it has one and its coordinator is
+    /// gone. Unanswered while its coordinator still drives it; the decode node asks
+    /// again on a timer ([`DecodeNode::ask_writers`]). Changes no decode state.
+    QuietQuery {
         /// Request.
         req: ReqId,
     },
@@ -339,7 +351,8 @@ impl Msg {
             | Msg::Poll { req }
             | Msg::LeaseExpired { req }
             | Msg::Renew { req }
-            | Msg::WriterQuiet { req } => *req,
+            | Msg::WriterQuiet { req }
+            | Msg::QuietQuery { req } => *req,
         }
     }
 }
@@ -420,6 +433,15 @@ pub struct Flaws {
     pub decode_frees_on_coordinator_lost: bool,
     /// Decode frees a reservation at once when its lease expires.
     pub decode_frees_on_lease_expiry: bool,
+    /// Decode frees a reservation quarantined for a lost coordinator when its retry
+    /// timer fires, without its writer's answer (a bounded quarantine).
+    pub decode_frees_quarantine_unasked: bool,
+    /// Prefill answers a `QuietQuery` at once, even while it computes or drains the
+    /// request.
+    pub prefill_quiet_while_writing: bool,
+    /// Prefill answers a `QuietQuery` for a request it never heard of without keeping
+    /// a record of it (a late `Prefill` then starts writing).
+    pub prefill_quiet_without_record: bool,
 }
 
 fn send(out: &mut Vec<Output>, to: Role, msg: Msg) {
@@ -840,8 +862,10 @@ pub enum DecodeState {
     /// Pages still held but never to be read: a write into them may still be on its
     /// way (the coordinator was lost or the lease ran out before a commit). Freed once
     /// the prefill side is known quiet: an `Abort` from the coordinator (sent only
-    /// after the prefill acknowledged), `WriterQuiet` from the prefill node, a commit
-    /// (sent only after its writes drained), or the writer's link closed.
+    /// after the prefill acknowledged), `WriterQuiet` from the prefill node (on its
+    /// own when its coordinator is gone, or answering the `QuietQuery` this node
+    /// sends its writer while the coordinator is gone), a commit (sent only after its
+    /// writes drained), or the writer's last link closed. Never freed on a timer.
     Quarantined(Quarantine),
     /// Decode ended; pages freed (terminal).
     Finished(DecodeOutcome),
@@ -1385,12 +1409,17 @@ impl DecodeNode {
     /// sequence's pages are freed at once (its commit proved the prefill drained); a
     /// reservation still waiting for its commit is quarantined (S2: the prefill may
     /// still be writing into it) until the prefill side is quiet, unless it already
-    /// said so.
+    /// said so. Nobody else will quiet the prefill side now (the prefill node may
+    /// never have heard of the request: its `Prefill` may have died with the
+    /// coordinator), so the node asks the writer itself (`QuietQuery`), and again on
+    /// every [`ask_writers`](Self::ask_writers) until it answers. A reservation whose
+    /// lease ran out is asked about too: its coordinator would have quieted the
+    /// prefill side.
     pub fn on_coordinator_lost(
         &mut self,
         req: ReqId,
         env: &mut impl DecodeEnv,
-        _out: &mut Vec<Output>,
+        out: &mut Vec<Output>,
     ) {
         match self.reqs.get(&req) {
             Some(DecodeState::Reserved { .. })
@@ -1399,6 +1428,11 @@ impl DecodeNode {
                     && !self.flaws.decode_frees_on_coordinator_lost =>
             {
                 self.set(req, DecodeState::Quarantined(Quarantine::CoordinatorLost));
+                send(out, Role::Prefill, Msg::QuietQuery { req });
+            }
+            Some(DecodeState::Quarantined(Quarantine::LeaseExpired)) => {
+                self.set(req, DecodeState::Quarantined(Quarantine::CoordinatorLost));
+                send(out, Role::Prefill, Msg::QuietQuery { req });
             }
             Some(DecodeState::Reserved { .. } | DecodeState::Running) => {
                 env.release(req);
@@ -1410,6 +1444,38 @@ impl DecodeNode {
             }
             None => self.set(req, DecodeState::Aborted),
             Some(_) => {} // quarantined already, or terminal
+        }
+    }
+
+    /// The retry timer of the quarantine of `req` fired: if its pages are quarantined
+    /// because its coordinator is gone, asks its writer again whether it is quiet
+    /// (`QuietQuery`; the first one went out with the quarantine, and any may be
+    /// lost). The pages stay quarantined until the answer: a timer alone never frees
+    /// them (S2). Ignored otherwise.
+    pub fn ask_writer(&mut self, req: ReqId, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+        if self.reqs.get(&req) != Some(&DecodeState::Quarantined(Quarantine::CoordinatorLost)) {
+            return;
+        }
+        if self.flaws.decode_frees_quarantine_unasked {
+            env.release(req);
+            self.set(req, DecodeState::Aborted);
+            return;
+        }
+        send(out, Role::Prefill, Msg::QuietQuery { req });
+    }
+
+    /// [`ask_writer`](Self::ask_writer) for every reservation quarantined because its
+    /// coordinator is gone (the driver's retry timer). Each `Send` goes to the writer
+    /// of its `msg.req()`.
+    pub fn ask_writers(&mut self, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+        let asked: Vec<ReqId> = self
+            .reqs
+            .states()
+            .filter(|(_, s)| **s == DecodeState::Quarantined(Quarantine::CoordinatorLost))
+            .map(|(r, _)| r)
+            .collect();
+        for req in asked {
+            self.ask_writer(req, env, out);
         }
     }
 
@@ -1662,8 +1728,39 @@ impl PrefillNode {
                 dest,
             } => self.on_prefill(req, tenant, prompt_tokens, max_tokens, dest, env, out),
             Msg::Abort { req } => self.on_abort(req, env, out),
+            Msg::QuietQuery { req } => self.on_quiet_query(req, out),
             _ => {}
         }
+    }
+
+    /// `QuietQuery` from the decode node that holds `req`'s pages quarantined (its
+    /// coordinator is gone): `WriterQuiet` at once when nothing is in flight and
+    /// nothing will be. A request it never heard of gets a failed record first, so a
+    /// `Prefill` still on its way from the coordinator computes and writes nothing
+    /// (its coordinator, if alive after all, hears `PrefillFailed`); a request that
+    /// ended (committed, failed, refused, aborted) writes nothing more. A request it
+    /// still computes or drains gets no answer now: its coordinator ends it (commit,
+    /// failure, abort), or, if the coordinator is gone too,
+    /// [`on_coordinator_lost`](Self::on_coordinator_lost) sends `WriterQuiet` once its
+    /// writes drained; the decode node asks again meanwhile.
+    pub fn on_quiet_query(&mut self, req: ReqId, out: &mut Vec<Output>) {
+        match self.reqs.get(&req) {
+            Some(PrefillState::Computing { .. } | PrefillState::Draining(_))
+                if !self.flaws.prefill_quiet_while_writing =>
+            {
+                return;
+            }
+            None if !self.flaws.prefill_quiet_without_record => {
+                let reason = FailReason::new(
+                    FailKind::Transport,
+                    "the decode node gave up the reservation (its coordinator link closed) \
+                     before this prefill node heard of the request",
+                );
+                self.reqs.insert(req, PrefillState::Failed(reason));
+            }
+            _ => {}
+        }
+        send(out, Role::Decode, Msg::WriterQuiet { req });
     }
 
     /// `Prefill`: descriptor check, admission (I1) and allocation, then compute. A
@@ -2486,6 +2583,113 @@ mod tests {
             Refusal::draining(Role::Prefill).drained_by(),
             Some(Role::Prefill)
         );
+    }
+
+    #[test]
+    fn a_quarantine_for_a_lost_coordinator_asks_the_writer_until_it_answers() {
+        let (mut node, mut env, _) = reserved();
+        let mut out = Vec::new();
+        node.on_coordinator_lost(R, &mut env, &mut out);
+        let query = [Output::Send {
+            to: Role::Prefill,
+            msg: Msg::QuietQuery { req: R },
+        }];
+        assert_eq!(out, query);
+        assert_eq!(
+            node.records().state(R),
+            Some(&DecodeState::Quarantined(Quarantine::CoordinatorLost))
+        );
+        // The retry timer asks again, and frees nothing: only the answer does.
+        for _ in 0..3 {
+            let mut again = Vec::new();
+            node.ask_writers(&mut env, &mut again);
+            assert_eq!(again, query);
+        }
+        assert!(env.released.is_empty());
+        node.on_writer_quiet(R, &mut env, &mut Vec::new());
+        assert_eq!(env.released, [R]);
+        assert_eq!(node.records().state(R), Some(&DecodeState::Aborted));
+        let mut none = Vec::new();
+        node.ask_writers(&mut env, &mut none);
+        node.ask_writer(R, &mut env, &mut none);
+        assert!(none.is_empty(), "{none:?}");
+    }
+
+    #[test]
+    fn a_lease_quarantine_whose_coordinator_is_lost_asks_the_writer() {
+        let (mut node, mut env, _) = reserved();
+        let mut out = Vec::new();
+        node.on_lease_expired(R, &mut env, &mut out);
+        assert_eq!(reply(&out), &Msg::LeaseExpired { req: R });
+        // The coordinator would have quieted the prefill side; it is gone now.
+        let mut out = Vec::new();
+        node.on_coordinator_lost(R, &mut env, &mut out);
+        assert_eq!(
+            out,
+            [Output::Send {
+                to: Role::Prefill,
+                msg: Msg::QuietQuery { req: R },
+            }]
+        );
+        assert!(env.released.is_empty());
+        // Only a reservation quarantined for a lost coordinator is asked about.
+        let (mut live, mut env2, _) = reserved();
+        let mut none = Vec::new();
+        live.ask_writers(&mut env2, &mut none);
+        assert!(none.is_empty());
+    }
+
+    #[test]
+    fn the_writer_answers_a_quiet_query_once_it_will_write_nothing() {
+        let quiet = |out: &[Output]| {
+            out == [Output::Send {
+                to: Role::Decode,
+                msg: Msg::WriterQuiet { req: R },
+            }]
+        };
+        // Never heard of the request: quiet at once, and a late Prefill is failed,
+        // never computed.
+        let mut node = PrefillNode::new();
+        let mut env = FakePrefill {
+            room: true,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        node.on_msg(Msg::QuietQuery { req: R }, &mut env, &mut out);
+        assert!(quiet(&out), "{out:?}");
+        let mut late = Vec::new();
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut late);
+        assert!(
+            matches!(
+                late.as_slice(),
+                [Output::Send {
+                    to: Role::Coordinator,
+                    msg: Msg::PrefillFailed { .. }
+                }]
+            ),
+            "{late:?}"
+        );
+        assert!(env.calls.is_empty(), "{:?}", env.calls);
+
+        // Computing: no answer while its coordinator drives it; once the coordinator
+        // is gone, quiet after the drain, and at once when asked again.
+        let mut node = PrefillNode::new();
+        let mut env = FakePrefill {
+            room: true,
+            ..Default::default()
+        };
+        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut Vec::new());
+        let mut out = Vec::new();
+        node.on_quiet_query(R, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        node.on_coordinator_lost(R, &mut env, &mut out);
+        node.on_quiet_query(R, &mut out);
+        assert!(out.is_empty(), "no answer before the drain: {out:?}");
+        node.on_drained(R, Ok(()), &mut env, &mut out);
+        assert!(quiet(&out), "{out:?}");
+        let mut again = Vec::new();
+        node.on_quiet_query(R, &mut again);
+        assert!(quiet(&again), "{again:?}");
     }
 
     /// A prefill environment that records the calls the protocol makes.

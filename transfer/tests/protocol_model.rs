@@ -24,6 +24,13 @@
 //!   state and pages, messages to it are dropped, its transport connection is torn
 //!   down (writes from a dead prefill vanish; writes to a dead decode fail at the
 //!   source), and each coordinator's failure detector tells it on its own schedule;
+//! - a gateway crash: every coordinator vanishes at any point (also between the
+//!   decode node's reservation and the prefill node hearing of the request); each
+//!   node's driver then tells its machine, per request its link carried (the prefill
+//!   node: only requests it holds a live record of), that the coordinator is gone;
+//!   the decode node quarantines reservations awaiting a commit and asks their
+//!   writer `QuietQuery`, again on a retry timer while no query or answer is in
+//!   flight;
 //! - drains: a node may begin draining at any point (`begin_drain`): it refuses every
 //!   new request from then on, and the decode node also those waiting for pages (the
 //!   real coordinator starts such a request again on other nodes; with one node per
@@ -39,19 +46,25 @@
 //! - S4: at most one outcome per request; `Succeeded` only after decode admitted a
 //!   full, correct commit and completed it; once every coordinator is done, every
 //!   request has exactly one outcome;
-//! - S5: at quiescence (network empty, no write in flight, every coordinator done)
-//!   every page on every live node is free.
+//! - S5: at quiescence (network empty, no write in flight, every coordinator done, or
+//!   the coordinators crashed and the prefill node idle, and no quarantine whose
+//!   retry timer still runs) every page on every live node is free.
 //!
 //! Besides, `every_request_can_finish` checks that from every reachable state (faults
 //! included) a state where every coordinator is done is reachable by progress steps
 //! alone: no deadlock and no retransmission livelock (it found two real ones while the
-//! protocol was written: a lost `Committed` and a put to a dead decode node).
+//! protocol was written: a lost `Committed` and a put to a dead decode node), and
+//! `every_quarantine_ends` that a state without quarantined pages is (it found a
+//! reservation quarantined forever when the gateway crashed before the prefill node
+//! heard of the request; the decode node's `QuietQuery` fixed it).
 //!
 //! Configurations (page size 4 tokens, decode pool 3 pages, prefill pool 2 pages; two
 //! requests of 5+2 and 3+1 tokens, the first abortable by its client): no fault;
 //! one loss + one duplication + one crash of either node (the configuration);
-//! one corrupted + one failed page write; and the incident's shape, a request whose
-//! prompt is over the prefill pool but fits the decode pool, with every fault.
+//! one corrupted + one failed page write; the incident's shape, a request whose
+//! prompt is over the prefill pool but fits the decode pool, with every fault; a
+//! request waiting for decode pages; a gateway crash (with a prefill crash, or with a
+//! lost message and a lease expiry); a lease expiry; draining nodes.
 //!
 //! Each property is shown to bite by a failing variant: a deliberately broken protocol
 //! (`Flaws`) for which the checker must find a counterexample.
@@ -62,8 +75,9 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Instant;
 use tessera_kernels::PageTag;
 use tessera_transfer::protocol::{
-    Coordinator, DecodeEnv, DecodeNode, DecodeOutcome, FailKind, FailReason, Flaws, Msg, Outcome,
-    Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId, ReserveError, Role,
+    Coordinator, DecodeEnv, DecodeNode, DecodeOutcome, DecodeState, FailKind, FailReason, Flaws,
+    Msg, Outcome, Output, PrefillEnv, PrefillNode, Quarantine, Refusal, RefusalKind, ReqId,
+    RequestState, ReserveError, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -305,6 +319,9 @@ struct Ghost {
     finished_ok: bool,
     /// A drain refused the request while it waited for decode pages.
     drained_while_waiting: bool,
+    /// The prefill node was asked whether it is quiet for the request before it had
+    /// heard of it (its `Prefill` lost with the coordinator, or still on its way).
+    asked_unheard: bool,
 }
 
 /// Faults and client behaviour still available.
@@ -373,6 +390,9 @@ enum Action {
     Notify(usize),
     LeaseExpire(ReqId),
     BeginDrain(Role),
+    /// The decode node's retry timer asks the writer of a reservation quarantined for
+    /// a lost coordinator again (`DecodeNode::ask_writer`).
+    AskWriter(ReqId),
 }
 
 impl Action {
@@ -695,9 +715,22 @@ impl Model for PdModel {
         if left.lease_expiries > 0 {
             if let Some((d, _)) = &st.decode {
                 for (req, s) in d.records().states() {
-                    if matches!(s, tessera_transfer::protocol::DecodeState::Reserved { .. }) {
+                    if matches!(s, DecodeState::Reserved { .. }) {
                         acts.push(Action::LeaseExpire(req));
                     }
+                }
+            }
+        }
+        if let Some((d, _)) = &st.decode {
+            // The decode node's retry timer, for each reservation quarantined for a lost
+            // coordinator whose query and answer are not in flight (the real timer
+            // fires regardless; a copy in flight is the same question).
+            for (req, s) in d.records().states() {
+                let in_flight = st.net.iter().any(|(_, m)| {
+                    matches!(m, Msg::QuietQuery { req: r } | Msg::WriterQuiet { req: r } if *r == req)
+                });
+                if *s == DecodeState::Quarantined(Quarantine::CoordinatorLost) && !in_flight {
+                    acts.push(Action::AskWriter(req));
                 }
             }
         }
@@ -767,6 +800,11 @@ impl Model for PdModel {
                     }
                     Role::Prefill => {
                         let (node, pool) = st.prefill.as_mut()?;
+                        if let Msg::QuietQuery { req } = msg {
+                            if node.records().state(req).is_none() {
+                                st.ghost[req.0 as usize].asked_unheard = true;
+                            }
+                        }
                         node.on_msg(msg, pool, &mut out);
                     }
                     Role::Decode => {
@@ -915,8 +953,14 @@ impl Model for PdModel {
                 let (notice, req) = st.notices.remove(i);
                 match notice {
                     Notice::CoordinatorLost(Role::Prefill) => {
+                        // The prefill node's driver hears of the link's close only for
+                        // the requests that link carries: those it holds a live record
+                        // of. A request it never heard of (its `Prefill` was lost with
+                        // the coordinator) or already ended is not among them.
                         let (node, pool) = st.prefill.as_mut()?;
-                        node.on_coordinator_lost(req, pool, &mut out);
+                        if node.records().state(req).is_some_and(|s| !s.is_terminal()) {
+                            node.on_coordinator_lost(req, pool, &mut out);
+                        }
                     }
                     Notice::CoordinatorLost(_) => {
                         let (node, pool) = st.decode.as_mut()?;
@@ -929,6 +973,11 @@ impl Model for PdModel {
                         node.on_capacity(pool, &mut out);
                     }
                 }
+            }
+            Action::AskWriter(req) => {
+                let (node, pool) = st.decode.as_mut()?;
+                node.ask_writer(req, pool, &mut out);
+                node.on_capacity(pool, &mut out);
             }
             Action::LeaseExpire(req) => {
                 st.left.lease_expiries -= 1;
@@ -1018,9 +1067,18 @@ impl Model for PdModel {
                     .prefill
                     .as_ref()
                     .is_none_or(|(_, p)| p.computing.is_empty() && p.flushing.is_empty());
+                // A reservation quarantined for a lost coordinator keeps its decode
+                // node's retry timer going (it asks the writer until it answers):
+                // not quiescent. `every_quarantine_ends` shows that each one ends.
+                let asking = st.decode.as_ref().is_some_and(|(d, _)| {
+                    d.records()
+                        .states()
+                        .any(|(_, s)| *s == DecodeState::Quarantined(Quarantine::CoordinatorLost))
+                });
                 let quiescent = st.net.is_empty()
                     && st.writes.is_empty()
                     && st.notices.is_empty()
+                    && !asking
                     && (st.coords.iter().all(Coordinator::is_done)
                         || (!st.coord_alive && idle_prefill));
                 let prefill_free = st.prefill.as_ref().is_none_or(|(_, p)| {
@@ -1075,12 +1133,9 @@ impl Model for PdModel {
                 |_, st: &PdState| {
                     st.decode.as_ref().is_some_and(|(d, _)| {
                         d.waiting().count() == 1
-                            && d.records().states().any(|(_, s)| {
-                                matches!(
-                                    s,
-                                    tessera_transfer::protocol::DecodeState::Reserved { .. }
-                                )
-                            })
+                            && d.records()
+                                .states()
+                                .any(|(_, s)| matches!(s, DecodeState::Reserved { .. }))
                     })
                 },
             ));
@@ -1091,10 +1146,20 @@ impl Model for PdModel {
                 |_, st: &PdState| {
                     st.decode.as_ref().is_some_and(|(d, _)| {
                         d.records().states().any(|(req, s)| {
-                            matches!(s, tessera_transfer::protocol::DecodeState::Quarantined(_))
+                            matches!(s, DecodeState::Quarantined(_))
                                 && st.writes.iter().any(|w| w.req == req)
                         })
                     })
+                },
+            ));
+        }
+        if self.cfg.budget.coord_crashes > 0 {
+            p.push(Property::sometimes(
+                "a reservation whose writer never heard of it is freed on the writer's answer",
+                |_, st: &PdState| {
+                    !st.coord_alive
+                        && st.ghost.iter().any(|g| g.asked_unheard && !g.prefill_sent)
+                        && nothing_held(st)
                 },
             ));
         }
@@ -1126,9 +1191,9 @@ impl Model for PdModel {
                 "a commit fails verification",
                 |_, st: &PdState| {
                     st.decode.as_ref().is_some_and(|(d, _)| {
-                        d.records().states().any(|(_, s)| {
-                            matches!(s, tessera_transfer::protocol::DecodeState::CommitFailed(_))
-                        })
+                        d.records()
+                            .states()
+                            .any(|(_, s)| matches!(s, DecodeState::CommitFailed(_)))
                     })
                 },
             ));
@@ -1279,6 +1344,19 @@ fn coordinator_crash() -> Cfg {
     c
 }
 
+/// [`coordinator_crash`] where one control message may be lost (the decode node's
+/// `QuietQuery` or the writer's `WriterQuiet` among them) and a
+/// reservation's lease may run out before its commit; the prefill node does not
+/// crash, so only its answers end quarantines.
+fn coordinator_crash_lossy() -> Cfg {
+    let mut c = coordinator_crash();
+    c.budget.crashes = 0;
+    c.crash_roles = vec![];
+    c.budget.losses = 1;
+    c.budget.lease_expiries = 1;
+    c
+}
+
 /// [`two_requests`] where a decode reservation's lease may run out before its commit
 /// (a slow or stuck prefill), and a client may abort.
 fn lease_expiry() -> Cfg {
@@ -1321,9 +1399,10 @@ const EVERYTHING_STATES: usize = 2806727;
 const WRITE_FAULT_STATES: usize = 18939;
 const OVERSIZED_STATES: usize = 389987;
 const QUEUED_STATES: usize = 150082;
-const COORDINATOR_CRASH_STATES: usize = 166502;
+const COORDINATOR_CRASH_STATES: usize = 152869;
 const LEASE_STATES: usize = 37812;
 const DRAINING_STATES: usize = 757469;
+const COORDINATOR_CRASH_LOSSY_STATES: usize = 503861;
 
 #[test]
 fn safe_with_abort_and_reordering() {
@@ -1414,11 +1493,49 @@ fn safe_with_an_oversized_request() {
     assert_eq!(check_safe("oversized", c), OVERSIZED_STATES);
 }
 
+/// The goal of [`every_request_can_finish`]: every coordinator is done, or, once the
+/// coordinators are gone (their process crashed), nothing is held or in flight
+/// anywhere.
+const FINISHED: Goal = ("a request can never finish", |st| {
+    st.coords.iter().all(Coordinator::is_done) || (!st.coord_alive && nothing_held(st))
+});
+
+/// The goal of [`every_quarantine_ends`]: the decode node (if alive) holds no
+/// quarantined reservation.
+const NO_QUARANTINE: Goal = ("a quarantine never ends", |st| {
+    st.decode.as_ref().is_none_or(|(d, _)| {
+        !d.records()
+            .states()
+            .any(|(_, s)| matches!(s, DecodeState::Quarantined(_)))
+    })
+});
+
+/// What a liveness check wants reachable, and how its failure reads.
+type Goal = (&'static str, fn(&PdState) -> bool);
+
 /// Liveness under fair scheduling: from every reachable state (faults included), a
 /// state where every coordinator is done is reachable by progress steps alone (no
 /// further fault, abort or crash). With finitely many states this rules out a request
 /// stuck forever (a deadlock or a retransmission livelock).
 fn every_request_can_finish(name: &str, cfg: Cfg) {
+    always_reachable(name, cfg, &[FINISHED]);
+}
+
+/// Every quarantine ends: from every reachable state, a state where the decode node
+/// holds no quarantined reservation is reachable by progress steps alone. A
+/// quarantine never ends on a timer (S2 forbids it while a write can land): this
+/// shows that the writer's answer, a commit, the coordinator's abort or the writer's
+/// link closing always comes, also when the writer never heard of the request.
+/// Checked with [`every_request_can_finish`]'s goal in the same pass.
+fn every_quarantine_ends(name: &str, cfg: Cfg) {
+    always_reachable(name, cfg, &[NO_QUARANTINE, FINISHED]);
+}
+
+/// For each goal: from every reachable state (faults included) a state where it
+/// holds is reachable by progress steps alone (no further fault, abort or crash);
+/// otherwise prints the shortest path to the first state that cannot reach it and
+/// fails. One exploration for all goals.
+fn always_reachable(name: &str, cfg: Cfg, goals: &[Goal]) {
     use std::collections::{HashMap, VecDeque};
     let t = Instant::now();
     let model = PdModel { cfg };
@@ -1429,20 +1546,25 @@ fn every_request_can_finish(name: &str, cfg: Cfg) {
     };
     let mut ids: HashMap<u64, u32> = HashMap::new();
     let mut preds: Vec<Vec<u32>> = Vec::new();
-    let mut finished: Vec<bool> = Vec::new();
+    // Per state, a bit per goal that holds there.
+    let mut holds: Vec<u8> = Vec::new();
     let mut parent: Vec<Option<(u32, Action)>> = Vec::new();
     let mut queue = VecDeque::new();
+    assert!(goals.len() <= 8);
     for st in model.init_states() {
         ids.insert(fp(&st), 0);
         preds.push(Vec::new());
-        finished.push(false);
+        holds.push(0);
         parent.push(None);
         queue.push_back((0u32, st));
     }
     let mut acts = Vec::new();
     while let Some((id, st)) = queue.pop_front() {
-        finished[id as usize] =
-            st.coords.iter().all(Coordinator::is_done) || (!st.coord_alive && nothing_held(&st));
+        holds[id as usize] = goals
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, g))| g(&st))
+            .fold(0, |bits, (i, _)| bits | 1 << i);
         acts.clear();
         model.actions(&st, &mut acts);
         for a in acts.drain(..) {
@@ -1453,7 +1575,7 @@ fn every_request_can_finish(name: &str, cfg: Cfg) {
             let n = ids.len() as u32;
             let nid = *ids.entry(fp(&next)).or_insert_with(|| {
                 preds.push(Vec::new());
-                finished.push(false);
+                holds.push(0);
                 parent.push(Some((id, a.clone())));
                 queue.push_back((n, next));
                 n
@@ -1463,41 +1585,42 @@ fn every_request_can_finish(name: &str, cfg: Cfg) {
             }
         }
     }
-    let mut can = finished.clone();
-    let mut stack: Vec<u32> = (0..can.len() as u32).filter(|&i| can[i as usize]).collect();
-    while let Some(n) = stack.pop() {
-        for &p in &preds[n as usize] {
-            if !can[p as usize] {
-                can[p as usize] = true;
-                stack.push(p);
+    let mut failed = Vec::new();
+    for (i, (what, _)) in goals.iter().enumerate() {
+        let mut can: Vec<bool> = holds.iter().map(|h| h & 1 << i != 0).collect();
+        let mut stack: Vec<u32> = (0..can.len() as u32).filter(|&i| can[i as usize]).collect();
+        while let Some(n) = stack.pop() {
+            for &p in &preds[n as usize] {
+                if !can[p as usize] {
+                    can[p as usize] = true;
+                    stack.push(p);
+                }
             }
         }
-    }
-    let stuck = can.iter().filter(|c| !**c).count();
-    if let Some(bad) = can.iter().position(|c| !*c) {
-        // Replay the shortest path to the first such state, for the failure message.
-        let mut path = Vec::new();
-        let mut at = bad as u32;
-        while let Some((p, a)) = &parent[at as usize] {
-            path.push(a.clone());
-            at = *p;
+        let stuck = can.iter().filter(|c| !**c).count();
+        if let Some(bad) = can.iter().position(|c| !*c) {
+            // Replay the shortest path to the first such state, for the failure message.
+            let mut path = Vec::new();
+            let mut at = bad as u32;
+            while let Some((p, a)) = &parent[at as usize] {
+                path.push(a.clone());
+                at = *p;
+            }
+            path.reverse();
+            let mut st = model.init_states().remove(0);
+            for a in &path {
+                st = model.next_state(&st, a.clone()).expect("replay");
+            }
+            println!("{name}: stuck after {path:?}\n{st:#?}");
+            failed.push(format!("{stuck} states from which {what}"));
         }
-        path.reverse();
-        let mut st = model.init_states().remove(0);
-        for a in &path {
-            st = model.next_state(&st, a.clone()).expect("replay");
-        }
-        println!("{name}: stuck after {path:?}\n{st:#?}");
+        println!(
+            "{name}: {} states, {stuck} from which {what}, {:.1?}",
+            can.len(),
+            t.elapsed()
+        );
     }
-    println!(
-        "{name}: {} states, {stuck} cannot finish, {:.1?}",
-        can.len(),
-        t.elapsed()
-    );
-    assert_eq!(
-        stuck, 0,
-        "{name}: states from which a request can never finish"
-    );
+    assert!(failed.is_empty(), "{name}: {}", failed.join("; "));
 }
 
 #[test]
@@ -1664,4 +1787,59 @@ fn s5_catches_leak_on_commit_failure() {
     let mut c = two_requests();
     c.budget.corrupt_writes = 1;
     caught(c, flaw(|f| f.decode_leaks_on_commit_failed = true), S5);
+}
+
+/// The gateway crashes, with a lost message and a lease that runs out:
+/// every property holds, including for reservations whose writer never heard of the
+/// request (its `Prefill` died with the coordinator).
+#[test]
+fn safe_when_the_coordinator_crashes_with_a_loss_and_a_lease_expiry() {
+    assert_eq!(
+        check_safe("coordinator crash, lossy", coordinator_crash_lossy()),
+        COORDINATOR_CRASH_LOSSY_STATES
+    );
+}
+
+/// Every quarantine ends, by progress alone: after a gateway crash (also before the
+/// prefill node heard of the request, also with a lost query or answer, also when
+/// the lease ran out first) and after a lease expiry.
+#[test]
+fn every_quarantine_ends_despite_faults() {
+    every_quarantine_ends("coordinator crash", coordinator_crash());
+    every_quarantine_ends("coordinator crash, lossy", coordinator_crash_lossy());
+    every_quarantine_ends("lease expiry", lease_expiry());
+}
+
+/// A bounded quarantine: the decode node frees a reservation quarantined for a lost
+/// coordinator when its retry timer fires, without the writer's answer, while the
+/// writer's pages are still on their way (S2).
+#[test]
+fn s2_catches_a_quarantine_freed_on_a_timer() {
+    caught(
+        coordinator_crash(),
+        flaw(|f| f.decode_frees_quarantine_unasked = true),
+        S2,
+    );
+}
+
+/// The writer answers `QuietQuery` while it still computes or drains the request.
+#[test]
+fn s2_catches_a_writer_answering_quiet_while_writing() {
+    caught(
+        coordinator_crash(),
+        flaw(|f| f.prefill_quiet_while_writing = true),
+        S2,
+    );
+}
+
+/// The writer answers `QuietQuery` for a request it never heard of without keeping a
+/// record: the coordinator's `Prefill`, still on its way, starts writing into pages
+/// the decode node freed on that answer.
+#[test]
+fn s2_catches_a_writer_answering_quiet_without_a_record() {
+    caught(
+        coordinator_crash(),
+        flaw(|f| f.prefill_quiet_without_record = true),
+        S2,
+    );
 }
