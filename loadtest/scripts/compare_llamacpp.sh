@@ -5,6 +5,7 @@
 #
 #   LLAMA_SERVER=/path/to/llama-server loadtest/scripts/compare_llamacpp.sh [OUT_DIR]
 #   BASELINE_BIN=/path/to/older/tessera loadtest/scripts/compare_llamacpp.sh [OUT_DIR]
+#     (BASELINE_LABEL names it in the reports; default "before")
 #
 # Baseline: llama.cpp's llama-server (LLAMA_SERVER), or, with BASELINE_BIN,
 # `tessera serve` from another build (a before/after comparison of two versions;
@@ -21,6 +22,10 @@
 #                  every prompt to the server under test first, which warms its prefix
 #                  cache for the timed phase (the baseline gets no such phase)
 #   LLAMA_ARGS     extra llama-server arguments
+#   TESSERA_ENV, BASELINE_ENV
+#                  extra VAR=value words for the server under test / a tessera
+#                  baseline only, e.g. TESSERA_ENV=OTEL_EXPORTER_OTLP_ENDPOINT=http://...
+#                  with BASELINE_BIN set to the same binary: tracing on vs off
 # Tenants the harness creates get no limits (TESSERA_DEFAULT_* = 0), so a limit
 # never throttles the measurement.
 # Writes OUT_DIR/c{N}/report.{json,html} and prints one table.
@@ -49,13 +54,15 @@ trap cleanup EXIT
 export TESSERA_DEFAULT_RPM=0 TESSERA_DEFAULT_INPUT_TPM=0 TESSERA_DEFAULT_OUTPUT_TPM=0 \
   TESSERA_DEFAULT_MAX_CONCURRENT=0 TESSERA_DEFAULT_DAILY_TOKENS=0
 
-TESSERA_ADMIN_TOKEN=$admin "$bin" serve --listen 127.0.0.1:$tport --data-dir "$work/data" \
+# shellcheck disable=SC2086
+env ${TESSERA_ENV:-} TESSERA_ADMIN_TOKEN=$admin "$bin" serve --listen 127.0.0.1:$tport --data-dir "$work/data" \
   --model "$model" >"$work/serve.log" 2>&1 &
 pids+=($!)
 compare_args=(--compare http://127.0.0.1:$lport)
 if [ -n "${BASELINE_BIN:-}" ]; then
-  label=before
-  TESSERA_ADMIN_TOKEN=$admin "$BASELINE_BIN" serve --listen 127.0.0.1:$lport \
+  label=${BASELINE_LABEL:-before}
+  # shellcheck disable=SC2086
+  env ${BASELINE_ENV:-} TESSERA_ADMIN_TOKEN=$admin "$BASELINE_BIN" serve --listen 127.0.0.1:$lport \
     --data-dir "$work/baseline-data" --model "$model" >"$work/baseline.log" 2>&1 &
   pids+=($!)
   health=http://127.0.0.1:$lport/healthz
