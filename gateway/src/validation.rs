@@ -19,7 +19,9 @@ pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// What to feed the model.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
-    /// A text prompt; `chat` wraps it as one user message in the chat template.
+    /// A text prompt; `chat` wraps it as one user message in the chat template
+    /// (its text stays plain text); without `chat` it is a raw prompt whose
+    /// control-token text is parsed as control tokens.
     Prompt {
         /// The text.
         text: String,
@@ -500,10 +502,12 @@ pub fn validate(
         .cloned()
         .ok_or_else(|| no_such_model(&p.model))?;
     // Chat input: control tokens only where the template put them (message
-    // contents are plain text, so they cannot open new turns).
+    // contents are plain text, so they cannot open new turns). A raw prompt is the
+    // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
+    // control tokens, as llama.cpp's server and vLLM parse completions prompts.
     let prompt = match &p.input {
         Input::Prompt { text, chat: false } => {
-            model.tokenizer.encode(text, false).map_err(|e| {
+            model.tokenizer.encode(text, true).map_err(|e| {
                 ApiError::new(
                     ErrorKind::BadRequest,
                     format!("cannot tokenize the prompt: {e}"),
