@@ -79,6 +79,14 @@ async fn cached_tokens_are_reported_per_tenant_and_a_rotated_salt_misses() {
     assert_eq!(st, 200);
     assert_eq!(cached_of(&vb["result"]["usage"]), 0);
     assert_eq!(vb["result"]["response"], v1["result"]["response"]);
+    // A client cannot choose its namespace: a third tenant naming the first's
+    // account as a body `cache_salt` (the field vLLM takes from requests) still misses.
+    let (c, key_c) = s.tenant_with_key("gamma", Limits::default()).await;
+    let mut probe = body.clone();
+    probe["cache_salt"] = json!(a);
+    let (st, _, vc) = s.post(&s.run_url(&c.id), Some(&key_c), &probe).await;
+    assert_eq!(st, 200, "{vc}");
+    assert_eq!(cached_of(&vc["result"]["usage"]), 0, "{vc}");
 
     // The usage API sums it, per tenant.
     s.settle().await;
