@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tessera_config::{check_pool_fits, Role};
+use tessera_gateway::catalog::{CatalogEntry, Dated};
 use tessera_gateway::{
     check_token, AppState, ConnLimits, Deadlines, GatewayConfig, ServedModel, Server, TlsMode,
     UsageConfig,
@@ -244,34 +245,36 @@ async fn serve(a: ServeArgs) -> Result<()> {
         .listen
         .or(remote.as_ref().map(|(_, cfg)| cfg.gateway.listen))
         .unwrap_or_else(|| "127.0.0.1:8787".parse().expect("valid address"));
-    let served = match remote {
+    let served: Vec<(ServedModel, PathBuf)> = match remote {
         Some((models, _)) => {
             let mut served = Vec::new();
             for (entry, nodes) in models {
                 let model = load(&entry.path)?;
                 let engine = EngineHandle::connect_remote(&model, nodes);
-                served.push((entry.id, entry.path, model, engine));
+                let catalog = catalog_entry(&entry, &model, engine.limits().context)?;
+                served.push((ServedModel::with_entry(catalog, model, engine), entry.path));
             }
             served
         }
-        None => embedded(&a)?,
+        None => embedded(&a)?
+            .into_iter()
+            .map(|(id, path, model, engine)| (ServedModel::new(&id, model, engine), path))
+            .collect(),
     };
-    let engine = served[0].3.clone();
-    let first_id = served[0].0.clone();
+    let engine = served[0].0.engine.clone();
+    let first_id = served[0].0.entry.id.clone();
     let model_lines: Vec<String> = served
         .iter()
-        .map(|(id, path, _, e)| {
+        .map(|(m, path)| {
             format!(
-                "tessera: serving {id} (context {} tokens) from {}",
-                e.limits().context,
+                "tessera: serving {} (context {} tokens) from {}",
+                m.entry.id,
+                m.entry.context_window,
                 path.display()
             )
         })
         .collect();
-    let served: Vec<ServedModel> = served
-        .into_iter()
-        .map(|(id, _, model, engine)| ServedModel::new(&id, model, engine))
-        .collect();
+    let served: Vec<ServedModel> = served.into_iter().map(|(m, _)| m).collect();
     let store = a.store.open().await?;
     let data_dir = &a.store.data_dir;
     let tls = match (a.tls.as_str(), &a.tls_cert, &a.tls_key) {
@@ -404,6 +407,36 @@ async fn serve(a: ServeArgs) -> Result<()> {
             eprintln!("tessera: shutting down (draining running requests)");
         })
         .await
+}
+
+/// The catalog entry of a deployment file's model: the GGUF's metadata and the
+/// file's description, tags, aliases and deprecation and sunset dates.
+fn catalog_entry(
+    e: &tessera_config::ModelEntry,
+    model: &LoadedModel,
+    context: usize,
+) -> Result<CatalogEntry> {
+    let mut c = CatalogEntry::new(&e.id, context).with_file(&model.info);
+    if let Some(d) = &e.description {
+        c.description = d.clone();
+    }
+    c.tags = e.tags.clone();
+    c.aliases = e.aliases.clone();
+    let dated = |field: &str, v: &Option<String>| -> Result<Option<Dated>> {
+        v.as_ref()
+            .map(|d| {
+                let unix = tessera_config::parse_date(d)
+                    .map_err(|r| anyhow::anyhow!("model {}: `{field}` {r}", e.id))?;
+                Ok(Dated {
+                    date: d.clone(),
+                    unix,
+                })
+            })
+            .transpose()
+    };
+    c.deprecated = dated("deprecated", &e.deprecated)?;
+    c.sunset = dated("sunset", &e.sunset)?;
+    Ok(c)
 }
 
 fn load(path: &Path) -> Result<LoadedModel> {

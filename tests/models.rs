@@ -76,8 +76,9 @@ fn two_model_config(dir: &Path, tiny: &Path, ports: [u16; 4], swap_decode: bool)
     let certs = dir.join("certs");
     let text = format!(
         "[gateway]\nlisten = \"127.0.0.1:0\"\n\n\
-         [[models]]\nid = \"{MODEL_ID}\"\npath = \"{}\"\n\n\
-         [[models]]\nid = \"{TINY}\"\npath = \"{}\"\n\n{}{}{}{}\
+         [[models]]\nid = \"{MODEL_ID}\"\npath = \"{}\"\ndescription = \"the default model\"\n\
+         aliases = [\"smollm2\"]\ntags = [\"chat\"]\n\n\
+         [[models]]\nid = \"{TINY}\"\npath = \"{}\"\ndeprecated = \"2020-01-01\"\n\n{}{}{}{}\
          [node_links]\nca = \"{}\"\ncert_dir = \"{}\"\n",
         model_path().display(),
         tiny.display(),
@@ -155,6 +156,45 @@ async fn two_models_of_different_shapes_behind_one_gateway_of_node_processes() {
         "{report}"
     );
     let d = dir.path();
+    assert!(report.contains("), aliases smollm2"), "{report}");
+    assert!(report.contains("), deprecated 2020-01-01"), "{report}");
+    // The catalog fields are checked: a bad date, an alias that is another
+    // model's id, a sunset before the deprecation, both models on one pool.
+    let bad = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace(
+            "deprecated = \"2020-01-01\"",
+            "deprecated = \"2020-13-01\"\naliases = [\"SMOLLM2\"]",
+        )
+        .replace(
+            "tags = [\"chat\"]",
+            "tags = [\"chat\"]\ndeprecated = \"2026-02-01\"\nsunset = \"2026-01-01\"",
+        )
+        .replace(
+            &format!("models = [\"{TINY}\"]\n\n[[pools]]\nname = \"decode-b\""),
+            "\n[[pools]]\nname = \"decode-b\"",
+        );
+    let bad_path = d.join("bad.toml");
+    std::fs::write(&bad_path, bad).unwrap();
+    let out = Command::new(BIN)
+        .args(["ops", "check-config", "--json"])
+        .arg(&bad_path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let messages = v["violations"].to_string();
+    for l in ["bad_model_field", "duplicate_alias", "pool_models"] {
+        assert!(messages.contains(&format!("\"{l}\"")), "{l}: {messages}");
+    }
+    for needle in [
+        "`deprecated` `2020-13-01` is not a date",
+        "`sunset` 2026-01-01 must be after",
+        "alias SMOLLM2",
+    ] {
+        assert!(messages.contains(needle), "{needle}: {messages}");
+    }
+    assert_eq!(v["models"][0]["aliases"], json!(["smollm2"]));
     let _nodes = [
         start_node(d, &config, "decode", ports[1]).await,
         start_node(d, &config, "decode", ports[3]).await,
@@ -212,6 +252,25 @@ async fn two_models_of_different_shapes_behind_one_gateway_of_node_processes() {
             "{m} {p}: interleaved differs from solo"
         );
     }
+    // The catalog joins the file's metadata with the GGUF's; an alias routes.
+    let models = reqwest::Client::new()
+        .get(format!("{}/v1/models", g.base))
+        .bearer_auth(&g.key)
+        .send()
+        .await
+        .unwrap();
+    let v: serde_json::Value = models.json().await.unwrap();
+    assert_eq!(v["data"][0]["description"], "the default model", "{v}");
+    assert_eq!(v["data"][0]["aliases"], json!(["smollm2"]));
+    assert_eq!(v["data"][1]["context_window"], 4096);
+    assert_eq!(v["data"][1]["deprecated"], "2020-01-01");
+    let (status, v) = run_model(&g, "smollm2", &body(PROMPTS[0])).await;
+    let want = &solo
+        .iter()
+        .find(|((m, p), _)| *m == MODEL_ID && *p == PROMPTS[0])
+        .unwrap()
+        .1;
+    assert_eq!((status, &answer(&v["result"])), (200, want));
     // Per-model admission: the random model's window is 4096 tokens.
     let (status, v) = run_model(&g, TINY, &json!({"prompt": "Hi", "max_tokens": 4090})).await;
     assert_eq!(status, 400, "{v}");

@@ -75,7 +75,7 @@ pub struct GatewayConfig {
 }
 
 /// One `[[models]]` entry.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelEntry {
     /// Catalog id, e.g. `@cf/huggingfacetb/smollm2-135m-instruct`.
@@ -88,6 +88,136 @@ pub struct ModelEntry {
     /// deployment file on a machine without the weights.
     #[serde(default)]
     pub context: Option<usize>,
+    /// One-line description for the catalog (`/v1/models`, `models/search`);
+    /// optional, at most 1,024 bytes.
+    #[serde(default)]
+    pub description: Option<String>,
+    /// Catalog tags (`models/search?search=` matches them); each 1 to 64 bytes.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Other ids requests may use for this model (each unique among every id and
+    /// alias of the file, ignoring case; same rules as an id).
+    #[serde(default)]
+    pub aliases: Vec<String>,
+    /// Date the model was deprecated, `YYYY-MM-DD` (UTC): its answers carry
+    /// `Deprecation: @<unix seconds>` (RFC 9745).
+    #[serde(default)]
+    pub deprecated: Option<String>,
+    /// Date the model is removed, `YYYY-MM-DD` (UTC), after `deprecated` when both
+    /// are set: until then its answers carry `Sunset: <HTTP-date>` (RFC 8594); from
+    /// that day on it answers 404 with Workers AI code 5007.
+    #[serde(default)]
+    pub sunset: Option<String>,
+}
+
+/// Longest model id or alias, bytes (the gateway refuses longer path segments).
+pub const MAX_MODEL_ID_BYTES: usize = 256;
+
+/// Seconds since the Unix epoch of 00:00 UTC on the date `YYYY-MM-DD` (proleptic
+/// Gregorian calendar; H. Hinnant's `days_from_civil`,
+/// <https://howardhinnant.github.io/date_algorithms.html#days_from_civil>).
+///
+/// Errors: anything but four digits, `-`, two, `-`, two naming a real date.
+pub fn parse_date(s: &str) -> Result<i64, String> {
+    let bad = || format!("`{s}` is not a date YYYY-MM-DD");
+    let b = s.as_bytes();
+    if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
+        return Err(bad());
+    }
+    let num = |r: std::ops::Range<usize>| -> Result<i64, String> {
+        let t = &s[r];
+        if t.bytes().all(|c| c.is_ascii_digit()) {
+            t.parse().map_err(|_| bad())
+        } else {
+            Err(bad())
+        }
+    };
+    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let days_in = match m {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return Err(bad()),
+    };
+    if d < 1 || d > days_in {
+        return Err(bad());
+    }
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    Ok((era * 146_097 + doe - 719_468) * 86_400)
+}
+
+/// Whether `id` may name a model: 1 to [`MAX_MODEL_ID_BYTES`] bytes, no whitespace
+/// or control characters.
+fn check_model_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > MAX_MODEL_ID_BYTES {
+        return Err(format!(
+            "must be 1 to {MAX_MODEL_ID_BYTES} bytes (given {} bytes)",
+            id.len()
+        ));
+    }
+    if id.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("`{id}` contains whitespace or a control character"));
+    }
+    Ok(())
+}
+
+impl ModelEntry {
+    /// The catalog fields' violations: id, aliases, description and tag lengths,
+    /// dates (`deprecated` before `sunset`).
+    fn field_violations(&self) -> Vec<Violation> {
+        let mut out = Vec::new();
+        let mut bad = |field: &str, reason: String| {
+            out.push(Violation::BadModelField {
+                model: self.id.clone(),
+                field: field.to_string(),
+                reason,
+            })
+        };
+        if let Err(r) = check_model_id(&self.id) {
+            bad("id", r);
+        }
+        for a in &self.aliases {
+            if let Err(r) = check_model_id(a) {
+                bad("aliases", r);
+            }
+        }
+        if self.description.as_ref().is_some_and(|d| d.len() > 1024) {
+            bad("description", "must be at most 1024 bytes".into());
+        }
+        for t in &self.tags {
+            if t.is_empty() || t.len() > 64 {
+                bad("tags", format!("`{t}` must be 1 to 64 bytes"));
+            }
+        }
+        let date = |v: &Option<String>| v.as_deref().map(parse_date);
+        let (dep, sun) = (date(&self.deprecated), date(&self.sunset));
+        if let Some(Err(r)) = &dep {
+            bad("deprecated", r.clone());
+        }
+        if let Some(Err(r)) = &sun {
+            bad("sunset", r.clone());
+        }
+        if let (Some(Ok(d)), Some(Ok(s))) = (dep, sun) {
+            if s <= d {
+                bad(
+                    "sunset",
+                    format!(
+                        "{} must be after deprecated = {}",
+                        self.sunset.as_deref().unwrap_or_default(),
+                        self.deprecated.as_deref().unwrap_or_default()
+                    ),
+                );
+            }
+        }
+        out
+    }
 }
 
 /// Which part of the request a node pool runs.
@@ -466,6 +596,40 @@ pub enum Violation {
         /// `<arch>.context_length` in the GGUF.
         gguf: usize,
     },
+    /// A catalog field of a `[[models]]` entry is malformed (`id`, `aliases`,
+    /// `description`, `tags`, `deprecated`, `sunset`).
+    #[error("model {model}: `{field}` {reason}")]
+    BadModelField {
+        /// Model id.
+        model: String,
+        /// The field at fault.
+        field: String,
+        /// What is wrong, with the value.
+        reason: String,
+    },
+    /// An alias that is another model's id or alias (ignoring case).
+    #[error("alias {alias} of model {model} is already {other}")]
+    DuplicateAlias {
+        /// The alias.
+        alias: String,
+        /// The model giving it.
+        model: String,
+        /// What it already names (`the id of model X` or `an alias of model X`).
+        other: String,
+    },
+    /// A prefill or decode pool that serves more than one model: its nodes load one.
+    #[error(
+        "{role} pool \"{pool}\" serves {count} models; a prefill or decode node loads one \
+         model, so list one in its `models`"
+    )]
+    PoolModels {
+        /// Pool name.
+        pool: String,
+        /// Its role.
+        role: Role,
+        /// How many models it serves.
+        count: usize,
+    },
     /// I2.
     #[error(transparent)]
     PoolTooSmall(#[from] PoolTooSmall),
@@ -524,6 +688,9 @@ impl Violation {
             Violation::MissingRole { .. } => "missing_role",
             Violation::ContextUnknown { .. } => "context_unknown",
             Violation::ContextMismatch { .. } => "context_mismatch",
+            Violation::BadModelField { .. } => "bad_model_field",
+            Violation::DuplicateAlias { .. } => "duplicate_alias",
+            Violation::PoolModels { .. } => "pool_models",
             Violation::PoolTooSmall(_) => "pool_too_small",
             Violation::NodeLinksIncomplete { .. } => "node_links_incomplete",
             Violation::BadLiveness { .. } => "bad_liveness",
@@ -714,6 +881,32 @@ impl DeploymentConfig {
             if !ids.insert(m.id.as_str()) {
                 out.push(Violation::DuplicateModel { id: m.id.clone() });
             }
+            out.extend(m.field_violations());
+        }
+        // Ids and aliases resolve case-insensitively: each names one model.
+        let mut names: BTreeMap<String, String> = self
+            .models
+            .iter()
+            .map(|m| {
+                (
+                    m.id.to_ascii_lowercase(),
+                    format!("the id of model {}", m.id),
+                )
+            })
+            .collect();
+        for m in &self.models {
+            for a in &m.aliases {
+                let key = a.to_ascii_lowercase();
+                if let Some(other) = names.get(&key) {
+                    out.push(Violation::DuplicateAlias {
+                        alias: a.clone(),
+                        model: m.id.clone(),
+                        other: other.clone(),
+                    });
+                } else {
+                    names.insert(key, format!("an alias of model {}", m.id));
+                }
+            }
         }
         let mut names = HashSet::new();
         let mut node_pool: BTreeMap<&str, &str> = BTreeMap::new();
@@ -746,6 +939,14 @@ impl DeploymentConfig {
                     }
                 }
                 None => {}
+            }
+            let served = self.models_served_by(p).count();
+            if matches!(p.role, Role::Prefill | Role::Decode) && served > 1 {
+                out.push(Violation::PoolModels {
+                    pool: p.name.clone(),
+                    role: p.role,
+                    count: served,
+                });
             }
             for a in &p.nodes {
                 if let Err(reason) = check_host_port(a) {
@@ -959,6 +1160,7 @@ mod tests {
             id: id.into(),
             path: PathBuf::from("/nonexistent/tessera-test/model.gguf"),
             context,
+            ..ModelEntry::default()
         }
     }
 
@@ -1241,6 +1443,85 @@ mod tests {
         assert!(pd().check_offline().is_ok());
     }
 
+    #[test]
+    fn dates_parse_to_unix_seconds_and_bad_ones_are_named() {
+        assert_eq!(parse_date("1970-01-01"), Ok(0));
+        assert_eq!(parse_date("2000-03-01"), Ok(951_868_800));
+        assert_eq!(parse_date("2024-02-29"), Ok(1_709_164_800));
+        for bad in [
+            "2023-02-29",
+            "2024-13-01",
+            "2024-1-01",
+            "24-01-01",
+            "2024-01-00",
+            "x",
+        ] {
+            let e = parse_date(bad).unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn catalog_fields_are_checked_and_aliases_name_one_model() {
+        let mut cfg = pd();
+        let other = "@cf/tessera/other";
+        cfg.models.push(ModelEntry {
+            aliases: vec!["short".into(), MODEL.to_uppercase()],
+            deprecated: Some("2026-02-30".into()),
+            ..model(other, Some(8192))
+        });
+        cfg.models[0].aliases = vec!["SHORT".into()];
+        cfg.models[0].tags = vec![String::new()];
+        cfg.models[0].deprecated = Some("2026-06-01".into());
+        cfg.models[0].sunset = Some("2026-01-01".into());
+        cfg.models[0].description = Some("x".repeat(1025));
+        let v = cfg.structural_violations();
+        let fields: Vec<(String, String)> = v
+            .iter()
+            .filter_map(|v| match v {
+                Violation::BadModelField { model, field, .. } => {
+                    Some((model.clone(), field.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        for f in ["tags", "sunset", "description"] {
+            assert!(fields.contains(&(MODEL.into(), f.into())), "{f}: {v:?}");
+        }
+        assert!(
+            fields.contains(&(other.into(), "deprecated".into())),
+            "{v:?}"
+        );
+        let dups: Vec<String> = v
+            .iter()
+            .filter(|v| v.label() == "duplicate_alias")
+            .map(|v| v.to_string())
+            .collect();
+        assert_eq!(
+            dups,
+            vec![
+                format!("alias short of model {other} is already an alias of model {MODEL}"),
+                format!(
+                    "alias {} of model {other} is already the id of model {MODEL}",
+                    MODEL.to_uppercase()
+                ),
+            ]
+        );
+        // Both models on the same prefill and decode pools: a node loads one model.
+        let labels: Vec<&str> = v.iter().map(Violation::label).collect();
+        assert_eq!(
+            labels.iter().filter(|l| **l == "pool_models").count(),
+            2,
+            "{v:?}"
+        );
+        let e = DeploymentConfig::parse(
+            "[gateway]\nlisten = \"127.0.0.1:1\"\n[[models]]\nid = \"a\"\npath = \"a\"\nsunset = 5\n",
+            Path::new("t.toml"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("sunset"), "{e}");
+    }
+
     fn gguf_path() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
     }
@@ -1253,6 +1534,7 @@ mod tests {
             id: MODEL.into(),
             path,
             context: None,
+            ..ModelEntry::default()
         };
         assert_eq!(m.context_window().unwrap(), 8192);
         m.context = Some(8192);

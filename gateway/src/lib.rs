@@ -23,6 +23,8 @@
 //! - `POST /client/v4/accounts/{account_id}/ai/v1/chat/completions`, `POST /v1/chat/completions`,
 //!   `POST /client/v4/accounts/{account_id}/ai/v1/completions`, `POST /v1/completions` (OpenAI),
 //! - `GET /client/v4/accounts/{account_id}/ai/models/search`, `GET /v1/models`,
+//!   `GET /v1/models/{id}` (the catalog, [`catalog`]; per model: GGUF and
+//!   deployment-file metadata, aliases, `Deprecation`/`Sunset` headers),
 //! - `GET /client/v4/accounts/{account_id}/ai/usage?since=&until=&group_by=`,
 //! - `/admin/v1/...` (with the audit log) behind the admin token, and `GET /metrics`
 //!   (Prometheus) behind the admin or metrics token, on their own listener with
@@ -44,6 +46,7 @@ pub mod listener;
 mod driver;
 mod http;
 mod live;
+mod models_api;
 mod openai;
 mod request_log;
 mod state;

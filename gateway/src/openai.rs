@@ -1,18 +1,11 @@
-//! OpenAI shapes (chat completions, completions, chunks, models) and the
-//! response formatter shared with the Workers AI shape.
+//! OpenAI shapes (chat completions, completions, chunks) and the response
+//! formatter shared with the Workers AI shape. The model catalog's endpoints are in
+//! `models_api`.
 
-use crate::catalog::CatalogEntry;
 use crate::driver::{finish_label, Msg, TokenCounts};
-use crate::error::Flavor;
-use crate::http::{authenticate, envelope, sse, Shape};
-use crate::state::{AppState, Ctx};
+use crate::http::{sse, Shape};
 use crate::workers_ai;
-use axum::extract::{Path, Query, State};
-use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
-use std::collections::HashMap;
-use std::sync::Arc;
 use tessera_serving::FinishReason;
 
 use workers_ai::usage;
@@ -126,101 +119,4 @@ impl Formatter {
         }
         out
     }
-}
-
-fn model_object(e: &CatalogEntry) -> Value {
-    json!({
-        "id": e.id,
-        "object": "model",
-        "created": 0,
-        "owned_by": "tessera",
-        "task": e.task,
-        "description": e.description,
-        "context_window": e.context_window,
-    })
-}
-
-async fn list(
-    state: Arc<AppState>,
-    headers: HeaderMap,
-    account: Option<String>,
-    flavor: Flavor,
-    query: HashMap<String, String>,
-) -> Response {
-    let mut ctx = Ctx::new("models", flavor);
-    let scope = tessera_tenancy::Scope::Inference;
-    if let Err((reason, e)) =
-        authenticate(&state, &mut ctx, &headers, account.as_deref(), scope).await
-    {
-        return ctx.refuse(&state, reason, e);
-    }
-    let body = match flavor {
-        Flavor::OpenAi => json!({
-            "object": "list",
-            "data": state.catalog.entries().iter().map(model_object).collect::<Vec<_>>(),
-        }),
-        Flavor::WorkersAi => envelope(Value::Array(
-            state
-                .catalog
-                .entries()
-                .iter()
-                .filter(|e| matches_search(e, &query))
-                .map(|e| {
-                    json!({
-                        "id": e.id,
-                        "name": e.id,
-                        "description": e.description,
-                        "task": {"id": "text-generation", "name": e.task, "description": "Generation of text from a prompt or a conversation"},
-                        "context_window": e.context_window,
-                        "properties": [{"property_id": "context_window", "value": e.context_window.to_string()}],
-                    })
-                })
-                .collect(),
-        )),
-    };
-    ctx.header(axum::Json(body).into_response())
-}
-
-/// `models/search` filters: `search` (in id or description) and `task` (task
-/// name or `text-generation`), both case-insensitive.
-fn matches_search(e: &CatalogEntry, q: &HashMap<String, String>) -> bool {
-    let has = |hay: &str, needle: &str| hay.to_lowercase().contains(&needle.to_lowercase());
-    let search = q
-        .get("search")
-        .is_none_or(|s| has(&e.id, s) || has(&e.description, s));
-    let task = q.get("task").is_none_or(|t| {
-        t.eq_ignore_ascii_case(&e.task) || t.eq_ignore_ascii_case("text-generation")
-    });
-    search && task
-}
-
-/// `GET /v1/models`.
-pub(crate) async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    list(state, headers, None, Flavor::OpenAi, HashMap::new()).await
-}
-
-/// `GET /client/v4/accounts/{account_id}/ai/v1/models`.
-pub(crate) async fn models_scoped(
-    State(state): State<Arc<AppState>>,
-    Path(account): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    list(
-        state,
-        headers,
-        Some(account),
-        Flavor::OpenAi,
-        HashMap::new(),
-    )
-    .await
-}
-
-/// `GET /client/v4/accounts/{account_id}/ai/models/search`.
-pub(crate) async fn models_search(
-    State(state): State<Arc<AppState>>,
-    Path(account): Path<String>,
-    Query(query): Query<HashMap<String, String>>,
-    headers: HeaderMap,
-) -> Response {
-    list(state, headers, Some(account), Flavor::WorkersAi, query).await
 }

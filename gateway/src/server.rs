@@ -5,9 +5,11 @@
 
 pub use crate::state::{AppState, Deadlines, GatewayConfig, UsageConfig, MAX_ID_BYTES};
 
+use crate::catalog::{now_secs, Lookup};
 use crate::driver::{self, Msg};
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{authenticate, limit_error, read_body, Shape};
+use crate::models_api::with_lifecycle;
 use crate::openai::Formatter;
 use crate::state::{ConnLimits, Ctx};
 use crate::validation::{self, ParsedRequest, Validated};
@@ -152,8 +154,17 @@ async fn generate_in_span(
         }
     };
     // Routing: the model id (or an alias) names the one set of engines that serves
-    // it; its own tokenizer, chat template and limits validate the request.
-    let Some(served) = state.served(&parsed.model) else {
+    // it; its own tokenizer, chat template and limits validate the request. A model
+    // past its sunset is gone (404, as an unknown one).
+    let served = match state.catalog.lookup(&parsed.model, now_secs()) {
+        Lookup::Served(e) => state.served(&e.id),
+        Lookup::Removed(e) => {
+            drop(validation);
+            return ctx.fail(&state, crate::models_api::removed(e)).await;
+        }
+        Lookup::Unknown => None,
+    };
+    let Some(served) = served else {
         drop(validation);
         return ctx
             .fail(&state, validation::no_such_model(&parsed.model))
@@ -229,21 +240,24 @@ async fn generate_in_span(
         include_usage: v.include_usage,
         started: false,
     };
+    let entry = &served.entry;
     if !v.stream {
-        return collect_response(&ctx, fmt, out).await;
+        return with_lifecycle(collect_response(&ctx, fmt, out).await, entry);
     }
     // A batch request may wait in a queue and expire there (503): its stream's
     // status is decided by its first message, so such a failure is a status, not an
     // error frame after a 200.
     let first = if v.request.priority == Priority::Batch {
         match out.recv().await {
-            Some(Msg::Error(e)) => return e.into_response_as(ctx.flavor, &ctx.rid),
+            Some(Msg::Error(e)) => {
+                return with_lifecycle(e.into_response_as(ctx.flavor, &ctx.rid), entry)
+            }
             m => m,
         }
     } else {
         None
     };
-    stream_response(&ctx, fmt, first, out)
+    with_lifecycle(stream_response(&ctx, fmt, first, out), entry)
 }
 
 /// The class a request asks for in the `x-tessera-priority` header (`interactive`
@@ -480,13 +494,18 @@ fn public_routes() -> Router<Arc<AppState>> {
         .route("/v1/completions", post(completion))
         .route(
             "/client/v4/accounts/{account_id}/ai/models/search",
-            get(crate::openai::models_search),
+            get(crate::models_api::models_search),
         )
         .route(
             "/client/v4/accounts/{account_id}/ai/v1/models",
-            get(crate::openai::models_scoped),
+            get(crate::models_api::models_scoped),
         )
-        .route("/v1/models", get(crate::openai::models))
+        .route(
+            "/client/v4/accounts/{account_id}/ai/v1/models/{*id}",
+            get(crate::models_api::model_scoped),
+        )
+        .route("/v1/models", get(crate::models_api::models))
+        .route("/v1/models/{*id}", get(crate::models_api::model))
         .route(
             "/client/v4/accounts/{account_id}/ai/usage",
             get(crate::usage_api::usage),

@@ -171,10 +171,16 @@ pub struct ServedModel {
 
 impl ServedModel {
     /// Model `id` served by `engine`; the catalog entry's context window is the
-    /// engine's.
+    /// engine's, its parameters, quantization and chat template the file's.
     pub fn new(id: &str, model: LoadedModel, engine: EngineHandle) -> Self {
+        let entry = CatalogEntry::new(id, engine.limits().context).with_file(&model.info);
+        Self::with_entry(entry, model, engine)
+    }
+
+    /// A model with a catalog entry of its own (deployment-file metadata).
+    pub fn with_entry(entry: CatalogEntry, model: LoadedModel, engine: EngineHandle) -> Self {
         Self {
-            entry: CatalogEntry::new(id, engine.limits().context),
+            entry,
             model,
             engine,
         }

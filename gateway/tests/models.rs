@@ -22,7 +22,11 @@ fn pd(model: &LoadedModel, tokens: usize) -> EngineHandle {
         kv_pool_tokens: tokens,
         ..EngineConfig::default()
     };
-    EngineHandle::spawn_disaggregated(model, std::slice::from_ref(&cfg), std::slice::from_ref(&cfg))
+    EngineHandle::spawn_disaggregated(
+        model,
+        std::slice::from_ref(&cfg),
+        std::slice::from_ref(&cfg),
+    )
 }
 
 /// A gateway serving the default model and the random one (written into `dir`).
@@ -150,4 +154,178 @@ async fn two_models_of_different_shapes_answer_their_solo_answers_interleaved() 
             .count()
     };
     assert_eq!((served(MODEL), served(TINY)), (9, 10));
+}
+
+/// The catalog: GGUF metadata joined with the operator's (description, tags,
+/// aliases, deprecation and sunset dates); an alias resolves; a deprecated model's
+/// answers carry `Deprecation` and `Sunset`; a model past its sunset is a 404 with
+/// Workers AI code 5007 and is not listed; `models/search` filters and pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_catalog_lists_metadata_resolves_aliases_and_retires_models() {
+    use tessera_gateway::catalog::{CatalogEntry, Dated};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_random_llama(&model_path(), &path, &RandomLlama::SMALL).unwrap();
+    let tiny = LoadedModel::load(&path).unwrap();
+    let base = LoadedModel::load(&model_path()).unwrap();
+    let date = |d: &str, unix: i64| {
+        Some(Dated {
+            date: d.into(),
+            unix,
+        })
+    };
+    let mut a = CatalogEntry::new(MODEL, 8192).with_file(&base.info);
+    a.description = "small chat model".into();
+    a.tags = vec!["chat".into(), "small".into()];
+    a.aliases = vec!["smollm2".into()];
+    let mut b = CatalogEntry::new(TINY, 4096).with_file(&tiny.info);
+    (b.deprecated, b.sunset) = (
+        date("2020-01-01", 1_577_836_800),
+        date("2999-12-31", 32_503_593_600),
+    );
+    let retired = "@cf/tessera/retired";
+    let mut c = CatalogEntry::new(retired, 4096).with_file(&tiny.info);
+    (c.deprecated, c.sunset) = (
+        date("2020-01-01", 1_577_836_800),
+        date("2020-06-01", 1_590_969_600),
+    );
+    let small = EngineConfig {
+        kv_pool_tokens: 4096,
+        ..EngineConfig::default()
+    };
+    let served = vec![
+        ServedModel::with_entry(a, base.clone(), pd(&base, 8192)),
+        ServedModel::with_entry(b, tiny.clone(), pd(&tiny, 4096)),
+        ServedModel::with_entry(c, tiny.clone(), EngineHandle::spawn(&tiny, small)),
+    ];
+    let s = start_models(GatewayConfig::default(), served).await;
+
+    // The OpenAI list: every model not past its sunset, with its metadata.
+    let (status, _, v) = s.get(&format!("{}/v1/models", s.base), Some(&s.key)).await;
+    assert_eq!(status, 200, "{v}");
+    let data = v["data"].as_array().unwrap();
+    let ids: Vec<&str> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, vec![MODEL, TINY]);
+    assert_eq!(
+        (
+            &data[0]["context_window"],
+            &data[0]["quantization"],
+            &data[0]["chat_template"]
+        ),
+        (&json!(8192), &json!("Q4_1"), &json!(true))
+    );
+    assert_eq!(data[0]["parameters"], json!(base.info.parameters));
+    assert_eq!(data[0]["tags"], json!(["chat", "small"]));
+    assert_eq!(data[0]["aliases"], json!(["smollm2"]));
+    assert_eq!(
+        (&data[0]["owned_by"], &data[0]["description"]),
+        (&json!("huggingfacetb"), &json!("small chat model"))
+    );
+    assert_eq!(
+        (
+            &data[1]["parameters"],
+            &data[1]["context_window"],
+            &data[1]["quantization"]
+        ),
+        (&json!(1_049_728), &json!(4096), &json!("Q8_0"))
+    );
+    assert_eq!(
+        (&data[1]["deprecated"], &data[1]["sunset"]),
+        (&json!("2020-01-01"), &json!("2999-12-31"))
+    );
+
+    // One model: an alias resolves to its model; a deprecated one carries the
+    // headers; a removed one is a 404.
+    let one = |id: &str| format!("{}/v1/models/{id}", s.base);
+    let (status, _, v) = s.get(&one("SMOLLM2"), Some(&s.key)).await;
+    assert_eq!((status, v["id"].as_str()), (200, Some(MODEL)));
+    let r = s
+        .client
+        .get(one(TINY))
+        .bearer_auth(&s.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["deprecation"], "@1577836800");
+    assert_eq!(r.headers()["sunset"], "Tue, 31 Dec 2999 00:00:00 GMT");
+    let (status, _, v) = s.get(&one(retired), Some(&s.key)).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (404, Some("model_not_found")),
+        "{v}"
+    );
+    let (status, _, _) = s.get(&one(MODEL), None).await;
+    assert_eq!(status, 401, "the catalog needs a key");
+
+    // Generation: by alias (the answer and the usage row name the model), a
+    // deprecated model's answer carries the headers, a removed one is 404 / 5007.
+    let body = json!({"prompt": PROMPTS[0], "max_tokens": 6});
+    let (status, rid, _) = s.post(&run_url(&s, "smollm2"), Some(&s.key), &body).await;
+    assert_eq!(status, 200);
+    assert_eq!(s.row(&rid).await.model, MODEL);
+    let r = s
+        .client
+        .post(run_url(&s, TINY))
+        .bearer_auth(&s.key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["deprecation"], "@1577836800");
+    let (status, _, v) = s.post(&run_url(&s, retired), Some(&s.key), &body).await;
+    assert_eq!(
+        (status, &v["errors"][0]["code"]),
+        (404, &json!(5007)),
+        "{v}"
+    );
+    let msg = v["errors"][0]["message"].as_str().unwrap();
+    assert!(msg.contains("removed on 2020-06-01"), "{msg}");
+
+    // Workers AI search: filters and pages.
+    let search = |q: &str| format!("{}?{q}", s.account_url("models/search"));
+    let names = |v: &Value| -> Vec<String> {
+        v["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    for (q, want) in [
+        ("task=text-generation", vec![MODEL, TINY]),
+        ("task=Text%20Generation&author=tessera", vec![TINY]),
+        ("author=huggingfacetb", vec![MODEL]),
+        ("search=chat", vec![MODEL]),
+        ("search=SMOLLM2", vec![MODEL]),
+        ("search=retired", vec![]),
+        ("task=summarization", vec![]),
+        ("per_page=1&page=2", vec![TINY]),
+    ] {
+        let (status, _, v) = s.get(&search(q), Some(&s.key)).await;
+        assert_eq!(status, 200, "{q}: {v}");
+        assert_eq!(names(&v), want, "{q}");
+    }
+    let (_, _, v) = s.get(&search("per_page=1&page=2"), Some(&s.key)).await;
+    assert_eq!(
+        v["result_info"],
+        json!({"page": 2, "per_page": 1, "count": 1, "total_count": 2})
+    );
+    let (_, _, v) = s.get(&search("author=tessera"), Some(&s.key)).await;
+    let props = &v["result"][0]["properties"];
+    assert_eq!(
+        props[0],
+        json!({"property_id": "context_window", "value": "4096"})
+    );
+    for (q, field) in [
+        ("page=0", "page"),
+        ("per_page=101", "per_page"),
+        ("per_page=x", "per_page"),
+    ] {
+        let (status, _, v) = s.get(&search(q), Some(&s.key)).await;
+        assert_eq!(status, 400, "{q}: {v}");
+        let msg = v["errors"][0]["message"].as_str().unwrap();
+        assert!(msg.starts_with(&format!("`{field}` must be")), "{q}: {msg}");
+    }
 }

@@ -54,6 +54,57 @@ pub struct LoadedModel {
     pub chat: Arc<ChatTemplate>,
     /// Where it was loaded from.
     pub path: PathBuf,
+    /// What the file says about itself (catalog metadata).
+    pub info: ModelInfo,
+}
+
+/// Catalog metadata read from a GGUF file's header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// `general.name`, if set.
+    pub name: Option<String>,
+    /// Weights: the sum of every tensor's element count (tied embeddings counted
+    /// once, as the file stores them once).
+    pub parameters: u64,
+    /// The GGML type holding most of the matrices' weights (by element count),
+    /// e.g. `Q4_1`.
+    pub quantization: String,
+    /// Whether the file carries `tokenizer.chat_template`.
+    pub chat_template: bool,
+    /// Context window in tokens (`<arch>.context_length`).
+    pub context: usize,
+}
+
+impl ModelInfo {
+    /// Reads the catalog metadata of a parsed GGUF (`context` from its hyperparameters).
+    pub fn from_gguf(content: &Content, context: usize) -> Self {
+        use std::collections::BTreeMap;
+        let mut by_type: BTreeMap<String, u64> = BTreeMap::new();
+        let mut parameters = 0u64;
+        for t in content.tensor_infos.values() {
+            let n = t.shape.elem_count() as u64;
+            parameters += n;
+            if t.shape.dims().len() == 2 {
+                *by_type.entry(format!("{:?}", t.ggml_dtype)).or_default() += n;
+            }
+        }
+        let quantization = by_type
+            .into_iter()
+            .max_by_key(|(_, n)| *n)
+            .map(|(t, _)| t)
+            .unwrap_or_default();
+        Self {
+            name: content
+                .metadata
+                .get("general.name")
+                .and_then(|v| v.to_string().ok())
+                .cloned(),
+            parameters,
+            quantization,
+            chat_template: content.metadata.contains_key("tokenizer.chat_template"),
+            context,
+        }
+    }
 }
 
 impl LoadedModel {
@@ -70,7 +121,9 @@ impl LoadedModel {
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let chat = ChatTemplate::from_gguf(&content)?;
         let llama = Llama::load(&content, &mut f)?;
+        let info = ModelInfo::from_gguf(&content, llama.config().context);
         Ok(Self {
+            info,
             llama: Arc::new(llama),
             tokenizer: Arc::new(tokenizer),
             chat: Arc::new(chat),

@@ -79,6 +79,10 @@ fn requantized_variants_are_deterministic_and_answer() {
         assert_eq!(again.sha256, w.sha256);
         let m = LoadedModel::load(&dst).unwrap();
         assert_eq!(m.config(), base.config(), "same hyperparameters");
+        // Catalog metadata: the same weights, in the new format.
+        assert_eq!(m.info.parameters, base.info.parameters);
+        assert_eq!(m.info.quantization, format!("{want:?}"));
+        assert!(m.info.chat_template && m.info.context == 8192);
         assert_ne!(
             m.llama.fingerprint(),
             base.llama.fingerprint(),
@@ -114,6 +118,23 @@ fn a_random_llama_has_the_shape_asked_for() {
     );
     let base = load();
     assert_ne!(m.llama.fingerprint(), base.llama.fingerprint());
+    // 2048 x 128 embeddings, 4 blocks of (2 x 128 x 128 + 2 x 64 x 128 + 3 x 384 x
+    // 128 + 2 x 128), the output norm.
+    assert_eq!(m.info.parameters, 1_049_728);
+    assert_eq!(
+        (
+            m.info.quantization.as_str(),
+            m.info.chat_template,
+            m.info.context
+        ),
+        ("Q8_0", true, 4096)
+    );
+    assert_eq!(base.info.quantization, "Q4_1");
+    assert!(
+        base.info.parameters > 130_000_000,
+        "{}",
+        base.info.parameters
+    );
     // Same tokenizer rules on a smaller vocabulary: every id fits, the chat
     // template's special tokens survive.
     let prompt = chat_prompt(&m, "What is the capital of France?");

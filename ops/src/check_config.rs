@@ -93,10 +93,23 @@ impl Report {
         }
         writeln!(s, "models:")?;
         for m in &verdict.models {
+            let lifecycle = config.model(&m.id).map_or(String::new(), |e| {
+                let mut s = String::new();
+                if !e.aliases.is_empty() {
+                    s.push_str(&format!(", aliases {}", e.aliases.join(", ")));
+                }
+                if let Some(d) = &e.deprecated {
+                    s.push_str(&format!(", deprecated {d}"));
+                }
+                if let Some(d) = &e.sunset {
+                    s.push_str(&format!(", sunset {d}"));
+                }
+                s
+            });
             match m.context {
                 Some(c) => writeln!(
                     s,
-                    "  {}: context window {c} tokens ({})",
+                    "  {}: context window {c} tokens ({}){lifecycle}",
                     m.id,
                     m.path.display()
                 )?,
@@ -152,7 +165,8 @@ impl Report {
 
     /// The report as JSON: `file`, `ok`, `violations` (`label`, `message`), and when the
     /// file parsed, `gateway`, `node_links` (`mutual_tls`, `ca`, `cert_dir`,
-    /// `heartbeat_ms`, `dead_after_ms`), `models` (`id`, `path`, `context` or null), `pools`
+    /// `heartbeat_ms`, `dead_after_ms`), `models` (`id`, `path`, `context` or null, and the
+    /// catalog fields `description`, `tags`, `aliases`, `deprecated`, `sunset`), `pools`
     /// (`name`, `role`, `page_size`, `kv_pool_tokens`, `usable_tokens`, `nodes`,
     /// `models` or null) and `fits` (`model`, `pool`, `role`, `context`,
     /// `usable_tokens`, `ok`).
@@ -184,11 +198,19 @@ impl Report {
                 "heartbeat_ms": config.links().heartbeat_ms,
                 "dead_after_ms": config.links().dead_after_ms,
             },
-            "models": verdict.models.iter().map(|m| json!({
-                "id": m.id,
-                "path": m.path.display().to_string(),
-                "context": m.context,
-            })).collect::<Vec<_>>(),
+            "models": verdict.models.iter().map(|m| {
+                let e = config.model(&m.id);
+                json!({
+                    "id": m.id,
+                    "path": m.path.display().to_string(),
+                    "context": m.context,
+                    "description": e.and_then(|e| e.description.clone()),
+                    "tags": e.map(|e| e.tags.clone()).unwrap_or_default(),
+                    "aliases": e.map(|e| e.aliases.clone()).unwrap_or_default(),
+                    "deprecated": e.and_then(|e| e.deprecated.clone()),
+                    "sunset": e.and_then(|e| e.sunset.clone()),
+                })
+            }).collect::<Vec<_>>(),
             "pools": config.pools.iter().map(|p| json!({
                 "name": p.name,
                 "role": p.role.as_str(),
