@@ -157,6 +157,16 @@ enum ModelCommand {
         #[arg(long, value_parser = ["q8_0", "q4_0"])]
         variant: Vec<String>,
     },
+    /// Who may use a model: show it, or make it public or private to a list of
+    /// tenants (per-tenant model access; audited). A tenant asking for a private
+    /// model it may not use gets 403 (Workers AI 5018), or the 404 of an unknown
+    /// model with `tessera serve --private-models-as-404`.
+    Access {
+        #[command(flatten)]
+        store: tenancy_cli::StoreArgs,
+        #[command(flatten)]
+        args: tenancy_cli::ModelAccessArgs,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -206,6 +216,9 @@ fn run() -> Result<()> {
             }
             Ok(())
         }
+        Command::Model {
+            command: ModelCommand::Access { store, args },
+        } => tenancy_cli::model_access(store, args),
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve::run(args),

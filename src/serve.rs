@@ -138,6 +138,11 @@ pub(crate) struct ServeArgs {
     /// tenants' data lands in the logs).
     #[arg(long)]
     log_request_text: bool,
+    /// A tenant asking for a private model it may not use gets the same 404 (Workers
+    /// AI 5007) as for an unknown model, so private model ids cannot be probed
+    /// (default: 403 with Workers AI code 5018 naming the model).
+    #[arg(long)]
+    private_models_as_404: bool,
 }
 
 /// One `--model` value: the catalog id and the GGUF file.
@@ -321,6 +326,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         drain_timeout: secs(a.drain_timeout_secs),
         metrics_top_tenants: a.metrics_top_tenants,
         log_request_text: a.log_request_text,
+        private_models_as_404: a.private_models_as_404,
         ..GatewayConfig::default()
     };
     let state = AppState::with_models(store.clone(), served, &cfg)

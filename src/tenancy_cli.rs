@@ -410,3 +410,38 @@ pub(crate) fn usage(store: StoreArgs, a: UsageArgs) -> Result<()> {
         }))
     })
 }
+
+/// Arguments of `tessera model access`.
+#[derive(Args, Debug)]
+pub(crate) struct ModelAccessArgs {
+    /// The model's catalog id (its `id` in the deployment file or `--model ID=...`;
+    /// not an alias).
+    model: String,
+    /// Every tenant may use the model (the default for a model never set).
+    #[arg(long, conflicts_with_all = ["private", "tenant"])]
+    public: bool,
+    /// Only the tenants given with --tenant may use the model.
+    #[arg(long)]
+    private: bool,
+    /// A tenant (account id) that may use the private model; repeatable.
+    #[arg(long, requires = "private")]
+    tenant: Vec<String>,
+}
+
+/// `tessera model access MODEL [--public | --private --tenant ID...]`: shows who
+/// may use a model, or sets it (audited, source `cli:USER`); prints the access as
+/// JSON (`model`, `private`, `tenants`).
+pub(crate) fn model_access(store: StoreArgs, a: ModelAccessArgs) -> Result<()> {
+    rt()?.block_on(async {
+        let s = store.open().await?;
+        let access = if a.public || a.private {
+            let by = cli_actor();
+            s.audited(&by)
+                .set_model_access(&a.model, a.private, &a.tenant)
+                .await?
+        } else {
+            s.model_access(&a.model).await?
+        };
+        print(json!(access))
+    })
+}

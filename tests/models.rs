@@ -293,3 +293,56 @@ async fn two_models_of_different_shapes_behind_one_gateway_of_node_processes() {
         assert_eq!((status, &answer(&v["result"])), (200, want), "{m} {p}");
     }
 }
+
+/// `tessera model access`: shows and sets who may use a model in the store
+/// (audited as `model.access`); refuses unknown tenants and tenants on a public
+/// model.
+#[test]
+fn model_access_cli_sets_and_shows_a_models_tenants() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .args(args)
+            .args(["--data-dir", data])
+            .env_remove("TESSERA_STORE")
+            .output()
+            .unwrap();
+        let v = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        (
+            out.status.code(),
+            v,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, v, err) = run(&["tenant", "create", "--name", "acme"]);
+    assert_eq!(code, Some(0), "{err}");
+    let t = v["tenant"]["id"].as_str().unwrap().to_string();
+    let (code, v, _) = run(&["model", "access", TINY]);
+    assert_eq!(
+        (code, &v),
+        (
+            Some(0),
+            &json!({"model": TINY, "private": false, "tenants": []})
+        )
+    );
+    let (code, v, err) = run(&["model", "access", TINY, "--private", "--tenant", &t]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(v, json!({"model": TINY, "private": true, "tenants": [t]}));
+    let (_, shown, _) = run(&["model", "access", TINY]);
+    assert_eq!(shown, v);
+    let (code, _, err) = run(&["model", "access", TINY, "--private", "--tenant", "nobody"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no tenant with id `nobody`"), "{err}");
+    let (code, _, err) = run(&["model", "access", TINY, "--public", "--tenant", &t]);
+    assert_eq!(code, Some(2), "{err}");
+    let (_, audit, _) = run(&["audit"]);
+    let rows: Vec<_> = audit
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] == "model.access")
+        .collect();
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0]["source"].as_str().unwrap().starts_with("cli:"));
+}

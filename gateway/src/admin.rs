@@ -19,10 +19,16 @@
 //! - `POST /admin/v1/keys/{key_id}/revoke`
 //! - `GET  /admin/v1/tenants/{id}/usage?since=&until=&group_by=`
 //! - `GET  /admin/v1/audit?since=&until=&limit=` (the audit log, oldest first)
+//! - `GET  /admin/v1/models` (every model of this gateway's catalog with its access)
+//! - `GET  /admin/v1/model-access/{model}`, `PUT /admin/v1/model-access/{model}`
+//!   `{visibility: "public" | "private", tenants?: [tenant id, ...]}` (who may use
+//!   a model, by id or alias: everyone, or only the tenants listed; replaces what
+//!   was set; unknown fields, a bad visibility, tenants that are not strings or not
+//!   tenants, or tenants on a public model are errors naming the field)
 //! - `GET  /metrics` (Prometheus text format; the admin token or the metrics token)
 //!
 //! Every successful change (tenant create, suspend, activate, limits, scheduling,
-//! cache salt; key create, revoke) writes one audit row in the change's transaction: time, action, target,
+//! cache salt; key create, revoke; model access) writes one audit row in the change's transaction: time, action, target,
 //! the admin request's id (its `x-request-id`) and the peer address. Revoking a key
 //! or suspending a tenant also aborts its requests in flight.
 
@@ -119,6 +125,11 @@ pub(crate) fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         )
         .route("/admin/v1/tenants/{id}/usage", get(usage))
         .route("/admin/v1/keys/{key_id}/revoke", post(revoke))
+        .route("/admin/v1/models", get(list_models))
+        .route(
+            "/admin/v1/model-access/{*model}",
+            get(get_model_access).put(set_model_access),
+        )
         .route("/admin/v1/audit", get(audit))
         .route_layer(middleware::from_fn_with_state(state, require_admin))
         .merge(metrics_route)
@@ -397,6 +408,114 @@ async fn rotate_cache_salt(
 ) -> Reply {
     s.store.audited(&by.audit()).rotate_cache_salt(&id).await?;
     Ok(Done(json!({"id": id, "cache_salt": "rotated"})))
+}
+
+/// The catalog entry `name` (id or alias) names, or a 404 (Workers AI 5007).
+fn catalog_model<'a>(
+    s: &'a AppState,
+    name: &str,
+) -> Result<&'a crate::catalog::CatalogEntry, ApiError> {
+    s.catalog
+        .get(name.trim_start_matches('/'))
+        .ok_or_else(|| crate::validation::no_such_model(name.trim_start_matches('/')))
+}
+
+async fn list_models(State(s): State<Arc<AppState>>) -> Reply {
+    let mut out = Vec::new();
+    for e in s.catalog.entries() {
+        let access = s.store.model_access(&e.id).await?;
+        out.push(json!({"id": e.id, "aliases": e.aliases, "access": access}));
+    }
+    Ok(Done(json!(out)))
+}
+
+async fn get_model_access(State(s): State<Arc<AppState>>, Path(model): Path<String>) -> Reply {
+    let e = catalog_model(&s, &model)?;
+    Ok(Done(json!(s.store.model_access(&e.id).await?)))
+}
+
+/// The body of `PUT /admin/v1/model-access/{model}`: `visibility` (required:
+/// `public` | `private`) and `tenants` (an array of tenant ids; only with
+/// `private`).
+fn access_body(body: &Value) -> Result<(bool, Vec<String>), ApiError> {
+    let Value::Object(o) = body else {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            "body must be an object",
+        ));
+    };
+    if let Some(k) = o
+        .keys()
+        .find(|k| !["visibility", "tenants"].contains(&k.as_str()))
+    {
+        return Err(ApiError::field(
+            k,
+            format!("unknown field `{k}`; expected `visibility`, `tenants`"),
+        ));
+    }
+    let private = match o.get("visibility") {
+        Some(Value::String(v)) if v == "public" => false,
+        Some(Value::String(v)) if v == "private" => true,
+        other => {
+            return Err(ApiError::field(
+                "visibility",
+                format!(
+                    "`visibility` must be \"public\" or \"private\". Given: {}",
+                    other.map_or("nothing".to_string(), Value::to_string)
+                ),
+            ))
+        }
+    };
+    let tenants = match o.get("tenants") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| t.as_str().map(String::from))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                ApiError::field(
+                    "tenants",
+                    "`tenants` must be an array of tenant ids (strings)",
+                )
+            })?,
+        Some(v) => {
+            return Err(ApiError::field(
+                "tenants",
+                format!("`tenants` must be an array of tenant ids. Given: {v}"),
+            ))
+        }
+    };
+    if !private && !tenants.is_empty() {
+        return Err(ApiError::field(
+            "tenants",
+            "`tenants` lists who may use a private model; a public model takes none",
+        ));
+    }
+    Ok((private, tenants))
+}
+
+async fn set_model_access(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(model): Path<String>,
+    req: Request,
+) -> Reply {
+    let id = catalog_model(&s, &model)?.id.clone();
+    let body = json_body(&s, req).await?;
+    let (private, tenants) = access_body(&body)?;
+    let access = s
+        .store
+        .audited(&by.audit())
+        .set_model_access(&id, private, &tenants)
+        .await
+        .map_err(|e| match e {
+            StoreError::NoTenant(t) => Fail(ApiError::field(
+                "tenants",
+                format!("`tenants`: no tenant with id {t}"),
+            )),
+            e => Fail::from(e),
+        })?;
+    Ok(Done(json!(access)))
 }
 
 async fn list_keys(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Reply {

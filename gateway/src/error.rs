@@ -36,6 +36,8 @@ pub enum ErrorKind {
     TooLarge,
     /// Unknown model id (404).
     NoSuchModel,
+    /// A private model the caller's account may not use (403, Workers AI 5018).
+    ModelNotAllowed,
     /// Unknown route (404).
     NotFound,
     /// A per-tenant rate limit (429).
@@ -56,7 +58,7 @@ impl ErrorKind {
     pub fn status(self) -> StatusCode {
         match self {
             Self::Unauthenticated => StatusCode::UNAUTHORIZED,
-            Self::Forbidden => StatusCode::FORBIDDEN,
+            Self::Forbidden | Self::ModelNotAllowed => StatusCode::FORBIDDEN,
             Self::BadRequest | Self::ContextOverflow => StatusCode::BAD_REQUEST,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NoSuchModel | Self::NotFound => StatusCode::NOT_FOUND,
@@ -74,6 +76,7 @@ impl ErrorKind {
             Self::BadRequest => 3003,
             Self::ContextOverflow | Self::TooLarge => 3006,
             Self::NoSuchModel => 5007,
+            Self::ModelNotAllowed => 5018,
             Self::NotFound => 7000,
             Self::RateLimited | Self::Unavailable => 3040,
             Self::QuotaExceeded => 3036,
@@ -91,6 +94,7 @@ impl ErrorKind {
             Self::ContextOverflow => ("invalid_request_error", "context_length_exceeded"),
             Self::TooLarge => ("invalid_request_error", "request_too_large"),
             Self::NoSuchModel => ("invalid_request_error", "model_not_found"),
+            Self::ModelNotAllowed => ("invalid_request_error", "model_not_permitted"),
             Self::NotFound => ("invalid_request_error", "not_found"),
             Self::RateLimited => ("requests", "rate_limit_exceeded"),
             Self::QuotaExceeded => ("insufficient_quota", "insufficient_quota"),

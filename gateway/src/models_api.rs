@@ -96,14 +96,55 @@ async fn caller(
         .map_err(|(reason, e)| ctx.refuse(state, reason, e))
 }
 
-/// The models listed to `p` now: served (not past sunset), in catalog order.
-fn listed<'a>(state: &'a AppState, _p: &Principal) -> impl Iterator<Item = &'a CatalogEntry> {
+/// The models listed to `p` now: served (not past sunset) and public or private to
+/// its account, in catalog order.
+async fn listed<'a>(state: &'a AppState, p: &Principal) -> Result<Vec<&'a CatalogEntry>, ApiError> {
+    let access = state.store.list_model_access().await.map_err(store_down)?;
     let now = now_secs();
-    state
+    Ok(state
         .catalog
         .entries()
         .iter()
-        .filter(move |e| !e.removed_at(now))
+        .filter(|e| !e.removed_at(now))
+        .filter(|e| {
+            access
+                .iter()
+                .find(|a| a.model == e.id)
+                .is_none_or(|a| a.allows(&p.tenant.id))
+        })
+        .collect())
+}
+
+fn store_down(e: tessera_tenancy::StoreError) -> ApiError {
+    tracing::error!(error = %e, "cannot read model access");
+    ApiError::new(ErrorKind::Unavailable, "model access store unavailable")
+}
+
+/// Whether account `tenant_id` may use model `e` (asked for as `asked`): public, or
+/// private with the account listed. A refusal is a 403 with Workers AI code 5018
+/// naming the model, or, with `private_models_as_404`, exactly the 404 of an
+/// unknown model (so private ids cannot be probed).
+///
+/// Errors: the refusal; 503 when the store cannot be read.
+pub(crate) async fn check_access(
+    state: &AppState,
+    tenant_id: &str,
+    e: &CatalogEntry,
+    asked: &str,
+) -> Result<(), ApiError> {
+    let access = state.store.model_access(&e.id).await.map_err(store_down)?;
+    if access.allows(tenant_id) {
+        return Ok(());
+    }
+    if state.private_models_as_404 {
+        return Err(crate::validation::no_such_model(asked));
+    }
+    let mut err = ApiError::new(
+        ErrorKind::ModelNotAllowed,
+        format!("model {} is private; this account may not use it", e.id),
+    );
+    err.param = Some("model".into());
+    Err(err)
 }
 
 /// Adds a model's `Deprecation`/`Sunset` headers to `r`.
@@ -133,7 +174,10 @@ async fn list(state: Arc<AppState>, headers: HeaderMap, account: Option<String>)
         Ok(p) => p,
         Err(r) => return r,
     };
-    let data: Vec<Value> = listed(&state, &p).map(openai_object).collect();
+    let data: Vec<Value> = match listed(&state, &p).await {
+        Ok(l) => l.into_iter().map(openai_object).collect(),
+        Err(e) => return e.into_response_as(Flavor::OpenAi, &ctx.rid),
+    };
     ctx.header(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
 
@@ -149,11 +193,11 @@ async fn one(
         Err(r) => return r,
     };
     let id = id.trim_start_matches('/');
-    let _ = &p;
     match state.catalog.lookup(id, now_secs()) {
-        Lookup::Served(e) => {
-            with_lifecycle(ctx.header(axum::Json(openai_object(e)).into_response()), e)
-        }
+        Lookup::Served(e) => match check_access(&state, &p.tenant.id, e, id).await {
+            Ok(()) => with_lifecycle(ctx.header(axum::Json(openai_object(e)).into_response()), e),
+            Err(err) => err.into_response_as(Flavor::OpenAi, &ctx.rid),
+        },
         Lookup::Removed(e) => removed(e).into_response_as(Flavor::OpenAi, &ctx.rid),
         Lookup::Unknown => {
             crate::validation::no_such_model(id).into_response_as(Flavor::OpenAi, &ctx.rid)
@@ -249,7 +293,10 @@ pub(crate) async fn models_search(
         Ok(x) => x,
         Err(e) => return e.into_response_as(Flavor::WorkersAi, &ctx.rid),
     };
-    let found: Vec<&CatalogEntry> = listed(&state, &p).filter(|e| matches(e, &query)).collect();
+    let found: Vec<&CatalogEntry> = match listed(&state, &p).await {
+        Ok(l) => l.into_iter().filter(|e| matches(e, &query)).collect(),
+        Err(e) => return e.into_response_as(Flavor::WorkersAi, &ctx.rid),
+    };
     let skip = (page - 1).saturating_mul(per_page);
     let result: Vec<Value> = found
         .iter()

@@ -146,30 +146,33 @@ async fn generate_in_span(
         }
         Ok(p)
     });
-    let parsed = match parsed {
-        Ok(p) => p,
-        Err(e) => {
-            drop(validation);
-            return ctx.fail(&state, e).await;
-        }
-    };
     // Routing: the model id (or an alias) names the one set of engines that serves
     // it; its own tokenizer, chat template and limits validate the request. A model
     // past its sunset is gone (404, as an unknown one).
-    let served = match state.catalog.lookup(&parsed.model, now_secs()) {
-        Lookup::Served(e) => state.served(&e.id),
-        Lookup::Removed(e) => {
-            drop(validation);
-            return ctx.fail(&state, crate::models_api::removed(e)).await;
-        }
-        Lookup::Unknown => None,
+    let routed = parsed.and_then(|p| match state.catalog.lookup(&p.model, now_secs()) {
+        Lookup::Served(e) => Ok((p, e)),
+        Lookup::Removed(e) => Err(crate::models_api::removed(e)),
+        Lookup::Unknown => Err(validation::no_such_model(&p.model)),
+    });
+    drop(validation);
+    let (parsed, entry) = match routed {
+        Ok(x) => x,
+        Err(e) => return ctx.fail(&state, e).await,
     };
-    let Some(served) = served else {
-        drop(validation);
+    // Per-tenant access: a private model serves only the accounts it lists (checked
+    // before the body's values are, so a refusal looks the same whatever the body).
+    let access = crate::models_api::check_access(&state, &tenant.id, entry, &parsed.model)
+        .instrument(tracing::info_span!(target: TRACE, "admission", step = "model_access"))
+        .await;
+    if let Err(e) = access {
+        return ctx.fail(&state, e).await;
+    }
+    let Some(served) = state.served(&entry.id) else {
         return ctx
             .fail(&state, validation::no_such_model(&parsed.model))
             .await;
     };
+    let validation = tracing::info_span!(target: TRACE, "validation").entered();
     let v: Validated = match validation::validate(
         parsed,
         &state.catalog,
@@ -209,7 +212,13 @@ async fn generate_in_span(
         .in_scope(|| admission.reserve(input, max_tokens));
     let reservation = match reserved {
         Ok(r) => r,
-        Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
+        Err(l) => {
+            // Token limits are the account's, over every model; the refusal names
+            // the model the request asked for.
+            let mut e = limit_error(&l);
+            e.message = format!("{} (request for model {})", e.message, ctx.model);
+            return ctx.refuse(&state, l.kind.label(), e);
+        }
     };
     // The backend re-checks I1 against its own pool.
     let affinity = session_affinity(&parts.headers, &tenant.id);

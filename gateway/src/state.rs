@@ -132,6 +132,10 @@ pub struct GatewayConfig {
     /// Put the prompt and the output text in each request's log line (debugging
     /// only: off by default, the line carries counts and ids, never text or keys).
     pub log_request_text: bool,
+    /// A tenant asking for a private model it may not use gets the same 404 (Workers
+    /// AI 5007) as for an unknown model, so private ids cannot be probed; off: 403
+    /// with Workers AI code 5018 naming the model.
+    pub private_models_as_404: bool,
 }
 
 impl Default for GatewayConfig {
@@ -152,6 +156,7 @@ impl Default for GatewayConfig {
             drain_timeout: Duration::from_secs(30),
             metrics_top_tenants: crate::metrics::DEFAULT_TOP_TENANTS,
             log_request_text: false,
+            private_models_as_404: false,
         }
     }
 }
@@ -217,6 +222,8 @@ pub struct AppState {
     pub drain_timeout: Duration,
     /// Whether request log lines carry the prompt and output text.
     pub log_request_text: bool,
+    /// Private models a tenant may not use answer 404 as unknown ones (else 403).
+    pub private_models_as_404: bool,
     /// Prometheus metrics.
     pub metrics: crate::metrics::Metrics,
     /// Requests in flight by key (revocation and suspension abort them).
@@ -273,6 +280,7 @@ impl AppState {
             usage: cfg.usage,
             drain_timeout: cfg.drain_timeout,
             log_request_text: cfg.log_request_text,
+            private_models_as_404: cfg.private_models_as_404,
             metrics: crate::metrics::Metrics::new(&ids, cfg.metrics_top_tenants),
             live: Arc::new(Live::default()),
             revocation_poll: cfg.revocation_poll,

@@ -329,3 +329,230 @@ async fn the_catalog_lists_metadata_resolves_aliases_and_retires_models() {
         assert!(msg.starts_with(&format!("`{field}` must be")), "{q}: {msg}");
     }
 }
+
+/// `(status, Workers AI error code or 0, message)` of a run by `key` on `account`.
+async fn run_as(
+    s: &TestServer,
+    account: &str,
+    key: &str,
+    model: &str,
+    body: &Value,
+) -> (u16, Value, Value) {
+    let url = format!("{}/client/v4/accounts/{account}/ai/run/{model}", s.base);
+    let (status, _, v) = s.post(&url, Some(key), body).await;
+    (status, v["errors"][0]["code"].clone(), v)
+}
+
+/// Per-tenant model access: a private model serves only the accounts it lists
+/// (others get 403 / 5018 and do not see it listed); set through the admin API with
+/// an audit row and field-naming 400s; usage rows and the usage API's per-model
+/// totals are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_private_model_serves_only_its_tenants_and_usage_is_per_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = two_models(dir.path()).await;
+    let alpha = (s.tenant.id.clone(), s.key.clone());
+    let (beta_t, beta_key) = s
+        .tenant_with_key("beta", tessera_tenancy::Limits::default())
+        .await;
+    let beta = (beta_t.id.clone(), beta_key);
+    let s = &s;
+    let access = |body: Value| async move {
+        let r = s
+            .admin(
+                reqwest::Method::PUT,
+                &format!("/admin/v1/model-access/{TINY}"),
+            )
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        split(r).await
+    };
+    // Field-naming refusals; nothing changes.
+    for (body, field) in [
+        (json!({"visibility": "secret"}), "visibility"),
+        (json!({"tenants": [alpha.0]}), "visibility"),
+        (json!({"visibility": "private", "tenants": [1]}), "tenants"),
+        (json!({"visibility": "private", "tenants": "x"}), "tenants"),
+        (
+            json!({"visibility": "public", "tenants": [alpha.0]}),
+            "tenants",
+        ),
+        (
+            json!({"visibility": "private", "tenants": ["no-such-tenant"]}),
+            "tenants",
+        ),
+        (
+            json!({"visibility": "private", "tenant": [alpha.0]}),
+            "tenant",
+        ),
+    ] {
+        let (status, _, v) = access(body.clone()).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        let msg = v["errors"][0]["message"].as_str().unwrap();
+        assert!(msg.contains(&format!("`{field}`")), "{body}: {msg}");
+    }
+    let r = s
+        .admin(
+            reqwest::Method::PUT,
+            "/admin/v1/model-access/@cf/nobody/nothing",
+        )
+        .json(&json!({"visibility": "public"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    // Private to alpha.
+    let (status, rid, v) = access(json!({"visibility": "private", "tenants": [alpha.0]})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["result"],
+        json!({"model": TINY, "private": true, "tenants": [alpha.0]})
+    );
+    let (_, _, audit) = s.admin_get("/admin/v1/audit").await;
+    let row = audit["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["action"] == "model.access")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (row["target"].as_str(), row["request_id"].as_str()),
+        (Some(TINY), Some(rid.as_str()))
+    );
+    let (_, _, models) = s.admin_get("/admin/v1/models").await;
+    assert_eq!(models["result"][1]["access"]["private"], true, "{models}");
+
+    // Beta: refused (403, 5018, naming the model), in both API shapes, and the
+    // model is not listed; the public model still serves it.
+    let body = json!({"prompt": PROMPTS[0], "max_tokens": 8});
+    let (status, code, v) = run_as(s, &beta.0, &beta.1, TINY, &body).await;
+    assert_eq!((status, code), (403, json!(5018)), "{v}");
+    assert!(v["errors"][0]["message"].as_str().unwrap().contains(TINY));
+    let chat =
+        json!({"model": TINY, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, v) = s
+        .post(
+            &format!("{}/v1/chat/completions", s.base),
+            Some(&beta.1),
+            &chat,
+        )
+        .await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (403, Some("model_not_permitted")),
+        "{v}"
+    );
+    let (_, _, v) = s.get(&format!("{}/v1/models", s.base), Some(&beta.1)).await;
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![MODEL]);
+    let (status, _, _) = s
+        .get(&format!("{}/v1/models/{TINY}", s.base), Some(&beta.1))
+        .await;
+    assert_eq!(status, 403);
+
+    // Per-model usage, exact: alpha's answers' usage summed by model equals the
+    // usage API's groups; beta's refusal is one error row of 0 tokens.
+    let mut want: std::collections::BTreeMap<&str, (i64, i64, i64)> = Default::default();
+    for (i, model) in [MODEL, TINY, TINY, MODEL, TINY].into_iter().enumerate() {
+        let b = json!({"prompt": PROMPTS[i % 3], "max_tokens": 5 + i});
+        let (status, _, v) = run_as(s, &alpha.0, &alpha.1, model, &b).await;
+        assert_eq!(status, 200, "{model}: {v}");
+        let u = &v["result"]["usage"];
+        let w = want.entry(model).or_default();
+        w.0 += 1;
+        w.1 += u["prompt_tokens"].as_i64().unwrap();
+        w.2 += u["completion_tokens"].as_i64().unwrap();
+    }
+    s.settle().await;
+    let (status, _, v) = s
+        .get(&s.account_url("usage?group_by=model"), Some(&alpha.1))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let got: std::collections::BTreeMap<&str, (i64, i64, i64)> = v["result"]["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["key"].as_str().unwrap(),
+                (
+                    g["requests"].as_i64().unwrap(),
+                    g["input_tokens"].as_i64().unwrap(),
+                    g["output_tokens"].as_i64().unwrap(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(got, want);
+    let rows = s.store().usage_rows(Some(&beta.0)).await.unwrap();
+    let refused: Vec<_> = rows.iter().filter(|r| r.model == TINY).collect();
+    assert_eq!(refused.len(), 2, "{rows:?}");
+    assert!(refused
+        .iter()
+        .all(|r| r.status == 403 && r.error_code == 5018 && r.input_tokens + r.output_tokens == 0));
+
+    // Public again: beta is served.
+    let (status, _, _) = access(json!({"visibility": "public"})).await;
+    assert_eq!(status, 200);
+    let (status, _, v) = run_as(s, &beta.0, &beta.1, TINY, &body).await;
+    assert_eq!(status, 200, "{v}");
+}
+
+/// With `private_models_as_404`, a private model a tenant may not use answers
+/// exactly as an unknown model does (404, 5007, `No such model <id asked for>`), so
+/// private ids cannot be probed; its tenants are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn private_models_can_answer_as_unknown_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_random_llama(&model_path(), &path, &RandomLlama::SMALL).unwrap();
+    let tiny = LoadedModel::load(&path).unwrap();
+    let cfg = GatewayConfig {
+        private_models_as_404: true,
+        ..GatewayConfig::default()
+    };
+    let s = start_models(
+        cfg,
+        vec![ServedModel::new(TINY, tiny.clone(), pd(&tiny, 4096))],
+    )
+    .await;
+    let (other_t, other_key) = s
+        .tenant_with_key("other", tessera_tenancy::Limits::default())
+        .await;
+    s.store()
+        .set_model_access(TINY, true, std::slice::from_ref(&s.tenant.id))
+        .await
+        .unwrap();
+    let body = json!({"prompt": "Hi", "max_tokens": 4});
+    let unknown = "@cf/tessera/random-llama-tinz";
+    let (s1, c1, v1) = run_as(&s, &other_t.id, &other_key, TINY, &body).await;
+    let (s2, c2, v2) = run_as(&s, &other_t.id, &other_key, unknown, &body).await;
+    assert_eq!((s1, &c1), (404, &json!(5007)), "{v1}");
+    assert_eq!((s2, &c2), (404, &json!(5007)), "{v2}");
+    let m1 = v1["errors"][0]["message"]
+        .as_str()
+        .unwrap()
+        .replace(TINY, "ID");
+    let m2 = v2["errors"][0]["message"]
+        .as_str()
+        .unwrap()
+        .replace(unknown, "ID");
+    assert_eq!(m1, m2);
+    let (status, _, v) = s
+        .get(&format!("{}/v1/models/{TINY}", s.base), Some(&other_key))
+        .await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+    let (status, _, _) = run_as(&s, &s.tenant.id, &s.key, TINY, &body).await;
+    assert_eq!(status, 200);
+}

@@ -19,9 +19,9 @@ pub mod testing;
 pub use keys::{ApiKey, KeyError, Scope, Scopes};
 pub use limits::{Admission, DailyState, LimitError, LimitKind, Limiter, Reservation};
 pub use store::{
-    AuditCtx, AuditRecord, Audited, AuthError, GroupBy, KeyInfo, Limits, LimitsPatch, NewKey,
-    Principal, PriorityCeiling, Scheduling, Store, StoreError, Tenant, TenantStatus, UsageGroup,
-    UsageRecord,
+    AuditCtx, AuditRecord, Audited, AuthError, GroupBy, KeyInfo, Limits, LimitsPatch, ModelAccess,
+    NewKey, Principal, PriorityCeiling, Scheduling, Store, StoreError, Tenant, TenantStatus,
+    UsageGroup, UsageRecord,
 };
 
 /// Milliseconds since the Unix epoch, now.

@@ -28,3 +28,10 @@ async fn postgres_scheduling_and_cache_salt() {
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
     common::store_scheduling_contract(&store).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_model_access() {
+    let (_server, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_model_access_contract(&store).await;
+}

@@ -61,3 +61,11 @@ async fn concurrent_writers_wait_for_the_lock() {
         16 * 8
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_model_access() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_model_access_contract(&store).await;
+}

@@ -502,3 +502,76 @@ pub(crate) async fn store_scheduling_contract(store: &Store) {
         "the salt is never logged"
     );
 }
+
+/// Per-tenant model access: a model without a row is public; private to a list of
+/// tenants, replaced as a whole, audited (`model.access`) only when it succeeds;
+/// unknown tenants and tenants on a public model are refused without a change.
+pub(crate) async fn store_model_access_contract(store: &Store) {
+    let by = AuditCtx {
+        request_id: tessera_tenancy::random_hex(16),
+        source: "127.0.0.1:4242".into(),
+    };
+    let start = tessera_tenancy::now_ms();
+    let a = store.create_tenant("a", Limits::default()).await.unwrap();
+    let b = store.create_tenant("b", Limits::default()).await.unwrap();
+    // A fresh id per run: a shared PostgreSQL server keeps earlier runs' rows.
+    let model = format!("@cf/test/model-{}", tessera_tenancy::random_hex(4));
+    let open = store.model_access(&model).await.unwrap();
+    assert_eq!(open, tessera_tenancy::ModelAccess::public(&model));
+    assert!(open.allows(&a.id) && open.allows(&b.id));
+
+    let admin = store.audited(&by);
+    let set = admin
+        .set_model_access(&model, true, &[b.id.clone(), a.id.clone(), a.id.clone()])
+        .await
+        .unwrap();
+    let mut both = vec![a.id.clone(), b.id.clone()];
+    both.sort();
+    assert_eq!(
+        (set.private, &set.tenants),
+        (true, &both),
+        "sorted, once each"
+    );
+    let set = admin
+        .set_model_access(&model, true, std::slice::from_ref(&a.id))
+        .await
+        .unwrap();
+    let read = store.model_access(&model).await.unwrap();
+    assert_eq!(read, set);
+    assert!(read.allows(&a.id) && !read.allows(&b.id));
+    assert!(store
+        .list_model_access()
+        .await
+        .unwrap()
+        .iter()
+        .any(|m| m == &read));
+    // Refused, nothing changes, nothing audited.
+    let e = admin
+        .set_model_access(&model, true, &["no-such-tenant".to_string()])
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no-such-tenant"), "{e}");
+    let e = admin
+        .set_model_access(&model, false, std::slice::from_ref(&b.id))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("public model"), "{e}");
+    assert_eq!(store.model_access(&model).await.unwrap(), read);
+    // Public again: everyone, no list; unaudited calls write no row.
+    store.set_model_access(&model, false, &[]).await.unwrap();
+    let open = store.model_access(&model).await.unwrap();
+    assert!(!open.private && open.tenants.is_empty() && open.allows(&b.id));
+    let rows: Vec<_> = store
+        .audit_rows(start, tessera_tenancy::now_ms() + 1, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.action == "model.access" && r.target == model)
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[1].request_id, by.request_id);
+    assert_eq!(
+        rows[1].detail,
+        serde_json::json!({"private": true, "tenants": [a.id]})
+    );
+}
