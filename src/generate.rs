@@ -121,7 +121,7 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
         engine.step();
         while let Ok(ev) = rx.try_recv() {
             match ev {
-                Event::Token { id, text } => {
+                Event::Token { id, text, .. } => {
                     ids.push(id);
                     out.push_str(&text);
                     if !a.json {

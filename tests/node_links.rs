@@ -345,6 +345,7 @@ fn raw_prealloc(
         sampling: SamplingParams::default(),
         stop: Vec::new(),
         ignore_eos: true,
+        output: Default::default(),
     };
     frame(
         &json!({"control": {

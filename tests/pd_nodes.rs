@@ -362,3 +362,72 @@ async fn gateway_killed_mid_transfer_leaks_no_node_page() {
     dep.replace_gateway().await;
     dep.pool_is_free().await;
 }
+
+/// `echo` with `logprobs` sends the prompt's log probabilities inside one control
+/// frame per node link (prefill -> decode -> gateway). The gateway refuses a prompt
+/// whose entries could overflow a frame with a 400 naming `logprobs`, and the
+/// largest prompt it admits with 20 alternatives crosses the real TLS links whole:
+/// one entry per prompt token, the first without a value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_logprobs_fit_the_node_link_frames_or_are_refused() {
+    let dep = Deployment::start().await;
+    let completions = |words: usize| {
+        let client = reqwest::Client::new();
+        let url = format!("{}/v1/completions", dep.gateway.base);
+        let key = dep.gateway.key.clone();
+        async move {
+            let body = json!({"model": MODEL_ID, "prompt": "the ".repeat(words).trim_end(),
+                              "max_tokens": 2, "temperature": 0, "logprobs": 20, "echo": true});
+            let r = client
+                .post(url)
+                .bearer_auth(key)
+                .json(&body)
+                .timeout(Duration::from_secs(120))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, refused) = completions(1400).await;
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(refused["error"]["param"], "logprobs", "{refused}");
+    // "... limited to 1242 prompt tokens; this prompt has N."
+    let msg = refused["error"]["message"].as_str().unwrap();
+    let number_after = |pat: &str| -> usize {
+        let rest = &msg[msg.find(pat).unwrap_or_else(|| panic!("{msg}")) + pat.len()..];
+        rest.split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (limit, tokens) = (
+        number_after("limited to "),
+        number_after("this prompt has "),
+    );
+    assert!(tokens > limit, "{msg}");
+    // Words per token are constant for this text: aim just under the limit.
+    let words = (limit - 8) * 1400 / tokens;
+    let (status, v) = completions(words).await;
+    assert_eq!(status, 200, "{v}\n{}", dep.logs());
+    let lp = &v["choices"][0]["logprobs"];
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(
+        prompt_tokens + 16 > limit && prompt_tokens <= limit,
+        "{prompt_tokens} vs {limit}"
+    );
+    let values = lp["token_logprobs"].as_array().unwrap();
+    let completion = v["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(values.len(), prompt_tokens + completion, "{lp}");
+    assert!(values[0].is_null());
+    assert!(values[1..]
+        .iter()
+        .all(|x| x.as_f64().is_some_and(|x| x <= 0.0)));
+    let tops = lp["top_logprobs"].as_array().unwrap();
+    assert!(tops[1..]
+        .iter()
+        .all(|t| t.as_object().is_some_and(|m| !m.is_empty())));
+    dep.pool_is_free().await;
+}

@@ -42,6 +42,25 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens (benchmarks, reference tests).
     pub ignore_eos: bool,
+    /// What the request asks of its output beyond tokens (log probabilities);
+    /// the default asks nothing and costs nothing.
+    #[serde(default)]
+    pub output: OutputOptions,
+}
+
+/// What a request asks of its output beyond the tokens. The default asks nothing.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OutputOptions {
+    /// Each generated token's log probability with this many alternatives
+    /// (capped at [`tessera_model::sampling::MAX_TOP_LOGPROBS`]); `None`: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<u32>,
+    /// Each prompt token's log probability (after the first) with this many
+    /// alternatives, sent with the first token; `None`: none. Such a request
+    /// computes its whole prompt (no prefix-cache reuse) and the logits of every
+    /// prompt position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// Why a request was refused at admission. Terminal: nothing was allocated.
@@ -102,6 +121,7 @@ impl GenerateRequest {
             sampling: SamplingParams::default(),
             stop: vec![],
             ignore_eos: false,
+            output: OutputOptions::default(),
         }
     }
 }

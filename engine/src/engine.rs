@@ -24,7 +24,7 @@ use tessera_model::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
 use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
 use tessera_model::kv::{KvManager, PagePool, ReserveError, SeqId};
 use tessera_model::llama::{BatchRow, Llama};
-use tessera_model::sampling::Sampler;
+use tessera_model::sampling::{token_logprobs, Logprobs, Sampler, TokenLogprobs};
 use tessera_model::tokenizer::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -144,6 +144,13 @@ pub(crate) struct Seq {
     pub(crate) chain: Vec<ChainHash>,
     /// Prompt tokens reused from the prefix cache.
     pub(crate) cached: usize,
+    /// Alternatives per generated token's log probabilities (`None`: none asked).
+    pub(crate) logprobs: Option<usize>,
+    /// Alternatives per prompt token's log probabilities (`None`: none asked).
+    pub(crate) prompt_logprobs: Option<usize>,
+    /// Prompt log probabilities computed so far (positions 1.., in order); sent
+    /// with the first token.
+    pub(crate) prompt_lp: Vec<TokenLogprobs>,
 }
 
 impl Seq {
@@ -163,6 +170,9 @@ impl Seq {
             priority: req.priority,
             chain: Vec::new(),
             cached: 0,
+            logprobs: req.output.logprobs.map(|k| k as usize),
+            prompt_logprobs: req.output.prompt_logprobs.map(|k| k as usize),
+            prompt_lp: Vec::new(),
             prompt: req.prompt,
             generated: Vec::new(),
             max_tokens: req.max_tokens,
@@ -245,12 +255,15 @@ pub struct Prefilled {
 
 /// The token sampled at the end of a prefill, and the sampler's RNG position after it
 /// ([`Sampler::rng_word_pos`]), so the decode node continues the same stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct FirstToken {
     /// Token id.
     pub token: u32,
     /// Sampler RNG word position after sampling it.
     pub rng_word_pos: u128,
+    /// Its log probabilities and the prompt's, when the request asked (they
+    /// travel with the commit to the decode node, which emits the first token).
+    pub logprobs: Option<Box<Logprobs>>,
 }
 
 /// The engine: one owner of the model's KV pool and the running batch.
@@ -424,7 +437,9 @@ impl Engine {
         role: SeqRole,
     ) {
         let r = req.request();
-        let chain = match (self.cfg.prefix_cache, &r.cache_namespace) {
+        // Prompt logprobs need every prompt position computed: no cache reuse.
+        let cacheable = self.cfg.prefix_cache && r.output.prompt_logprobs.is_none();
+        let chain = match (cacheable, &r.cache_namespace) {
             (true, Some(ns)) => {
                 let root = chain_root(ns, &self.model_fp, self.cfg.page_size);
                 chain(&root, &r.prompt, self.cfg.page_size)
@@ -650,23 +665,36 @@ impl Engine {
             }
         }
         for (row, mut logits) in out.logits {
-            let seq = rows[row].seq;
+            let (seq, pos) = (rows[row].seq, rows[row].pos);
             let Some(s) = self.running.iter_mut().find(|s| s.id == seq) else {
                 continue;
             };
-            let tok = s.sampler.sample(&mut logits, &s.prompt, &s.generated);
+            if pos + 1 < s.prompt.len() {
+                // A prompt position computed for its logprobs: scores the next
+                // prompt token (raw logits; nothing is sampled).
+                if let Some(k) = s.prompt_logprobs {
+                    s.prompt_lp
+                        .push(token_logprobs(&logits, s.prompt[pos + 1], k));
+                }
+                continue;
+            }
+            let (tok, lp) =
+                s.sampler
+                    .sample_logprobs(&mut logits, &s.prompt, &s.generated, s.logprobs);
+            let logprobs = output_logprobs(s, tok, lp, &self.stop_ids);
             if s.role == SeqRole::Prefill {
                 prefilled.push(Prefilled {
                     seq,
                     result: Ok(FirstToken {
                         token: tok,
                         rng_word_pos: s.sampler.rng_word_pos(),
+                        logprobs,
                     }),
                     cached_tokens: s.cached,
                 });
                 continue;
             }
-            match accept_token(s, tok, &self.tokenizer, &self.stop_ids) {
+            match accept_token(s, tok, logprobs, &self.tokenizer, &self.stop_ids) {
                 Accepted::Continue => {}
                 Accepted::Finished(ev) => finished.push((seq, SeqEnd::Completed, Some(ev))),
                 // The receiver is gone (client disconnected): abort and free.
@@ -856,7 +884,7 @@ impl Engine {
                             seq: s.id,
                             token: s.prompt[pos],
                             pos,
-                            want_logits: pos + 1 == s.prompt.len(),
+                            want_logits: pos + 1 == s.prompt.len() || s.prompt_logprobs.is_some(),
                         });
                     }
                 }
@@ -872,8 +900,35 @@ pub(crate) enum Accepted {
     Disconnected,
 }
 
-/// Appends a sampled token and sends its event.
-pub(crate) fn accept_token(s: &mut Seq, tok: u32, tk: &Tokenizer, stop_ids: &[u32]) -> Accepted {
+/// What a sampled token's event carries of log probabilities: its own entry (not
+/// for an end-of-sequence token, which is no part of the output) and, on the first
+/// token, the prompt's; `None` when the request asked for neither.
+pub(crate) fn output_logprobs(
+    s: &mut Seq,
+    tok: u32,
+    lp: Option<TokenLogprobs>,
+    stop_ids: &[u32],
+) -> Option<Box<Logprobs>> {
+    if s.logprobs.is_none() && s.prompt_logprobs.is_none() {
+        return None;
+    }
+    let token = lp.filter(|_| s.ignore_eos || !stop_ids.contains(&tok));
+    let prompt = if s.generated.is_empty() {
+        std::mem::take(&mut s.prompt_lp)
+    } else {
+        Vec::new()
+    };
+    Some(Box::new(Logprobs { token, prompt }))
+}
+
+/// Appends a sampled token and sends its event (with `logprobs`, when asked).
+pub(crate) fn accept_token(
+    s: &mut Seq,
+    tok: u32,
+    logprobs: Option<Box<Logprobs>>,
+    tk: &Tokenizer,
+    stop_ids: &[u32],
+) -> Accepted {
     let now = Instant::now();
     s.first_token.get_or_insert(now);
     s.generated.push(tok);
@@ -901,7 +956,12 @@ pub(crate) fn accept_token(s: &mut Seq, tok: u32, tk: &Tokenizer, stop_ids: &[u3
             }
         }
     }
-    if s.sink.send(Event::Token { id: tok, text }).is_err() {
+    let ev = Event::Token {
+        id: tok,
+        text,
+        logprobs,
+    };
+    if s.sink.send(ev).is_err() {
         return Accepted::Disconnected;
     }
     let Some(reason) = reason else {

@@ -13,7 +13,7 @@ use crate::sink::EventSink;
 use std::time::Instant;
 use tessera_kernels::{BlockRef, IntegrityError};
 use tessera_model::kv::{PoolError, SeqId};
-use tessera_model::sampling::Sampler;
+use tessera_model::sampling::{Logprobs, Sampler};
 use tessera_transfer::checksum::page_checksum;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::transport::DestPage;
@@ -80,6 +80,9 @@ pub struct Import {
     pub seed_fallback: u64,
     /// Sampler RNG position after the first token.
     pub rng_word_pos: u128,
+    /// The first token's log probabilities and the prompt's, when the request
+    /// asked (computed by the prefill node).
+    pub logprobs: Option<Box<Logprobs>>,
     /// Prompt tokens the prefill node took from its prefix cache (usage only).
     pub cached_tokens: usize,
     /// Where the sequence's events go.
@@ -221,6 +224,7 @@ impl Engine {
             first_token,
             seed_fallback,
             rng_word_pos,
+            logprobs,
             cached_tokens,
             sink,
             submitted,
@@ -230,7 +234,13 @@ impl Engine {
         let mut s = crate::engine::Seq::new(seq, r, sampler, sink, submitted, SeqRole::Generate);
         s.prefilled = s.prompt.len();
         s.cached = cached_tokens;
-        match accept_token(&mut s, first_token, &self.tokenizer, &self.stop_ids) {
+        match accept_token(
+            &mut s,
+            first_token,
+            logprobs,
+            &self.tokenizer,
+            &self.stop_ids,
+        ) {
             Accepted::Continue => self.running.push(s),
             Accepted::Finished(ev) => {
                 self.kv.release(seq);

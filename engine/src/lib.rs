@@ -18,7 +18,8 @@ pub mod sink;
 pub mod testing;
 
 pub use admission::{
-    AdmissionLimits, Admitted, CacheNamespace, GenerateRequest, PdAdmission, Rejection,
+    AdmissionLimits, Admitted, CacheNamespace, GenerateRequest, OutputOptions, PdAdmission,
+    Rejection,
 };
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 use tessera_kernels::IntegrityError;
+use tessera_model::sampling::Logprobs;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// The receiver of a request's events is gone: the engine aborts the request.
@@ -116,6 +117,10 @@ pub enum Event {
         id: u32,
         /// Newly completed text.
         text: String,
+        /// Log probabilities, when the request asked for them: the token's (none
+        /// for an end-of-sequence token, which is not output), and on the first
+        /// token the prompt's.
+        logprobs: Option<Box<Logprobs>>,
     },
     /// Normal end.
     Done {

@@ -37,7 +37,7 @@ pub fn drain(rx: &mut UnboundedReceiver<Event>) -> Outcome {
     };
     while let Ok(ev) = rx.try_recv() {
         match ev {
-            Event::Token { id, text } => {
+            Event::Token { id, text, .. } => {
                 assert!(o.last.is_none(), "token after the final event");
                 o.ids.push(id);
                 o.text.push_str(&text);

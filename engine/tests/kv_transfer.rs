@@ -95,6 +95,7 @@ fn land_and_decode(
             first_token: exported.first_token,
             seed_fallback: transfer,
             rng_word_pos: exported.rng_word_pos,
+            logprobs: None,
             cached_tokens: 0,
             sink: Box::new(sink),
             submitted: std::time::Instant::now(),

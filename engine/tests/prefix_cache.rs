@@ -63,7 +63,7 @@ fn run(
     e.run_to_completion();
     while let Ok(ev) = rx.try_recv() {
         match ev {
-            Event::Token { id, text } => {
+            Event::Token { id, text, .. } => {
                 o.ids.push(id);
                 o.text.push_str(&text);
             }

@@ -25,6 +25,7 @@ use crate::metrics::AbortReason;
 use crate::state::{AppState, Ctx};
 use std::sync::Arc;
 use std::time::Duration;
+use tessera_model::sampling::Logprobs;
 use tessera_serving::{
     FinishReason, RequestStream, ServeError, ServeErrorKind, StreamEvent, Usage,
 };
@@ -41,8 +42,14 @@ pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(30);
 /// `Error`.
 #[derive(Debug)]
 pub(crate) enum Msg {
-    /// Newly completed text (never empty).
-    Text(String),
+    /// Newly completed text (never empty without `logprobs`), and the log
+    /// probabilities of the token that completed it when the request asked.
+    Text {
+        /// The text.
+        text: String,
+        /// The token's (and on the first token the prompt's) log probabilities.
+        logprobs: Option<Box<Logprobs>>,
+    },
     /// Normal end.
     Done {
         /// Why.
@@ -146,14 +153,14 @@ pub(crate) fn spawn(
                 }
                 _ = tokio::time::sleep_until(deadline) => break End::Timeout(ttft.is_none()),
                 ev = stream.recv() => match ev {
-                    Some(StreamEvent::Token { text, .. }) => {
+                    Some(StreamEvent::Token { text, logprobs, .. }) => {
                         generated += 1;
                         ttft.get_or_insert_with(|| ctx.started.elapsed());
-                        if !text.is_empty() {
+                        if !text.is_empty() || logprobs.is_some() {
                             if let Some(o) = &mut output_text {
                                 o.push_str(&text);
                             }
-                            let _ = tx.send(Msg::Text(text));
+                            let _ = tx.send(Msg::Text { text, logprobs });
                         }
                     }
                     Some(StreamEvent::Done { reason, usage }) => break End::Done(reason, usage),

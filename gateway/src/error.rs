@@ -40,6 +40,8 @@ pub enum ErrorKind {
     ModelNotAllowed,
     /// Unknown route (404).
     NotFound,
+    /// A known route asked with a method it does not serve (405, with `allow`).
+    MethodNotAllowed,
     /// A per-tenant rate limit (429).
     RateLimited,
     /// The tenant's daily token quota is used up (429).
@@ -62,6 +64,7 @@ impl ErrorKind {
             Self::BadRequest | Self::ContextOverflow => StatusCode::BAD_REQUEST,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NoSuchModel | Self::NotFound => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::RateLimited | Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::Timeout => StatusCode::REQUEST_TIMEOUT,
@@ -78,6 +81,7 @@ impl ErrorKind {
             Self::NoSuchModel => 5007,
             Self::ModelNotAllowed => 5018,
             Self::NotFound => 7000,
+            Self::MethodNotAllowed => 7001,
             Self::RateLimited | Self::Unavailable => 3040,
             Self::QuotaExceeded => 3036,
             Self::Timeout => 3007,
@@ -96,6 +100,7 @@ impl ErrorKind {
             Self::NoSuchModel => ("invalid_request_error", "model_not_found"),
             Self::ModelNotAllowed => ("invalid_request_error", "model_not_permitted"),
             Self::NotFound => ("invalid_request_error", "not_found"),
+            Self::MethodNotAllowed => ("invalid_request_error", "method_not_allowed"),
             Self::RateLimited => ("requests", "rate_limit_exceeded"),
             Self::QuotaExceeded => ("insufficient_quota", "insufficient_quota"),
             Self::Unavailable => ("server_error", "engine_unavailable"),

@@ -5,7 +5,10 @@
 use crate::driver::{finish_label, Msg, TokenCounts};
 use crate::http::{sse, Shape};
 use crate::workers_ai;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+use std::sync::Arc;
+use tessera_model::sampling::{Logprobs, TokenLogprobs};
+use tessera_model::tokenizer::Tokenizer;
 use tessera_serving::FinishReason;
 
 use workers_ai::usage;
@@ -18,6 +21,99 @@ pub(crate) struct Formatter {
     pub(crate) created: i64,
     pub(crate) include_usage: bool,
     pub(crate) started: bool,
+    /// Log probabilities to render (the request asked for them).
+    pub(crate) logprobs: Option<LogprobsView>,
+    /// Completions `echo`: the prompt text, sent once before the completion.
+    pub(crate) echo: Option<String>,
+}
+
+/// What rendering log probabilities needs: the tokenizer that names tokens, the
+/// prompt (echo), and how many characters of text the tokens rendered so far
+/// covered (completions `text_offset`).
+pub(crate) struct LogprobsView {
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    /// The prompt's token ids, when `echo` returns the prompt's log probabilities.
+    pub(crate) prompt: Option<Vec<u32>>,
+    /// Characters covered by the tokens rendered so far.
+    pub(crate) offset: usize,
+}
+
+/// Log probabilities a whole (non-streaming) response collected.
+#[derive(Default)]
+pub(crate) struct Collected {
+    /// Prompt positions 1.. (echo).
+    pub(crate) prompt: Vec<TokenLogprobs>,
+    /// Generated tokens.
+    pub(crate) tokens: Vec<TokenLogprobs>,
+}
+
+impl Collected {
+    /// Adds one token's log probabilities.
+    pub(crate) fn push(&mut self, lp: Logprobs) {
+        self.prompt.extend(lp.prompt);
+        self.tokens.extend(lp.token);
+    }
+}
+
+/// A log probability as JSON: `-inf` (a token the logits exclude) is OpenAI's
+/// `-9999.0`, since JSON has no infinity.
+fn lp_value(x: f32) -> Value {
+    json!(if x.is_finite() { x } else { -9999.0 })
+}
+
+impl LogprobsView {
+    fn token_text(&self, id: u32) -> String {
+        String::from_utf8_lossy(self.tokenizer.token_bytes_ref(id)).into_owned()
+    }
+
+    /// Chat: `{"token", "logprob", "bytes", "top_logprobs": [...]}`.
+    fn chat_entry(&self, e: &TokenLogprobs) -> Value {
+        let one = |id: u32, lp: f32| {
+            json!({"token": self.token_text(id), "logprob": lp_value(lp),
+                   "bytes": self.tokenizer.token_bytes_ref(id)})
+        };
+        let mut v = one(e.id, e.logprob);
+        v["top_logprobs"] = e.top.iter().map(|&(id, lp)| one(id, lp)).collect();
+        v
+    }
+
+    /// Chat: the choice's `logprobs` object.
+    fn chat(&self, entries: &[TokenLogprobs]) -> Value {
+        let content: Vec<Value> = entries.iter().map(|e| self.chat_entry(e)).collect();
+        json!({"content": content, "refusal": null})
+    }
+
+    /// Completions: the legacy `logprobs` object (`tokens`, `token_logprobs`,
+    /// `top_logprobs`, `text_offset` in characters from the start of the returned
+    /// text) over `prompt` (echo: the prompt's ids and its entries for positions
+    /// 1..; the first token has no log probability, `null`) and then `entries`.
+    fn completion(&mut self, prompt: Option<&[TokenLogprobs]>, entries: &[TokenLogprobs]) -> Value {
+        let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+        let mut add = |view: &mut Self, id: u32, e: Option<&TokenLogprobs>| {
+            let text = view.token_text(id);
+            offsets.push(view.offset);
+            view.offset += text.chars().count();
+            tokens.push(text);
+            lps.push(e.map_or(Value::Null, |e| lp_value(e.logprob)));
+            tops.push(e.map_or(Value::Null, |e| {
+                let mut m = Map::new();
+                for &(id, lp) in &e.top {
+                    m.entry(view.token_text(id)).or_insert(lp_value(lp));
+                }
+                Value::Object(m)
+            }));
+        };
+        if let (Some(entries), Some(ids)) = (prompt, self.prompt.take()) {
+            for (i, &id) in ids.iter().enumerate() {
+                let e = i.checked_sub(1).and_then(|j| entries.get(j));
+                add(self, id, e);
+            }
+        }
+        for e in entries {
+            add(self, e.id, Some(e));
+        }
+        json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+    }
 }
 
 impl Formatter {
@@ -37,18 +133,33 @@ impl Formatter {
     }
 
     /// The whole (non-streaming) response body.
-    pub(crate) fn complete(&self, text: &str, reason: FinishReason, tokens: TokenCounts) -> Value {
+    pub(crate) fn complete(
+        &mut self,
+        text: &str,
+        reason: FinishReason,
+        tokens: TokenCounts,
+        lp: &Collected,
+    ) -> Value {
         let choice = match self.shape {
             Shape::WorkersAi => return workers_ai::complete(text, tokens),
             Shape::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": self.logprobs.as_ref().map(|v| v.chat(&lp.tokens)),
                 "finish_reason": finish_label(reason),
             }),
-            Shape::Completion => json!({
-                "index": 0, "text": text, "logprobs": null, "finish_reason": finish_label(reason),
-            }),
+            Shape::Completion => {
+                let echo = self.echo.take();
+                let prompt = echo.as_ref().map(|_| lp.prompt.as_slice());
+                let logprobs = self
+                    .logprobs
+                    .as_mut()
+                    .map(|v| v.completion(prompt, &lp.tokens));
+                json!({
+                    "index": 0, "text": format!("{}{text}", echo.unwrap_or_default()),
+                    "logprobs": logprobs, "finish_reason": finish_label(reason),
+                })
+            }
         };
         json!({
             "id": self.id(),
@@ -74,20 +185,40 @@ impl Formatter {
         sse(&v)
     }
 
-    fn delta(&self, text: Option<&str>, finish: Option<FinishReason>) -> Value {
+    fn delta(&self, text: Option<&str>, finish: Option<FinishReason>, logprobs: Value) -> Value {
         let finish = finish.map(finish_label);
         match self.shape {
             Shape::Completion => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
             }
             _ => {
                 let delta = match text {
                     Some(t) => json!({"content": t}),
                     None => json!({}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         }
+    }
+
+    /// The chunks of one token's text and log probabilities; on the first, a
+    /// completions `echo` chunk (the prompt, with its log probabilities) first.
+    fn text_chunks(&mut self, text: &str, lp: Option<Box<Logprobs>>, out: &mut String) {
+        let lp = lp.map(|b| *b).unwrap_or_default();
+        if let Some(echo) = self.echo.take() {
+            let logprobs = match &mut self.logprobs {
+                Some(v) => v.completion(Some(&lp.prompt), &[]),
+                None => Value::Null,
+            };
+            out.push_str(&self.chunk(Some(self.delta(Some(&echo), None, logprobs)), None));
+        }
+        let entries: Vec<TokenLogprobs> = lp.token.into_iter().collect();
+        let logprobs = match (&mut self.logprobs, self.shape) {
+            (Some(v), Shape::Completion) => v.completion(None, &entries),
+            (Some(v), _) => v.chat(&entries),
+            (None, _) => Value::Null,
+        };
+        out.push_str(&self.chunk(Some(self.delta(Some(text), None, logprobs)), None));
     }
 
     /// The SSE bytes for one driver message.
@@ -99,14 +230,23 @@ impl Formatter {
         }
         self.started = true;
         match (self.shape, m) {
-            (Shape::WorkersAi, Msg::Text(t)) => out.push_str(&workers_ai::text_frame(&t)),
+            (Shape::WorkersAi, Msg::Text { text, .. }) => {
+                if !text.is_empty() {
+                    out.push_str(&workers_ai::text_frame(&text))
+                }
+            }
             (Shape::WorkersAi, Msg::Done { tokens, .. }) => {
                 out.push_str(&workers_ai::done_frames(tokens))
             }
             (Shape::WorkersAi, Msg::Error(e)) => out.push_str(&workers_ai::error_frame(&e)),
-            (_, Msg::Text(t)) => out.push_str(&self.chunk(Some(self.delta(Some(&t), None)), None)),
+            (_, Msg::Text { text, logprobs }) => self.text_chunks(&text, logprobs, &mut out),
             (_, Msg::Done { reason, tokens }) => {
-                out.push_str(&self.chunk(Some(self.delta(None, Some(reason))), None));
+                if let Some(echo) = self.echo.take() {
+                    let echo = self.delta(Some(&echo), None, Value::Null);
+                    out.push_str(&self.chunk(Some(echo), None));
+                }
+                let last = self.delta(None, Some(reason), Value::Null);
+                out.push_str(&self.chunk(Some(last), None));
                 if self.include_usage {
                     out.push_str(&self.chunk(None, Some(usage(tokens))));
                 }

@@ -10,7 +10,7 @@ use crate::driver::{self, Msg};
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{authenticate, limit_error, read_body, Shape};
 use crate::models_api::with_lifecycle;
-use crate::openai::Formatter;
+use crate::openai::{Collected, Formatter, LogprobsView};
 use crate::state::{ConnLimits, Ctx};
 use crate::validation::{self, ParsedRequest, Validated};
 use axum::body::{Body, Bytes};
@@ -241,6 +241,7 @@ async fn generate_in_span(
         driver::Held { reservation, live },
         prompt_tokens,
     );
+    let echo_logprobs = v.echo.is_some() && v.request.output.prompt_logprobs.is_some();
     let fmt = Formatter {
         shape,
         rid: ctx.rid.clone(),
@@ -248,6 +249,12 @@ async fn generate_in_span(
         created: ctx.created_ms / 1000,
         include_usage: v.include_usage,
         started: false,
+        logprobs: v.request.output.logprobs.map(|_| LogprobsView {
+            tokenizer: served.model.tokenizer.clone(),
+            prompt: echo_logprobs.then(|| v.request.prompt.clone()),
+            offset: 0,
+        }),
+        echo: v.echo,
     };
     let entry = &served.entry;
     if !v.stream {
@@ -323,13 +330,23 @@ fn session_affinity(headers: &HeaderMap, tenant_id: &str) -> Option<u64> {
     Some(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")))
 }
 
-async fn collect_response(ctx: &Ctx, fmt: Formatter, mut out: UnboundedReceiver<Msg>) -> Response {
+async fn collect_response(
+    ctx: &Ctx,
+    mut fmt: Formatter,
+    mut out: UnboundedReceiver<Msg>,
+) -> Response {
     let mut text = String::new();
+    let mut lp = Collected::default();
     while let Some(m) = out.recv().await {
         match m {
-            Msg::Text(t) => text.push_str(&t),
+            Msg::Text { text: t, logprobs } => {
+                text.push_str(&t);
+                if let Some(l) = logprobs {
+                    lp.push(*l);
+                }
+            }
             Msg::Done { reason, tokens } => {
-                let body = fmt.complete(&text, reason, tokens);
+                let body = fmt.complete(&text, reason, tokens, &lp);
                 return ctx.header((StatusCode::OK, axum::Json(body)).into_response());
             }
             // The driver already wrote the usage row.
@@ -353,7 +370,7 @@ fn stream_response(
             Some(m) => m,
             None => out.recv().await?,
         };
-        let last = !matches!(m, Msg::Text(_));
+        let last = !matches!(m, Msg::Text { .. });
         let bytes = fmt.frame(m);
         Some((
             Ok::<Bytes, std::convert::Infallible>(Bytes::from(bytes)),
@@ -448,16 +465,23 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn fallback(req: Request) -> Response {
+    route_error(ErrorKind::NotFound, "No route for", &req)
+}
+
+/// A known path asked with another method: 405 with an error body in the path's
+/// API shape (axum adds the `allow` header listing the path's methods).
+async fn method_not_allowed(req: Request) -> Response {
+    route_error(ErrorKind::MethodNotAllowed, "Method not allowed:", &req)
+}
+
+fn route_error(kind: ErrorKind, what: &str, req: &Request) -> Response {
     let flavor = if req.uri().path().starts_with("/v1/") {
         Flavor::OpenAi
     } else {
         Flavor::WorkersAi
     };
-    ApiError::new(
-        ErrorKind::NotFound,
-        format!("No route for {} {}", req.method(), req.uri().path()),
-    )
-    .into_response_as(flavor, "")
+    let msg = format!("{what} {} {}", req.method(), req.uri().path());
+    ApiError::new(kind, msg).into_response_as(flavor, "")
 }
 
 /// Refuses any request with a path segment over [`MAX_ID_BYTES`] before routing,
@@ -526,6 +550,7 @@ fn finish(routes: Router<Arc<AppState>>, state: Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(fallback)
+        .method_not_allowed_fallback(method_not_allowed)
         // Bodies are read by the handlers with their own limit (and a 413 in the
         // API's shape); axum's default 2 MB cap would answer first.
         .layer(axum::extract::DefaultBodyLimit::disable())

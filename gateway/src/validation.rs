@@ -7,10 +7,12 @@ use crate::catalog::{Catalog, CatalogEntry};
 use crate::error::{ApiError, ErrorKind};
 use serde_json::{Map, Value};
 use tessera_model::chat::ChatMessage;
-use tessera_model::sampling::SamplingParams;
+use tessera_model::sampling::{
+    prompt_logprobs_wire_bytes, SamplingParams, MAX_PROMPT_LOGPROBS_BYTES, MAX_TOP_LOGPROBS,
+};
 use tessera_model::LoadedModel;
 use tessera_serving::admission::AdmissionLimits;
-use tessera_serving::admission::{GenerateRequest, Rejection};
+use tessera_serving::admission::{GenerateRequest, OutputOptions, Rejection};
 use tessera_serving::Priority;
 
 /// Default `max_tokens` when a request gives none.
@@ -52,6 +54,12 @@ pub struct ParsedRequest {
     /// The class the request asks for (`priority` field, OpenAI `service_tier`
     /// `flex`); capped at the tenant's ceiling by [`validate`].
     pub priority: Option<Priority>,
+    /// Log probabilities of each generated token with this many alternatives
+    /// (chat `logprobs` + `top_logprobs`, completions `logprobs`); `None`: none.
+    pub logprobs: Option<u32>,
+    /// Completions `echo`: the prompt comes back before the completion (with its
+    /// log probabilities when `logprobs` is set).
+    pub echo: bool,
 }
 
 /// What validation takes from the caller's tenant record: server-side values only,
@@ -92,6 +100,8 @@ pub struct Validated {
     pub stream: bool,
     /// OpenAI `stream_options.include_usage`.
     pub include_usage: bool,
+    /// Completions `echo`: the prompt text to send back before the completion.
+    pub echo: Option<String>,
 }
 
 /// Parses a JSON object body.
@@ -409,7 +419,42 @@ pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, 
         stream: opt_bool(o, "stream")?.unwrap_or(false),
         include_usage: true,
         priority: requested_priority(o, false)?,
+        logprobs: None,
+        echo: false,
     })
+}
+
+/// A count of alternatives per position: an integer in `0..=MAX_TOP_LOGPROBS`.
+fn top_count(o: &Map<String, Value>, k: &str) -> Result<Option<u32>, ApiError> {
+    let max = MAX_TOP_LOGPROBS as u64;
+    match opt_uint(o, k, 0) {
+        Ok(Some(n)) if n > max => Err(ApiError::field(
+            k,
+            format!("`{k}` must be an integer >= 0 and <= {max}. Given: {n}"),
+        )),
+        Ok(n) => Ok(n.map(|n| n as u32)),
+        Err(_) => Err(ApiError::field(
+            k,
+            format!(
+                "`{k}` must be an integer >= 0 and <= {max}. Given: {}",
+                present(o, k).map_or("null".into(), |v| v.to_string())
+            ),
+        )),
+    }
+}
+
+/// Chat `logprobs` (boolean) and `top_logprobs` (0..=20, only with `logprobs`).
+fn chat_logprobs(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    let on = opt_bool(o, "logprobs")?.unwrap_or(false);
+    let top = top_count(o, "top_logprobs")?;
+    match (on, top) {
+        (false, Some(_)) => Err(ApiError::field(
+            "top_logprobs",
+            "`top_logprobs` requires `logprobs: true`",
+        )),
+        (false, None) => Ok(None),
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+    }
 }
 
 fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, ApiError> {
@@ -418,7 +463,13 @@ fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, 
     check_len("model", model)?;
     if let Some(n) = opt_uint(o, "n", 1)? {
         if n != 1 {
-            return Err(ApiError::field("n", format!("`n` must be 1. Given: {n}")));
+            return Err(ApiError::field(
+                "n",
+                format!(
+                    "`n` must be 1: each request returns one choice (send n requests, \
+                     with different seeds when sampling, for n choices). Given: {n}"
+                ),
+            ));
         }
     }
     let stream = opt_bool(o, "stream")?.unwrap_or(false);
@@ -444,6 +495,8 @@ fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, 
         stream,
         include_usage,
         priority: requested_priority(o, true)?,
+        logprobs: None,
+        echo: false,
     })
 }
 
@@ -452,13 +505,21 @@ pub fn openai_chat(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
     let m = present(o, "messages")
         .ok_or_else(|| ApiError::field("messages", "`messages` is required"))?;
     let input = Input::Messages(messages(m)?);
-    openai_common(o, input)
+    Ok(ParsedRequest {
+        logprobs: chat_logprobs(o)?,
+        ..openai_common(o, input)?
+    })
 }
 
-/// `POST /v1/completions` (raw prompt, no chat template).
+/// `POST /v1/completions` (raw prompt, no chat template): also `logprobs`
+/// (alternatives per token, `0..=20`) and `echo`.
 pub fn openai_completion(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
     let text = prompt_text(o)?.ok_or_else(|| ApiError::field("prompt", "`prompt` is required"))?;
-    openai_common(o, Input::Prompt { text, chat: false })
+    Ok(ParsedRequest {
+        logprobs: top_count(o, "logprobs")?,
+        echo: opt_bool(o, "echo")?.unwrap_or(false),
+        ..openai_common(o, Input::Prompt { text, chat: false })?
+    })
 }
 
 /// The 404 for a model id the catalog does not have (Workers AI code 5007).
@@ -506,14 +567,12 @@ pub fn validate(
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
     // control tokens, as llama.cpp's server and vLLM parse completions prompts.
     let prompt = match &p.input {
-        Input::Prompt { text, chat: false } => {
-            model.tokenizer.encode(text, true).map_err(|e| {
-                ApiError::new(
-                    ErrorKind::BadRequest,
-                    format!("cannot tokenize the prompt: {e}"),
-                )
-            })?
-        }
+        Input::Prompt { text, chat: false } => model.tokenizer.encode(text, true).map_err(|e| {
+            ApiError::new(
+                ErrorKind::BadRequest,
+                format!("cannot tokenize the prompt: {e}"),
+            )
+        })?,
         Input::Prompt { text, chat: true } => {
             encode_chat(model, &[ChatMessage::new("user", text.clone())])?
         }
@@ -536,6 +595,29 @@ pub fn validate(
         .priority
         .unwrap_or(tenant.max_priority)
         .max(tenant.max_priority);
+    let echo = match (&p.input, p.echo) {
+        (Input::Prompt { text, .. }, true) => Some(text.clone()),
+        _ => None,
+    };
+    let output = OutputOptions {
+        logprobs: p.logprobs,
+        prompt_logprobs: p.logprobs.filter(|_| echo.is_some()),
+    };
+    if let Some(k) = output.prompt_logprobs {
+        // One entry per prompt position after the first, in one control frame.
+        let positions = prompt.len().saturating_sub(1);
+        if prompt_logprobs_wire_bytes(positions, k as usize) > MAX_PROMPT_LOGPROBS_BYTES {
+            return Err(ApiError::field(
+                "logprobs",
+                format!(
+                    "`echo` with `logprobs: {k}` is limited to {} prompt tokens; this prompt \
+                     has {}. Ask for fewer alternatives or send a shorter prompt",
+                    max_prompt_logprob_tokens(k as usize),
+                    prompt.len()
+                ),
+            ));
+        }
+    }
     let request = GenerateRequest {
         tenant: tenant.engine_id,
         priority,
@@ -546,6 +628,7 @@ pub fn validate(
         sampling: p.sampling,
         stop: p.stop,
         ignore_eos: false,
+        output,
     };
     limits.admit(request.clone()).map_err(|r| rejection(&r))?;
     Ok(Validated {
@@ -553,7 +636,14 @@ pub fn validate(
         request,
         stream: p.stream,
         include_usage: p.include_usage,
+        echo,
     })
+}
+
+/// The longest prompt (tokens) whose `echo` log probabilities with `top`
+/// alternatives fit [`MAX_PROMPT_LOGPROBS_BYTES`].
+fn max_prompt_logprob_tokens(top: usize) -> usize {
+    MAX_PROMPT_LOGPROBS_BYTES / prompt_logprobs_wire_bytes(1, top) + 1
 }
 
 fn encode_chat(model: &LoadedModel, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
@@ -676,17 +766,50 @@ mod tests {
         assert_eq!(c.max_tokens, 3);
     }
 
+    /// A one-message chat request with `extra` fields, parsed.
+    fn chat(extra: Value) -> Result<ParsedRequest, ApiError> {
+        let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        openai_chat(&obj(v))
+    }
+
+    #[test]
+    fn logprobs_fields() {
+        assert_eq!(chat(json!({})).unwrap().logprobs, None);
+        assert_eq!(chat(json!({"logprobs": true})).unwrap().logprobs, Some(0));
+        let p = chat(json!({"logprobs": true, "top_logprobs": 20})).unwrap();
+        assert_eq!((p.logprobs, p.echo), (Some(20), false));
+        for (bad, field) in [
+            (
+                json!({"logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (json!({"top_logprobs": 1}), "top_logprobs"),
+            (json!({"logprobs": "yes"}), "logprobs"),
+        ] {
+            let e = chat(bad.clone()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{bad}: {}", e.message);
+        }
+        let c = openai_completion(&obj(
+            json!({"model": "m", "prompt": "a", "logprobs": 5, "echo": true}),
+        ))
+        .unwrap();
+        assert_eq!((c.logprobs, c.echo), (Some(5), true));
+        let e = openai_completion(&obj(json!({"model": "m", "prompt": "a", "logprobs": 1.5})))
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
+        assert_eq!(
+            e.message,
+            "`logprobs` must be an integer >= 0 and <= 20. Given: 1.5"
+        );
+    }
+
     #[test]
     fn a_request_asks_for_a_class_but_never_above_its_tenant_ceiling() {
         let o = obj(json!({"prompt": "x", "priority": "batch"}));
         assert_eq!(workers_ai("m", &o).unwrap().priority, Some(Priority::Batch));
-        let chat = |extra: Value| {
-            let mut v = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
-            v.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            openai_chat(&obj(v))
-        };
         assert_eq!(
             chat(json!({"service_tier": "flex"})).unwrap().priority,
             Some(Priority::Batch)

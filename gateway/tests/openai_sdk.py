@@ -56,6 +56,38 @@ out["stream_usage"] = {"ids": sorted(ids), "content": text, "usage": usage}
 comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4)
 out["completion"] = {"id": comp.id, "text": comp.choices[0].text, "usage": comp.usage.model_dump(include={"prompt_tokens", "completion_tokens"})}
 
+# Log probabilities (issue 14): chat logprobs + top_logprobs, streamed and not;
+# completions logprobs + echo.
+def entries(lp):
+    return [
+        {"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+         "top": [[t.token, t.logprob] for t in e.top_logprobs]}
+        for e in lp.content
+    ]
+
+
+lc = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, logprobs=True, top_logprobs=3)
+streamed = []
+for ch in client.chat.completions.create(
+    model=model, messages=msgs, max_tokens=6, logprobs=True, top_logprobs=3, stream=True
+):
+    if ch.choices and ch.choices[0].logprobs is not None:
+        streamed += entries(ch.choices[0].logprobs)
+out["chat_logprobs"] = {
+    "content": lc.choices[0].message.content,
+    "entries": entries(lc.choices[0].logprobs),
+    "streamed": streamed,
+}
+cl = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, logprobs=2, echo=True)
+out["completion_logprobs"] = {
+    "text": cl.choices[0].text,
+    "tokens": cl.choices[0].logprobs.tokens,
+    "token_logprobs": cl.choices[0].logprobs.token_logprobs,
+    "top_logprobs": cl.choices[0].logprobs.top_logprobs,
+    "text_offset": cl.choices[0].logprobs.text_offset,
+    "usage": cl.usage.model_dump(include={"prompt_tokens", "completion_tokens"}),
+}
+
 # Models.
 out["models"] = [m.id for m in client.models.list()]
 
@@ -73,5 +105,13 @@ try:
     client.chat.completions.create(model="no-such-model", messages=msgs)
 except openai.NotFoundError as e:
     errors["model"] = {"status": e.status_code, "code": e.code}
+try:
+    client.chat.completions.create(model=model, messages=msgs, logprobs=True, top_logprobs=21)
+except openai.BadRequestError as e:
+    errors["top_logprobs"] = {"status": e.status_code, "param": e.param}
+try:
+    client.completions.create(model=model, prompt="a", n=2)
+except openai.BadRequestError as e:
+    errors["n"] = {"status": e.status_code, "param": e.param}
 out["errors"] = errors
 print(json.dumps(out))

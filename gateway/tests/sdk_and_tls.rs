@@ -120,6 +120,41 @@ async fn openai_python_sdk_against_the_live_server() {
         .contains("max_tokens (100000)"));
     assert_eq!(e["auth"]["status"], 401);
     assert_eq!(
+        (&e["top_logprobs"]["status"], &e["top_logprobs"]["param"]),
+        (&serde_json::json!(400), &serde_json::json!("top_logprobs"))
+    );
+
+    assert_eq!(
+        (&e["n"]["status"], &e["n"]["param"]),
+        (&serde_json::json!(400), &serde_json::json!("n"))
+    );
+
+    // Log probabilities as the SDK parses them: greedy tokens are the most likely,
+    // their text is the content, the stream carries the same entries.
+    let lc = &v["chat_logprobs"];
+    let entries = lc["entries"].as_array().unwrap();
+    assert!(!entries.is_empty());
+    let joined: String = entries
+        .iter()
+        .map(|e| e["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, lc["content"].as_str().unwrap());
+    for e in entries {
+        let top = e["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!((&top[0][0], &top[0][1]), (&e["token"], &e["logprob"]));
+    }
+    assert_eq!(lc["streamed"], lc["entries"]);
+    let cl = &v["completion_logprobs"];
+    let (p, c) = usage(&cl["usage"]);
+    assert_eq!(cl["tokens"].as_array().unwrap().len() as i64, p + c);
+    assert!(cl["text"]
+        .as_str()
+        .unwrap()
+        .starts_with("The capital of France is"));
+    assert!(cl["token_logprobs"][0].is_null() && cl["token_logprobs"][1].is_f64());
+    assert_eq!(cl["text_offset"][0], 0);
+    assert_eq!(
         (e["model"]["status"].as_i64(), e["model"]["code"].as_str()),
         (Some(404), Some("model_not_found"))
     );

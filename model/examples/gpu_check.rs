@@ -410,9 +410,9 @@ fn decode_bench(
         let mut next = prefill(gpu, kv, first, &prompts)?;
         let mut pos = plen;
         let step = |gpu: &mut CudaLlama,
-                        kv: &mut KvManager,
-                        next: &mut Vec<u32>,
-                        pos: &mut usize|
+                    kv: &mut KvManager,
+                    next: &mut Vec<u32>,
+                    pos: &mut usize|
          -> Result<(), String> {
             let out = gpu
                 .forward_greedy(&decode_rows(first, next, *pos), kv)

@@ -147,6 +147,99 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// Most alternatives a request may ask for at each position (OpenAI's
+/// `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Most bytes the prompt log probabilities of one request may take on the wire:
+/// they travel inside one control frame (prefill -> decode node, decode node ->
+/// gateway), whose header is limited to 1 MiB by default, with room to spare.
+pub const MAX_PROMPT_LOGPROBS_BYTES: usize = 640 * 1024;
+
+/// An upper bound on the JSON bytes of `positions` prompt entries with `top`
+/// alternatives each: 48 bytes per entry plus 24 per alternative (an id of at most
+/// 6 digits and the shortest f32 text of at most 13 characters, with separators).
+pub fn prompt_logprobs_wire_bytes(positions: usize, top: usize) -> usize {
+    positions.saturating_mul(48 + 24 * top.min(MAX_TOP_LOGPROBS))
+}
+
+/// The log probability reported for a token the logits exclude, and the lowest
+/// one reported (OpenAI's value for it).
+pub const LOGPROB_FLOOR: f32 = -9999.0;
+
+/// Log probabilities at one position: the token there and the most likely
+/// alternatives, from one row of logits.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The token at this position (sampled, or the prompt's next token).
+    pub id: u32,
+    /// Natural-log probability of `id`: `logit[id] - logsumexp(logits)`, in
+    /// `[LOGPROB_FLOOR, 0]`; [`LOGPROB_FLOOR`] for a token the logits exclude
+    /// (`-inf` or NaN logit), since JSON, on the node links and in the API, has no
+    /// infinity.
+    pub logprob: f32,
+    /// The most likely tokens, `(id, logprob)`, by descending logprob, ties to the
+    /// lowest id; at most [`MAX_TOP_LOGPROBS`] entries.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log probabilities of a generated token, and of the prompt on the first one.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Logprobs {
+    /// The sampled token's entry (`None` when only prompt logprobs were asked for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<TokenLogprobs>,
+    /// On a request's first token only, when it asked for prompt logprobs: one entry
+    /// per prompt token after the first (position `p + 1` scored by the logits at
+    /// `p`); the first prompt token has no context and no entry.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt: Vec<TokenLogprobs>,
+}
+
+/// The log-softmax entry of `id` in `logits` (one value per vocabulary id), with the
+/// `top` most likely tokens (capped at [`MAX_TOP_LOGPROBS`]).
+///
+/// Exact within f32: the log-sum-exp is accumulated in f64 around the maximum. NaN
+/// logits count as `-inf`. Cost: two passes over the row plus a partial selection
+/// of `top` entries (O(vocab)); only requests that ask pay it.
+pub fn token_logprobs(logits: &[f32], id: u32, top: usize) -> TokenLogprobs {
+    let val = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+    let max = logits
+        .iter()
+        .map(|&l| val(l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let lse = if max.is_finite() {
+        let sum: f64 = logits
+            .iter()
+            .map(|&l| (f64::from(val(l)) - f64::from(max)).exp())
+            .sum();
+        f64::from(max) + sum.ln()
+    } else {
+        0.0
+    };
+    let lp = |l: f32| ((f64::from(val(l)) - lse) as f32).max(LOGPROB_FLOOR);
+    let logprob = logits.get(id as usize).map_or(LOGPROB_FLOOR, |&l| lp(l));
+    let k = top.min(MAX_TOP_LOGPROBS).min(logits.len());
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        // Keep the k best by (logit desc, id asc) in one pass.
+        for (i, &l) in logits.iter().enumerate() {
+            let l = val(l);
+            if best.len() == k && l <= best[k - 1].1 {
+                continue;
+            }
+            let at = best.partition_point(|&(bi, bl)| bl > l || (bl == l && (bi as usize) < i));
+            best.insert(at, (i as u32, l));
+            best.truncate(k);
+        }
+    }
+    TokenLogprobs {
+        id,
+        logprob,
+        top: best.into_iter().map(|(i, l)| (i, lp(l))).collect(),
+    }
+}
+
 /// Per-sequence sampler: the parameters plus the sequence's RNG and scratch space.
 #[derive(Clone, Debug)]
 pub struct Sampler {
@@ -195,6 +288,27 @@ impl Sampler {
     /// `generated` are the sequence so far; ids outside `logits` are ignored.
     pub fn sample(&mut self, logits: &mut [f32], prompt_tokens: &[u32], generated: &[u32]) -> u32 {
         self.apply_penalties(logits, prompt_tokens, generated);
+        self.pick(logits)
+    }
+
+    /// [`Self::sample`], and with `top` the sampled token's log probability and the
+    /// `top` most likely alternatives ([`token_logprobs`]) from the same logits the
+    /// draw used: after the penalties, before temperature, top-k and top-p (which
+    /// shape the draw, not the model's distribution). `None` costs nothing extra.
+    pub fn sample_logprobs(
+        &mut self,
+        logits: &mut [f32],
+        prompt_tokens: &[u32],
+        generated: &[u32],
+        top: Option<usize>,
+    ) -> (u32, Option<TokenLogprobs>) {
+        self.apply_penalties(logits, prompt_tokens, generated);
+        let id = self.pick(logits);
+        (id, top.map(|k| token_logprobs(logits, id, k)))
+    }
+
+    /// The draw itself, on logits already penalized.
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() || logits.len() <= 1 {
             return argmax(logits);
         }
@@ -391,6 +505,53 @@ mod tests {
             );
             assert_ne!(a, b);
         }
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_ranked_alternatives() {
+        let l = [1.0f32, 3.0, 3.0, -2.0, f32::NAN];
+        let e = token_logprobs(&l, 0, 3);
+        let lse = [1.0f64, 3.0, 3.0, -2.0]
+            .iter()
+            .map(|x| x.exp())
+            .sum::<f64>()
+            .ln();
+        assert!((f64::from(e.logprob) - (1.0 - lse)).abs() < 1e-6, "{e:?}");
+        // Ties to the lowest id; NaN never ranks.
+        assert_eq!(e.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2, 0]);
+        assert_eq!(e.top[0].1, e.top[1].1);
+        let total: f64 = (0..4)
+            .map(|i| f64::from(token_logprobs(&l, i, 0).logprob).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert_eq!(token_logprobs(&l, 4, 0).logprob, LOGPROB_FLOOR);
+        assert_eq!(token_logprobs(&l, 9, 0).logprob, LOGPROB_FLOOR);
+        // The wire bound holds for the longest id and float texts.
+        let worst = TokenLogprobs {
+            id: 999_999,
+            logprob: -1.175_494_4e-38,
+            top: vec![(999_999, -1.175_494_4e-38); MAX_TOP_LOGPROBS],
+        };
+        for k in [0, 1, MAX_TOP_LOGPROBS] {
+            let e = TokenLogprobs {
+                top: worst.top[..k].to_vec(),
+                ..worst.clone()
+            };
+            let bytes = serde_json::to_vec(&e).unwrap().len() + 1; // and a comma
+            assert!(bytes <= prompt_logprobs_wire_bytes(1, k), "{k}: {bytes}");
+            let back: TokenLogprobs =
+                serde_json::from_slice(&serde_json::to_vec(&e).unwrap()).unwrap();
+            assert_eq!(back, e);
+        }
+        assert_eq!(token_logprobs(&l, 1, 100).top.len(), 5);
+        let big = logits(49152, 1);
+        assert_eq!(token_logprobs(&big, 0, 50).top.len(), MAX_TOP_LOGPROBS);
+        // The sampler reports the token it drew, greedy being the top entry.
+        let mut s = Sampler::new(SamplingParams::default(), 0);
+        let (id, lp) = s.sample_logprobs(&mut big.clone(), &[], &[], Some(2));
+        let lp = lp.unwrap();
+        assert_eq!((lp.id, lp.top[0].0), (id, id));
+        assert_eq!(lp.logprob, lp.top[0].1);
     }
 
     #[test]

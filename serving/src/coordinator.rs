@@ -43,6 +43,9 @@ pub(crate) enum Extra {
 }
 
 /// The coordinator thread's commands.
+// `Start` carries the request body (with its output options); it is moved once per
+// request, so boxing it would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum CoordCmd {
     /// A request that passed the gateway's admission, with its chosen pair.
     Start {

@@ -245,6 +245,7 @@ impl DecodeEnv for EngineEnv<'_> {
                 first_token,
                 seed_fallback: req.0,
                 rng_word_pos: self.commit.rng_pos,
+                logprobs: self.commit.logprobs.take(),
                 cached_tokens: self.commit.cached_tokens,
                 sink: body.sink,
                 submitted: body.submitted,

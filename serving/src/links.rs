@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
+use tessera_model::sampling::Logprobs;
 use tessera_transfer::protocol::{Msg, Records, ReqId, RequestState};
 
 /// Where a node sends one request's replies: the link to its coordinator. Must not
@@ -21,14 +22,16 @@ pub(crate) type ReplyTo = Arc<dyn Reply>;
 
 /// What travels from a prefill node to a decode node beside a `Commit` (the protocol
 /// leaves it out): the sampler position after the first token, how many prompt
-/// tokens the prefill node took from its prefix cache (for the request's usage), and
-/// the fingerprint of the model that computed the KV (a decode node serving another
-/// model fails the commit; `None` from a peer that does not say).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// tokens the prefill node took from its prefix cache (for the request's usage), the
+/// fingerprint of the model that computed the KV (a decode node serving another
+/// model fails the commit; `None` from a peer that does not say), and the first
+/// token's and the prompt's log probabilities when the request asked for them.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct CommitExtra {
     pub(crate) rng_pos: u128,
     pub(crate) cached_tokens: usize,
     pub(crate) model: Option<[u8; 32]>,
+    pub(crate) logprobs: Option<Box<Logprobs>>,
 }
 
 /// A link a node can cut when its peer breaks the protocol.

@@ -38,6 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tessera_engine::{Event, FinishReason, GenerateRequest, Usage};
+use tessera_model::sampling::Logprobs;
 use tessera_transfer::protocol::{Msg, ReqId, Role};
 use tessera_transfer::transport::DestPage;
 use tessera_transfer::ucx::UcxRegionDescriptor;
@@ -169,6 +170,10 @@ pub(crate) struct Control {
     /// a decode node serving another model fails the commit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) model: Option<String>,
+    /// The first token's and the prompt's log probabilities (`Commit`, when the
+    /// request asked for them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) logprobs: Option<Box<Logprobs>>,
 }
 
 impl Control {
@@ -183,6 +188,7 @@ impl Control {
             prefill: None,
             trace: None,
             model: None,
+            logprobs: None,
         }
     }
 }
@@ -217,6 +223,8 @@ pub(crate) enum WireEvent {
     Token {
         id: u32,
         text: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprobs: Option<Box<Logprobs>>,
     },
     Done {
         stop: bool,
@@ -237,7 +245,7 @@ impl WireEvent {
     /// An engine event as the decode node sends it.
     pub(crate) fn from_event(e: Event) -> Self {
         match StreamEvent::from(e) {
-            StreamEvent::Token { id, text } => Self::Token { id, text },
+            StreamEvent::Token { id, text, logprobs } => Self::Token { id, text, logprobs },
             StreamEvent::Done { reason, usage } => Self::Done {
                 stop: reason == FinishReason::Stop,
                 prompt_tokens: usage.prompt_tokens,
@@ -256,7 +264,7 @@ impl WireEvent {
     /// The event as the gateway's stream receives it.
     pub(crate) fn into_stream_event(self) -> StreamEvent {
         match self {
-            Self::Token { id, text } => StreamEvent::Token { id, text },
+            Self::Token { id, text, logprobs } => StreamEvent::Token { id, text, logprobs },
             Self::Done {
                 stop,
                 prompt_tokens,

@@ -788,6 +788,7 @@ impl NodeState {
                     rng_pos,
                     cached_tokens,
                     model,
+                    logprobs,
                     ..
                 }),
                 NodeCmds::Decode(tx),
@@ -808,6 +809,7 @@ impl NodeState {
                         rng_pos: rng_pos.unwrap_or(0),
                         cached_tokens: cached_tokens.unwrap_or(0),
                         model: model.as_deref().map(parse_fingerprint),
+                        logprobs,
                     },
                     from: link.writer.clone(),
                 })
@@ -1229,6 +1231,7 @@ impl PrefillLinks for PeerLinks {
                     rng_pos: Some(extra.rng_pos),
                     cached_tokens: Some(extra.cached_tokens),
                     model: extra.model.map(|m| fingerprint_hex(&m)),
+                    logprobs: extra.logprobs,
                     ..Control::new(msg)
                 }),
                 &[],

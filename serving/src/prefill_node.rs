@@ -411,7 +411,8 @@ impl PrefillLoop {
                     };
                     let decode = r.decode;
                     let extra = CommitExtra {
-                        rng_pos: r.first.map_or(0, |f| f.rng_word_pos),
+                        rng_pos: r.first.as_ref().map_or(0, |f| f.rng_word_pos),
+                        logprobs: r.first.as_ref().and_then(|f| f.logprobs.clone()),
                         cached_tokens: r.cached_tokens,
                         model: Some(self.model),
                     };
@@ -429,7 +430,7 @@ impl PrefillLoop {
                     for _ in 0..copies {
                         let job = Job::Send {
                             msg: msg.clone(),
-                            extra,
+                            extra: extra.clone(),
                         };
                         if !self.io.submit(decode, job) {
                             tracing::warn!(req = ?msg.req(), "commit not queued");
@@ -503,19 +504,20 @@ impl PrefillLoop {
             };
             r.cached_tokens = done.cached_tokens;
             let exported = done.result.map_err(Computed::Engine).and_then(|first| {
+                let token = first.token;
                 r.first = Some(first);
                 engine
                     .export_pages(done.seq, &r.dest)
-                    .map(|p| (first, p))
+                    .map(|p| (token, p))
                     .map_err(Computed::Export)
             });
             match exported {
-                Ok((first, pages)) => {
+                Ok((first_token, pages)) => {
                     let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
                     r.export = Some(pages);
                     r.span = crate::telemetry::child_span("transfer", req.0, r.trace.as_deref());
                     self.with_proto(engine, req, None, |p, env, out| {
-                        p.on_computed(req, first.token, &sums, env, out)
+                        p.on_computed(req, first_token, &sums, env, out)
                     });
                 }
                 Err(e) => {

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tessera_engine::sink::{EventSink, Gone};
 use tessera_engine::{Event, FinishReason, Usage};
+use tessera_model::sampling::Logprobs;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
 
@@ -29,6 +30,8 @@ pub enum StreamEvent {
         id: u32,
         /// Newly completed text.
         text: String,
+        /// Log probabilities, when the request asked (see [`Event::Token`]).
+        logprobs: Option<Box<Logprobs>>,
     },
     /// Normal end.
     Done {
@@ -44,7 +47,7 @@ pub enum StreamEvent {
 impl From<Event> for StreamEvent {
     fn from(e: Event) -> Self {
         match e {
-            Event::Token { id, text } => Self::Token { id, text },
+            Event::Token { id, text, logprobs } => Self::Token { id, text, logprobs },
             Event::Done { reason, usage } => Self::Done { reason, usage },
             Event::Error(e) => Self::Error(e.into()),
         }
@@ -205,7 +208,8 @@ mod tests {
         let decode = sink.detached();
         assert!(decode.send_event(StreamEvent::Token {
             id: 1,
-            text: "a".into()
+            text: "a".into(),
+            logprobs: None,
         }));
         drop(decode);
         assert!(!stream.is_released(), "the guard's owner still holds it");

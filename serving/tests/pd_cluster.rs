@@ -53,7 +53,7 @@ fn collect(rx: &mut RequestStream) -> Streamed {
     while o.last.is_none() {
         assert!(Instant::now() < deadline, "request did not finish");
         match rx.try_recv() {
-            Some(StreamEvent::Token { id, text }) => {
+            Some(StreamEvent::Token { id, text, .. }) => {
                 o.ids.push(id);
                 o.text.push_str(&text);
             }
@@ -656,7 +656,7 @@ fn a_write_aimed_at_another_requests_pages_is_refused_and_the_victim_is_untouche
     let alone = solo(&m, victim.clone());
     let mut victim_rx = h.submit(victim).unwrap();
     let mut first = match victim_rx.blocking_recv() {
-        Some(StreamEvent::Token { id, text }) => (vec![id], text),
+        Some(StreamEvent::Token { id, text, .. }) => (vec![id], text),
         other => panic!("unexpected {other:?}"),
     };
     let victim_pages = c.tapped_writes();
