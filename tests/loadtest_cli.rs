@@ -22,9 +22,20 @@ const BIN: &str = env!("CARGO_BIN_EXE_tessera");
 /// Starts `tessera serve` on `listen` with `admin` as admin token; returns the
 /// child and the base URL from its banner.
 async fn serve(data: &Path, admin: &str, listen: &str) -> (tokio::process::Child, String) {
+    serve_with(data, admin, listen, &[]).await
+}
+
+/// [`serve`] with extra `tessera serve` arguments.
+async fn serve_with(
+    data: &Path,
+    admin: &str,
+    listen: &str,
+    extra: &[&str],
+) -> (tokio::process::Child, String) {
     let mut child = tokio::process::Command::new(BIN)
         .args(["serve", "--listen", listen, "--data-dir"])
         .arg(data)
+        .args(extra)
         .env_remove("TESSERA_STORE")
         .env("TESSERA_ADMIN_TOKEN", admin)
         .stdout(Stdio::piped())
@@ -73,6 +84,76 @@ fn n(v: &Value) -> u64 {
 
 fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+/// Two models of different shapes behind one `tessera serve` (issue 18): `--model`
+/// given twice sends prompt `i` to model `i mod 2`, interleaved in one run. Every
+/// answer equals its prompt's solo answer from the same model, no canary crosses
+/// tenants, the usage API matches the clients' counts, and both models answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_models_interleaved_keep_solo_equality_per_model() {
+    use tessera_model::gguf_write::{write_random_llama, RandomLlama};
+    const DEFAULT: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+    const TINY: &str = "@cf/tessera/random-llama-tiny";
+    let dir = tempfile::tempdir().unwrap();
+    let default_path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let tiny = dir.path().join("tiny.gguf");
+    write_random_llama(&default_path, &tiny, &RandomLlama::SMALL).unwrap();
+    let admin = "tadm_loadtest_ci_token_0123456789abcdef";
+    let models = [
+        format!("{DEFAULT}={}", default_path.display()),
+        format!("{TINY}={}", tiny.display()),
+    ];
+    let extra = ["--model", &models[0], "--model", &models[1]];
+    let (mut child, base) =
+        serve_with(&dir.path().join("data"), admin, "127.0.0.1:0", &extra).await;
+    let out = dir.path().join("report");
+    let (ok, r, log) = loadtest(
+        &[
+            "--url",
+            &base,
+            "--model",
+            DEFAULT,
+            "--model",
+            TINY,
+            "--tenants",
+            "2",
+            "--prompts-per-tenant",
+            "3",
+            "--requests",
+            "16",
+            "--concurrency",
+            "4",
+            "--seed",
+            "5",
+            "--prompt-len",
+            "uniform:8:32",
+            "--output-len",
+            "uniform:8:16",
+            "--stream-share",
+            "0.5",
+            "--quiet",
+        ],
+        Some(admin),
+        &out,
+    )
+    .await;
+    assert!(ok, "loadtest failed:\n{log}\n{r:#}");
+    assert_eq!(r["passed"], true, "{:#}", r["failures"]);
+    let t = &r["targets"][0];
+    let c = &t["checks"];
+    assert_eq!(n(&c["leaks"]), 0, "{:#}", c["canary"]);
+    assert_eq!(n(&c["mismatches"]), 0, "{:#}", c["solo_equality"]);
+    assert_eq!(n(&c["usage_mismatches"]), 0, "{:#}", c["usage"]);
+    let completed = n(&t["requests"]["completed"]);
+    assert_eq!(n(&c["solo_equality"]["compared"]), completed);
+    let per_model = t["completed_by_model"].as_object().unwrap();
+    assert_eq!(per_model.len(), 2, "{per_model:?}");
+    assert!(per_model.values().all(|v| n(v) >= 4), "{per_model:?}");
+    assert_eq!(per_model.values().map(n).sum::<u64>(), completed);
+    assert_eq!(t["model"], format!("{DEFAULT},{TINY}"));
+    child.kill().await.ok();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,9 +102,11 @@ pub struct LoadtestArgs {
     /// API shape: `workers-ai` (Tessera's `ai/run` route) or `openai`.
     #[arg(long, value_enum, default_value_t = Api::WorkersAi)]
     pub api: Api,
-    /// Model id sent with every request.
+    /// Model id; repeat for several models behind one server. Prompt `i` goes to
+    /// model `i mod n`, so requests interleave across models and each prompt's
+    /// solo answer (solo-equality) comes from the same model.
     #[arg(long, default_value = DEFAULT_MODEL)]
-    pub model: String,
+    pub model: Vec<String>,
     /// `chat` (the server applies the chat template) or `raw` (text completion).
     #[arg(long, value_enum, default_value_t = Mode::Chat)]
     pub mode: Mode,
@@ -196,7 +198,7 @@ pub struct LoadtestArgs {
     /// the main run and print both side by side.
     #[arg(long)]
     pub compare: Option<String>,
-    /// Model id for the `--compare` server (default: `--model`).
+    /// Model id for the `--compare` server (default: the `--model` ids).
     #[arg(long)]
     pub compare_model: Option<String>,
     /// Bearer key for the `--compare` server (default: none).

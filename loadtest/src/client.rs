@@ -19,8 +19,8 @@ pub struct Target {
     pub api: Api,
     /// Chat or raw prompts.
     pub mode: Mode,
-    /// Model id.
-    pub model: String,
+    /// Model ids (at least one): prompt `i` is sent to `models[i % n]`.
+    pub models: Vec<String>,
 }
 
 /// How a request ended, from the client's side.
@@ -222,21 +222,27 @@ fn text_of(v: &Value) -> Option<&str> {
 }
 
 impl Target {
+    /// The model prompt `prompt_id` is sent to.
+    pub fn model_for(&self, prompt_id: usize) -> &str {
+        &self.models[prompt_id % self.models.len().max(1)]
+    }
+
     /// The request URL and JSON body of `call`.
     ///
     /// # Errors
     /// Workers AI needs the tenant's account id.
     pub fn request(&self, call: &Call<'_>) -> Result<(String, Value), String> {
+        let model = self.model_for(call.prompt_id);
         let mut body = match (self.api, self.mode) {
             (Api::WorkersAi, mode) => json!({
                 "prompt": call.prompt,
                 "raw": mode == Mode::Raw,
             }),
             (Api::Openai, Mode::Chat) => json!({
-                "model": self.model,
+                "model": model,
                 "messages": [{"role": "user", "content": call.prompt}],
             }),
-            (Api::Openai, Mode::Raw) => json!({"model": self.model, "prompt": call.prompt}),
+            (Api::Openai, Mode::Raw) => json!({"model": model, "prompt": call.prompt}),
         };
         body["max_tokens"] = json!(call.max_tokens);
         body["temperature"] = json!(0.0);
@@ -252,10 +258,7 @@ impl Target {
                         call.tenant.label
                     )
                 })?;
-                format!(
-                    "{}/client/v4/accounts/{acct}/ai/run/{}",
-                    self.base, self.model
-                )
+                format!("{}/client/v4/accounts/{acct}/ai/run/{}", self.base, model)
             }
             (Api::Openai, Mode::Chat) => format!("{}/v1/chat/completions", self.base),
             (Api::Openai, Mode::Raw) => format!("{}/v1/completions", self.base),

@@ -164,8 +164,10 @@ pub struct TargetReport {
     pub base_url: String,
     /// `workers_ai` or `openai`.
     pub api: String,
-    /// Model id.
+    /// Model id (several: joined with `,`).
     pub model: String,
+    /// Completed load-phase requests per model id.
+    pub completed_by_model: BTreeMap<String, usize>,
     /// Solo phase (when solo-equality runs).
     pub solo: Option<SoloReport>,
     /// Request counts of the load phase.
@@ -639,6 +641,14 @@ stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens{}<
             esc(&t.api),
             esc(&t.model)
         );
+        if t.completed_by_model.len() > 1 {
+            let per: Vec<String> = t
+                .completed_by_model
+                .iter()
+                .map(|(m, n)| format!("<code>{}</code> {n}", esc(m)))
+                .collect();
+            let _ = write!(h, "<p>completed per model: {}</p>", per.join(", "));
+        }
         let tp = &t.throughput;
         let rc = &t.requests;
         let _ = write!(
@@ -981,6 +991,7 @@ mod tests {
             base_url: "http://127.0.0.1:1".into(),
             api: "openai".into(),
             model: "m".into(),
+            completed_by_model: BTreeMap::new(),
             solo: None,
             requests: RequestCounts::of(&outs, |_| false),
             latency: crate::metrics::latency(&outs),

@@ -17,6 +17,7 @@ use crate::workload::{describe, PlannedRequest, Workload};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -346,7 +347,14 @@ fn measure(
             Api::Openai => "openai",
         }
         .into(),
-        model: target.model.clone(),
+        model: target.models.join(","),
+        completed_by_model: outs.iter().filter(|o| o.end == End::Complete).fold(
+            BTreeMap::new(),
+            |mut m, o| {
+                *m.entry(target.model_for(o.prompt).to_string()).or_insert(0) += 1;
+                m
+            },
+        ),
         solo: None,
         requests: RequestCounts::of(outs, |o| w.prompts[o.prompt].over_long),
         latency: metrics::latency(outs),
@@ -384,9 +392,18 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
     }
     let context = match args.context_window {
         Some(c) => c,
-        None => catalog_context(&http, &base, &args.model, tenants[0].key.as_deref())
-            .await
-            .unwrap_or(DEFAULT_CONTEXT),
+        // The smallest window of the models (a prompt may go to any of them).
+        None => {
+            let mut smallest: Option<usize> = None;
+            for m in &args.model {
+                let c = catalog_context(&http, &base, m, tenants[0].key.as_deref()).await;
+                smallest = match (smallest, c) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            smallest.unwrap_or(DEFAULT_CONTEXT)
+        }
     };
     let w = Arc::new(Workload::new(&args, tenants.len(), context)?);
     let target = Target {
@@ -394,7 +411,7 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
         base: base.clone(),
         api: args.api,
         mode: args.mode,
-        model: args.model.clone(),
+        models: args.model.clone(),
     };
     let checks_on = !args.no_checks;
     let usage_on = checks_on && tenants.iter().all(Tenant::is_real);
@@ -577,10 +594,10 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
             base: url.trim_end_matches('/').to_string(),
             api: Api::Openai,
             mode: args.mode,
-            model: args
+            models: args
                 .compare_model
                 .clone()
-                .unwrap_or_else(|| args.model.clone()),
+                .map_or_else(|| args.model.clone(), |m| vec![m]),
         };
         let phase = Arc::new(Phase {
             http: http.clone(),
