@@ -129,6 +129,21 @@ async fn raw_prompts_parse_control_tokens_and_messages_do_not() {
     s.wait_idle().await;
 }
 
+/// The SSE data lines of `body` posted to `url` with `"stream": true`.
+async fn streamed_events(s: &TestServer, url: &str, body: &Value) -> Vec<String> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let resp = s
+        .client
+        .post(url)
+        .bearer_auth(&s.key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    sse_events(resp).await
+}
+
 /// One chat `logprobs.content` entry: (token, logprob, top list of (token, logprob)).
 type ChatEntry = (String, f64, Vec<(String, f64)>);
 
@@ -212,17 +227,7 @@ async fn logprobs_chat_completions_echo_streamed_and_disaggregated() {
     assert_eq!(plain["choices"][0]["message"]["content"], content);
 
     // Streamed: the same entries, chunk by chunk.
-    let mut sbody = body.clone();
-    sbody["stream"] = json!(true);
-    let resp = s
-        .client
-        .post(&chat_url)
-        .bearer_auth(&s.key)
-        .json(&sbody)
-        .send()
-        .await
-        .unwrap();
-    let events = sse_events(resp).await;
+    let events = streamed_events(&s, &chat_url, &body).await;
     let mut streamed = Vec::new();
     for e in &events[..events.len() - 1] {
         let c: Value = serde_json::from_str(e).unwrap();
@@ -302,17 +307,7 @@ async fn logprobs_chat_completions_echo_streamed_and_disaggregated() {
     assert_eq!(c3["choices"][0]["text"], text);
     assert_eq!(c3["choices"][0]["logprobs"], Value::Null);
     // Streamed echo: the prompt first, then the same values.
-    let mut sc = cbody.clone();
-    sc["stream"] = json!(true);
-    let resp = s
-        .client
-        .post(&comp_url)
-        .bearer_auth(&s.key)
-        .json(&sc)
-        .send()
-        .await
-        .unwrap();
-    let events = sse_events(resp).await;
+    let events = streamed_events(&s, &comp_url, &cbody).await;
     let (mut stext, mut slps) = (String::new(), Vec::new());
     for e in &events[..events.len() - 1] {
         let ch: Value = serde_json::from_str(e).unwrap();
