@@ -126,6 +126,9 @@ pub(crate) struct ServeArgs {
     /// On Ctrl-C or SIGTERM: seconds running requests may finish before they are aborted.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
+    /// Seconds a finished async batch's results (`?queueRequest=true`) are kept for polling.
+    #[arg(long, default_value_t = 3600)]
+    batch_retention_secs: u64,
     /// With --config: plain TCP node links instead of mutual TLS, only when every node
     /// of the deployment file is on loopback (refuses to start otherwise).
     #[arg(long, requires = "config")]
@@ -324,6 +327,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             ..UsageConfig::default()
         },
         drain_timeout: secs(a.drain_timeout_secs),
+        batch_retention: secs(a.batch_retention_secs),
         metrics_top_tenants: a.metrics_top_tenants,
         log_request_text: a.log_request_text,
         private_models_as_404: a.private_models_as_404,

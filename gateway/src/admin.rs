@@ -33,7 +33,7 @@
 //! or suspending a tenant also aborts its requests in flight.
 
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::http::{envelope, read_body};
+use crate::http::{envelope, read_body_in_time};
 use crate::state::AppState;
 use axum::extract::{ConnectInfo, Extension, Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue};
@@ -247,15 +247,7 @@ impl From<StoreError> for Fail {
 
 async fn json_body(state: &AppState, req: Request) -> Result<Value, ApiError> {
     let (parts, body) = req.into_parts();
-    let read = read_body(&parts.headers, body, state.max_body_bytes);
-    let bytes = tokio::time::timeout(state.deadlines.body_read, read)
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                ErrorKind::Timeout,
-                "the request body was not received in time",
-            )
-        })??;
+    let bytes = read_body_in_time(state, &parts.headers, body).await?;
     if bytes.is_empty() {
         return Ok(json!({}));
     }

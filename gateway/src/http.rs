@@ -144,6 +144,25 @@ pub(crate) async fn read_body(
     Ok(Bytes::from(buf))
 }
 
+/// [`read_body`] within the state's body-read deadline (408 when it passes).
+pub(crate) async fn read_body_in_time(
+    state: &crate::AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Bytes, ApiError> {
+    let read = read_body(headers, body, state.max_body_bytes);
+    match tokio::time::timeout(state.deadlines.body_read, read).await {
+        Ok(r) => r,
+        Err(_) => Err(ApiError::new(
+            ErrorKind::Timeout,
+            format!(
+                "the request body was not received within {} s",
+                state.deadlines.body_read.as_secs_f64()
+            ),
+        )),
+    }
+}
+
 /// Which response shape a generation endpoint uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Shape {

@@ -43,6 +43,7 @@ pub mod validation;
 pub mod admin;
 pub mod listener;
 
+pub mod batch;
 mod driver;
 mod http;
 mod live;

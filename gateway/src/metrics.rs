@@ -91,6 +91,11 @@ struct KindLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PhaseLabels {
     phase: &'static str,
 }
@@ -229,6 +234,7 @@ pub struct Metrics {
     accept_errors: Counter,
     pruned_rows: Counter,
     release_timeouts: Counter,
+    batch_items: Family<OutcomeLabels, Counter>,
     inflight: Gauge,
     kv_free_pages: Gauge,
     kv_capacity_pages: Gauge,
@@ -273,6 +279,7 @@ impl Metrics {
             accept_errors: Counter::default(),
             pruned_rows: Counter::default(),
             release_timeouts: Counter::default(),
+            batch_items: Family::default(),
             inflight: Gauge::default(),
             kv_free_pages: Gauge::default(),
             kv_capacity_pages: Gauge::default(),
@@ -363,6 +370,11 @@ impl Metrics {
             "tessera_release_wait_timeouts",
             "Requests whose nodes did not confirm release (abort or end acknowledged by every node) within the bound.",
             self.release_timeouts.clone(),
+        );
+        r.register(
+            "tessera_batch_items",
+            "Async batch items (queueRequest=true) by outcome: queued, succeeded, failed.",
+            self.batch_items.clone(),
         );
         r.register(
             "tessera_inflight_requests",
@@ -466,6 +478,14 @@ impl Metrics {
     /// A serving failure of kind `kind` ([`tessera_serving::ServeErrorKind::label`]).
     pub fn serve_error(&self, kind: &'static str) {
         self.serve_errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// Counts `n` async batch items that reached `outcome` (`queued` when the batch
+    /// was taken, then `succeeded` or `failed` each).
+    pub fn batch_items(&self, outcome: &'static str, n: usize) {
+        self.batch_items
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc_by(n as u64);
     }
 
     /// Counts a request whose nodes did not confirm its release within the bound (its

@@ -8,7 +8,7 @@ pub use crate::state::{AppState, Deadlines, GatewayConfig, UsageConfig, MAX_ID_B
 use crate::catalog::{now_secs, Lookup};
 use crate::driver::{self, Msg};
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::http::{authenticate, limit_error, read_body, Shape};
+use crate::http::{authenticate, limit_error, read_body_in_time, Shape};
 use crate::models_api::with_lifecycle;
 use crate::openai::{Collected, Formatter, LogprobsView};
 use crate::state::{ConnLimits, Ctx};
@@ -109,20 +109,9 @@ async fn generate_in_span(
         Ok(a) => a,
         Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
     };
-    let read = read_body(&parts.headers, body, state.max_body_bytes);
-    let bytes = match tokio::time::timeout(state.deadlines.body_read, read).await {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => return ctx.fail(&state, e).await,
-        Err(_) => {
-            let e = ApiError::new(
-                ErrorKind::Timeout,
-                format!(
-                    "the request body was not received within {} s",
-                    state.deadlines.body_read.as_secs_f64()
-                ),
-            );
-            return ctx.fail(&state, e).await;
-        }
+    let bytes = match read_body_in_time(&state, &parts.headers, body).await {
+        Ok(b) => b,
+        Err(e) => return ctx.fail(&state, e).await,
     };
     let validation = tracing::info_span!(target: TRACE, "validation").entered();
     let parsed: Result<ParsedRequest, ApiError> = validation::parse_object(&bytes).and_then(|o| {
@@ -392,6 +381,11 @@ async fn run_handler(
     Path((account, model)): Path<(String, String)>,
     req: Request,
 ) -> Response {
+    match crate::batch::queued(req.uri().query()) {
+        Ok(true) => return crate::batch::handle(state, account, model, req).await,
+        Ok(false) => {}
+        Err(e) => return e.into_response_as(Flavor::WorkersAi, ""),
+    }
     generate(
         state,
         Shape::WorkersAi,

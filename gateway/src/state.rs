@@ -136,6 +136,8 @@ pub struct GatewayConfig {
     /// AI 5007) as for an unknown model, so private ids cannot be probed; off: 403
     /// with Workers AI code 5018 naming the model.
     pub private_models_as_404: bool,
+    /// How long a finished async batch's results (`queueRequest=true`) are kept.
+    pub batch_retention: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -156,6 +158,7 @@ impl Default for GatewayConfig {
             drain_timeout: Duration::from_secs(30),
             metrics_top_tenants: crate::metrics::DEFAULT_TOP_TENANTS,
             log_request_text: false,
+            batch_retention: crate::batch::DEFAULT_RETENTION,
             private_models_as_404: false,
         }
     }
@@ -229,6 +232,8 @@ pub struct AppState {
     /// Requests in flight by key (revocation and suspension abort them).
     pub(crate) live: Arc<Live>,
     pub(crate) revocation_poll: Duration,
+    /// Async batches (`queueRequest=true`), by request id.
+    pub(crate) batches: crate::batch::Batches,
     /// Set to true to abort every running request (shutdown after the drain deadline).
     abort_all: watch::Sender<bool>,
     /// Requests whose driver has not yet written the usage row.
@@ -284,6 +289,7 @@ impl AppState {
             metrics: crate::metrics::Metrics::new(&ids, cfg.metrics_top_tenants),
             live: Arc::new(Live::default()),
             revocation_poll: cfg.revocation_poll,
+            batches: crate::batch::Batches::new(cfg.batch_retention),
             abort_all: watch::channel(false).0,
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
@@ -340,6 +346,7 @@ impl AppState {
     /// receiver, so the engine frees the pages, and writes its usage row) and waits
     /// for their rows.
     pub async fn drain(&self) {
+        self.batches.close();
         if self.wait_idle(self.drain_timeout).await {
             return;
         }

@@ -1,0 +1,308 @@
+//! Workers AI async batch (`?queueRequest=true`) over real HTTP with the real model:
+//! results equal the same requests run one by one, each item is billed once (one
+//! usage row, its tokens in the batch's usage), only the submitting tenant sees a
+//! batch, limits make items wait instead of failing, and every malformed body is a
+//! 400 naming its field.
+
+mod common;
+
+use common::{start, start_with, TestServer, MODEL};
+use serde_json::{json, Value};
+use std::time::Duration;
+use tessera_gateway::GatewayConfig;
+use tessera_tenancy::Limits;
+
+fn batch_url(s: &TestServer, account: &str) -> String {
+    format!("{}?queueRequest=true", s.run_url(account))
+}
+
+/// Polls until the batch is done; returns its `result`.
+async fn wait_done(s: &TestServer, account: &str, key: &str, id: &str) -> Value {
+    for _ in 0..1200 {
+        let (st, _, v) = s
+            .post(
+                &batch_url(s, account),
+                Some(key),
+                &json!({"request_id": id}),
+            )
+            .await;
+        assert_eq!(st, 200, "{v}");
+        let r = &v["result"];
+        if r.get("responses").is_some() {
+            return r.clone();
+        }
+        let status = r["status"].as_str().unwrap();
+        assert!(status == "queued" || status == "running", "{v}");
+        assert_eq!(r["request_id"], id);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("batch {id} did not finish");
+}
+
+async fn submit(s: &TestServer, account: &str, key: &str, requests: Value) -> String {
+    let (st, _, v) = s
+        .post(
+            &batch_url(s, account),
+            Some(key),
+            &json!({"requests": requests}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["success"], true);
+    assert_eq!(v["result"]["status"], "queued", "{v}");
+    assert_eq!(v["result"]["model"], MODEL);
+    v["result"]["request_id"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_answers_as_its_items_alone_and_bills_each_once() {
+    let s = start().await;
+    let items = json!([
+        {"prompt": "Name three colors.", "max_tokens": 12, "external_reference": "colors"},
+        {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 10},
+        {"prompt": "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n", "raw": true,
+         "max_tokens": 8, "external_reference": "raw-hi"},
+    ]);
+    // Each item alone, synchronously: the reference answers (greedy).
+    let mut solo = vec![];
+    for it in items.as_array().unwrap() {
+        let mut body = it.clone();
+        body.as_object_mut().unwrap().remove("external_reference");
+        let (st, _, v) = s.post(&s.run_url(&s.tenant.id), Some(&s.key), &body).await;
+        assert_eq!(st, 200, "{v}");
+        solo.push(v["result"].clone());
+    }
+    let rows_before = s.row_count().await;
+
+    let id = submit(&s, &s.tenant.id, &s.key, items.clone()).await;
+    assert_eq!(id.len(), 36);
+    // Another tenant, with a valid key, cannot see it: the same 404 as an unknown id.
+    let (other, other_key) = s.tenant_with_key("beta", Limits::default()).await;
+    let (st, _, v) = s
+        .post(
+            &batch_url(&s, &other.id),
+            Some(&other_key),
+            &json!({"request_id": id}),
+        )
+        .await;
+    assert_eq!(st, 404, "{v}");
+    let (st2, _, v2) = s
+        .post(
+            &batch_url(&s, &other.id),
+            Some(&other_key),
+            &json!({"request_id": "00000000-0000-0000-0000-000000000000"}),
+        )
+        .await;
+    assert_eq!(st2, 404);
+    assert_eq!(
+        v["errors"][0]["code"], v2["errors"][0]["code"],
+        "a foreign id answers as an unknown one"
+    );
+
+    let done = wait_done(&s, &s.tenant.id, &s.key, &id).await;
+    let responses = done["responses"].as_array().unwrap();
+    assert_eq!(responses.len(), 3);
+    let (mut prompt, mut completion) = (0, 0);
+    for (i, r) in responses.iter().enumerate() {
+        assert_eq!(r["id"], i, "{r}");
+        assert_eq!(r["success"], true, "{r}");
+        assert_eq!(
+            r["result"]["response"], solo[i]["response"],
+            "item {i} answers as it does alone"
+        );
+        for k in ["prompt_tokens", "completion_tokens"] {
+            assert_eq!(r["result"]["usage"][k], solo[i]["usage"][k], "item {i}");
+        }
+        prompt += r["result"]["usage"]["prompt_tokens"].as_u64().unwrap();
+        completion += r["result"]["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_eq!(responses[0]["external_reference"], "colors");
+    assert_eq!(responses[1]["external_reference"], Value::Null);
+    assert_eq!(responses[2]["external_reference"], "raw-hi");
+    assert_eq!(done["usage"]["prompt_tokens"], prompt);
+    assert_eq!(done["usage"]["completion_tokens"], completion);
+
+    // One usage row per item, under the batch endpoint, with the item's tokens.
+    assert_eq!(s.row_count().await, rows_before + 3);
+    let rows: Vec<_> = s
+        .store()
+        .usage_rows(Some(&s.tenant.id))
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.endpoint == "workers_ai.batch")
+        .collect();
+    assert_eq!(rows.len(), 3);
+    assert!(rows.iter().all(|r| r.status == 200 && r.model == MODEL));
+    assert_eq!(
+        rows.iter().map(|r| r.input_tokens as u64).sum::<u64>(),
+        prompt
+    );
+    assert_eq!(
+        rows.iter().map(|r| r.output_tokens as u64).sum::<u64>(),
+        completion
+    );
+    // Results stay for re-polling.
+    assert_eq!(wait_done(&s, &s.tenant.id, &s.key, &id).await, done);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_items_wait_for_the_tenants_limits_instead_of_failing() {
+    let s = start().await;
+    let limits = Limits {
+        max_concurrent: 1,
+        ..Limits::default()
+    };
+    let (t, key) = s.tenant_with_key("one-at-a-time", limits).await;
+    let items: Vec<Value> = (0..4)
+        .map(|i| json!({"prompt": format!("Count to {}.", i + 3), "max_tokens": 16}))
+        .collect();
+    let id = submit(&s, &t.id, &key, Value::Array(items)).await;
+    let done = wait_done(&s, &t.id, &key, &id).await;
+    let responses = done["responses"].as_array().unwrap();
+    assert!(
+        responses.iter().all(|r| r["success"] == true),
+        "items refused by the concurrency limit retry: {done}"
+    );
+    s.settle().await;
+    let rows = s.store().usage_rows(Some(&t.id)).await.unwrap();
+    assert_eq!(rows.len(), 4, "one row per item, none for the refusals");
+    assert!(
+        s.state.metrics.refused_count("max_concurrent") > 0,
+        "the second item was refused at least once (two run at a time)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_batches_are_refused_naming_the_field_and_run_nothing() {
+    let s = start().await;
+    let url = batch_url(&s, &s.tenant.id);
+    let cases = [
+        (json!({"requests": []}), "requests"),
+        (json!({"requests": "x"}), "requests"),
+        (
+            json!({"requests": [{"prompt": "a"}, {"prompt": "b", "stream": true}]}),
+            "requests[1].stream",
+        ),
+        (
+            json!({"requests": [{"prompt": "a", "temperature": 9}]}),
+            "requests[0].temperature",
+        ),
+        (json!({"requests": [{"max_tokens": 4}]}), "requests[0]"),
+        (
+            json!({"requests": [{"prompt": "a", "external_reference": {"a": 1}}]}),
+            "requests[0].external_reference",
+        ),
+        (
+            json!({"requests": [{"prompt": "a"}], "request_id": "x"}),
+            "not both",
+        ),
+        (json!({}), "`requests`"),
+        (json!({"request_id": 5}), "request_id"),
+    ];
+    for (body, needle) in cases {
+        let (st, _, v) = s.post(&url, Some(&s.key), &body).await;
+        assert_eq!(st, 400, "{body}: {v}");
+        assert_eq!(v["success"], false);
+        let msg = v["errors"][0]["message"].as_str().unwrap();
+        // `requests[i]` and the field, as in `requests[1]: `stream` must be false`.
+        for part in needle.split('.') {
+            assert!(msg.contains(part), "{body}: {msg} should name {needle}");
+        }
+    }
+    let too_many = Value::Array(vec![json!({"prompt": "a"}); 257]);
+    let (st, _, _) = s
+        .post(&url, Some(&s.key), &json!({"requests": too_many}))
+        .await;
+    assert_eq!(st, 400);
+    let (st, _, v) = s
+        .post(
+            &format!("{}?queueRequest=yes", s.run_url(&s.tenant.id)),
+            Some(&s.key),
+            &json!({"requests": [{"prompt": "a"}]}),
+        )
+        .await;
+    assert_eq!(st, 400, "{v}");
+    // Credentials: none, empty, wrong account.
+    let one = json!({"requests": [{"prompt": "a"}]});
+    assert_eq!(s.post(&url, None, &one).await.0, 401);
+    assert_eq!(s.post(&url, Some(""), &one).await.0, 401);
+    let (other, other_key) = s.tenant_with_key("beta", Limits::default()).await;
+    assert_eq!(s.post(&url, Some(&other_key), &one).await.0, 403);
+    let unknown_model = format!(
+        "{}/client/v4/accounts/{}/ai/run/@cf/nope?queueRequest=true",
+        s.base, other.id
+    );
+    assert_eq!(s.post(&unknown_model, Some(&other_key), &one).await.0, 404);
+    // Nothing ran.
+    assert_eq!(s.row_count().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_batches_per_tenant_are_bounded_and_results_expire() {
+    let s = start_with(GatewayConfig {
+        batch_retention: Duration::from_secs(3),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let long = json!([{"prompt": "Count from 1 to 500.", "max_tokens": 160},
+                      {"prompt": "Count from 1 to 600.", "max_tokens": 160}]);
+    let mut ids = vec![];
+    for _ in 0..tessera_gateway::batch::MAX_OPEN_BATCHES_PER_TENANT {
+        ids.push(submit(&s, &s.tenant.id, &s.key, long.clone()).await);
+    }
+    let (st, _, v) = s
+        .post(
+            &batch_url(&s, &s.tenant.id),
+            Some(&s.key),
+            &json!({"requests": long}),
+        )
+        .await;
+    assert_eq!(st, 429, "{v}");
+    // Another tenant is not held back by this one's batches.
+    let (other, other_key) = s.tenant_with_key("beta", Limits::default()).await;
+    let theirs = submit(
+        &s,
+        &other.id,
+        &other_key,
+        json!([{"prompt": "Hi", "max_tokens": 2}]),
+    )
+    .await;
+    // Poll every open batch in turn (a finished one is kept for the retention only).
+    let mut pending: Vec<(String, String, String)> = ids
+        .iter()
+        .map(|id| (s.tenant.id.clone(), s.key.clone(), id.clone()))
+        .chain([(other.id.clone(), other_key.clone(), theirs)])
+        .collect();
+    for _ in 0..1200 {
+        let mut still = vec![];
+        for (account, key, id) in pending {
+            let (st, _, v) = s
+                .post(
+                    &batch_url(&s, &account),
+                    Some(&key),
+                    &json!({"request_id": id}),
+                )
+                .await;
+            assert_eq!(st, 200, "{v}");
+            if v["result"].get("responses").is_none() {
+                still.push((account, key, id));
+            }
+        }
+        pending = still;
+        if pending.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(pending.is_empty(), "batches did not finish");
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    let (st, _, v) = s
+        .post(
+            &batch_url(&s, &s.tenant.id),
+            Some(&s.key),
+            &json!({"request_id": ids[0]}),
+        )
+        .await;
+    assert_eq!(st, 404, "results are gone after the retention: {v}");
+}
