@@ -22,7 +22,7 @@
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{authenticate, envelope, read_body_in_time, Shape};
 use crate::state::{AppState, Ctx};
-use crate::validation;
+use crate::validation::{self, ParsedRequest};
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{header, HeaderValue};
@@ -39,14 +39,20 @@ use tessera_tenancy::Scope;
 pub const MAX_BATCH_ITEMS: usize = 256;
 /// Batches one tenant may have queued or running at once (more: 429).
 pub const MAX_OPEN_BATCHES_PER_TENANT: usize = 4;
+/// Batches one tenant may have stored, finished ones included (more: 429 until some
+/// expire), so that no tenant can fill the gateway's store for the others.
+pub const MAX_STORED_BATCHES_PER_TENANT: usize = 32;
 /// Batches a gateway keeps, finished ones included (more: 503 until some expire).
 pub const MAX_STORED_BATCHES: usize = 1024;
+/// Longest `request_id` a poll may give, in bytes (ids are 36).
+pub const MAX_REQUEST_ID_BYTES: usize = 64;
 /// Longest `external_reference`, in bytes.
 pub const MAX_EXTERNAL_REFERENCE_BYTES: usize = 256;
 /// Items of one batch running at once.
 pub const ITEM_PARALLELISM: usize = 2;
-/// How long one item keeps retrying refusals by a rate or concurrency limit
-/// before the refusal becomes its result.
+/// How long one item keeps retrying refusals that say a retry can succeed (rate
+/// and concurrency limits, a busy engine, an unreachable limits store) before the
+/// refusal becomes its result.
 pub const MAX_LIMIT_WAIT: Duration = Duration::from_secs(600);
 /// Default time a finished batch's results are kept.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(3600);
@@ -104,28 +110,39 @@ impl Batches {
     }
 }
 
-/// Whether a query string asks for the batch API (`queueRequest=true`).
+/// Whether a query string asks for the batch API (`queueRequest=true`), its
+/// pairs percent-decoded.
 ///
-/// Errors: a `queueRequest` value other than `true` or `false` (400 naming it).
-pub(crate) fn queued(query: Option<&str>) -> Result<bool, ApiError> {
-    let mut on = false;
-    for pair in query.unwrap_or_default().split('&') {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+/// Errors: a `queueRequest` value other than `true` or `false`, or given twice with
+/// different values (400 naming it).
+pub(crate) fn queued(uri: &axum::http::Uri) -> Result<bool, ApiError> {
+    let bad = || {
+        ApiError::field(
+            "queueRequest",
+            "`queueRequest` must be `true` or `false`, once",
+        )
+    };
+    if uri.query().is_none() {
+        return Ok(false);
+    }
+    let axum::extract::Query(pairs) =
+        axum::extract::Query::<Vec<(String, String)>>::try_from_uri(uri).map_err(|_| bad())?;
+    let mut on: Option<bool> = None;
+    for (k, v) in pairs {
         if k != "queueRequest" {
             continue;
         }
-        on = match v {
+        let this = match v.as_str() {
             "true" => true,
             "false" => false,
-            _ => {
-                return Err(ApiError::field(
-                    "queueRequest",
-                    "`queueRequest` must be `true` or `false`",
-                ))
-            }
+            _ => return Err(bad()),
         };
+        if on.is_some_and(|o| o != this) {
+            return Err(bad());
+        }
+        on = Some(this);
     }
-    Ok(on)
+    Ok(on.unwrap_or(false))
 }
 
 /// The handler of `POST .../ai/run/{model}?queueRequest=true`: a submission
@@ -191,12 +208,28 @@ pub(crate) async fn handle(
         (None, Some(id)) => poll(&state, &tenant_id, &model_id, id),
         (Some(items), None) => {
             let auth = parts.headers.get(header::AUTHORIZATION).cloned();
-            submit(&state, &account, &tenant_id, &model_id, items, auth)
+            let tenant = crate::server::tenant_context(&principal.tenant);
+            let check = |p: ParsedRequest| {
+                let served = state
+                    .served(&model_id)
+                    .ok_or_else(|| validation::no_such_model(&model_id))?;
+                let limits = served.engine.limits();
+                validation::validate(p, &state.catalog, &served.model, limits, &tenant).map(|_| ())
+            };
+            submit(&state, &account, &tenant_id, &model_id, items, auth, &check)
         }
     };
     match result {
         Ok(v) => ctx.header((axum::http::StatusCode::OK, axum::Json(envelope(v))).into_response()),
-        Err(e) => ctx.refuse(&state, "batch_invalid", e),
+        Err(e) => {
+            let reason = match e.kind {
+                ErrorKind::RateLimited => "batch_limit",
+                ErrorKind::Unavailable => "batch_unavailable",
+                ErrorKind::NotFound => "batch_not_found",
+                _ => "batch_invalid",
+            };
+            ctx.refuse(&state, reason, e)
+        }
     }
 }
 
@@ -207,8 +240,15 @@ struct Item {
     external_reference: Value,
 }
 
-/// Checks every item (shape errors name `requests[i].field`) before anything runs.
-fn items(model: &str, v: &Value) -> Result<Vec<Item>, ApiError> {
+/// Checks every item before anything runs: its shape, then `check` (the full
+/// validation a request gets: model, tokenization, context window), and that it
+/// fits `max_body` bytes as it will run. Errors name `requests[i].field`.
+fn items(
+    model: &str,
+    v: &Value,
+    max_body: usize,
+    check: &dyn Fn(ParsedRequest) -> Result<(), ApiError>,
+) -> Result<Vec<Item>, ApiError> {
     let Some(list) = v.as_array() else {
         return Err(ApiError::field("requests", "`requests` must be an array"));
     };
@@ -251,7 +291,7 @@ fn items(model: &str, v: &Value) -> Result<Vec<Item>, ApiError> {
                 format!("`{f}` must be false: batch results are collected, not streamed"),
             ));
         }
-        if let Err(mut e) = validation::workers_ai(model, &body) {
+        if let Err(mut e) = validation::workers_ai(model, &body).and_then(check) {
             e.param = Some(match e.param.as_deref() {
                 Some(f) => name(f),
                 None => format!("requests[{i}]"),
@@ -262,6 +302,13 @@ fn items(model: &str, v: &Value) -> Result<Vec<Item>, ApiError> {
         // Queued work runs in the lowest class, whatever the item asked for.
         body.insert("priority".into(), Value::String("batch".into()));
         body.insert("stream".into(), Value::Bool(false));
+        let size = Value::Object(body.clone()).to_string().len();
+        if size > max_body {
+            return Err(ApiError::field(
+                &format!("requests[{i}]"),
+                format!("`requests[{i}]` is {size} bytes as it runs; at most {max_body}"),
+            ));
+        }
         out.push(Item {
             body,
             external_reference,
@@ -277,8 +324,9 @@ fn submit(
     model: &str,
     requests: &Value,
     auth: Option<HeaderValue>,
+    check: &dyn Fn(ParsedRequest) -> Result<(), ApiError>,
 ) -> Result<Value, ApiError> {
-    let items = items(model, requests)?;
+    let items = items(model, requests, state.max_body_bytes, check)?;
     let auth = auth.ok_or_else(|| ApiError::new(ErrorKind::Unauthenticated, "missing API key"))?;
     let batches = &state.batches;
     if batches.closing() {
@@ -290,9 +338,21 @@ fn submit(
     let job = {
         let mut jobs = batches.jobs.lock().expect("batches lock");
         batches.sweep(&mut jobs);
-        let open = jobs
-            .values()
-            .filter(|j| j.tenant_id == tenant_id)
+        let theirs: Vec<&Arc<Job>> = jobs.values().filter(|j| j.tenant_id == tenant_id).collect();
+        if theirs.len() >= MAX_STORED_BATCHES_PER_TENANT {
+            let mut e = ApiError::new(
+                ErrorKind::RateLimited,
+                format!(
+                    "this account has {} batches stored; at most {MAX_STORED_BATCHES_PER_TENANT} \
+                     (finished ones are kept for their retention, then dropped)",
+                    theirs.len()
+                ),
+            );
+            e.retry_after = Some(Duration::from_secs(60));
+            return Err(e);
+        }
+        let open = theirs
+            .iter()
             .filter(|j| {
                 j.progress
                     .lock()
@@ -339,10 +399,10 @@ fn submit(
 }
 
 fn poll(state: &AppState, tenant_id: &str, model: &str, id: &Value) -> Result<Value, ApiError> {
-    let Some(id) = id.as_str() else {
+    let Some(id) = id.as_str().filter(|id| id.len() <= MAX_REQUEST_ID_BYTES) else {
         return Err(ApiError::field(
             "request_id",
-            "`request_id` must be a string",
+            format!("`request_id` must be a string of at most {MAX_REQUEST_ID_BYTES} bytes"),
         ));
     };
     let not_found = || {
@@ -489,8 +549,12 @@ async fn run_item(
         if status.is_success() {
             return Ok(v["result"].clone());
         }
-        // A limit refused the item before admission (no usage row): wait for it.
-        if status == axum::http::StatusCode::TOO_MANY_REQUESTS
+        // A limit (429) or a busy or unreachable backend (503: the limits store, the
+        // batch queue's wait) refused the item and said a retry can succeed: wait.
+        // Limit refusals write no usage row; a busy engine's writes one with no
+        // tokens, so the item is still billed once.
+        if (status == axum::http::StatusCode::TOO_MANY_REQUESTS
+            || status == axum::http::StatusCode::SERVICE_UNAVAILABLE)
             && retry
             && began.elapsed() + wait < MAX_LIMIT_WAIT
         {
@@ -505,44 +569,63 @@ async fn run_item(
 mod tests {
     use super::*;
 
+    fn shape(m: &str, v: &Value) -> Result<Vec<Item>, ApiError> {
+        items(m, v, 1 << 20, &|_| Ok(()))
+    }
+
+    fn queued_in(q: &str) -> Result<bool, ApiError> {
+        queued(&format!("/x?{q}").parse().unwrap())
+    }
+
     #[test]
     fn queue_request_values() {
-        assert!(!queued(None).unwrap());
-        assert!(queued(Some("queueRequest=true")).unwrap());
-        assert!(!queued(Some("a=1&queueRequest=false")).unwrap());
-        assert!(!queued(Some("queuerequest=true")).unwrap());
-        let e = queued(Some("queueRequest=yes")).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("queueRequest"));
+        assert!(!queued(&"/x".parse().unwrap()).unwrap());
+        assert!(queued_in("queueRequest=true").unwrap());
+        assert!(
+            queued_in("queue%52equest=%74rue").unwrap(),
+            "percent-decoded"
+        );
+        assert!(!queued_in("a=1&queueRequest=false").unwrap());
+        assert!(!queued_in("queuerequest=true").unwrap());
+        assert!(queued_in("queueRequest=true&queueRequest=true").unwrap());
+        for q in [
+            "queueRequest=yes",
+            "queueRequest",
+            "queueRequest=true&queueRequest=false",
+        ] {
+            let e = queued_in(q).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("queueRequest"), "{q}");
+        }
     }
 
     #[test]
     fn items_are_checked_before_anything_runs() {
         let m = "@cf/x";
-        let e = items(m, &json!([])).unwrap_err();
+        let e = shape(m, &json!([])).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("requests"));
         let too_many = Value::Array(vec![json!({"prompt": "a"}); MAX_BATCH_ITEMS + 1]);
         assert_eq!(
-            items(m, &too_many).unwrap_err().param.as_deref(),
+            shape(m, &too_many).unwrap_err().param.as_deref(),
             Some("requests")
         );
-        let e = items(
+        let e = shape(
             m,
             &json!([{"prompt": "a"}, {"prompt": "b", "stream": true}]),
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("requests[1].stream"));
-        let e = items(m, &json!([{"prompt": "a", "max_tokens": -1}])).unwrap_err();
+        let e = shape(m, &json!([{"prompt": "a", "max_tokens": -1}])).unwrap_err();
         assert_eq!(
             e.param.as_deref(),
             Some("requests[0].max_tokens"),
             "{}",
             e.message
         );
-        let e = items(m, &json!([{"prompt": "a", "external_reference": 7}])).unwrap_err();
+        let e = shape(m, &json!([{"prompt": "a", "external_reference": 7}])).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("requests[0].external_reference"));
-        let e = items(m, &json!(["a"])).unwrap_err();
+        let e = shape(m, &json!(["a"])).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("requests[0]"));
-        let ok = items(
+        let ok = shape(
             m,
             &json!([{"prompt": "a", "priority": "interactive", "external_reference": "r"}]),
         )
@@ -550,6 +633,15 @@ mod tests {
         assert_eq!(ok[0].body["priority"], "batch");
         assert_eq!(ok[0].external_reference, "r");
         assert!(!ok[0].body.contains_key("external_reference"));
+        // As it will run (with `priority` and `stream` added), an item must fit the
+        // body limit: else a 400 now rather than a 413 when it runs.
+        let big = json!([{"prompt": "a".repeat(100)}]);
+        let e = items(m, &big, 110, &|_| Ok(())).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("requests[0]"));
+        // The full validation's verdict names the item.
+        let refuse = |_| Err(ApiError::field("max_tokens", "too many"));
+        let e = items(m, &json!([{"prompt": "a"}]), 1 << 20, &refuse).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("requests[0].max_tokens"));
     }
 
     #[test]

@@ -290,7 +290,7 @@ pub const SESSION_AFFINITY_HEADER: &str = "x-session-affinity";
 /// What the engine takes from a tenant's record: engine id, weight, ceiling and the
 /// prefix-cache namespace (derived from the account and its salt, never from the
 /// request).
-fn tenant_context(t: &tessera_tenancy::Tenant) -> validation::TenantContext {
+pub(crate) fn tenant_context(t: &tessera_tenancy::Tenant) -> validation::TenantContext {
     validation::TenantContext {
         engine_id: t.engine_id(),
         weight: t.scheduling.weight,
@@ -381,7 +381,7 @@ async fn run_handler(
     Path((account, model)): Path<(String, String)>,
     req: Request,
 ) -> Response {
-    match crate::batch::queued(req.uri().query()) {
+    match crate::batch::queued(req.uri()) {
         Ok(true) => return crate::batch::handle(state, account, model, req).await,
         Ok(false) => {}
         Err(e) => return e.into_response_as(Flavor::WorkersAi, ""),

@@ -199,6 +199,12 @@ async fn malformed_batches_are_refused_naming_the_field_and_run_nothing() {
         ),
         (json!({}), "`requests`"),
         (json!({"request_id": 5}), "request_id"),
+        (json!({"request_id": "x".repeat(100)}), "request_id"),
+        // Checked as a request is, before anything runs: the context window.
+        (
+            json!({"requests": [{"prompt": "a", "max_tokens": 5}, {"prompt": "b", "max_tokens": 99999999}]}),
+            "requests[1]",
+        ),
     ];
     for (body, needle) in cases {
         let (st, _, v) = s.post(&url, Some(&s.key), &body).await;
@@ -305,4 +311,50 @@ async fn open_batches_per_tenant_are_bounded_and_results_expire() {
         )
         .await;
     assert_eq!(st, 404, "results are gone after the retention: {v}");
+}
+
+/// Finished batches count against their tenant until they expire, so one tenant
+/// cannot fill the gateway's store for the others (free to try: a tenant whose
+/// every item is refused by its daily quota at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_fill_the_gateways_batch_store() {
+    use tessera_gateway::batch::MAX_STORED_BATCHES_PER_TENANT;
+    let s = start().await;
+    let broke = Limits {
+        daily_tokens: 1,
+        ..Limits::default()
+    };
+    let (t, key) = s.tenant_with_key("broke", broke).await;
+    let one = json!([{"prompt": "x", "max_tokens": 1}]);
+    let mut stored = 0;
+    while stored < MAX_STORED_BATCHES_PER_TENANT {
+        let (st, _, v) = s
+            .post(&batch_url(&s, &t.id), Some(&key), &json!({"requests": one}))
+            .await;
+        match st {
+            200 => stored += 1,
+            // At most 4 open at once: wait for them to fail on the quota.
+            429 => tokio::time::sleep(Duration::from_millis(50)).await,
+            _ => panic!("{st}: {v}"),
+        }
+    }
+    let (st, _, v) = s
+        .post(&batch_url(&s, &t.id), Some(&key), &json!({"requests": one}))
+        .await;
+    assert_eq!(st, 429, "{v}");
+    assert!(
+        v["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("stored"),
+        "{v}"
+    );
+    // Everyone else still gets batches.
+    submit(
+        &s,
+        &s.tenant.id,
+        &s.key,
+        json!([{"prompt": "Hi", "max_tokens": 2}]),
+    )
+    .await;
 }
