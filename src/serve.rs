@@ -126,6 +126,19 @@ pub(crate) struct ServeArgs {
     /// On Ctrl-C or SIGTERM: seconds running requests may finish before they are aborted.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
+    /// Where per-tenant limits live: `memory` (this process; N gateways allow N times
+    /// the limits) or `redis://HOST:PORT` / `redis+unix:///PATH` (shared by every
+    /// gateway on that Redis: rate limits, concurrency and the daily quota).
+    #[arg(long, default_value = "memory", env = "TESSERA_LIMITS")]
+    limits: String,
+    /// With `--limits redis://...`: what a request gets while Redis fails: `closed`
+    /// (503, and /readyz fails) or `open` (this gateway's own limits).
+    #[arg(long, default_value = "closed")]
+    limits_on_failure: tessera_tenancy::limits::FailMode,
+    /// With `--limits redis://...`: seconds a concurrency slot outlives a gateway
+    /// that died holding it.
+    #[arg(long, default_value_t = 30)]
+    limits_lease_secs: u64,
     /// Seconds a finished async batch's results (`?queueRequest=true`) are kept for polling.
     #[arg(long, default_value_t = 3600)]
     batch_retention_secs: u64,
@@ -328,6 +341,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         },
         drain_timeout: secs(a.drain_timeout_secs),
         batch_retention: secs(a.batch_retention_secs),
+        shared_limits: shared_limits(&a)?,
         metrics_top_tenants: a.metrics_top_tenants,
         log_request_text: a.log_request_text,
         private_models_as_404: a.private_models_as_404,
@@ -569,4 +583,25 @@ fn device_check(a: &ServeArgs) -> Result<()> {
         a.device.prepare(id, path, engines)?;
     }
     Ok(())
+}
+
+/// `--limits`: `None` for `memory`, else the Redis settings.
+fn shared_limits(a: &ServeArgs) -> anyhow::Result<Option<tessera_tenancy::limits::SharedLimits>> {
+    if a.limits == "memory" {
+        return Ok(None);
+    }
+    if !(a.limits.starts_with("redis://") || a.limits.starts_with("redis+unix://")) {
+        anyhow::bail!(
+            "--limits must be `memory`, `redis://HOST:PORT` or `redis+unix:///PATH`; given {:?}",
+            a.limits
+        );
+    }
+    if a.limits_lease_secs == 0 {
+        anyhow::bail!("--limits-lease-secs must be at least 1");
+    }
+    Ok(Some(tessera_tenancy::limits::SharedLimits {
+        on_failure: a.limits_on_failure,
+        lease_ttl: Duration::from_secs(a.limits_lease_secs),
+        ..tessera_tenancy::limits::SharedLimits::new(a.limits.clone())
+    }))
 }

@@ -131,11 +131,12 @@ async fn main() -> anyhow::Result<()> {
         let (_, k) = &keys[(i * 7919) % keys.len()];
         let t = Instant::now();
         let p = store.authenticate(k).await?.map_err(anyhow::Error::msg)?;
-        let reservation = state
+        let admission = state
             .limiter
             .admit(&p.tenant.id, p.tenant.limits)
-            .and_then(|a| a.reserve(10, 1))
+            .await
             .map_err(anyhow::Error::msg)?;
+        let reservation = admission.reserve(10, 1).await.map_err(anyhow::Error::msg)?;
         us.push(t.elapsed().as_secs_f64() * 1e6);
         reservation.settle(10, 1);
     }

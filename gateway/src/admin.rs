@@ -255,6 +255,9 @@ async fn json_body(state: &AppState, req: Request) -> Result<Value, ApiError> {
 }
 
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    let limits = s.limiter.health().await;
+    s.metrics
+        .set_limits(limits.up, s.limiter.backend_errors(), s.limiter.fallbacks());
     let body = s
         .metrics
         .render_with(s.engine_stats(), s.inflight(), s.engine.node_metrics());

@@ -84,12 +84,13 @@ pub(crate) async fn authenticate(
     Ok(p)
 }
 
-/// The client error for a limit refusal (429 with `retry-after`).
+/// The client error for a limit refusal (429 with `retry-after`), or 503 when the
+/// shared limits store could not be reached (the limiter fails closed).
 pub(crate) fn limit_error(l: &LimitError) -> ApiError {
-    let kind = if l.kind == LimitKind::DailyQuota {
-        ErrorKind::QuotaExceeded
-    } else {
-        ErrorKind::RateLimited
+    let kind = match l.kind {
+        LimitKind::DailyQuota => ErrorKind::QuotaExceeded,
+        LimitKind::Unavailable => ErrorKind::Unavailable,
+        _ => ErrorKind::RateLimited,
     };
     let mut e = ApiError::new(kind, l.to_string());
     e.retry_after = Some(l.retry_after);

@@ -235,6 +235,9 @@ pub struct Metrics {
     pruned_rows: Counter,
     release_timeouts: Counter,
     batch_items: Family<OutcomeLabels, Counter>,
+    limits_up: Gauge,
+    limits_errors: Counter,
+    limits_fallbacks: Counter,
     inflight: Gauge,
     kv_free_pages: Gauge,
     kv_capacity_pages: Gauge,
@@ -280,6 +283,9 @@ impl Metrics {
             pruned_rows: Counter::default(),
             release_timeouts: Counter::default(),
             batch_items: Family::default(),
+            limits_up: Gauge::default(),
+            limits_errors: Counter::default(),
+            limits_fallbacks: Counter::default(),
             inflight: Gauge::default(),
             kv_free_pages: Gauge::default(),
             kv_capacity_pages: Gauge::default(),
@@ -375,6 +381,21 @@ impl Metrics {
             "tessera_batch_items",
             "Async batch items (queueRequest=true) by outcome: queued, succeeded, failed.",
             self.batch_items.clone(),
+        );
+        r.register(
+            "tessera_limits_backend_up",
+            "1 when the limits store answers (always with in-memory limits; with --limits redis://..., a PING at scrape time), else 0.",
+            self.limits_up.clone(),
+        );
+        r.register(
+            "tessera_limits_backend_errors",
+            "Calls to the shared limits store (Redis) that failed or timed out.",
+            self.limits_errors.clone(),
+        );
+        r.register(
+            "tessera_limits_fallbacks",
+            "Requests admitted under this gateway's own limits because the shared store failed (--limits-on-failure open).",
+            self.limits_fallbacks.clone(),
         );
         r.register(
             "tessera_inflight_requests",
@@ -478,6 +499,21 @@ impl Metrics {
     /// A serving failure of kind `kind` ([`tessera_serving::ServeErrorKind::label`]).
     pub fn serve_error(&self, kind: &'static str) {
         self.serve_errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// The limits store's state at scrape time: whether it answers, and the
+    /// limiter's running totals of store errors and fail-open fallbacks.
+    pub fn set_limits(&self, up: bool, errors: u64, fallbacks: u64) {
+        self.limits_up.set(i64::from(up));
+        for (c, total) in [
+            (&self.limits_errors, errors),
+            (&self.limits_fallbacks, fallbacks),
+        ] {
+            let seen = c.get();
+            if total > seen {
+                c.inc_by(total - seen);
+            }
+        }
     }
 
     /// Counts `n` async batch items that reached `outcome` (`queued` when the batch

@@ -24,6 +24,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_serving::Priority;
+use tessera_tenancy::limits::FailMode;
 use tessera_tenancy::{now_ms, PriorityCeiling, Scope};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -103,8 +104,11 @@ async fn generate_in_span(
     };
     let tenant = &principal.tenant;
     span.record("tenant", tenant.id.as_str());
-    let admitted = tracing::info_span!(target: TRACE, "admission", step = "limits")
-        .in_scope(|| state.limiter.admit(&tenant.id, tenant.limits));
+    let admitted = state
+        .limiter
+        .admit(&tenant.id, tenant.limits)
+        .instrument(tracing::info_span!(target: TRACE, "admission", step = "limits"))
+        .await;
     let admission = match admitted {
         Ok(a) => a,
         Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
@@ -182,12 +186,15 @@ async fn generate_in_span(
         ctx.prompt_text = Some(served.model.tokenizer.decode(&v.request.prompt, false));
     }
     let prompt_tokens = v.request.prompt.len();
-    if state.limiter.needs_daily(&tenant.id, tenant.limits) {
+    if state.limiter.needs_daily(&tenant.id, tenant.limits).await {
         let day_start = tessera_tenancy::limits::utc_day(now_ms()) * 86_400_000;
         match state.store.tokens_since(&tenant.id, day_start).await {
-            Ok(used) => state
-                .limiter
-                .set_daily_used(&tenant.id, tenant.limits, used),
+            Ok(used) => {
+                state
+                    .limiter
+                    .set_daily_used(&tenant.id, tenant.limits, used)
+                    .await
+            }
             Err(e) => {
                 tracing::error!(error = %e, "cannot read daily usage");
                 let err = ApiError::new(ErrorKind::Unavailable, "usage store unavailable");
@@ -197,8 +204,10 @@ async fn generate_in_span(
     }
     let max_tokens = u32::try_from(v.request.max_tokens).unwrap_or(u32::MAX);
     let input = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
-    let reserved = tracing::info_span!(target: TRACE, "admission", step = "tokens")
-        .in_scope(|| admission.reserve(input, max_tokens));
+    let reserved = admission
+        .reserve(input, max_tokens)
+        .instrument(tracing::info_span!(target: TRACE, "admission", step = "tokens"))
+        .await;
     let reservation = match reserved {
         Ok(r) => r,
         Err(l) => {
@@ -442,8 +451,13 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    let limits = state.limiter.health().await;
+    let limits_down = !limits.up;
     if !state.store.ping().await {
         (StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n").into_response()
+    } else if limits_down && limits.fail_mode == Some(FailMode::Closed) {
+        let msg = "limits store (redis) unreachable: failing closed, requests get 503\n";
+        (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
     } else if let Some(m) = state.models.iter().find(|m| !m.engine.ready()) {
         let msg = format!("no prefill or decode node of {} reachable\n", m.entry.id);
         (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
@@ -453,6 +467,10 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
             "no prefill or decode node reachable\n",
         )
             .into_response()
+    } else if limits_down {
+        let msg =
+            "ready (limits store (redis) unreachable: failing open to this gateway's own limits)\n";
+        (StatusCode::OK, msg).into_response()
     } else {
         (StatusCode::OK, "ready\n").into_response()
     }

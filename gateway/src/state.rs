@@ -138,6 +138,9 @@ pub struct GatewayConfig {
     pub private_models_as_404: bool,
     /// How long a finished async batch's results (`queueRequest=true`) are kept.
     pub batch_retention: Duration,
+    /// Keep rate limits, concurrency and the daily quota in Redis, shared with every
+    /// gateway on the same server (`None`: in this process's memory).
+    pub shared_limits: Option<tessera_tenancy::limits::SharedLimits>,
 }
 
 impl Default for GatewayConfig {
@@ -159,6 +162,7 @@ impl Default for GatewayConfig {
             metrics_top_tenants: crate::metrics::DEFAULT_TOP_TENANTS,
             log_request_text: false,
             batch_retention: crate::batch::DEFAULT_RETENTION,
+            shared_limits: None,
             private_models_as_404: false,
         }
     }
@@ -262,7 +266,8 @@ impl AppState {
     /// State for `models`, each served by its own engines; a request is routed by
     /// its model id (or an alias) to that model's engines only.
     ///
-    /// Errors: no models, or two entries sharing an id or alias (the message names it).
+    /// Errors: no models, two entries sharing an id or alias (the message names it),
+    /// or an unusable `shared_limits` (a URL that does not parse).
     pub fn with_models(
         store: Store,
         models: Vec<ServedModel>,
@@ -271,12 +276,16 @@ impl AppState {
         let catalog = Catalog::new(models.iter().map(|m| m.entry.clone()).collect())?;
         let first = models.first().ok_or("a gateway needs at least one model")?;
         let ids: Vec<&str> = models.iter().map(|m| m.entry.id.as_str()).collect();
+        let limiter = match &cfg.shared_limits {
+            Some(c) => Limiter::shared(c.clone()).map_err(|e| e.to_string())?,
+            None => Limiter::new(),
+        };
         Ok(Arc::new(Self {
             store,
             engine: first.engine.clone(),
             model: first.model.clone(),
             catalog,
-            limiter: Limiter::new(),
+            limiter,
             admin_token: cfg.admin_token.clone(),
             metrics_token: cfg.metrics_token.clone(),
             default_limits: cfg.default_limits,
@@ -347,6 +356,13 @@ impl AppState {
     /// for their rows.
     pub async fn drain(&self) {
         self.batches.close();
+        self.drain_requests().await;
+        // The fleet's shared counters get every settle and release now rather than
+        // when this gateway's leases lapse.
+        self.limiter.flush().await;
+    }
+
+    async fn drain_requests(&self) {
         if self.wait_idle(self.drain_timeout).await {
             return;
         }

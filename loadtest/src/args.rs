@@ -96,9 +96,11 @@ impl FromStr for LenDist {
 /// `--rate`, else closed-loop with `--concurrency` clients.
 #[derive(Args, Clone, Debug)]
 pub struct LoadtestArgs {
-    /// Base URL of the server under test (`http://HOST:PORT`, no path).
+    /// Base URL of the server under test (`http://HOST:PORT`, no path). Repeat for
+    /// a fleet of gateways on one store: request `i` goes to URL `i mod n`; tenant
+    /// creation, the catalog and the usage reads use the first.
     #[arg(long, default_value = "http://127.0.0.1:8787")]
-    pub url: String,
+    pub url: Vec<String>,
     /// API shape: `workers-ai` (Tessera's `ai/run` route) or `openai`.
     #[arg(long, value_enum, default_value_t = Api::WorkersAi)]
     pub api: Api,
@@ -233,6 +235,16 @@ pub struct LoadtestArgs {
 }
 
 impl LoadtestArgs {
+    /// The first `--url` without a trailing slash: where tenants are created and
+    /// the catalog and usage are read.
+    pub fn primary_url(&self) -> String {
+        self.url
+            .first()
+            .map_or("", String::as_str)
+            .trim_end_matches('/')
+            .to_string()
+    }
+
     /// Checks ranges that clap cannot express.
     ///
     /// # Errors
@@ -257,6 +269,9 @@ impl LoadtestArgs {
             if !(r > 0.0 && r.is_finite()) {
                 return Err(format!("--rate must be > 0. Given: {r}"));
             }
+        }
+        if self.url.is_empty() {
+            return Err("--url must be given at least once".into());
         }
         if self.concurrency == 0 {
             return Err("--concurrency must be >= 1. Given: 0".into());

@@ -13,8 +13,11 @@ use std::time::{Duration, Instant};
 pub struct Target {
     /// Name in reports.
     pub label: String,
-    /// Base URL without a trailing slash.
+    /// Base URL without a trailing slash (with a fleet: the first gateway's).
     pub base: String,
+    /// Every gateway's base URL (at least `base`): request `i` goes to
+    /// `fleet[i % n]`.
+    pub fleet: Vec<String>,
     /// API shape.
     pub api: Api,
     /// Chat or raw prompts.
@@ -250,6 +253,10 @@ impl Target {
         if call.stream && self.api == Api::Openai {
             body["stream_options"] = json!({"include_usage": true});
         }
+        let base = self
+            .fleet
+            .get(call.index % self.fleet.len().max(1))
+            .unwrap_or(&self.base);
         let url = match (self.api, self.mode) {
             (Api::WorkersAi, _) => {
                 let acct = call.tenant.account_id.as_deref().ok_or_else(|| {
@@ -258,10 +265,10 @@ impl Target {
                         call.tenant.label
                     )
                 })?;
-                format!("{}/client/v4/accounts/{acct}/ai/run/{}", self.base, model)
+                format!("{base}/client/v4/accounts/{acct}/ai/run/{model}")
             }
-            (Api::Openai, Mode::Chat) => format!("{}/v1/chat/completions", self.base),
-            (Api::Openai, Mode::Raw) => format!("{}/v1/completions", self.base),
+            (Api::Openai, Mode::Chat) => format!("{base}/v1/chat/completions"),
+            (Api::Openai, Mode::Raw) => format!("{base}/v1/completions"),
         };
         Ok((url, body))
     }

@@ -160,7 +160,7 @@ pub struct Checks {
 pub struct TargetReport {
     /// Label.
     pub label: String,
-    /// Base URL.
+    /// Base URL (a fleet: every gateway's, joined with `,`).
     pub base_url: String,
     /// `workers_ai` or `openai`.
     pub api: String,

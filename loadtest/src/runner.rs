@@ -341,7 +341,7 @@ fn measure(
     let bucket = metrics::bucket_width(end);
     TargetReport {
         label: target.label.clone(),
-        base_url: target.base.clone(),
+        base_url: target.fleet.join(","),
         api: match target.api {
             Api::WorkersAi => "workers_ai",
             Api::Openai => "openai",
@@ -382,7 +382,12 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let base = args.url.trim_end_matches('/').to_string();
+    let base = args.primary_url();
+    let fleet: Vec<String> = args
+        .url
+        .iter()
+        .map(|u| u.trim_end_matches('/').to_string())
+        .collect();
     let timeout = Duration::from_secs_f64(args.request_timeout_secs);
     let http = client::http_client(timeout)?;
     let run_id = format!("{:08x}", rand::random::<u32>());
@@ -409,6 +414,7 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
     let target = Target {
         label: args.label.clone(),
         base: base.clone(),
+        fleet,
         api: args.api,
         mode: args.mode,
         models: args.model.clone(),
@@ -592,6 +598,7 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
         let ctarget = Target {
             label: args.compare_label.clone(),
             base: url.trim_end_matches('/').to_string(),
+            fleet: vec![url.trim_end_matches('/').to_string()],
             api: Api::Openai,
             mode: args.mode,
             models: args

@@ -130,7 +130,7 @@ pub async fn resolve(
         return read_keys_file(path);
     }
     if let Some(tok) = &args.admin_token {
-        return create_tenants(http, args.url.trim_end_matches('/'), tok, args.tenants, run).await;
+        return create_tenants(http, &args.primary_url(), tok, args.tenants, run).await;
     }
     Ok(virtual_tenants(args.tenants, args.api_key.as_deref()))
 }

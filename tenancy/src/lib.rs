@@ -8,7 +8,8 @@
 //!   aggregation and retention, the admin audit log ([`Store::audited`]).
 //! - [`limits`]: [`Limiter`]: per-tenant rate limits, concurrency and the daily token
 //!   quota, taken in two phases ([`Admission`], then [`Reservation`]) by guards that
-//!   give back what they hold in `Drop`.
+//!   give back what they hold in `Drop`; in memory per gateway, or shared by
+//!   several gateways through Redis ([`Limiter::shared`]).
 
 pub mod keys;
 pub mod limits;
@@ -17,7 +18,10 @@ pub mod store;
 pub mod testing;
 
 pub use keys::{ApiKey, KeyError, Scope, Scopes};
-pub use limits::{Admission, DailyState, LimitError, LimitKind, Limiter, Reservation};
+pub use limits::{
+    Admission, DailyState, FailMode, LimitError, LimitKind, Limiter, LimitsHealth, Reservation,
+    SharedLimits, SharedLimitsError,
+};
 pub use store::{
     AuditCtx, AuditRecord, Audited, AuthError, GroupBy, KeyInfo, Limits, LimitsPatch, ModelAccess,
     NewKey, Principal, PriorityCeiling, Scheduling, Store, StoreError, Tenant, TenantStatus,

@@ -1,4 +1,5 @@
-//! Per-tenant limits, enforced in memory by one gateway process.
+//! Per-tenant limits: in memory for one gateway process ([`Limiter::new`]), or in
+//! Redis, shared by every gateway pointed at it ([`Limiter::shared`]).
 //!
 //! A request takes its allowances in two phases, so that no limit can be overdrawn
 //! and a refusal keeps nothing:
@@ -25,6 +26,22 @@
 //!
 //! Every guard ([`Admission`], [`Reservation`]) gives back what it holds in `Drop`;
 //! [`Limiter::inflight`] and [`Limiter::daily`] show it.
+//!
+//! # Shared limits (Redis)
+//!
+//! With [`Limiter::shared`] the same semantics hold across gateways: each phase is
+//! one Lua script run atomically by Redis on Redis' clock, the rate limits are GCRA
+//! (the ATM Forum's generic cell rate algorithm, as in redis-cell; equivalent to the
+//! buckets above), and concurrency slots are leases that the gateway holding them
+//! refreshes, so that the slots of a gateway that died come back within
+//! [`SharedLimits::lease_ttl`]. Settles and releases stay synchronous for the caller:
+//! they are handed to a tokio task ([`Limiter::flush`] waits for them). When Redis
+//! fails or does not answer within [`SharedLimits::timeout`], [`FailMode`] decides:
+//! refuse ([`LimitKind::Unavailable`]) or fall back to this process's in-memory
+//! limits. The usage API's own limit ([`Limiter::usage_query`]) stays per gateway.
+//! The Redis side (keys, scripts) is described in the `shared` module's source.
+
+mod shared;
 
 use crate::store::Limits;
 use dashmap::DashMap;
@@ -46,6 +63,9 @@ pub enum LimitKind {
     DailyQuota,
     /// Usage-API queries per minute.
     UsageQueries,
+    /// No limit refused: the shared limits store (Redis) failed or did not answer in
+    /// time, and the limiter fails closed ([`FailMode::Closed`]). Retryable.
+    Unavailable,
 }
 
 impl LimitKind {
@@ -58,13 +78,22 @@ impl LimitKind {
             Self::Concurrency => "max_concurrent",
             Self::DailyQuota => "daily_tokens",
             Self::UsageQueries => "usage_queries_per_minute",
+            Self::Unavailable => "limits_unavailable",
+        }
+    }
+
+    fn headline(self) -> &'static str {
+        match self {
+            Self::Unavailable => "limits unavailable",
+            _ => "rate limit exceeded",
         }
     }
 }
 
-/// A limit refused the request.
+/// A limit refused the request (or, [`LimitKind::Unavailable`], the limits could not
+/// be checked).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("rate limit exceeded: {} ({detail})", kind.label())]
+#[error("{}: {} ({detail})", kind.headline(), kind.label())]
 pub struct LimitError {
     /// Which limit.
     pub kind: LimitKind,
@@ -75,6 +104,152 @@ pub struct LimitError {
     pub retryable: bool,
     /// Human-readable numbers.
     pub detail: String,
+}
+
+fn concurrency_error(inflight: u32, max: u32) -> LimitError {
+    LimitError {
+        kind: LimitKind::Concurrency,
+        retry_after: Duration::from_secs(1),
+        retryable: true,
+        detail: format!("{inflight} requests already in flight; limit {max}"),
+    }
+}
+
+fn requests_error(cap: u32, wait: Option<Duration>) -> LimitError {
+    LimitError {
+        kind: LimitKind::Requests,
+        retry_after: wait.unwrap_or(Duration::from_secs(60)),
+        retryable: true,
+        detail: format!("limit {cap} requests/minute"),
+    }
+}
+
+/// `wait`: `None` when `n` alone exceeds the limit (never fits).
+fn tokens_error(kind: LimitKind, n: u32, cap: u32, wait: Option<Duration>) -> LimitError {
+    match wait {
+        Some(wait) => LimitError {
+            kind,
+            retry_after: wait,
+            retryable: true,
+            detail: format!("request needs {n} tokens; limit {cap} tokens/minute"),
+        },
+        None => LimitError {
+            kind,
+            retry_after: Duration::from_secs(60),
+            retryable: false,
+            detail: format!("request needs {n} tokens, more than the limit of {cap} tokens/minute"),
+        },
+    }
+}
+
+/// `ms_left`: until 00:00 UTC.
+fn daily_error(used: i64, reserved: i64, need: i64, daily: i64, ms_left: i64) -> LimitError {
+    // Fits once the requests in flight settle (they may use less than they
+    // reserved): worth a retry soon; else not before tomorrow.
+    let soon = used + need <= daily;
+    LimitError {
+        kind: LimitKind::DailyQuota,
+        retry_after: if soon {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_millis(ms_left.max(1000) as u64)
+        },
+        retryable: soon,
+        detail: format!(
+            "{used} of {daily} daily tokens used and {reserved} reserved by requests in flight; \
+             this request needs {need} (prompt + max_tokens); the quota resets at 00:00 UTC"
+        ),
+    }
+}
+
+fn unavailable_error() -> LimitError {
+    LimitError {
+        kind: LimitKind::Unavailable,
+        retry_after: Duration::from_secs(1),
+        retryable: true,
+        detail: "the shared limits store (Redis) failed or did not answer in time".into(),
+    }
+}
+
+/// What a shared limiter does with a request when Redis fails or does not answer
+/// within [`SharedLimits::timeout`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailMode {
+    /// Admit it under this gateway's own in-memory limits (each gateway then allows
+    /// a tenant its full limits: up to N times them with N gateways). Counted
+    /// ([`Limiter::fallbacks`]).
+    Open,
+    /// Refuse it: [`LimitKind::Unavailable`] (503, retry after 1 s).
+    #[default]
+    Closed,
+}
+
+impl FailMode {
+    /// `"open"` or `"closed"`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Open => "open",
+            Self::Closed => "closed",
+        }
+    }
+}
+
+impl std::str::FromStr for FailMode {
+    type Err = String;
+
+    /// Parses `open` or `closed`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "open" => Ok(Self::Open),
+            "closed" => Ok(Self::Closed),
+            _ => Err(format!("expected `open` or `closed`, not {s:?}")),
+        }
+    }
+}
+
+/// Where and how to share limits with other gateways ([`Limiter::shared`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedLimits {
+    /// The Redis server: `redis://[user:password@]host:port[/db]` or
+    /// `redis+unix:///path/to/socket`.
+    pub url: String,
+    /// What to do when Redis fails (default: refuse).
+    pub on_failure: FailMode,
+    /// How long a concurrency slot outlives the gateway holding it (it is refreshed
+    /// every third of this while the gateway lives). Default 30 s; at least 3 ms.
+    pub lease_ttl: Duration,
+    /// The bound of each Redis call, connecting included. Default 500 ms; not 0.
+    pub timeout: Duration,
+}
+
+impl SharedLimits {
+    /// `url` with the defaults: fail closed, 30 s leases, 500 ms timeout.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            on_failure: FailMode::Closed,
+            lease_ttl: Duration::from_secs(30),
+            timeout: Duration::from_millis(500),
+        }
+    }
+}
+
+/// [`Limiter::shared`] was given an unusable configuration (a URL that does not
+/// parse, a zero timeout).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid shared limits configuration: {0}")]
+pub struct SharedLimitsError(pub String);
+
+/// The limiter's backend, for readiness checks and metrics ([`Limiter::health`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LimitsHealth {
+    /// `"memory"` or `"redis"`.
+    pub backend: &'static str,
+    /// Whether the backend answers: Redis answered a PING within the timeout
+    /// (always true in memory).
+    pub up: bool,
+    /// What the limiter does while it is down (`None` in memory).
+    pub fail_mode: Option<FailMode>,
 }
 
 /// The clock of one limiter call: monotonic for the buckets, wall time (Unix ms)
@@ -259,12 +434,29 @@ impl Drop for Slot {
 /// Phase 1 passed: one concurrency slot held (released on drop) and one request
 /// spent. [`Admission::reserve`] continues once the prompt is tokenized.
 pub struct Admission {
-    slot: Slot,
+    inner: Phase1,
+}
+
+enum Phase1 {
+    Local(Slot),
+    Shared {
+        lease: shared::Lease,
+        limits: Limits,
+        /// This process's state of the tenant when failing open: phase 2 falls
+        /// back to it if Redis fails then.
+        local: Option<Arc<TenantLimiter>>,
+    },
 }
 
 impl std::fmt::Debug for Admission {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admission").finish_non_exhaustive()
+        let backend = match self.inner {
+            Phase1::Local(_) => "memory",
+            Phase1::Shared { .. } => "redis",
+        };
+        f.debug_struct("Admission")
+            .field("backend", &backend)
+            .finish_non_exhaustive()
     }
 }
 
@@ -272,6 +464,21 @@ impl std::fmt::Debug for Admission {
 /// running request. End it with [`Reservation::settle`] or [`Reservation::cancel`];
 /// dropped unsettled, it charges everything it reserved.
 pub struct Reservation {
+    inner: Phase2,
+}
+
+enum Phase2 {
+    Local(LocalReservation),
+    Shared {
+        lease: shared::Lease,
+        input: u32,
+        output: u32,
+        /// Tokens reserved against the daily quota (0 without one).
+        daily: i64,
+    },
+}
+
+struct LocalReservation {
     slot: Slot,
     input: u32,
     output: u32,
@@ -282,11 +489,23 @@ pub struct Reservation {
 
 impl std::fmt::Debug for Reservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reservation")
-            .field("input", &self.input)
-            .field("output", &self.output)
-            .field("daily", &self.daily)
-            .finish_non_exhaustive()
+        let mut d = f.debug_struct("Reservation");
+        match &self.inner {
+            Phase2::Local(r) => d
+                .field("input", &r.input)
+                .field("output", &r.output)
+                .field("daily", &r.daily),
+            Phase2::Shared {
+                input,
+                output,
+                daily,
+                ..
+            } => d
+                .field("input", input)
+                .field("output", output)
+                .field("daily", daily),
+        };
+        d.finish_non_exhaustive()
     }
 }
 
@@ -295,30 +514,103 @@ pub fn utc_day(ms: i64) -> i64 {
     ms.div_euclid(86_400_000)
 }
 
-fn until_next_day(ms: i64) -> Duration {
-    let next = (utc_day(ms) + 1) * 86_400_000;
-    Duration::from_millis((next - ms).max(1000) as u64)
+fn ms_to_next_day(ms: i64) -> i64 {
+    (utc_day(ms) + 1) * 86_400_000 - ms
 }
 
-/// Per-tenant limiters of one gateway process. The map is a [`DashMap`] (sharded
-/// locks): every request looks its tenant up twice, and requests of different
-/// tenants should not queue on one process-wide lock; each tenant's state has its
-/// own mutex.
+/// Per-tenant limiters of one gateway process, in memory ([`Limiter::new`]) or in
+/// Redis ([`Limiter::shared`]). The in-memory map is a [`DashMap`] (sharded locks):
+/// every request looks its tenant up twice, and requests of different tenants
+/// should not queue on one process-wide lock; each tenant's state has its own mutex.
 #[derive(Default)]
 pub struct Limiter {
+    /// The in-memory limits (with Redis: the fallback of [`FailMode::Open`]).
     tenants: DashMap<String, Arc<TenantLimiter>>,
+    shared: Option<Arc<shared::Shared>>,
 }
 
 impl std::fmt::Debug for Limiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Limiter").finish_non_exhaustive()
+        f.debug_struct("Limiter")
+            .field("backend", &self.backend())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Limiter {
+    fn drop(&mut self) {
+        // Stop refreshing leases: those of requests still running lapse within
+        // lease_ttl, as a dead gateway's do.
+        if let Some(s) = &self.shared {
+            s.stop_refresher();
+        }
     }
 }
 
 impl Limiter {
-    /// An empty limiter.
+    /// An empty in-memory limiter: limits per gateway process.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A limiter whose limits live in the Redis server at `cfg.url`, shared by every
+    /// gateway using the same server. Connects lazily, at the first call (so a
+    /// gateway starts while Redis is down; [`Limiter::health`] tells), and
+    /// reconnects after a failure. Leases are refreshed by a tokio task started at
+    /// the first admission and stopped when the limiter drops.
+    ///
+    /// Errors: a URL that does not parse, a zero timeout or a lease_ttl under 3 ms.
+    pub fn shared(cfg: SharedLimits) -> Result<Self, SharedLimitsError> {
+        let s = shared::Shared::new(cfg).map_err(SharedLimitsError)?;
+        Ok(Self {
+            tenants: DashMap::new(),
+            shared: Some(Arc::new(s)),
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        if self.shared.is_some() {
+            "redis"
+        } else {
+            "memory"
+        }
+    }
+
+    /// The backend and whether it answers (a PING bounded by the timeout; no
+    /// backend error is counted for it).
+    pub async fn health(&self) -> LimitsHealth {
+        match &self.shared {
+            None => LimitsHealth {
+                backend: "memory",
+                up: true,
+                fail_mode: None,
+            },
+            Some(s) => LimitsHealth {
+                backend: "redis",
+                up: s.ping().await,
+                fail_mode: Some(s.on_failure()),
+            },
+        }
+    }
+
+    /// Redis calls that failed or timed out since the limiter was made (admit,
+    /// reserve, daily load, settle, release, lease refresh); 0 in memory.
+    pub fn backend_errors(&self) -> u64 {
+        self.shared.as_ref().map_or(0, |s| s.errors())
+    }
+
+    /// Requests (phase 1 or 2) that [`FailMode::Open`] handed to the in-memory
+    /// limits because Redis failed; 0 in memory.
+    pub fn fallbacks(&self) -> u64 {
+        self.shared.as_ref().map_or(0, |s| s.fallbacks())
+    }
+
+    /// Waits until the settles and releases handed to background tasks have reached
+    /// Redis (or failed), e.g. before a shutdown. Returns at once in memory.
+    pub async fn flush(&self) {
+        if let Some(s) = &self.shared {
+            s.flush().await;
+        }
     }
 
     fn tenant(&self, id: &str, limits: Limits, now: Instant) -> Arc<TenantLimiter> {
@@ -345,62 +637,88 @@ impl Limiter {
 
     /// Phase 1: concurrency, then requests/minute, for a request of tenant `id`
     /// whose limits are `limits` (as read with its key). Checked and taken together.
-    pub fn admit(&self, id: &str, limits: Limits) -> Result<Admission, LimitError> {
-        self.admit_at(id, limits, Now::real())
+    ///
+    /// Errors: the limit that refused; with Redis failing and [`FailMode::Closed`],
+    /// [`LimitKind::Unavailable`] (with [`FailMode::Open`] the in-memory limits
+    /// decide instead).
+    pub async fn admit(&self, id: &str, limits: Limits) -> Result<Admission, LimitError> {
+        let Some(s) = &self.shared else {
+            return self.admit_at(id, limits, Now::real());
+        };
+        match s.admit(id, limits).await {
+            Ok(Ok(lease)) => Ok(Admission {
+                inner: Phase1::Shared {
+                    lease,
+                    limits,
+                    local: (s.on_failure() == FailMode::Open)
+                        .then(|| self.tenant(id, limits, Instant::now())),
+                },
+            }),
+            Ok(Err(refused)) => Err(refused),
+            Err(shared::Down { .. }) => match s.on_failure() {
+                FailMode::Closed => Err(unavailable_error()),
+                FailMode::Open => {
+                    s.count_fallback();
+                    self.admit_at(id, limits, Now::real())
+                }
+            },
+        }
     }
 
     fn admit_at(&self, id: &str, limits: Limits, now: Now) -> Result<Admission, LimitError> {
-        let t = self.tenant(id, limits, now.at);
-        let mut st = t.lock();
-        if limits.max_concurrent > 0 && st.inflight >= limits.max_concurrent {
-            return Err(LimitError {
-                kind: LimitKind::Concurrency,
-                retry_after: Duration::from_secs(1),
-                retryable: true,
-                detail: format!(
-                    "{} requests already in flight; limit {}",
-                    st.inflight, limits.max_concurrent
-                ),
-            });
-        }
-        let cap = limits.requests_per_minute;
-        if cap > 0 {
-            if let Err(wait) = st.requests.check(cap, 1, now.at) {
-                return Err(LimitError {
-                    kind: LimitKind::Requests,
-                    retry_after: wait.unwrap_or(Duration::from_secs(60)),
-                    retryable: true,
-                    detail: format!("limit {cap} requests/minute"),
-                });
-            }
-            st.requests.take(1);
-        }
-        st.inflight += 1;
-        drop(st);
-        Ok(Admission { slot: Slot(t) })
+        admit_local(self.tenant(id, limits, now.at), limits, now)
     }
 
     /// Whether the tenant's daily counter must be loaded from the ledger first
-    /// (first request of the process or of a new UTC day). Pass the loaded value to
-    /// [`Limiter::set_daily_used`] before [`Admission::reserve`].
-    pub fn needs_daily(&self, id: &str, limits: Limits) -> bool {
+    /// (first request of the process or of a new UTC day; with Redis, of any gateway
+    /// sharing it). Pass the loaded value to [`Limiter::set_daily_used`] before
+    /// [`Admission::reserve`]. With Redis failing: true (the reservation then
+    /// decides), or with [`FailMode::Open`] whether the in-memory counter needs it.
+    pub async fn needs_daily(&self, id: &str, limits: Limits) -> bool {
+        if limits.daily_tokens == 0 {
+            return false;
+        }
+        let Some(s) = &self.shared else {
+            return self.needs_daily_at(id, limits, crate::now_ms());
+        };
+        let open = s.on_failure() == FailMode::Open;
+        match s.needs_daily(id).await {
+            // Failing open needs the in-memory counter loaded as well.
+            Ok(needed) => needed || (open && self.needs_daily_at(id, limits, crate::now_ms())),
+            Err(shared::Down { .. }) => !open || self.needs_daily_at(id, limits, crate::now_ms()),
+        }
+    }
+
+    fn needs_daily_at(&self, id: &str, limits: Limits, ms: i64) -> bool {
         if limits.daily_tokens == 0 {
             return false;
         }
         let t = self.tenant(id, limits, Instant::now());
         let st = t.lock();
-        let today = utc_day(crate::now_ms());
+        let today = utc_day(ms);
         !matches!(st.daily, Some(d) if d.day == today)
     }
 
     /// Sets today's used tokens as read from the ledger. The first load of a day
     /// wins: once the counter holds today (loaded, or started by a reservation),
     /// later loads are ignored, so no settled or reserved token is lost to a read
-    /// that raced with it.
-    pub fn set_daily_used(&self, id: &str, limits: Limits, used: i64) {
+    /// that raced with it. With Redis, the first load of any gateway wins; a failure
+    /// is logged and counted ([`Limiter::backend_errors`]).
+    pub async fn set_daily_used(&self, id: &str, limits: Limits, used: i64) {
+        let Some(s) = &self.shared else {
+            return self.set_daily_used_at(id, limits, used, crate::now_ms());
+        };
+        // A failure is logged and counted; the reservation then decides.
+        let _ = s.set_daily_used(id, used).await;
+        if s.on_failure() == FailMode::Open {
+            self.set_daily_used_at(id, limits, used, crate::now_ms());
+        }
+    }
+
+    fn set_daily_used_at(&self, id: &str, limits: Limits, used: i64, ms: i64) {
         let t = self.tenant(id, limits, Instant::now());
         let mut st = t.lock();
-        let today = utc_day(crate::now_ms());
+        let today = utc_day(ms);
         if !matches!(st.daily, Some(d) if d.day == today) {
             st.daily = Some(DailyState {
                 day: today,
@@ -411,7 +729,9 @@ impl Limiter {
     }
 
     /// The usage API's own limit: one query of tenant `id`, at most `per_minute`
-    /// a minute (0: unlimited).
+    /// a minute (0: unlimited). Always in this process's memory, also with Redis:
+    /// each gateway allows `per_minute` (usage queries are cheap reads, and a
+    /// gateway's own share is enough to protect its store).
     pub fn usage_query(&self, id: &str, limits: Limits, per_minute: u32) -> Result<(), LimitError> {
         self.usage_query_at(id, limits, per_minute, Now::real())
     }
@@ -445,15 +765,40 @@ impl Limiter {
         }
     }
 
-    /// Admitted requests of tenant `id` not yet finished.
+    /// Admitted requests of tenant `id` not yet finished, in this process (with
+    /// Redis: the leases this gateway holds plus the requests of the in-memory
+    /// fallback).
     pub fn inflight(&self, id: &str) -> u32 {
-        self.existing(id).map_or(0, |t| t.lock().inflight)
+        let local = self.existing(id).map_or(0, |t| t.lock().inflight);
+        local + self.shared.as_ref().map_or(0, |s| s.held(id))
     }
 
-    /// Tenant `id`'s daily counter, if it has one.
+    /// Tenant `id`'s in-memory daily counter, if it has one (with Redis: the
+    /// fallback's counter; the shared one is in Redis).
     pub fn daily(&self, id: &str) -> Option<DailyState> {
         self.existing(id).and_then(|t| t.lock().daily)
     }
+}
+
+/// Phase 1 against one tenant's in-memory state.
+fn admit_local(t: Arc<TenantLimiter>, limits: Limits, now: Now) -> Result<Admission, LimitError> {
+    let mut st = t.lock();
+    st.update(limits, now.at);
+    if limits.max_concurrent > 0 && st.inflight >= limits.max_concurrent {
+        return Err(concurrency_error(st.inflight, limits.max_concurrent));
+    }
+    let cap = limits.requests_per_minute;
+    if cap > 0 {
+        if let Err(wait) = st.requests.check(cap, 1, now.at) {
+            return Err(requests_error(cap, wait));
+        }
+        st.requests.take(1);
+    }
+    st.inflight += 1;
+    drop(st);
+    Ok(Admission {
+        inner: Phase1::Local(Slot(t)),
+    })
 }
 
 impl Admission {
@@ -461,125 +806,171 @@ impl Admission {
     /// tokens: input tokens/minute, output tokens/minute and the daily quota, checked
     /// and taken together. On a refusal the request spent in phase 1 is given back
     /// and the slot released (this admission is consumed either way).
-    pub fn reserve(self, input_tokens: u32, max_tokens: u32) -> Result<Reservation, LimitError> {
-        self.reserve_at(input_tokens, max_tokens, Now::real())
+    ///
+    /// Errors: the limit that refused (a request larger than a per-minute limit is
+    /// not retryable); with Redis failing, as [`Limiter::admit`] (failing open, the
+    /// in-memory limits take the whole request, phase 1 included).
+    pub async fn reserve(
+        self,
+        input_tokens: u32,
+        max_tokens: u32,
+    ) -> Result<Reservation, LimitError> {
+        let (mut lease, limits, local) = match self.inner {
+            Phase1::Local(slot) => {
+                return reserve_local(slot, input_tokens, max_tokens, Now::real())
+            }
+            Phase1::Shared {
+                lease,
+                limits,
+                local,
+            } => (lease, limits, local),
+        };
+        match lease.reserve(limits, input_tokens, max_tokens).await {
+            Ok(Ok(())) => Ok(Reservation {
+                inner: Phase2::Shared {
+                    lease,
+                    input: input_tokens,
+                    output: max_tokens,
+                    daily: if limits.daily_tokens > 0 {
+                        i64::from(input_tokens) + i64::from(max_tokens)
+                    } else {
+                        0
+                    },
+                },
+            }),
+            Ok(Err(refused)) => Err(refused), // Redis ended the lease.
+            Err(shared::Down { .. }) => {
+                let s = lease.shared().clone();
+                // Released in the background (had the script run, its reservation
+                // is charged in full).
+                drop(lease);
+                match (s.on_failure(), local) {
+                    (FailMode::Open, Some(t)) => {
+                        s.count_fallback();
+                        let now = Now::real();
+                        match admit_local(t, limits, now)?.inner {
+                            Phase1::Local(slot) => {
+                                reserve_local(slot, input_tokens, max_tokens, now)
+                            }
+                            Phase1::Shared { .. } => unreachable!("admit_local is local"),
+                        }
+                    }
+                    _ => Err(unavailable_error()),
+                }
+            }
+        }
     }
 
+    #[cfg(test)]
     fn reserve_at(self, input: u32, output: u32, now: Now) -> Result<Reservation, LimitError> {
-        let t = self.slot.0.clone();
-        let mut st = t.lock();
-        let limits = st.limits;
-        if let Err(e) = Self::check_tokens(&mut st, input, output, now) {
-            if limits.requests_per_minute > 0 {
-                st.requests.give(limits.requests_per_minute, 1);
-            }
-            drop(st);
-            return Err(e); // `self` drops here: the slot goes back.
+        match self.inner {
+            Phase1::Local(slot) => reserve_local(slot, input, output, now),
+            Phase1::Shared { .. } => panic!("reserve_at is for in-memory admissions"),
         }
-        if limits.input_tokens_per_minute > 0 {
-            st.input.take(input);
+    }
+}
+
+/// Phase 2 against one tenant's in-memory state.
+fn reserve_local(slot: Slot, input: u32, output: u32, now: Now) -> Result<Reservation, LimitError> {
+    let t = slot.0.clone();
+    let mut st = t.lock();
+    let limits = st.limits;
+    if let Err(e) = check_tokens(&mut st, input, output, now) {
+        if limits.requests_per_minute > 0 {
+            st.requests.give(limits.requests_per_minute, 1);
         }
-        if limits.output_tokens_per_minute > 0 {
-            st.output.take(output);
-        }
-        let daily = (limits.daily_tokens > 0).then(|| {
-            let need = i64::from(input) + i64::from(output);
-            let d = st.today(now.ms);
-            d.reserved += need;
-            (d.day, need)
-        });
         drop(st);
-        Ok(Reservation {
-            slot: self.slot,
+        return Err(e); // `slot` drops here: the slot goes back.
+    }
+    if limits.input_tokens_per_minute > 0 {
+        st.input.take(input);
+    }
+    if limits.output_tokens_per_minute > 0 {
+        st.output.take(output);
+    }
+    let daily = (limits.daily_tokens > 0).then(|| {
+        let need = i64::from(input) + i64::from(output);
+        let d = st.today(now.ms);
+        d.reserved += need;
+        (d.day, need)
+    });
+    drop(st);
+    Ok(Reservation {
+        inner: Phase2::Local(LocalReservation {
+            slot,
             input,
             output,
             daily,
             open: true,
-        })
-    }
+        }),
+    })
+}
 
-    fn check_tokens(
-        st: &mut TenantState,
-        input: u32,
-        output: u32,
-        now: Now,
-    ) -> Result<(), LimitError> {
-        let limits = st.limits;
-        for (bucket, n, kind, cap) in [
-            (
-                &mut st.input,
-                input,
-                LimitKind::InputTokens,
-                limits.input_tokens_per_minute,
-            ),
-            (
-                &mut st.output,
-                output,
-                LimitKind::OutputTokens,
-                limits.output_tokens_per_minute,
-            ),
-        ] {
-            if cap == 0 || n == 0 {
-                continue;
-            }
-            match bucket.check(cap, n, now.at) {
-                Ok(()) => {}
-                Err(Some(wait)) => {
-                    return Err(LimitError {
-                        kind,
-                        retry_after: wait,
-                        retryable: true,
-                        detail: format!("request needs {n} tokens; limit {cap} tokens/minute"),
-                    })
-                }
-                Err(None) => {
-                    return Err(LimitError {
-                        kind,
-                        retry_after: Duration::from_secs(60),
-                        retryable: false,
-                        detail: format!(
-                            "request needs {n} tokens, more than the limit of {cap} tokens/minute"
-                        ),
-                    })
-                }
-            }
+fn check_tokens(st: &mut TenantState, input: u32, output: u32, now: Now) -> Result<(), LimitError> {
+    let limits = st.limits;
+    for (bucket, n, kind, cap) in [
+        (
+            &mut st.input,
+            input,
+            LimitKind::InputTokens,
+            limits.input_tokens_per_minute,
+        ),
+        (
+            &mut st.output,
+            output,
+            LimitKind::OutputTokens,
+            limits.output_tokens_per_minute,
+        ),
+    ] {
+        if cap == 0 || n == 0 {
+            continue;
         }
-        let daily = limits.daily_tokens as i64;
-        if daily > 0 {
-            let need = i64::from(input) + i64::from(output);
-            let d = st.today(now.ms);
-            if d.used + d.reserved + need > daily {
-                // Fits once the requests in flight settle (they may use less than
-                // they reserved): worth a retry soon; else not before tomorrow.
-                let soon = d.used + need <= daily;
-                return Err(LimitError {
-                    kind: LimitKind::DailyQuota,
-                    retry_after: if soon {
-                        Duration::from_secs(1)
-                    } else {
-                        until_next_day(now.ms)
-                    },
-                    retryable: soon,
-                    detail: format!(
-                        "{} of {daily} daily tokens used and {} reserved by requests in flight; \
-                         this request needs {need} (prompt + max_tokens); the quota resets at \
-                         00:00 UTC",
-                        d.used, d.reserved
-                    ),
-                });
-            }
+        if let Err(wait) = bucket.check(cap, n, now.at) {
+            return Err(tokens_error(kind, n, cap, wait));
         }
-        Ok(())
     }
+    let daily = limits.daily_tokens as i64;
+    if daily > 0 {
+        let need = i64::from(input) + i64::from(output);
+        let d = st.today(now.ms);
+        if d.used + d.reserved + need > daily {
+            return Err(daily_error(
+                d.used,
+                d.reserved,
+                need,
+                daily,
+                ms_to_next_day(now.ms),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Tokens given back to a per-minute bucket: those held and not used.
+fn unused(held: u32, used: i64) -> u32 {
+    held.saturating_sub(used.clamp(0, i64::from(held)) as u32)
 }
 
 impl Reservation {
     /// Ends the request with what it really used: `input_used` prompt tokens and
     /// `output_used` generated tokens (each at most what was reserved). The daily
     /// counter is charged exactly that; unused token allowance goes back to the
-    /// per-minute buckets; the slot is released.
-    pub fn settle(mut self, input_used: i64, output_used: i64) {
-        self.finish(Some((input_used, output_used)));
+    /// per-minute buckets; the slot is released. With Redis this happens in a
+    /// background task ([`Limiter::flush`]); a failure is logged and counted, and
+    /// the lease then lapses within lease_ttl, charging the whole reservation.
+    pub fn settle(self, input_used: i64, output_used: i64) {
+        match self.inner {
+            Phase2::Local(mut r) => r.finish(Some((input_used, output_used))),
+            Phase2::Shared {
+                lease,
+                input,
+                output,
+                daily,
+            } => {
+                let used = (input_used.max(0) + output_used.max(0)).min(daily);
+                lease.settle(unused(input, input_used), unused(output, output_used), used);
+            }
+        }
     }
 
     /// Ends a request that computed nothing (refused by the engine, busy, aborted
@@ -590,9 +981,14 @@ impl Reservation {
 
     /// Tokens reserved against the daily quota (0 without one).
     pub fn reserved_daily(&self) -> i64 {
-        self.daily.map_or(0, |(_, n)| n)
+        match &self.inner {
+            Phase2::Local(r) => r.daily.map_or(0, |(_, n)| n),
+            Phase2::Shared { daily, .. } => *daily,
+        }
     }
+}
 
+impl LocalReservation {
     fn finish(&mut self, used: Option<(i64, i64)>) {
         if !self.open {
             return;
@@ -610,21 +1006,19 @@ impl Reservation {
             }
         }
         if let Some((i, o)) = used {
-            let back =
-                |held: u32, used: i64| held.saturating_sub(used.clamp(0, i64::from(held)) as u32);
             if limits.input_tokens_per_minute > 0 {
                 st.input
-                    .give(limits.input_tokens_per_minute, back(self.input, i));
+                    .give(limits.input_tokens_per_minute, unused(self.input, i));
             }
             if limits.output_tokens_per_minute > 0 {
                 st.output
-                    .give(limits.output_tokens_per_minute, back(self.output, o));
+                    .give(limits.output_tokens_per_minute, unused(self.output, o));
             }
         }
     }
 }
 
-impl Drop for Reservation {
+impl Drop for LocalReservation {
     fn drop(&mut self) {
         // Unsettled: charge the whole reservation (never less than may have run).
         self.finish(None);
@@ -665,42 +1059,57 @@ mod tests {
         assert!(l.admit_at("b", lim, at(t0, 0.0)).is_ok());
     }
 
-    #[test]
-    fn concurrency_slot_released_on_drop_of_each_guard() {
+    #[tokio::test]
+    async fn concurrency_slot_released_on_drop_of_each_guard() {
         let l = Limiter::new();
         let lim = Limits {
             max_concurrent: 1,
             ..Limits::UNLIMITED
         };
-        let a = l.admit("a", lim).unwrap();
+        let a = l.admit("a", lim).await.unwrap();
         assert_eq!(l.inflight("a"), 1);
-        assert_eq!(l.admit("a", lim).unwrap_err().kind, LimitKind::Concurrency);
+        assert_eq!(
+            l.admit("a", lim).await.unwrap_err().kind,
+            LimitKind::Concurrency
+        );
         drop(a);
         assert_eq!(l.inflight("a"), 0);
-        let r = l.admit("a", lim).unwrap().reserve(1, 1).unwrap();
+        let r = l
+            .admit("a", lim)
+            .await
+            .unwrap()
+            .reserve(1, 1)
+            .await
+            .unwrap();
         assert_eq!(l.inflight("a"), 1);
         drop(r);
         assert_eq!(l.inflight("a"), 0);
-        let r = l.admit("a", lim).unwrap().reserve(1, 1).unwrap();
+        let r = l
+            .admit("a", lim)
+            .await
+            .unwrap()
+            .reserve(1, 1)
+            .await
+            .unwrap();
         r.settle(1, 1);
         assert_eq!(l.inflight("a"), 0);
     }
 
-    #[test]
-    fn changing_limits_keeps_the_inflight_count() {
+    #[tokio::test]
+    async fn changing_limits_keeps_the_inflight_count() {
         let l = Limiter::new();
         let one = Limits {
             max_concurrent: 1,
             ..Limits::UNLIMITED
         };
-        let running = l.admit("a", one).unwrap();
+        let running = l.admit("a", one).await.unwrap();
         // New limits (rpm added, still one at a time): the running request counts.
         let changed = Limits {
             requests_per_minute: 100,
             ..one
         };
         assert_eq!(
-            l.admit("a", changed).unwrap_err().kind,
+            l.admit("a", changed).await.unwrap_err().kind,
             LimitKind::Concurrency
         );
         // Raised to two: exactly one more fits.
@@ -708,8 +1117,11 @@ mod tests {
             max_concurrent: 2,
             ..changed
         };
-        let second = l.admit("a", two).unwrap();
-        assert_eq!(l.admit("a", two).unwrap_err().kind, LimitKind::Concurrency);
+        let second = l.admit("a", two).await.unwrap();
+        assert_eq!(
+            l.admit("a", two).await.unwrap_err().kind,
+            LimitKind::Concurrency
+        );
         assert_eq!(l.inflight("a"), 2);
         drop((running, second));
         assert_eq!(l.inflight("a"), 0);
@@ -761,24 +1173,42 @@ mod tests {
         assert!(a.reserve_at(5, 1, at(t0, 0.0)).is_ok());
     }
 
-    #[test]
-    fn daily_quota_is_reserved_at_admission_and_settled_exactly() {
+    #[tokio::test]
+    async fn daily_quota_is_reserved_at_admission_and_settled_exactly() {
         let l = Limiter::new();
         let lim = Limits {
             daily_tokens: 100,
             ..Limits::UNLIMITED
         };
-        assert!(l.needs_daily("a", lim));
-        l.set_daily_used("a", lim, 40);
-        assert!(!l.needs_daily("a", lim));
+        assert!(l.needs_daily("a", lim).await);
+        l.set_daily_used("a", lim, 40).await;
+        assert!(!l.needs_daily("a", lim).await);
         // A later load of the same day is ignored (first load wins).
-        l.set_daily_used("a", lim, 0);
+        l.set_daily_used("a", lim, 0).await;
         assert_eq!(l.daily("a").unwrap().used, 40);
         // Two requests of 30 reserved: 40 + 60 = 100 fits exactly; a third does not.
-        let r1 = l.admit("a", lim).unwrap().reserve(10, 20).unwrap();
-        let r2 = l.admit("a", lim).unwrap().reserve(10, 20).unwrap();
+        let r1 = l
+            .admit("a", lim)
+            .await
+            .unwrap()
+            .reserve(10, 20)
+            .await
+            .unwrap();
+        let r2 = l
+            .admit("a", lim)
+            .await
+            .unwrap()
+            .reserve(10, 20)
+            .await
+            .unwrap();
         assert_eq!(l.daily("a").unwrap().reserved, 60);
-        let e = l.admit("a", lim).unwrap().reserve(1, 0).unwrap_err();
+        let e = l
+            .admit("a", lim)
+            .await
+            .unwrap()
+            .reserve(1, 0)
+            .await
+            .unwrap_err();
         assert_eq!(e.kind, LimitKind::DailyQuota);
         // It would fit once the others settle below their reservations: retry soon.
         assert!(e.retryable);
@@ -791,11 +1221,24 @@ mod tests {
         let d = l.daily("a").unwrap();
         assert_eq!((d.used, d.reserved), (55, 0));
         // Dropped unsettled: the whole reservation is charged.
-        drop(l.admit("a", lim).unwrap().reserve(10, 10).unwrap());
+        drop(
+            l.admit("a", lim)
+                .await
+                .unwrap()
+                .reserve(10, 10)
+                .await
+                .unwrap(),
+        );
         let d = l.daily("a").unwrap();
         assert_eq!((d.used, d.reserved), (75, 0));
         // More than what is left today, with nothing in flight: not before tomorrow.
-        let e = l.admit("a", lim).unwrap().reserve(20, 10).unwrap_err();
+        let e = l
+            .admit("a", lim)
+            .await
+            .unwrap()
+            .reserve(20, 10)
+            .await
+            .unwrap_err();
         assert_eq!((e.kind, e.retryable), (LimitKind::DailyQuota, false));
         assert!(e.retry_after >= Duration::from_secs(1));
         assert_eq!(l.inflight("a"), 0);
@@ -843,11 +1286,16 @@ mod tests {
         assert!(l.usage_query_at("a", lim, 2, at(t0, 30.0)).is_ok());
     }
 
-    #[test]
-    fn unlimited_means_unlimited() {
+    #[tokio::test]
+    async fn unlimited_means_unlimited() {
         let l = Limiter::new();
         for _ in 0..1000 {
-            let r = l.admit("a", Limits::UNLIMITED).unwrap().reserve(1000, 1000);
+            let r = l
+                .admit("a", Limits::UNLIMITED)
+                .await
+                .unwrap()
+                .reserve(1000, 1000)
+                .await;
             r.unwrap().settle(1000, 1000);
         }
         assert_eq!(l.inflight("a"), 0);

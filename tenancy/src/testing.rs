@@ -1,14 +1,19 @@
-//! Test support: a throwaway PostgreSQL server (feature `test-util`).
+//! Test support: throwaway PostgreSQL and Redis servers (feature `test-util`).
 //!
 //! [`PgServer::from_env_or_start`] returns the server named by
 //! `TESSERA_TEST_POSTGRES_URL` (`.ci/run` installs Debian's `postgresql`, starts it
 //! and sets the variable), or else starts a private server from the installed
 //! PostgreSQL binaries (initdb + pg_ctl in a temp dir, as the `postgres` user when
 //! run as root, since initdb refuses root) and stops it on drop.
+//!
+//! [`RedisServer::from_env_or_start`] likewise returns `TESSERA_TEST_REDIS_URL`, or
+//! starts a private `redis-server` (Debian's `redis-server`) on a unix socket in a
+//! temp dir, without persistence, and kills it on drop.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// A PostgreSQL server for tests.
 pub struct PgServer {
@@ -145,5 +150,99 @@ impl Drop for PgServer {
             &self.bin.join("pg_ctl"),
             &["-D", data.to_str().unwrap(), "-m", "immediate", "stop"],
         );
+    }
+}
+
+/// A Redis server for tests (see the module doc).
+pub struct RedisServer {
+    child: Child,
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+}
+
+impl RedisServer {
+    /// The URL of the test server: `TESSERA_TEST_REDIS_URL`, or a private server
+    /// started now (kept alive by the returned guard).
+    pub fn from_env_or_start() -> (Option<Self>, String) {
+        match std::env::var("TESSERA_TEST_REDIS_URL") {
+            Ok(u) if !u.is_empty() => (None, u),
+            _ => {
+                let s = Self::start();
+                let u = s.url();
+                (Some(s), u)
+            }
+        }
+    }
+
+    /// Connection URL (`redis+unix:///...`).
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.socket.display())
+    }
+
+    /// Starts a private server on a unix socket (no TCP port, no persistence) and
+    /// waits until it answers PING.
+    ///
+    /// Panics when `redis-server` is not installed (tests must not skip silently).
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("redis.sock");
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--unixsocket"])
+            .arg(&socket)
+            .args([
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start redis-server ({e}): `apt-get install redis-server` (see \
+                     scripts/test) or set TESSERA_TEST_REDIS_URL"
+                )
+            });
+        let mut s = Self {
+            child,
+            _dir: dir,
+            socket,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ping(&s.socket) {
+            if let Ok(Some(status)) = s.child.try_wait() {
+                panic!("redis-server exited at start: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not answer PING in 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+}
+
+/// Whether a Redis server answers PING on `socket`.
+fn ping(socket: &Path) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut c) = std::os::unix::net::UnixStream::connect(socket) else {
+        return false;
+    };
+    let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut buf = [0u8; 7];
+    c.write_all(b"PING\r\n").is_ok() && c.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
