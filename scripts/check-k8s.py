@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Offline checks of the Kubernetes manifests in ops/deploy/k8s (CI phase k8s-manifests).
+
+    scripts/check-k8s.py --tessera target/release/tessera [--k8s-version 1.33.0]
+
+1. Renders each overlay (base + overlay) with the subset of Kustomize the manifests
+   use: `resources` (files and directories), `namespace`, `labels` (metadata only),
+   `images` and `patches` given as JSON 6902 patch files (RFC 6902, applied with the
+   `jsonpatch` package). Anything else in a kustomization is an error, so the
+   subset cannot drift silently from what the files ask for.
+2. Validates every rendered object against the Kubernetes OpenAPI schemas of
+   `--k8s-version`, strictly (unknown fields are errors), with the schemas that the
+   PyPI package `kubernetes-validate` ships (no cluster, no network).
+3. Checks what the schemas cannot: every StatefulSet's pods are exactly the nodes its
+   pool lists in the mounted deployment file (`<pod>.<service>:<port>`), and the
+   ports agree.
+4. Runs `tessera ops check-config` on that deployment file, with throwaway node
+   certificates issued for it (`tessera ops certs init` / `issue`).
+
+Exits 1 naming every problem found.
+"""
+
+import argparse
+import copy
+import pathlib
+import subprocess
+import sys
+import tempfile
+import tomllib
+
+import jsonpatch
+import kubernetes_validate
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+K8S = ROOT / "ops" / "deploy" / "k8s"
+KNOWN_KEYS = {"apiVersion", "kind", "namespace", "labels", "resources", "images", "patches"}
+
+
+def load_kustomization(d: pathlib.Path) -> dict:
+    k = yaml.safe_load((d / "kustomization.yaml").read_text())
+    unknown = set(k) - KNOWN_KEYS
+    if unknown:
+        raise SystemExit(f"{d}/kustomization.yaml: fields this checker does not render: {sorted(unknown)}")
+    return k
+
+
+def render(d: pathlib.Path) -> list:
+    """The objects of the kustomization in directory `d`, transformed as it says."""
+    k = load_kustomization(d)
+    objs = []
+    for r in k.get("resources", []):
+        p = (d / r).resolve()
+        if p.is_dir():
+            objs.extend(render(p))
+        else:
+            objs.extend(o for o in yaml.safe_load_all(p.read_text()) if o)
+    for lab in k.get("labels", []):
+        if lab.get("includeSelectors") or lab.get("includeTemplates"):
+            raise SystemExit(f"{d}: labels with selectors or templates are not rendered here")
+        for o in objs:
+            o.setdefault("metadata", {}).setdefault("labels", {}).update(lab["pairs"])
+    for img in k.get("images", []):
+        for o in objs:
+            for c in containers(o):
+                if c.get("image", "").split(":")[0] == img["name"]:
+                    c["image"] = f"{img.get('newName', img['name'])}:{img['newTag']}"
+    for p in k.get("patches", []):
+        t = p["target"]
+        ops = yaml.safe_load((d / p["path"]).read_text())
+        if not isinstance(ops, list):
+            raise SystemExit(f"{d}/{p['path']}: only JSON 6902 patches (a list of operations) are rendered here")
+        hits = [o for o in objs if o["kind"] == t["kind"] and o["metadata"]["name"] == t["name"]]
+        if not hits:
+            raise SystemExit(f"{d}: patch {p['path']} matches no {t['kind']}/{t['name']}")
+        for o in hits:
+            patched = jsonpatch.apply_patch(copy.deepcopy(o), ops)
+            o.clear()
+            o.update(patched)
+    if "namespace" in k:
+        for o in objs:
+            o["metadata"]["namespace"] = k["namespace"]
+    return objs
+
+
+def containers(o: dict) -> list:
+    spec = o.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("containers", []) + spec.get("initContainers", [])
+
+
+def check_pools(objs: list, config: dict) -> list:
+    problems = []
+    pools = {p["name"]: p for p in config.get("pools", [])}
+    for o in objs:
+        if o["kind"] != "StatefulSet":
+            continue
+        name, spec = o["metadata"]["name"], o["spec"]
+        pool = pools.get(name)
+        if pool is None:
+            problems.append(f"StatefulSet {name}: no pool of that name in tessera.toml")
+            continue
+        port = next(
+            p["containerPort"] for p in spec["template"]["spec"]["containers"][0]["ports"] if p["name"] == "node"
+        )
+        want = [f"{name}-{i}.{spec['serviceName']}:{port}" for i in range(spec["replicas"])]
+        if pool["nodes"] != want:
+            problems.append(f"StatefulSet {name}: pods {want} but pool {name} lists {pool['nodes']}")
+        args = spec["template"]["spec"]["containers"][0]["args"]
+        if f"--listen=$(POD_NAME).{spec['serviceName']}:{port}" not in args:
+            problems.append(f"StatefulSet {name}: --listen does not name the pod's own address")
+        if f"--role={pool['role']}" not in args:
+            problems.append(f"StatefulSet {name}: --role is not the pool's role {pool['role']}")
+    return problems
+
+
+def check_config(tessera: str, toml_text: str) -> list:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = pathlib.Path(tmp) / "tessera.toml"
+        cfg.write_text(toml_text)
+        steps = [
+            [tessera, "ops", "certs", "init", "--dir", "certs"],
+            [tessera, "ops", "certs", "issue", "--config", str(cfg), "--dir", "certs"],
+            [tessera, "ops", "check-config", str(cfg)],
+        ]
+        for cmd in steps:
+            r = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+            if r.returncode != 0:
+                return [f"`{' '.join(cmd[1:])}` failed:\n{r.stdout}{r.stderr}"]
+    return []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tessera", required=True, help="the tessera binary")
+    ap.add_argument("--k8s-version", default="1.33.0")
+    a = ap.parse_args()
+    a.tessera = str(pathlib.Path(a.tessera).resolve())
+    problems = []
+    overlays = sorted(p for p in (K8S / "overlays").iterdir() if p.is_dir())
+    configs = set()
+    for ov in overlays:
+        objs = render(ov)
+        for o in objs:
+            where = f"{ov.name}: {o['kind']}/{o['metadata']['name']}"
+            try:
+                kubernetes_validate.validate(o, a.k8s_version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                problems.append(f"{where}: {e.message} at {'/'.join(map(str, e.path))}")
+        cms = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "tessera-config"]
+        if len(cms) != 1:
+            problems.append(f"{ov.name}: expected one ConfigMap tessera-config")
+            continue
+        text = cms[0]["data"]["tessera.toml"]
+        problems += [f"{ov.name}: {p}" for p in check_pools(objs, tomllib.loads(text))]
+        configs.add(text)
+        print(f"{ov.name}: {len(objs)} objects valid against Kubernetes {a.k8s_version}")
+    for text in configs:
+        problems += check_config(a.tessera, text)
+    for p in problems:
+        print(f"check-k8s: {p}", file=sys.stderr)
+    if not problems:
+        print(f"check-k8s: {len(overlays)} overlays rendered and valid; deployment file passes check-config")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
