@@ -376,8 +376,20 @@ async fn serve(a: ServeArgs) -> Result<()> {
     say!(
         "tessera: store {} ({})",
         store.backend(),
-        a.store.store.as_deref().unwrap_or("SQLite in data dir")
+        a.store
+            .store
+            .as_deref()
+            .map_or("SQLite in data dir".into(), redact_password)
     );
+    match a.limits.as_str() {
+        "memory" => say!("tessera: limits in this process's memory (per gateway)"),
+        url => say!(
+            "tessera: limits shared in {} (on failure: {}, leases {} s)",
+            redact_password(url),
+            a.limits_on_failure.label(),
+            a.limits_lease_secs
+        ),
+    }
     if admin_new {
         say!(
             "tessera: admin token written to {}",
@@ -604,4 +616,49 @@ fn shared_limits(a: &ServeArgs) -> anyhow::Result<Option<tessera_tenancy::limits
         lease_ttl: Duration::from_secs(a.limits_lease_secs),
         ..tessera_tenancy::limits::SharedLimits::new(a.limits.clone())
     }))
+}
+
+/// `url` with the password of its user info (`scheme://user:PASSWORD@host`) shown
+/// as `***`, for logs and banners.
+fn redact_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => {
+            let user_info = &rest[..at];
+            let user = user_info.split_once(':').map_or(user_info, |(u, _)| u);
+            let masked = if user_info.contains(':') {
+                format!("{user}:***")
+            } else {
+                user.to_string()
+            };
+            format!("{scheme}://{masked}{}", &rest[at..])
+        }
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_password;
+
+    #[test]
+    fn passwords_are_masked_and_the_rest_kept() {
+        assert_eq!(
+            redact_password("postgres://tessera:s3cret@db:5432/tessera"),
+            "postgres://tessera:***@db:5432/tessera"
+        );
+        assert_eq!(
+            redact_password("redis://:pw@redis:6379"),
+            "redis://:***@redis:6379"
+        );
+        assert_eq!(redact_password("redis://redis:6379"), "redis://redis:6379");
+        assert_eq!(
+            redact_password("redis+unix:///tmp/r.sock"),
+            "redis+unix:///tmp/r.sock"
+        );
+        assert_eq!(redact_password("sqlite:///a/b@c.db"), "sqlite:///a/b@c.db");
+    }
 }

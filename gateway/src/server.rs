@@ -393,7 +393,10 @@ async fn run_handler(
     match crate::batch::queued(req.uri()) {
         Ok(true) => return crate::batch::handle(state, account, model, req).await,
         Ok(false) => {}
-        Err(e) => return e.into_response_as(Flavor::WorkersAi, ""),
+        Err(e) => {
+            state.metrics.refused("batch_invalid");
+            return e.into_response_as(Flavor::WorkersAi, "");
+        }
     }
     generate(
         state,
