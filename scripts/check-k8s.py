@@ -61,10 +61,15 @@ def render(d: pathlib.Path) -> list:
         for o in objs:
             o.setdefault("metadata", {}).setdefault("labels", {}).update(lab["pairs"])
     for img in k.get("images", []):
+        hit = False
         for o in objs:
             for c in containers(o):
                 if c.get("image", "").split(":")[0] == img["name"]:
                     c["image"] = f"{img.get('newName', img['name'])}:{img['newTag']}"
+                    hit = True
+        # Kustomize ignores an image name that matches nothing: here it is an error.
+        if not hit:
+            raise SystemExit(f"{d}: images entry {img['name']!r} matches no container image")
     for p in k.get("patches", []):
         t = p["target"]
         ops = yaml.safe_load((d / p["path"]).read_text())

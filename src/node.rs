@@ -291,7 +291,8 @@ pub(crate) fn remote_deployment(
     insecure_node_links: bool,
 ) -> Result<(Vec<(ModelEntry, RemoteNodes)>, DeploymentConfig)> {
     let cfg = load_config(path)?;
-    let verdict = cfg.check_offline();
+    // The gateway's own node-link files only: it is not given the nodes' keys.
+    let verdict = cfg.check_offline_for(&LinkIdentity::Gateway);
     if !verdict.is_ok() {
         bail!("refusing to start: {}", verdict.into_result().unwrap_err());
     }

@@ -1043,12 +1043,18 @@ impl DeploymentConfig {
     /// With mutual TLS configured: every identity's certificate and key
     /// ([`NodeLinksConfig::load`]); one violation per identity whose files fail.
     pub fn node_link_file_violations(&self) -> Vec<Violation> {
+        self.link_file_violations(None)
+    }
+
+    /// [`Self::node_link_file_violations`] of every identity, or of `only`.
+    fn link_file_violations(&self, only: Option<&LinkIdentity>) -> Vec<Violation> {
         let links = self.links();
         if links.tls_files().is_none() {
             return Vec::new();
         }
         self.link_identities()
             .into_iter()
+            .filter(|id| only.is_none_or(|me| me == id))
             // A bad address is already a violation of its own.
             .filter(|id| id.name().is_ok())
             .filter_map(|id| {
@@ -1114,8 +1120,20 @@ impl DeploymentConfig {
     }
 
     /// [`DeploymentConfig::check`] with context windows from the model files
-    /// ([`ModelEntry::context_window`]).
+    /// ([`ModelEntry::context_window`]), and every identity's node-link files (what
+    /// `tessera ops check-config` checks on the operator's machine).
     pub fn check_offline(&self) -> Verdict {
+        self.check_offline_as(None)
+    }
+
+    /// [`Self::check_offline`] for the process whose identity is `me`: of the
+    /// node-link files only its own (a gateway or node loads no other key, and
+    /// should not be given the others).
+    pub fn check_offline_for(&self, me: &LinkIdentity) -> Verdict {
+        self.check_offline_as(Some(me))
+    }
+
+    fn check_offline_as(&self, only: Option<&LinkIdentity>) -> Verdict {
         // A `context` that disagrees with the GGUF is reported as such, and the pools
         // are still checked against the GGUF's window (the one admission uses).
         let mut mismatches = Vec::new();
@@ -1133,7 +1151,7 @@ impl DeploymentConfig {
             other => other,
         });
         verdict.violations.extend(mismatches);
-        verdict.violations.extend(self.node_link_file_violations());
+        verdict.violations.extend(self.link_file_violations(only));
         verdict
     }
 }
@@ -1713,6 +1731,21 @@ nodes = ["10.0.0.2:9201"]
         let files = cfg.node_link_file_violations();
         assert_eq!(labels(&files), ["node_link_file"; 3]);
         assert!(files[0].to_string().contains("c/ca.pem"), "{}", files[0]);
+        // A process checks only its own identity's files (it is given no others).
+        let own = cfg
+            .check_offline_for(&LinkIdentity::Gateway)
+            .violations
+            .into_iter()
+            .filter(|v| v.label() == "node_link_file")
+            .count();
+        assert_eq!(own, 1);
+        let all = cfg
+            .check_offline()
+            .violations
+            .into_iter()
+            .filter(|v| v.label() == "node_link_file")
+            .count();
+        assert_eq!(all, 3);
         // Half a TLS setup, and timings that would call a quiet link dead.
         let cfg = parse("[node_links]\nca = \"c/ca.pem\"\nheartbeat_ms = 5000\n");
         assert_eq!(
