@@ -78,6 +78,53 @@ async fn loadtest(args: &[&str], admin: Option<&str>, out: &Path) -> (bool, Valu
     )
 }
 
+/// The small mixed workload of the multi-target runs: 2 tenants x 3 prompts, 16
+/// requests 4 at a time, half of them streamed.
+fn small_workload(seed: &str) -> Vec<&str> {
+    vec![
+        "--tenants",
+        "2",
+        "--prompts-per-tenant",
+        "3",
+        "--requests",
+        "16",
+        "--concurrency",
+        "4",
+        "--seed",
+        seed,
+        "--prompt-len",
+        "uniform:8:32",
+        "--output-len",
+        "uniform:8:16",
+        "--stream-share",
+        "0.5",
+        "--quiet",
+    ]
+}
+
+/// Asserts the run passed with zero leaks, solo mismatches and usage mismatches;
+/// returns the report.
+fn clean_report<'a>(ok: bool, r: &'a Value, log: &str) -> &'a Value {
+    assert!(ok, "loadtest failed:\n{log}\n{r:#}");
+    assert_eq!(r["passed"], true, "{:#}", r["failures"]);
+    let c = &r["targets"][0]["checks"];
+    assert_eq!(n(&c["leaks"]), 0, "{:#}", c["canary"]);
+    assert_eq!(n(&c["mismatches"]), 0, "{:#}", c["solo_equality"]);
+    assert_eq!(n(&c["usage_mismatches"]), 0, "{:#}", c["usage"]);
+    r
+}
+
+/// `GET url` with a bearer token; the body.
+async fn get_text(url: &str, token: &str) -> String {
+    let r = reqwest::Client::new()
+        .get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    r.text().await.unwrap()
+}
+
 fn n(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
 }
@@ -110,42 +157,16 @@ async fn two_models_interleaved_keep_solo_equality_per_model() {
         serve_with(&dir.path().join("data"), admin, "127.0.0.1:0", &extra).await;
     let out = dir.path().join("report");
     let (ok, r, log) = loadtest(
-        &[
-            "--url",
-            &base,
-            "--model",
-            DEFAULT,
-            "--model",
-            TINY,
-            "--tenants",
-            "2",
-            "--prompts-per-tenant",
-            "3",
-            "--requests",
-            "16",
-            "--concurrency",
-            "4",
-            "--seed",
-            "5",
-            "--prompt-len",
-            "uniform:8:32",
-            "--output-len",
-            "uniform:8:16",
-            "--stream-share",
-            "0.5",
-            "--quiet",
-        ],
+        &["--url", base.as_str(), "--model", DEFAULT, "--model", TINY]
+            .into_iter()
+            .chain(small_workload("5"))
+            .collect::<Vec<_>>(),
         Some(admin),
         &out,
     )
     .await;
-    assert!(ok, "loadtest failed:\n{log}\n{r:#}");
-    assert_eq!(r["passed"], true, "{:#}", r["failures"]);
-    let t = &r["targets"][0];
+    let t = &clean_report(ok, &r, &log)["targets"][0];
     let c = &t["checks"];
-    assert_eq!(n(&c["leaks"]), 0, "{:#}", c["canary"]);
-    assert_eq!(n(&c["mismatches"]), 0, "{:#}", c["solo_equality"]);
-    assert_eq!(n(&c["usage_mismatches"]), 0, "{:#}", c["usage"]);
     let completed = n(&t["requests"]["completed"]);
     assert_eq!(n(&c["solo_equality"]["compared"]), completed);
     let per_model = t["completed_by_model"].as_object().unwrap();
@@ -179,54 +200,21 @@ async fn a_two_gateway_fleet_on_one_store_and_redis_passes_the_isolation_checks(
     let (mut b, base_b) = serve_with(&dir.path().join("b"), admin, "127.0.0.1:0", &extra).await;
     let out = dir.path().join("report");
     let (ok, r, log) = loadtest(
-        &[
-            "--url",
-            &base_a,
-            "--url",
-            &base_b,
-            "--tenants",
-            "2",
-            "--prompts-per-tenant",
-            "3",
-            "--requests",
-            "16",
-            "--concurrency",
-            "4",
-            "--seed",
-            "11",
-            "--prompt-len",
-            "uniform:8:32",
-            "--output-len",
-            "uniform:8:16",
-            "--stream-share",
-            "0.5",
-            "--quiet",
-        ],
+        &["--url", base_a.as_str(), "--url", base_b.as_str()]
+            .into_iter()
+            .chain(small_workload("11"))
+            .collect::<Vec<_>>(),
         Some(admin),
         &out,
     )
     .await;
-    assert!(ok, "loadtest failed:\n{log}\n{r:#}");
-    assert_eq!(r["passed"], true, "{:#}", r["failures"]);
-    let t = &r["targets"][0];
-    let c = &t["checks"];
-    assert_eq!(n(&c["leaks"]), 0, "{:#}", c["canary"]);
-    assert_eq!(n(&c["mismatches"]), 0, "{:#}", c["solo_equality"]);
-    assert_eq!(n(&c["usage_mismatches"]), 0, "{:#}", c["usage"]);
+    let t = &clean_report(ok, &r, &log)["targets"][0];
     assert_eq!(n(&t["requests"]["completed"]), 16);
     assert_eq!(t["base_url"], format!("{base_a},{base_b}"));
     // Both gateways served: each wrote usage rows (the first counts its own in
     // /metrics; the ledger is shared).
     for base in [&base_a, &base_b] {
-        let m = reqwest::Client::new()
-            .get(format!("{base}/metrics"))
-            .bearer_auth(admin)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = get_text(&format!("{base}/metrics"), admin).await;
         let served: f64 = m
             .lines()
             .filter(|l| l.starts_with("tessera_requests_total{") && l.contains("status=\"200\""))

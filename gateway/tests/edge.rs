@@ -1044,14 +1044,7 @@ async fn ledger_rows_past_the_retention_are_pruned() {
     }
     assert!(gone, "the old row was not pruned");
     assert!(s.store().usage_row("fresh").await.unwrap().is_some());
-    let m = s
-        .admin(Method::GET, "/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = s.metrics_text().await;
     assert!(m.contains("tessera_usage_rows_pruned_total 1"), "{m}");
 }
 

@@ -60,15 +60,9 @@ async fn post(
     key: &str,
     body: &serde_json::Value,
 ) -> (u16, serde_json::Value) {
-    let r = client
-        .post(url)
-        .bearer_auth(key)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let st = r.status().as_u16();
-    (st, r.json().await.unwrap_or(serde_json::Value::Null))
+    let r = client.post(url).bearer_auth(key).json(body).send().await;
+    let (st, _, v) = common::split(r.unwrap()).await;
+    (st, v)
 }
 
 struct Fleet {
@@ -140,16 +134,7 @@ async fn three_gateways_hold_one_set_of_limits_and_revocations() {
     let long = json!({"prompt": "Count from 1 to 1000.", "max_tokens": 400, "stream": true});
     let mut streams = vec![];
     for g in &f.gateways[..2] {
-        let mut r = f
-            .client
-            .post(run_url(g, &t.id))
-            .bearer_auth(&key)
-            .json(&long)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        r.chunk().await.unwrap().expect("first frame");
+        let (r, _) = common::open_stream_at(&f.client, &run_url(g, &t.id), &key, &long).await;
         streams.push(r);
     }
     let (st, v) = post(&f.client, &run_url(&f.gateways[2], &t.id), &key, &body).await;
@@ -260,15 +245,7 @@ async fn a_gateway_without_its_redis_fails_closed_or_open_as_configured() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert!(r.text().await.unwrap().contains("failing open"));
-    let m = client
-        .get(format!("{}/metrics", open.base))
-        .bearer_auth(common::ADMIN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = common::metrics_text(&client, &open.base).await;
     assert!(m.contains("tessera_limits_backend_up 0"), "{m}");
     assert!(
         !m.contains("tessera_limits_fallbacks_total 0\n"),

@@ -750,16 +750,7 @@ async fn rate_limits_return_429_and_spare_other_tenants() {
         )
         .await;
     let long = json!({"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 300, "stream": true});
-    let mut first = s
-        .client
-        .post(s.run_url(&f.id))
-        .bearer_auth(&key_f)
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(first.status(), 200);
-    first.chunk().await.unwrap().expect("first frame");
+    let (first, _) = open_stream_at(&s.client, &s.run_url(&f.id), &key_f, &long).await;
     let resp = s
         .client
         .post(s.run_url(&f.id))
@@ -955,13 +946,7 @@ async fn admin_api_manages_tenants_keys_and_limits() {
         401
     );
     s.settle().await;
-    let m = admin(s.client.get(format!("{}/metrics", s.base)))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = s.metrics_text().await;
     let rows = s.store().usage_rows(Some(&id)).await.unwrap();
     let ok = rows.iter().filter(|r| r.status == 200).count();
     assert!(

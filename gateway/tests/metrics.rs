@@ -330,14 +330,7 @@ async fn every_counter_moves_by_exactly_what_the_requests_explain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_and_alert_queries_name_exported_metrics_and_runbooks_exist() {
     let s = start_pd(GatewayConfig::default()).await;
-    let text = s
-        .admin(reqwest::Method::GET, "/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = s.metrics_text().await;
     // Families with series show in the scrape; labelled families stay silent until
     // their first series, so the names registered in the metrics modules count too.
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

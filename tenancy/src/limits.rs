@@ -1029,6 +1029,18 @@ impl Drop for LocalReservation {
 mod tests {
     use super::*;
 
+    /// Phases 1 and 2 of one request of tenant `id` on `l`: admitted, then `input` and
+    /// `output` tokens reserved. Panics if phase 1 refuses.
+    async fn admit_and_reserve(
+        l: &Limiter,
+        id: &str,
+        lim: Limits,
+        input: u32,
+        output: u32,
+    ) -> Result<Reservation, LimitError> {
+        l.admit(id, lim).await.unwrap().reserve(input, output).await
+    }
+
     const DAY0: i64 = 1_767_225_600_000; // 2026-01-01T00:00:00Z
 
     fn at(base: Instant, secs: f64) -> Now {
@@ -1074,23 +1086,11 @@ mod tests {
         );
         drop(a);
         assert_eq!(l.inflight("a"), 0);
-        let r = l
-            .admit("a", lim)
-            .await
-            .unwrap()
-            .reserve(1, 1)
-            .await
-            .unwrap();
+        let r = admit_and_reserve(&l, "a", lim, 1, 1).await.unwrap();
         assert_eq!(l.inflight("a"), 1);
         drop(r);
         assert_eq!(l.inflight("a"), 0);
-        let r = l
-            .admit("a", lim)
-            .await
-            .unwrap()
-            .reserve(1, 1)
-            .await
-            .unwrap();
+        let r = admit_and_reserve(&l, "a", lim, 1, 1).await.unwrap();
         r.settle(1, 1);
         assert_eq!(l.inflight("a"), 0);
     }
@@ -1187,28 +1187,10 @@ mod tests {
         l.set_daily_used("a", lim, 0).await;
         assert_eq!(l.daily("a").unwrap().used, 40);
         // Two requests of 30 reserved: 40 + 60 = 100 fits exactly; a third does not.
-        let r1 = l
-            .admit("a", lim)
-            .await
-            .unwrap()
-            .reserve(10, 20)
-            .await
-            .unwrap();
-        let r2 = l
-            .admit("a", lim)
-            .await
-            .unwrap()
-            .reserve(10, 20)
-            .await
-            .unwrap();
+        let r1 = admit_and_reserve(&l, "a", lim, 10, 20).await.unwrap();
+        let r2 = admit_and_reserve(&l, "a", lim, 10, 20).await.unwrap();
         assert_eq!(l.daily("a").unwrap().reserved, 60);
-        let e = l
-            .admit("a", lim)
-            .await
-            .unwrap()
-            .reserve(1, 0)
-            .await
-            .unwrap_err();
+        let e = admit_and_reserve(&l, "a", lim, 1, 0).await.unwrap_err();
         assert_eq!(e.kind, LimitKind::DailyQuota);
         // It would fit once the others settle below their reservations: retry soon.
         assert!(e.retryable);
@@ -1232,13 +1214,7 @@ mod tests {
         let d = l.daily("a").unwrap();
         assert_eq!((d.used, d.reserved), (75, 0));
         // More than what is left today, with nothing in flight: not before tomorrow.
-        let e = l
-            .admit("a", lim)
-            .await
-            .unwrap()
-            .reserve(20, 10)
-            .await
-            .unwrap_err();
+        let e = admit_and_reserve(&l, "a", lim, 20, 10).await.unwrap_err();
         assert_eq!((e.kind, e.retryable), (LimitKind::DailyQuota, false));
         assert!(e.retry_after >= Duration::from_secs(1));
         assert_eq!(l.inflight("a"), 0);
@@ -1290,12 +1266,7 @@ mod tests {
     async fn unlimited_means_unlimited() {
         let l = Limiter::new();
         for _ in 0..1000 {
-            let r = l
-                .admit("a", Limits::UNLIMITED)
-                .await
-                .unwrap()
-                .reserve(1000, 1000)
-                .await;
+            let r = admit_and_reserve(&l, "a", Limits::UNLIMITED, 1000, 1000).await;
             r.unwrap().settle(1000, 1000);
         }
         assert_eq!(l.inflight("a"), 0);

@@ -5,7 +5,21 @@
 
 use std::time::{Duration, Instant};
 use tessera_tenancy::testing::RedisServer;
-use tessera_tenancy::{FailMode, LimitKind, Limiter, Limits, SharedLimits};
+use tessera_tenancy::{
+    FailMode, LimitError, LimitKind, Limiter, Limits, Reservation, SharedLimits,
+};
+
+/// Phases 1 and 2 of one request of tenant `id` on `l`: admitted, then `input` and
+/// `output` tokens reserved. Panics if phase 1 refuses.
+async fn admit_and_reserve(
+    l: &Limiter,
+    id: &str,
+    lim: Limits,
+    input: u32,
+    output: u32,
+) -> Result<Reservation, LimitError> {
+    l.admit(id, lim).await.unwrap().reserve(input, output).await
+}
 
 fn tenant() -> String {
     format!("t-{}", tessera_tenancy::random_hex(8))
@@ -120,21 +134,9 @@ async fn the_daily_quota_is_shared_and_the_first_load_wins() {
     b.set_daily_used(&t, lim, 50).await;
     assert!(!a.needs_daily(&t, lim).await);
 
-    let r = a
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(30, 30)
-        .await
-        .unwrap();
+    let r = admit_and_reserve(&a, &t, lim, 30, 30).await.unwrap();
     assert_eq!(r.reserved_daily(), 60);
-    let e = b
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(30, 30)
-        .await
-        .unwrap_err();
+    let e = admit_and_reserve(&b, &t, lim, 30, 30).await.unwrap_err();
     // It would fit once A's request settles below its reservation: retry soon.
     assert_eq!((e.kind, e.retryable), (LimitKind::DailyQuota, true), "{e}");
     assert_eq!(e.retry_after, Duration::from_secs(1));
@@ -144,63 +146,27 @@ async fn the_daily_quota_is_shared_and_the_first_load_wins() {
     r.settle(10, 10);
     a.flush().await;
     // 20 used: 20 + 60 fits.
-    let r = b
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(30, 30)
-        .await
-        .unwrap();
+    let r = admit_and_reserve(&b, &t, lim, 30, 30).await.unwrap();
     // Dropped unsettled: the whole 60 is charged (80 used).
     drop(r);
     b.flush().await;
-    let e = a
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(11, 10)
-        .await
-        .unwrap_err();
+    let e = admit_and_reserve(&a, &t, lim, 11, 10).await.unwrap_err();
     // More than what is left today, with nothing in flight: not before tomorrow.
     assert_eq!((e.kind, e.retryable), (LimitKind::DailyQuota, false), "{e}");
     assert!(e.retry_after >= Duration::from_secs(1));
-    let r = a
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(10, 10)
-        .await
-        .unwrap();
+    let r = admit_and_reserve(&a, &t, lim, 10, 10).await.unwrap();
     r.cancel();
     a.flush().await;
     // Cancelled: nothing charged, so exactly the remaining 20 still fit.
-    let r = b
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(10, 10)
-        .await
-        .unwrap();
+    let r = admit_and_reserve(&b, &t, lim, 10, 10).await.unwrap();
     r.settle(10, 10);
 
     // Another tenant: the first load (40) wins over a later one (0) of the other gateway.
     let t2 = tenant();
     a.set_daily_used(&t2, lim, 40).await;
     b.set_daily_used(&t2, lim, 0).await;
-    let _r = b
-        .admit(&t2, lim)
-        .await
-        .unwrap()
-        .reserve(30, 30)
-        .await
-        .unwrap();
-    let e = a
-        .admit(&t2, lim)
-        .await
-        .unwrap()
-        .reserve(1, 0)
-        .await
-        .unwrap_err();
+    let _r = admit_and_reserve(&b, &t2, lim, 30, 30).await.unwrap();
+    let e = admit_and_reserve(&a, &t2, lim, 1, 0).await.unwrap_err();
     assert_eq!(e.kind, LimitKind::DailyQuota);
     assert_eq!(a.backend_errors() + b.backend_errors(), 0);
 }
@@ -220,13 +186,7 @@ async fn a_dead_gateways_leases_lapse_and_its_reservations_are_charged() {
     dead.set_daily_used(&t, lim, 0).await;
     let t0 = Instant::now();
     let running = dead.admit(&t, lim).await.unwrap();
-    let reserved = dead
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(20, 20)
-        .await
-        .unwrap();
+    let reserved = admit_and_reserve(&dead, &t, lim, 20, 20).await.unwrap();
     // The gateway dies: nothing is released, nothing refreshed any more.
     std::mem::forget(running);
     std::mem::forget(reserved);
@@ -254,13 +214,7 @@ async fn a_dead_gateways_leases_lapse_and_its_reservations_are_charged() {
     // The lapsed reservation was charged in full: 40 used, so 61 more never fit today.
     let e = admitted.reserve(31, 30).await.unwrap_err();
     assert_eq!((e.kind, e.retryable), (LimitKind::DailyQuota, false), "{e}");
-    let r = b
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(30, 30)
-        .await
-        .unwrap();
+    let r = admit_and_reserve(&b, &t, lim, 30, 30).await.unwrap();
     r.settle(30, 30);
 }
 
@@ -299,45 +253,21 @@ async fn token_buckets_are_shared_and_a_settle_gives_back_the_unused_part() {
         output_tokens_per_minute: 50,
         ..Limits::UNLIMITED
     };
-    let e = a
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(101, 0)
-        .await
-        .unwrap_err();
+    let e = admit_and_reserve(&a, &t, lim, 101, 0).await.unwrap_err();
     assert_eq!(
         (e.kind, e.retryable),
         (LimitKind::InputTokens, false),
         "{e}"
     );
-    let e = b
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(1, 51)
-        .await
-        .unwrap_err();
+    let e = admit_and_reserve(&b, &t, lim, 1, 51).await.unwrap_err();
     assert_eq!(
         (e.kind, e.retryable),
         (LimitKind::OutputTokens, false),
         "{e}"
     );
     // Both refusals gave their request back: 3 requests are still there.
-    let r = a
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(60, 0)
-        .await
-        .unwrap();
-    let e = b
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(60, 0)
-        .await
-        .unwrap_err();
+    let r = admit_and_reserve(&a, &t, lim, 60, 0).await.unwrap();
+    let e = admit_and_reserve(&b, &t, lim, 60, 0).await.unwrap_err();
     assert_eq!((e.kind, e.retryable), (LimitKind::InputTokens, true), "{e}");
     // 20 input tokens are missing: 12 s at 100/minute (a little less: time went by).
     assert!(
@@ -347,13 +277,7 @@ async fn token_buckets_are_shared_and_a_settle_gives_back_the_unused_part() {
     // 10 used: 50 come back, 90 are there.
     r.settle(10, 0);
     a.flush().await;
-    let r = b
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(60, 0)
-        .await
-        .unwrap();
+    let r = admit_and_reserve(&b, &t, lim, 60, 0).await.unwrap();
     r.settle(60, 0);
     b.flush().await;
     // Only requests that got through phase 2 stay spent: 2 of 3, one is left.
@@ -473,21 +397,9 @@ async fn redis_down_fails_closed_or_open() {
     assert!(open.needs_daily(&t, lim).await);
     open.set_daily_used(&t, lim, 990).await;
     assert!(!open.needs_daily(&t, lim).await);
-    let r = open
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(5, 5)
-        .await
-        .unwrap();
+    let r = admit_and_reserve(&open, &t, lim, 5, 5).await.unwrap();
     assert_eq!(open.inflight(&t), 1);
-    let e = open
-        .admit(&t, lim)
-        .await
-        .unwrap()
-        .reserve(1, 0)
-        .await
-        .unwrap_err();
+    let e = admit_and_reserve(&open, &t, lim, 1, 0).await.unwrap_err();
     assert_eq!(e.kind, LimitKind::DailyQuota);
     r.settle(5, 5);
     assert_eq!(open.daily(&t).unwrap().used, 1000);

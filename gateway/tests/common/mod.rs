@@ -244,17 +244,17 @@ impl TestServer {
             "prompt": "Count from 1 to 1000, separated by commas.",
             "max_tokens": max_tokens, "stream": true,
         });
-        let mut resp = self
-            .client
-            .post(self.run_url(account))
-            .bearer_auth(key)
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        let first = resp.chunk().await.unwrap().expect("first frame");
-        (resp, String::from_utf8_lossy(&first).into_owned())
+        open_stream_at(&self.client, &self.run_url(account), key, &body).await
+    }
+
+    /// The `/metrics` exposition, read with the admin token (on the admin listener
+    /// when there is one).
+    pub async fn metrics_text(&self) -> String {
+        metrics_text(
+            &self.client,
+            self.admin_base.as_deref().unwrap_or(&self.base),
+        )
+        .await
     }
 
     pub fn account_url(&self, path: &str) -> String {
@@ -277,6 +277,39 @@ impl TestServer {
         }
         panic!("engine not idle: {:?}", self.state.engine.stats());
     }
+}
+
+/// POSTs a streaming `body` to `url` with `key`; returns the open 200 response and
+/// its first chunk's text.
+pub async fn open_stream_at(
+    client: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &serde_json::Value,
+) -> (reqwest::Response, String) {
+    let mut resp = client
+        .post(url)
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.unwrap().expect("first frame");
+    (resp, String::from_utf8_lossy(&first).into_owned())
+}
+
+/// `GET {base}/metrics` with the admin token; the body.
+pub async fn metrics_text(client: &reqwest::Client, base: &str) -> String {
+    client
+        .get(format!("{base}/metrics"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// Reads the rest of a stream; returns its text.

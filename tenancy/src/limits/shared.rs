@@ -85,6 +85,11 @@ local function wait_for(tat, lim, n, now)
   if w <= 0.001 then return 0 end
   return w
 end
+-- Today's UTC day number, and whether the daily counter at `key` holds it.
+local function daily_is_today(key)
+  local day = math.floor(now_ms() / 86400000)
+  return tonumber(redis.call('HGET', key, 'day')) == day, day
+end
 -- Ends a lease's daily reservation unsettled: charged in full to its own day.
 local function charge_held(held, daily, id)
   local h = redis.call('HGET', held, id)
@@ -256,8 +261,7 @@ return 0
 const NEEDS_DAILY: &str = concat!(
     lua_prelude!(),
     r#"
-local day = math.floor(now_ms() / 86400000)
-if tonumber(redis.call('HGET', KEYS[1], 'day')) == day then return 0 end
+if daily_is_today(KEYS[1]) then return 0 end
 return 1
 "#
 );
@@ -266,8 +270,8 @@ return 1
 const SET_DAILY: &str = concat!(
     lua_prelude!(),
     r#"
-local day = math.floor(now_ms() / 86400000)
-if tonumber(redis.call('HGET', KEYS[1], 'day')) == day then return 0 end
+local today, day = daily_is_today(KEYS[1])
+if today then return 0 end
 redis.call('HSET', KEYS[1], 'day', day, 'used', ARGV[1], 'reserved', 0)
 redis.call('PEXPIRE', KEYS[1], KEEP)
 return 1
