@@ -6,6 +6,7 @@ mod device;
 mod generate;
 mod model_fetch;
 mod node;
+mod reload;
 mod serve;
 mod tenancy_cli;
 
@@ -101,6 +102,13 @@ enum OpsCommand {
         #[command(subcommand)]
         command: CertsCommand,
     },
+    /// Ask a running gateway (`tessera serve --config FILE`) to re-read FILE and apply
+    /// its node membership: added nodes get traffic once they pass the link checks,
+    /// removed nodes get no new requests and are dropped once their requests end
+    /// (`POST /admin/v1/reload` with the admin token; SIGHUP does the same). A file
+    /// that fails any check, or changes more than pool membership, is refused as a
+    /// whole and the gateway serves on unchanged; the reason is printed.
+    Reload(reload::ReloadArgs),
     /// Check a deployment file (tessera.toml): structure and I2 (every pool holds a
     /// full context window of every model it serves). Prints the full report; exits
     /// non-zero on any violation.
@@ -231,6 +239,9 @@ fn run() -> Result<()> {
         Command::Ops {
             command: OpsCommand::Certs { command },
         } => certs(command),
+        Command::Ops {
+            command: OpsCommand::Reload(args),
+        } => reload::ops_reload(args),
         Command::Ops {
             command: OpsCommand::CheckConfig { file, json },
         } => Ok(tessera_ops::check_config_command(

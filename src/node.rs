@@ -212,6 +212,8 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         address: listen.clone(),
     };
     let links = NodeLinks::from_deployment(&cfg, &me, a.insecure_node_links, Some(&listen))?;
+    // SIGHUP re-reads the file: a decode node learns the prefill nodes added to it.
+    crate::reload::reload_node_peers_on_sighup(config.clone(), me.clone(), links.clone())?;
     let test_panic = match std::env::var(TEST_PANIC_ENV) {
         Ok(v) => Some(
             TestPanic::parse(&v)

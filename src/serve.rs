@@ -266,14 +266,25 @@ async fn serve(a: ServeArgs) -> Result<()> {
         .listen
         .or(remote.as_ref().map(|(_, cfg)| cfg.gateway.listen))
         .unwrap_or_else(|| "127.0.0.1:8787".parse().expect("valid address"));
+    let mut reloader = None;
     let served: Vec<(ServedModel, PathBuf)> = match remote {
-        Some((models, _)) => {
+        Some((models, deployment)) => {
             let mut served = Vec::new();
+            let mut engines = Vec::new();
             for (entry, nodes) in models {
                 let model = load(&entry.path)?;
                 let engine = EngineHandle::connect_remote(&model, nodes);
+                engines.push((entry.id.clone(), engine.clone()));
                 let catalog = catalog_entry(&entry, &model, engine.limits().context)?;
                 served.push((ServedModel::with_entry(catalog, model, engine), entry.path));
+            }
+            if let Some(f) = &a.config {
+                reloader = Some(crate::reload::DeploymentReloader::new(
+                    f.clone(),
+                    a.insecure_node_links,
+                    deployment,
+                    engines,
+                ));
             }
             served
         }
@@ -349,6 +360,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
     };
     let state = AppState::with_models(store.clone(), served, &cfg)
         .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
+    if let Some(r) = reloader {
+        state.set_reloader(std::sync::Arc::new(r));
+        reload_on_sighup(state.clone())?;
+    }
     let server = Server::bind(&cfg, state).await?;
     let addr = server.local_addr();
     let admin_base = server
@@ -551,6 +566,26 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
         out.push((m.id.clone(), m.path.clone(), model, engine));
     }
     Ok(out)
+}
+
+/// With `--config`: SIGHUP re-reads the deployment file and applies its node
+/// membership (as `POST /admin/v1/reload` does; the outcome is logged and counted).
+/// Installed before the banner, so a SIGHUP never ends the process.
+fn reload_on_sighup(state: std::sync::Arc<AppState>) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                let st = state.clone();
+                // The outcome is logged and counted by reload_deployment.
+                let _ = tokio::task::spawn_blocking(move || st.reload_deployment("SIGHUP")).await;
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = state;
+    Ok(())
 }
 
 /// Ctrl-C, or SIGTERM (what service managers and Kubernetes send). The handlers are

@@ -631,14 +631,7 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
     );
     std::fs::write(&config, text).unwrap();
     let certs = dir.path().join("certs");
-    ops(&[
-        "certs",
-        "issue",
-        "--config",
-        config.to_str().unwrap(),
-        "--dir",
-        certs.to_str().unwrap(),
-    ]);
+    issue_certs(&config, &certs);
     let (decode, metrics) = start_node_with_metrics(dir.path(), &config, "decode", d, &[]).await;
     let prefill = start_node(dir.path(), &config, "prefill", p).await;
     let gateway = start_config_gateway(dir.path(), &config, "data", "gateway.log", &[]).await;

@@ -843,6 +843,47 @@ impl DeploymentConfig {
         })
     }
 
+    /// What a running gateway cannot take from `new` (a re-read of this file)
+    /// without a restart: every difference except the `nodes` of pools that exist
+    /// in both files with the same name, role and settings. Empty: `new` changes
+    /// membership only (nodes added to or removed from existing pools), which a
+    /// gateway applies live (`tessera ops reload`, SIGHUP).
+    pub fn changes_needing_restart(&self, new: &DeploymentConfig) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.gateway != new.gateway {
+            out.push("[gateway] changed (listen address)".to_string());
+        }
+        if self.models != new.models {
+            out.push("[[models]] changed (models are loaded at start)".to_string());
+        }
+        if self.node_links != new.node_links {
+            out.push("[node_links] changed (CA, certificates, timings)".to_string());
+        }
+        let names =
+            |c: &DeploymentConfig| c.pools.iter().map(|p| p.name.clone()).collect::<Vec<_>>();
+        if names(self) != names(new) {
+            out.push(format!(
+                "the pools changed: {:?} became {:?} (pools are added, removed or reordered only by a restart)",
+                names(self),
+                names(new)
+            ));
+        } else {
+            for (old, new) in self.pools.iter().zip(&new.pools) {
+                let same_but_nodes = PoolConfig {
+                    nodes: old.nodes.clone(),
+                    ..new.clone()
+                };
+                if *old != same_but_nodes {
+                    out.push(format!(
+                        "pool {} changed beyond its nodes (role, page_size, kv_pool_tokens or models)",
+                        old.name
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// The pool named `name`.
     pub fn pool(&self, name: &str) -> Option<&PoolConfig> {
         self.pools.iter().find(|p| p.name == name)
@@ -1757,5 +1798,42 @@ nodes = ["10.0.0.2:9201"]
             Path::new("t.toml"),
         );
         assert!(e.is_err());
+    }
+
+    #[test]
+    fn only_node_membership_changes_need_no_restart() {
+        let text = |decode: &str, kv: usize| {
+            format!(
+                r#"[gateway]
+                   listen = "127.0.0.1:8787"
+                   [[models]]
+                   id = "@cf/a/b"
+                   path = "m.gguf"
+                   [[pools]]
+                   name = "p"
+                   role = "prefill"
+                   kv_pool_tokens = 8192
+                   nodes = ["127.0.0.1:9101"]
+                   [[pools]]
+                   name = "d"
+                   role = "decode"
+                   kv_pool_tokens = {kv}
+                   nodes = [{decode}]"#
+            )
+        };
+        let parse = |t: String| DeploymentConfig::parse(&t, Path::new("t.toml")).unwrap();
+        let old = parse(text(r#""127.0.0.1:9201""#, 16384));
+        let added = parse(text(r#""127.0.0.1:9201", "127.0.0.1:9202""#, 16384));
+        assert_eq!(old.changes_needing_restart(&added), Vec::<String>::new());
+        assert_eq!(added.changes_needing_restart(&old), Vec::<String>::new());
+        let resized = parse(text(r#""127.0.0.1:9201""#, 32768));
+        let c = old.changes_needing_restart(&resized);
+        assert_eq!(c.len(), 1, "{c:?}");
+        assert!(c[0].contains("pool d"), "{c:?}");
+        let mut moved = old.clone();
+        moved.gateway.listen = "127.0.0.1:9999".parse().unwrap();
+        moved.pools.pop();
+        let c = old.changes_needing_restart(&moved);
+        assert_eq!(c.len(), 2, "{c:?}");
     }
 }

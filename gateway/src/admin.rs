@@ -25,6 +25,11 @@
 //!   a model, by id or alias: everyone, or only the tenants listed; replaces what
 //!   was set; unknown fields, a bad visibility, tenants that are not strings or not
 //!   tenants, or tenants on a public model are errors naming the field)
+//! - `POST /admin/v1/reload` (`tessera serve --config FILE`: re-read FILE and apply
+//!   its node membership, as SIGHUP does; 400 with the reason when the file is
+//!   refused, then nothing changed; logged with the caller's address, not audited:
+//!   the audit log records tenant, key and model-access changes),
+//!   `GET /admin/v1/nodes` (the nodes this gateway routes to, with their state)
 //! - `GET  /metrics` (Prometheus text format; the admin token or the metrics token)
 //!
 //! Every successful change (tenant create, suspend, activate, limits, scheduling,
@@ -131,6 +136,8 @@ pub(crate) fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
             get(get_model_access).put(set_model_access),
         )
         .route("/admin/v1/audit", get(audit))
+        .route("/admin/v1/reload", post(reload))
+        .route("/admin/v1/nodes", get(nodes))
         .route_layer(middleware::from_fn_with_state(state, require_admin))
         .merge(metrics_route)
 }
@@ -615,6 +622,34 @@ async fn revoke(
     }
     s.live.kick();
     Ok(Done(json!({"key_id": key_id, "revoked": true})))
+}
+
+/// `POST /admin/v1/reload`: re-reads the deployment file (`tessera serve --config`)
+/// and applies its node membership (the same as SIGHUP). 200 with what changed, or
+/// 400 with why the file was refused (then nothing changed).
+async fn reload(State(s): State<Arc<AppState>>, Extension(by): Extension<AdminReq>) -> Reply {
+    tracing::info!(source = %by.source, request_id = %by.rid, "deployment reload asked for through the admin API");
+    let st = s.clone();
+    let out = tokio::task::spawn_blocking(move || st.reload_deployment("admin API"))
+        .await
+        .map_err(|e| ApiError::new(ErrorKind::Internal, format!("the reload task failed: {e}")))?;
+    match out {
+        Ok(v) => Ok(Done(v)),
+        Err(e) => Err(ApiError::new(ErrorKind::BadRequest, format!("reload refused: {e}")).into()),
+    }
+}
+
+/// `GET /admin/v1/nodes`: the deployment's nodes as this gateway sees them (per
+/// model: role, address, state, requests outstanding).
+async fn nodes(State(s): State<Arc<AppState>>) -> Reply {
+    match s.reloader() {
+        Some(r) => Ok(Done(r.nodes())),
+        None => Err(ApiError::new(
+            ErrorKind::NotFound,
+            "this gateway serves no deployment file (start it with --config FILE)",
+        )
+        .into()),
+    }
 }
 
 /// `GET /admin/v1/audit?since=&until=&limit=`: audit rows in the range (default:

@@ -58,6 +58,6 @@ pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES};
 pub use error::{ApiError, ErrorKind};
 pub use server::Server;
 pub use state::{
-    AppState, ConnLimits, Deadlines, GatewayConfig, ServedModel, UsageConfig, MAX_ID_BYTES,
+    AppState, ConnLimits, Deadlines, GatewayConfig, Reload, ServedModel, UsageConfig, MAX_ID_BYTES,
 };
 pub use tls::TlsMode;

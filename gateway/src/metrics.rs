@@ -235,6 +235,7 @@ pub struct Metrics {
     pruned_rows: Counter,
     release_timeouts: Counter,
     batch_items: Family<OutcomeLabels, Counter>,
+    config_reloads: Family<OutcomeLabels, Counter>,
     limits_up: Gauge,
     limits_errors: Counter,
     limits_fallbacks: Counter,
@@ -283,6 +284,7 @@ impl Metrics {
             pruned_rows: Counter::default(),
             release_timeouts: Counter::default(),
             batch_items: Family::default(),
+            config_reloads: Family::default(),
             limits_up: Gauge::default(),
             limits_errors: Counter::default(),
             limits_fallbacks: Counter::default(),
@@ -381,6 +383,11 @@ impl Metrics {
             "tessera_batch_items",
             "Async batch items (queueRequest=true) by outcome: queued, succeeded, failed.",
             self.batch_items.clone(),
+        );
+        r.register(
+            "tessera_config_reloads",
+            "Re-reads of the deployment file (SIGHUP, POST /admin/v1/reload) by outcome: applied, refused (the old membership kept serving).",
+            self.config_reloads.clone(),
         );
         r.register(
             "tessera_limits_backend_up",
@@ -514,6 +521,20 @@ impl Metrics {
                 c.inc_by(total - seen);
             }
         }
+    }
+
+    /// Counts one reload of the deployment file by `outcome` (`applied`, `refused`).
+    pub fn config_reload(&self, outcome: &'static str) {
+        self.config_reloads
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    /// Reloads of the deployment file so far with `outcome`.
+    pub fn config_reload_count(&self, outcome: &'static str) -> u64 {
+        self.config_reloads
+            .get(&OutcomeLabels { outcome })
+            .map_or(0, |c| c.get())
     }
 
     /// Counts `n` async batch items that reached `outcome` (`queued` when the batch

@@ -18,6 +18,20 @@ use tessera_serving::EngineHandle;
 use tessera_tenancy::{now_ms, Limiter, Limits, Store, UsageRecord};
 use tokio::sync::{watch, Notify};
 
+/// Re-reads the deployment file of `tessera serve --config` and applies what can
+/// change without a restart (node membership): `POST /admin/v1/reload`, SIGHUP.
+/// Implemented by the binary, which owns the file; the gateway counts and logs.
+pub trait Reload: Send + Sync {
+    /// Re-reads the file and applies it, or refuses it as a whole (the old
+    /// membership keeps serving). Blocks while new nodes are connected and checked.
+    ///
+    /// Ok: what changed (JSON for the caller). Err: why the file was refused.
+    fn reload(&self) -> Result<serde_json::Value, String>;
+
+    /// Every node of the deployment now, with its state (`GET /admin/v1/nodes`).
+    fn nodes(&self) -> serde_json::Value;
+}
+
 /// Longest accepted path segment, and longest model id, in bytes (longer ones are
 /// refused before any store access).
 pub const MAX_ID_BYTES: usize = 256;
@@ -243,6 +257,8 @@ pub struct AppState {
     /// Requests whose driver has not yet written the usage row.
     inflight: AtomicUsize,
     idle: Notify,
+    /// The deployment file's reloader (`tessera serve --config`), once set.
+    reloader: std::sync::OnceLock<Arc<dyn Reload>>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -302,8 +318,46 @@ impl AppState {
             abort_all: watch::channel(false).0,
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
+            reloader: std::sync::OnceLock::new(),
             models,
         }))
+    }
+
+    /// Makes `r` this gateway's deployment-file reloader (once; later calls are
+    /// ignored).
+    pub fn set_reloader(&self, r: Arc<dyn Reload>) {
+        let _ = self.reloader.set(r);
+    }
+
+    /// The reloader, if this gateway serves a deployment file.
+    pub fn reloader(&self) -> Option<Arc<dyn Reload>> {
+        self.reloader.get().cloned()
+    }
+
+    /// Re-reads the deployment file and applies it ([`Reload::reload`]), counting
+    /// the outcome in `tessera_config_reloads_total{outcome}` (`applied`,
+    /// `refused`) and logging it; `why` names the trigger (`SIGHUP`, `admin API`).
+    /// Blocks: call it off the async workers (`spawn_blocking`).
+    ///
+    /// Errors: no deployment file, or why the file was refused (nothing changed).
+    pub fn reload_deployment(&self, why: &str) -> Result<serde_json::Value, String> {
+        let Some(r) = self.reloader() else {
+            return Err(
+                "this gateway serves no deployment file (start it with --config FILE)".into(),
+            );
+        };
+        match r.reload() {
+            Ok(v) => {
+                self.metrics.config_reload("applied");
+                tracing::warn!(trigger = why, changes = %v, "reloaded the deployment file");
+                Ok(v)
+            }
+            Err(e) => {
+                self.metrics.config_reload("refused");
+                tracing::error!(trigger = why, error = %e, "refused the reloaded deployment file; serving on with the old membership");
+                Err(e)
+            }
+        }
     }
 
     /// The served model a request for `id` (a catalog id or alias, any case) goes to.

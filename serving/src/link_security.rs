@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tessera_config::node_links::name_of;
 use tessera_config::{
@@ -94,8 +94,10 @@ struct Inner {
     gateway: String,
     /// Identity names of the prefill nodes the file lists, each with the node's
     /// address (its name as a request's writer). For a decode node, only the prefill
-    /// nodes of pools that serve a model its own pool serves.
-    prefill: HashMap<String, String>,
+    /// nodes of pools that serve a model its own pool serves. Shared by every clone
+    /// of these links, and replaced when the node re-reads its file
+    /// ([`NodeLinks::reload_peers`]).
+    prefill: Arc<RwLock<HashMap<String, String>>>,
     /// The fingerprint (64 hex digits, [`tessera_model::llama::Llama::fingerprint`])
     /// of the model this process's links serve ([`NodeLinks::for_model`]): said in
     /// `Hello` and `Welcome`, and a peer that says another one is refused.
@@ -169,43 +171,6 @@ impl NodeLinks {
             }
             (Some(_), false) => Some(tls_configs(&links.load(me)?)?),
         };
-        // A decode node takes writers only from prefill pools that share a model
-        // with its own pool (KV of one model never lands in another's pages).
-        let my_models: Option<Vec<&str>> = match me {
-            LinkIdentity::Node {
-                role: PoolRole::Decode,
-                address,
-            } => cfg
-                .pools
-                .iter()
-                .find(|p| p.role == PoolRole::Decode && p.nodes.contains(address))
-                .map(|p| cfg.models_served_by(p).map(|m| m.id.as_str()).collect()),
-            _ => None,
-        };
-        let shares_model = |address: &str| {
-            my_models.as_ref().is_none_or(|mine| {
-                cfg.pools
-                    .iter()
-                    .filter(|p| p.nodes.iter().any(|n| n == address))
-                    .any(|p| {
-                        cfg.models_served_by(p)
-                            .any(|m| mine.contains(&m.id.as_str()))
-                    })
-            })
-        };
-        let names = |role: PoolRole| -> HashMap<String, String> {
-            cfg.link_identities()
-                .into_iter()
-                .filter_map(|i| match &i {
-                    LinkIdentity::Node { role: r, address }
-                        if *r == role && shares_model(address) =>
-                    {
-                        i.name().ok().map(|n| (n, address.clone()))
-                    }
-                    _ => None,
-                })
-                .collect()
-        };
         Ok(Self(Arc::new(Inner {
             tls,
             settings: LinkSettings {
@@ -216,9 +181,21 @@ impl NodeLinks {
             gateway: LinkIdentity::Gateway
                 .name()
                 .expect("the gateway identity always has a name"),
-            prefill: names(PoolRole::Prefill),
+            prefill: Arc::new(RwLock::new(prefill_names(cfg, me))),
             model: None,
         })))
+    }
+
+    /// Takes the prefill nodes a decode node accepts writers from out of `cfg` (a
+    /// re-read deployment file, SIGHUP on `tessera node`), for every clone of these
+    /// links: a prefill node added to the file may connect from now on, and one
+    /// removed may not open new links (links already open stay until they close).
+    /// Returns how many prefill identities are accepted now.
+    pub fn reload_peers(&self, cfg: &DeploymentConfig, me: &LinkIdentity) -> usize {
+        let names = prefill_names(cfg, me);
+        let n = names.len();
+        *self.0.prefill.write().unwrap() = names;
+        n
     }
 
     /// The same links for a process (or, at a gateway, a cluster) serving the model
@@ -339,10 +316,12 @@ impl NodeLinks {
         model: Option<&str>,
     ) -> Result<Option<String>, String> {
         self.check_model(model)?;
+        let prefill: HashMap<String, String>;
         let allowed: Vec<(&String, Option<&String>)> = match (from, me) {
             (Role::Coordinator, _) => vec![(&self.0.gateway, None)],
             (Role::Prefill, Role::Decode) => {
-                self.0.prefill.iter().map(|(n, a)| (n, Some(a))).collect()
+                prefill = self.0.prefill.read().unwrap().clone();
+                prefill.iter().map(|(n, a)| (n, Some(a))).collect()
             }
             _ => return Err(format!("a {me:?} node takes no links from a {from:?} peer")),
         };
@@ -400,6 +379,48 @@ pub(crate) fn short_fingerprint(fp: &[u8; 32]) -> String {
 /// [`short_fingerprint`] of a hex fingerprint.
 fn short(hex: &str) -> &str {
     hex.get(..12).unwrap_or(hex)
+}
+
+/// Identity names (with addresses) of the prefill nodes `cfg` lists that node `me`
+/// takes writer links from: for a decode node, those of pools sharing a model with
+/// its own pool.
+fn prefill_names(cfg: &DeploymentConfig, me: &LinkIdentity) -> HashMap<String, String> {
+    // A decode node takes writers only from prefill pools that share a model
+    // with its own pool (KV of one model never lands in another's pages).
+    let my_models: Option<Vec<&str>> = match me {
+        LinkIdentity::Node {
+            role: PoolRole::Decode,
+            address,
+        } => cfg
+            .pools
+            .iter()
+            .find(|p| p.role == PoolRole::Decode && p.nodes.contains(address))
+            .map(|p| cfg.models_served_by(p).map(|m| m.id.as_str()).collect()),
+        _ => None,
+    };
+    let shares_model = |address: &str| {
+        my_models.as_ref().is_none_or(|mine| {
+            cfg.pools
+                .iter()
+                .filter(|p| p.nodes.iter().any(|n| n == address))
+                .any(|p| {
+                    cfg.models_served_by(p)
+                        .any(|m| mine.contains(&m.id.as_str()))
+                })
+        })
+    };
+    let names = |role: PoolRole| -> HashMap<String, String> {
+        cfg.link_identities()
+            .into_iter()
+            .filter_map(|i| match &i {
+                LinkIdentity::Node { role: r, address } if *r == role && shares_model(address) => {
+                    i.name().ok().map(|n| (n, address.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    names(PoolRole::Prefill)
 }
 
 /// rustls configurations for one identity: a server that requires client

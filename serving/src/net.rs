@@ -155,6 +155,11 @@ pub(crate) struct Control {
     pub(crate) body: Option<GenerateRequest>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) decode: Option<usize>,
+    /// The decode node chosen (`Prefill`), by its address in the deployment file:
+    /// a prefill node uses it over `decode` (an index into its own file's list,
+    /// which a gateway that reloaded its membership may no longer share).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) decode_node: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) rng_pos: Option<u128>,
     /// Prompt tokens the prefill node took from its prefix cache (`Commit`).
@@ -183,6 +188,7 @@ impl Control {
             msg,
             body: None,
             decode: None,
+            decode_node: None,
             rng_pos: None,
             cached_tokens: None,
             prefill: None,

@@ -26,7 +26,7 @@ use crate::prefill_node::{PrefillCmd, PrefillLinks, PrefillLoop};
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::sync::{mpsc, Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 use tessera_engine::sink::{EventSink, Gone};
 use tessera_engine::{Engine, EngineConfig, Event};
@@ -261,6 +261,9 @@ struct NodeState {
     shared: Arc<Shared>,
     page_bytes: usize,
     decode_peers: usize,
+    /// A prefill node's decode peers (to look up a decode node a gateway names by
+    /// address).
+    peer_links: Option<Arc<PeerLinks>>,
     carried: Arc<Carried>,
     registry: Arc<Registry>,
     /// Coordinator links (they hear `Status`).
@@ -409,6 +412,7 @@ pub fn run_node_process(
     let carried = Arc::new(Carried::default());
     let registry = Arc::new(Registry::default());
     let panic_engine = opts.test_panic == Some(TestPanic::Engine);
+    let mut peer_links_of_prefill = None;
     let cmds = match opts.role {
         Role::Decode => {
             let (tx, rx) = mpsc::channel();
@@ -426,10 +430,14 @@ pub fn run_node_process(
         }
         _ => {
             let (tx, rx) = mpsc::channel();
-            let peer_links: Arc<dyn PrefillLinks> = Arc::new(PeerLinks {
+            let peer_links = Arc::new(PeerLinks {
                 name: opts.listen.clone(),
-                peers: opts.decode_peers.clone(),
-                conns: opts.decode_peers.iter().map(|_| Mutex::new(None)).collect(),
+                peers: RwLock::new(
+                    opts.decode_peers
+                        .iter()
+                        .map(|a| Arc::new(PeerSlot::new(a)))
+                        .collect(),
+                ),
                 ucx,
                 links: links.clone(),
                 carried: carried.clone(),
@@ -437,6 +445,8 @@ pub fn run_node_process(
                 counters: counters.clone(),
                 cmds: tx.clone(),
             });
+            peer_links_of_prefill = Some(peer_links.clone());
+            let peer_links: Arc<dyn PrefillLinks> = peer_links;
             let fp = engine.model_fingerprint();
             let node = PrefillLoop::new(peer_links, tx.clone(), handles.clone(), fp);
             spawn_engine(
@@ -461,6 +471,7 @@ pub fn run_node_process(
         shared,
         page_bytes,
         decode_peers: opts.decode_peers.len(),
+        peer_links: peer_links_of_prefill,
         carried,
         registry,
         gateways: Registry::default(),
@@ -757,7 +768,7 @@ impl NodeState {
                             submitted: Instant::now(),
                             writer: prefill,
                             trace: valid_traceparent(trace),
-                        })
+                        }))
                     }
                     (Msg::Prealloc { .. }, None) => {
                         return Err("a Prealloc without its request body".into())
@@ -820,6 +831,7 @@ impl NodeState {
                     msg,
                     body,
                     decode,
+                    decode_node,
                     trace,
                     ..
                 }),
@@ -829,9 +841,16 @@ impl NodeState {
                 let req = msg.req();
                 let body = match (&msg, body.zip(decode)) {
                     (Msg::Prefill { .. }, Some((body, decode))) => {
-                        if decode >= self.decode_peers {
-                            return Err(format!("a Prefill for decode node {decode}, which the deployment does not have"));
-                        }
+                        // By address when the gateway names one (its index may
+                        // follow another order than this node's file), else by
+                        // index into this node's file (an older gateway).
+                        let decode = match (decode_node, &self.peer_links) {
+                            (Some(addr), Some(peers)) => peers.index_of(&addr)?,
+                            _ if decode >= self.decode_peers => {
+                                return Err(format!("a Prefill for decode node {decode}, which the deployment does not have"));
+                            }
+                            _ => decode,
+                        };
                         if !self.carried.claim(req, link.id) {
                             return Err(format!("Prefill for {req:?}, which another link carries"));
                         }
@@ -1104,14 +1123,34 @@ struct Peer {
     ucx: Option<Mutex<UcxSource>>,
 }
 
+/// Most decode nodes a prefill node keeps a place for (its file's, and those
+/// gateways named since).
+const MAX_DECODE_PEERS: usize = 4096;
+
+/// One decode node a prefill node writes to, with its own lock: connecting to one
+/// node never waits on another.
+struct PeerSlot {
+    addr: String,
+    conn: Mutex<Option<Arc<Peer>>>,
+}
+
+impl PeerSlot {
+    fn new(addr: &str) -> Self {
+        Self {
+            addr: addr.to_string(),
+            conn: Mutex::new(None),
+        }
+    }
+}
+
 /// How a prefill node process reaches the decode nodes of its deployment.
 struct PeerLinks {
     /// This prefill node's name (its listen address).
     name: String,
-    peers: Vec<String>,
-    /// One slot per decode node, each with its own lock: connecting to one node never
-    /// waits on another.
-    conns: Vec<Mutex<Option<Arc<Peer>>>>,
+    /// Decode nodes by this node's index: its deployment file's, in file order,
+    /// then any a gateway named by address since (a node added by a reload of the
+    /// gateways). Only grows, so an index always names the same node.
+    peers: RwLock<Vec<Arc<PeerSlot>>>,
     /// This node's UCX context (`--transport ucx`).
     ucx: Option<UcxContext>,
     links: NodeLinks,
@@ -1123,14 +1162,57 @@ struct PeerLinks {
 }
 
 impl PeerLinks {
+    /// This node's index of the decode node at `addr`, which a gateway named: a node
+    /// of its file, or one a reload of the gateways added (then kept from now on).
+    /// The link to it is still authenticated as to any decode node: its certificate
+    /// must name `decode` at `addr` under the cluster CA (and, on plain links, which
+    /// only loopback deployments may use, the address must be on loopback).
+    ///
+    /// Errors: the address is no node address, not on loopback on plain links, or
+    /// too many decode nodes were named.
+    fn index_of(&self, addr: &str) -> Result<usize, String> {
+        if let Some(i) = self
+            .peers
+            .read()
+            .unwrap()
+            .iter()
+            .position(|p| p.addr == addr)
+        {
+            return Ok(i);
+        }
+        node_name(Role::Decode, addr)
+            .map_err(|e| format!("a Prefill for decode node {addr:?}: {e}"))?;
+        if !self.links.is_tls() && !tessera_config::is_loopback_address(addr) {
+            return Err(format!(
+                "a Prefill for decode node {addr}, not on loopback, over plain node links"
+            ));
+        }
+        let mut peers = self.peers.write().unwrap();
+        if let Some(i) = peers.iter().position(|p| p.addr == addr) {
+            return Ok(i);
+        }
+        if peers.len() >= MAX_DECODE_PEERS {
+            return Err(format!(
+                "a Prefill for decode node {addr}: this node already knows {MAX_DECODE_PEERS} decode nodes"
+            ));
+        }
+        tracing::warn!(
+            addr,
+            "a gateway named a decode node this node's file does not list; writing to it"
+        );
+        peers.push(Arc::new(PeerSlot::new(addr)));
+        Ok(peers.len() - 1)
+    }
+
     /// The connection to decode node `index`, opened (again) if needed: TLS to that
     /// node's identity, `Hello { from: Prefill }`, its welcome (and UCX region).
     fn peer(&self, index: usize) -> Result<Arc<Peer>, TransportError> {
         let gone = |m: String| TransportError::PeerGone(m);
-        let (Some(addr), Some(slot)) = (self.peers.get(index), self.conns.get(index)) else {
+        let Some(slot) = self.peers.read().unwrap().get(index).cloned() else {
             return Err(gone(format!("no decode node {index} in the deployment")));
         };
-        let mut slot = slot.lock().unwrap();
+        let addr = &slot.addr;
+        let mut slot = slot.conn.lock().unwrap();
         if let Some(p) = slot.as_ref() {
             if p.conn.is_alive() {
                 return Ok(p.clone());

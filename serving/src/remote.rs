@@ -16,8 +16,8 @@ use crate::routing::Router;
 use crate::stream::{ClientSink, RequestStream};
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Duration;
 use tessera_engine::{AdmissionLimits, GenerateRequest, PdAdmission};
 use tessera_model::LoadedModel;
@@ -48,9 +48,36 @@ struct NodeLink {
     epochs: AtomicU64,
     /// The node said it is draining (on its current link).
     draining: AtomicBool,
+    /// A reload removed the node from the deployment: it gets no new requests, and
+    /// once nothing assigned to it is outstanding its link is closed for good.
+    removed: AtomicBool,
+    /// Sweeps in a row that found the removed node with nothing outstanding.
+    idle_sweeps: AtomicUsize,
+    /// The removed node's link was closed: it is gone from this gateway.
+    dropped: AtomicBool,
 }
 
 impl NodeLink {
+    fn new(addr: &str) -> Self {
+        Self {
+            addr: addr.to_string(),
+            live: Mutex::new(None),
+            last_incarnation: Mutex::new(None),
+            epochs: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            removed: AtomicBool::new(false),
+            idle_sweeps: AtomicUsize::new(0),
+            dropped: AtomicBool::new(false),
+        }
+    }
+
+    /// Closes the current link, if any.
+    fn close(&self) {
+        if let Some(l) = self.live.lock().unwrap().take() {
+            l.conn.close();
+        }
+    }
+
     /// The current link and its epoch, while it is open.
     fn current(&self) -> Option<(Arc<Conn>, u64)> {
         let live = self.live.lock().unwrap();
@@ -61,8 +88,10 @@ impl NodeLink {
 }
 
 struct RemoteCoordLinks {
-    prefill: Vec<NodeLink>,
-    decode: Vec<NodeLink>,
+    /// Nodes by index (the index requests and the router use). A reload appends
+    /// added nodes and marks removed ones; an index never changes its node.
+    prefill: RwLock<Vec<Arc<NodeLink>>>,
+    decode: RwLock<Vec<Arc<NodeLink>>>,
     /// Where each request's events from its decode node go.
     streams: Mutex<HashMap<ReqId, ClientSink>>,
     router: Router,
@@ -72,24 +101,33 @@ struct RemoteCoordLinks {
 }
 
 impl RemoteCoordLinks {
-    fn node(&self, role: Role, index: usize) -> &NodeLink {
+    fn list(&self, role: Role) -> &RwLock<Vec<Arc<NodeLink>>> {
         match role {
-            Role::Prefill => &self.prefill[index],
-            _ => &self.decode[index],
+            Role::Prefill => &self.prefill,
+            _ => &self.decode,
         }
+    }
+
+    fn node(&self, role: Role, index: usize) -> Option<Arc<NodeLink>> {
+        self.list(role).read().unwrap().get(index).cloned()
+    }
+
+    /// Every node of `role` this gateway knows, removed ones included.
+    fn nodes(&self, role: Role) -> Vec<Arc<NodeLink>> {
+        self.list(role).read().unwrap().clone()
     }
 
     /// Queues a frame for a node without blocking.
     fn send(&self, role: Role, index: usize, f: &Frame) -> bool {
         self.node(role, index)
-            .current()
+            .and_then(|n| n.current())
             .is_some_and(|(c, _)| c.try_send(f, &[]))
     }
 
-    /// Connects to a node (TLS to its identity, hello, welcome) and starts its
-    /// reader; the node is up on a new link epoch.
-    fn open(self: &Arc<Self>, role: Role, index: usize) -> io::Result<()> {
-        let node = self.node(role, index);
+    /// Connects to a node (TLS to its identity, hello, welcome: a node serving
+    /// another model is refused here) and starts its reader; the node is up on a new
+    /// link epoch.
+    fn open(self: &Arc<Self>, role: Role, node: &Arc<NodeLink>) -> io::Result<()> {
         let name = node_name(role, &node.addr)?;
         let (conn, welcome, mut reader) = block_on(open_link(
             self.links.clone(),
@@ -114,6 +152,7 @@ impl RemoteCoordLinks {
             epoch,
         });
         let links = self.clone();
+        let node = node.clone();
         net::spawn(async move {
             let end = loop {
                 match reader.next_on(&conn).await {
@@ -131,7 +170,6 @@ impl RemoteCoordLinks {
                         }
                     }
                     Ok((Frame::Status { draining }, _)) => {
-                        let node = links.node(role, index);
                         if draining {
                             tracing::warn!(addr = %node.addr, ?role, "the node is draining; routing no new requests to it");
                         }
@@ -148,14 +186,45 @@ impl RemoteCoordLinks {
             };
             end.note(conn.peer(), &links.counters);
             conn.close();
-            let node = links.node(role, index);
-            tracing::warn!(addr = %node.addr, ?role, "lost the node ({end}); retrying in the background");
+            if node.dropped.load(Ordering::Acquire) {
+                tracing::info!(addr = %node.addr, ?role, "closed the link of a node removed from the deployment");
+            } else {
+                tracing::warn!(addr = %node.addr, ?role, "lost the node ({end}); retrying in the background");
+            }
         });
         Ok(())
     }
 
     fn is_up(&self, role: Role, index: usize) -> bool {
-        self.node(role, index).current().is_some()
+        self.node(role, index)
+            .is_some_and(|n| !n.dropped.load(Ordering::Acquire) && n.current().is_some())
+    }
+
+    /// One pass of the background thread: reconnects lost nodes of the deployment,
+    /// and drops removed nodes whose requests all ended. A removed node is dropped
+    /// on the second pass in a row that finds nothing outstanding on it (a request
+    /// routed in the instant before the removal was seen has been counted by then).
+    fn sweep(self: &Arc<Self>) {
+        for role in [Role::Prefill, Role::Decode] {
+            for (i, node) in self.nodes(role).iter().enumerate() {
+                if node.dropped.load(Ordering::Acquire) {
+                    continue;
+                }
+                if node.removed.load(Ordering::Acquire) {
+                    if self.router.outstanding(role, i) > 0 {
+                        node.idle_sweeps.store(0, Ordering::Relaxed);
+                    } else if node.idle_sweeps.fetch_add(1, Ordering::Relaxed) >= 1 {
+                        node.dropped.store(true, Ordering::Release);
+                        node.close();
+                        tracing::warn!(addr = %node.addr, ?role, "dropped a node removed from the deployment (its requests ended)");
+                    }
+                    continue;
+                }
+                if !self.is_up(role, i) && self.open(role, node).is_ok() {
+                    tracing::warn!(addr = %node.addr, ?role, "node reachable");
+                }
+            }
+        }
     }
 }
 
@@ -172,7 +241,7 @@ impl CoordLinks for RemoteCoordLinks {
                 self.streams.lock().unwrap().insert(msg.req(), client);
                 (
                     Some(body),
-                    self.prefill.get(prefill).map(|n| n.addr.clone()),
+                    self.node(Role::Prefill, prefill).map(|n| n.addr.clone()),
                     trace,
                 )
             }
@@ -191,13 +260,20 @@ impl CoordLinks for RemoteCoordLinks {
     }
 
     fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
-        let (body, decode, trace) = match extra {
+        let (body, decode, decode_node, trace) = match extra {
             Extra::Prefill {
                 body,
                 decode,
                 trace,
-            } => (Some(body), Some(decode), trace),
-            _ => (None, None, None),
+            } => (
+                Some(body),
+                Some(decode),
+                // By address too: the prefill node's own list of decode nodes need
+                // not be in this gateway's order (or know a node a reload added).
+                self.node(Role::Decode, decode).map(|n| n.addr.clone()),
+                trace,
+            ),
+            _ => (None, None, None, None),
         };
         self.send(
             Role::Prefill,
@@ -205,6 +281,7 @@ impl CoordLinks for RemoteCoordLinks {
             &Frame::Control(Control {
                 body,
                 decode,
+                decode_node,
                 trace,
                 ..Control::new(msg)
             }),
@@ -216,11 +293,17 @@ impl CoordLinks for RemoteCoordLinks {
     }
 
     fn epoch(&self, role: Role, index: usize) -> Option<u64> {
-        self.node(role, index).current().map(|(_, e)| e)
+        self.node(role, index)
+            .filter(|n| !n.dropped.load(Ordering::Acquire))
+            .and_then(|n| n.current())
+            .map(|(_, e)| e)
     }
 
     fn accepts_new(&self, role: Role, index: usize) -> bool {
-        self.is_up(role, index) && !self.node(role, index).draining.load(Ordering::Acquire)
+        self.is_up(role, index)
+            && self.node(role, index).is_some_and(|n| {
+                !n.draining.load(Ordering::Acquire) && !n.removed.load(Ordering::Acquire)
+            })
     }
 
     fn router(&self) -> &Router {
@@ -265,16 +348,10 @@ impl RemoteCluster {
         let cfg = model.llama.config();
         let (tx, rx) = mpsc::channel();
         let submitter_tx = tx.clone();
-        let link = |addr: &String| NodeLink {
-            addr: addr.clone(),
-            live: Mutex::new(None),
-            last_incarnation: Mutex::new(None),
-            epochs: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
-        };
+        let link = |addr: &String| Arc::new(NodeLink::new(addr));
         let links = Arc::new(RemoteCoordLinks {
-            prefill: nodes.prefill.iter().map(link).collect(),
-            decode: nodes.decode.iter().map(link).collect(),
+            prefill: RwLock::new(nodes.prefill.iter().map(link).collect()),
+            decode: RwLock::new(nodes.decode.iter().map(link).collect()),
             streams: Mutex::new(HashMap::new()),
             router: Router::new(nodes.prefill.len(), nodes.decode.len()),
             coord: tx,
@@ -287,13 +364,11 @@ impl RemoteCluster {
                 .for_model(model.llama.fingerprint()),
             counters: Arc::new(PdCounters::default()),
         });
-        let all: Vec<(Role, usize)> = (0..links.prefill.len())
-            .map(|i| (Role::Prefill, i))
-            .chain((0..links.decode.len()).map(|i| (Role::Decode, i)))
-            .collect();
-        for &(role, i) in &all {
-            if let Err(e) = links.open(role, i) {
-                tracing::warn!(addr = %links.node(role, i).addr, error = %e, "node not reachable yet");
+        for role in [Role::Prefill, Role::Decode] {
+            for node in links.nodes(role) {
+                if let Err(e) = links.open(role, &node) {
+                    tracing::warn!(addr = %node.addr, error = %e, "node not reachable yet");
+                }
             }
         }
         let l = links.clone();
@@ -304,11 +379,7 @@ impl RemoteCluster {
                 if Arc::strong_count(&l) == 1 {
                     return;
                 }
-                for &(role, i) in &all {
-                    if !l.is_up(role, i) && l.open(role, i).is_ok() {
-                        tracing::warn!(addr = %l.node(role, i).addr, ?role, "node reachable");
-                    }
-                }
+                l.sweep();
             })
             .expect("spawn reconnect thread");
         let l: Arc<dyn CoordLinks> = links.clone();
@@ -351,7 +422,7 @@ impl RemoteCluster {
     /// Requests in flight across the nodes (pool counters live on the nodes).
     pub fn stats(&self) -> EngineStats {
         EngineStats {
-            running: (0..self.links.decode.len())
+            running: (0..self.links.router.len(Role::Decode))
                 .map(|i| self.links.router.outstanding(Role::Decode, i))
                 .sum(),
             ..EngineStats::default()
@@ -362,7 +433,8 @@ impl RemoteCluster {
     /// draining.
     pub fn ready(&self) -> bool {
         let up = |role: Role, n: usize| (0..n).any(|i| self.links.accepts_new(role, i));
-        up(Role::Prefill, self.links.prefill.len()) && up(Role::Decode, self.links.decode.len())
+        let len = |role: Role| self.links.nodes(role).len();
+        up(Role::Prefill, len(Role::Prefill)) && up(Role::Decode, len(Role::Decode))
     }
 
     /// Whether the node at `index` of `role` is connected.
@@ -380,10 +452,184 @@ impl RemoteCluster {
 impl Drop for RemoteCluster {
     fn drop(&mut self) {
         self.submitter.stop();
-        for n in self.links.prefill.iter().chain(&self.links.decode) {
-            if let Some(l) = n.live.lock().unwrap().take() {
-                l.conn.close();
+        for role in [Role::Prefill, Role::Decode] {
+            for n in self.links.nodes(role) {
+                n.close();
             }
+        }
+    }
+}
+
+/// Where one node of a [`RemoteCluster`] stands (`GET /admin/v1/nodes`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MemberStatus {
+    /// `prefill` or `decode`.
+    pub role: &'static str,
+    /// Its address as the deployment file lists it.
+    pub addr: String,
+    /// `up` (takes new requests), `draining` (the node drains itself), `removing`
+    /// (a reload removed it: no new requests, its running ones finish, then it is
+    /// dropped) or `unreachable` (retried every second).
+    pub state: &'static str,
+    /// Requests this gateway assigned to it that are not released yet.
+    pub outstanding: usize,
+    /// Requests this gateway ever assigned to it.
+    pub assigned: u64,
+}
+
+/// A membership change of a [`RemoteCluster`], checked and ready to apply
+/// ([`RemoteCluster::prepare_members`]): every added node is already connected and
+/// passed the link checks (its certificate names it, it serves this cluster's model).
+/// Dropping it without [`Self::apply`] closes those links and changes nothing.
+pub struct MembershipChange {
+    links: Arc<RemoteCoordLinks>,
+    added: Vec<(Role, Arc<NodeLink>)>,
+    removed: Vec<(Role, Arc<NodeLink>)>,
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        _ => "decode",
+    }
+}
+
+impl MembershipChange {
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty()
+    }
+
+    /// `(role, address)` of the nodes it adds.
+    pub fn added(&self) -> Vec<(&'static str, String)> {
+        self.added
+            .iter()
+            .map(|(r, n)| (role_name(*r), n.addr.clone()))
+            .collect()
+    }
+
+    /// `(role, address)` of the nodes it removes.
+    pub fn removed(&self) -> Vec<(&'static str, String)> {
+        self.removed
+            .iter()
+            .map(|(r, n)| (role_name(*r), n.addr.clone()))
+            .collect()
+    }
+
+    /// Applies it: added nodes take new requests from now on; removed nodes take
+    /// none, keep their running requests until they end, and are then dropped (their
+    /// link closed, never reconnected).
+    pub fn apply(mut self) {
+        for (role, node) in std::mem::take(&mut self.added) {
+            let mut list = self.links.list(role).write().unwrap();
+            // The router first: an index the router counts but the list does not
+            // have yet is simply not up.
+            self.links.router.grow(role, list.len() + 1);
+            tracing::warn!(addr = %node.addr, ?role, "added a node to the deployment");
+            list.push(node);
+        }
+        for (role, node) in std::mem::take(&mut self.removed) {
+            node.removed.store(true, Ordering::Release);
+            tracing::warn!(addr = %node.addr, ?role, "removed a node from the deployment: routing no new requests to it; dropping it once its requests end");
+        }
+    }
+}
+
+impl Drop for MembershipChange {
+    fn drop(&mut self) {
+        for (_, n) in &self.added {
+            n.dropped.store(true, Ordering::Release);
+            n.close();
+        }
+    }
+}
+
+impl RemoteCluster {
+    /// The addresses of the nodes of `role` in the deployment now (removed ones
+    /// left out), in the order they were added.
+    pub fn members(&self, role: Role) -> Vec<String> {
+        self.links
+            .nodes(role)
+            .iter()
+            .filter(|n| !n.removed.load(Ordering::Acquire))
+            .map(|n| n.addr.clone())
+            .collect()
+    }
+
+    /// Every node this gateway still holds a place for (removed nodes until they
+    /// are dropped), with its state.
+    pub fn member_status(&self) -> Vec<MemberStatus> {
+        let mut out = Vec::new();
+        for role in [Role::Prefill, Role::Decode] {
+            for (i, n) in self.links.nodes(role).iter().enumerate() {
+                if n.dropped.load(Ordering::Acquire) {
+                    continue;
+                }
+                let state = if n.removed.load(Ordering::Acquire) {
+                    "removing"
+                } else if !self.links.is_up(role, i) {
+                    "unreachable"
+                } else if n.draining.load(Ordering::Acquire) {
+                    "draining"
+                } else {
+                    "up"
+                };
+                out.push(MemberStatus {
+                    role: role_name(role),
+                    addr: n.addr.clone(),
+                    state,
+                    outstanding: self.links.router.outstanding(role, i),
+                    assigned: self.links.router.assigned(role, i),
+                });
+            }
+        }
+        out
+    }
+
+    /// Checks a new node list (`prefill`, `decode`: every node of each role the
+    /// deployment file lists now) against the current one: each added node is
+    /// connected now and must pass the link checks (TLS identity, the model's
+    /// fingerprint: a node of another model is refused) before the change can be
+    /// applied; removed nodes are only listed. Blocks while it connects (a few
+    /// seconds at most per unreachable node).
+    ///
+    /// Errors: every added node that failed, with why (nothing changed).
+    pub fn prepare_members(
+        &self,
+        prefill: &[String],
+        decode: &[String],
+    ) -> Result<MembershipChange, Vec<String>> {
+        let mut change = MembershipChange {
+            links: self.links.clone(),
+            added: Vec::new(),
+            removed: Vec::new(),
+        };
+        let mut errors = Vec::new();
+        for (role, wanted) in [(Role::Prefill, prefill), (Role::Decode, decode)] {
+            let current = self.members(role);
+            for n in self.links.nodes(role) {
+                if !n.removed.load(Ordering::Acquire) && !wanted.contains(&n.addr) {
+                    change.removed.push((role, n));
+                }
+            }
+            for addr in wanted.iter().filter(|a| !current.contains(*a)) {
+                let node = Arc::new(NodeLink::new(addr));
+                match self.links.open(role, &node) {
+                    Ok(()) => change.added.push((role, node)),
+                    Err(e) => {
+                        node.dropped.store(true, Ordering::Release);
+                        errors.push(format!(
+                            "new {} node {addr} failed its check: {e}",
+                            role_name(role)
+                        ));
+                    }
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(change)
+        } else {
+            Err(errors)
         }
     }
 }

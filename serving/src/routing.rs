@@ -17,7 +17,8 @@
 //! node would cost every queued request). The decode node is chosen by load alone
 //! (decode nodes keep no prefix cache).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{RwLock, RwLockReadGuard};
 use tessera_transfer::protocol::Role;
 
 /// How many more outstanding requests than the least-loaded prefill node a
@@ -32,27 +33,49 @@ fn score(key: u64, index: usize) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Per-node outstanding-request counts for both roles.
+/// One node's counts.
+#[derive(Debug, Default)]
+struct Slot {
+    /// Requests assigned and not yet released.
+    outstanding: AtomicUsize,
+    /// Requests ever assigned.
+    assigned: AtomicU64,
+}
+
+/// Per-node outstanding-request counts for both roles. Indices are stable: a
+/// deployment that gains nodes grows the lists ([`Router::grow`]); a removed node
+/// keeps its index (its owner stops reporting it up).
 #[derive(Debug)]
 pub(crate) struct Router {
-    prefill: Vec<AtomicUsize>,
-    decode: Vec<AtomicUsize>,
+    prefill: RwLock<Vec<Slot>>,
+    decode: RwLock<Vec<Slot>>,
 }
 
 impl Router {
     /// A router over `prefill` prefill nodes and `decode` decode nodes.
     pub(crate) fn new(prefill: usize, decode: usize) -> Self {
-        let zeros = |n| (0..n).map(|_| AtomicUsize::new(0)).collect();
+        let zeros = |n| RwLock::new((0..n).map(|_| Slot::default()).collect());
         Self {
             prefill: zeros(prefill),
             decode: zeros(decode),
         }
     }
 
-    fn nodes(&self, role: Role) -> &[AtomicUsize] {
+    fn nodes(&self, role: Role) -> RwLockReadGuard<'_, Vec<Slot>> {
         match role {
-            Role::Prefill => &self.prefill,
-            _ => &self.decode,
+            Role::Prefill => self.prefill.read().unwrap(),
+            _ => self.decode.read().unwrap(),
+        }
+    }
+
+    /// Makes room for nodes of `role` up to index `len - 1` (new nodes start idle).
+    pub(crate) fn grow(&self, role: Role, len: usize) {
+        let mut nodes = match role {
+            Role::Prefill => self.prefill.write().unwrap(),
+            _ => self.decode.write().unwrap(),
+        };
+        while nodes.len() < len {
+            nodes.push(Slot::default());
         }
     }
 
@@ -60,17 +83,18 @@ impl Router {
         let nodes = self.nodes(role);
         (0..nodes.len())
             .filter(|&i| is_up(role, i))
-            .min_by_key(|&i| nodes[i].load(Ordering::Relaxed))
+            .min_by_key(|&i| nodes[i].outstanding.load(Ordering::Relaxed))
     }
 
     /// The prefill node for a request of session `key`: its rendezvous node unless
     /// that one is [`AFFINITY_SLACK`] requests busier than the least-loaded node.
     fn pick_prefill(&self, is_up: &impl Fn(Role, usize) -> bool, key: u64) -> Option<usize> {
         let least = self.pick_one(Role::Prefill, is_up)?;
-        let home = (0..self.prefill.len())
+        let prefill = self.nodes(Role::Prefill);
+        let home = (0..prefill.len())
             .filter(|&i| is_up(Role::Prefill, i))
             .max_by_key(|&i| score(key, i))?;
-        let load = |i: usize| self.prefill[i].load(Ordering::Relaxed);
+        let load = |i: usize| prefill[i].outstanding.load(Ordering::Relaxed);
         Some(if load(home) > load(least) + AFFINITY_SLACK {
             least
         } else {
@@ -90,20 +114,43 @@ impl Router {
             None => self.pick_one(Role::Prefill, &is_up)?,
         };
         let d = self.pick_one(Role::Decode, &is_up)?;
-        self.prefill[p].fetch_add(1, Ordering::Relaxed);
-        self.decode[d].fetch_add(1, Ordering::Relaxed);
+        for (role, i) in [(Role::Prefill, p), (Role::Decode, d)] {
+            let nodes = self.nodes(role);
+            nodes[i].outstanding.fetch_add(1, Ordering::Relaxed);
+            nodes[i].assigned.fetch_add(1, Ordering::Relaxed);
+        }
         Some((p, d))
     }
 
     /// The request assigned to `(prefill, decode)` is released everywhere.
     pub(crate) fn release(&self, prefill: usize, decode: usize) {
-        self.prefill[prefill].fetch_sub(1, Ordering::Relaxed);
-        self.decode[decode].fetch_sub(1, Ordering::Relaxed);
+        self.nodes(Role::Prefill)[prefill]
+            .outstanding
+            .fetch_sub(1, Ordering::Relaxed);
+        self.nodes(Role::Decode)[decode]
+            .outstanding
+            .fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Requests assigned to node `index` of `role` and not yet released.
+    /// Requests assigned to node `index` of `role` and not yet released (0 for an
+    /// index the router does not have).
     pub(crate) fn outstanding(&self, role: Role, index: usize) -> usize {
-        self.nodes(role)[index].load(Ordering::Relaxed)
+        self.nodes(role)
+            .get(index)
+            .map_or(0, |n| n.outstanding.load(Ordering::Relaxed))
+    }
+
+    /// Requests ever assigned to node `index` of `role` (0 for an index the router
+    /// does not have).
+    pub(crate) fn assigned(&self, role: Role, index: usize) -> u64 {
+        self.nodes(role)
+            .get(index)
+            .map_or(0, |n| n.assigned.load(Ordering::Relaxed))
+    }
+
+    /// How many nodes of `role` the router counts (removed ones included).
+    pub(crate) fn len(&self, role: Role) -> usize {
+        self.nodes(role).len()
     }
 }
 
@@ -153,14 +200,37 @@ mod tests {
         r.release(home, 0);
         // Load: up to AFFINITY_SLACK more than the least-loaded node, it stays.
         for _ in 0..AFFINITY_SLACK {
-            r.prefill[home].fetch_add(1, Ordering::Relaxed);
+            r.nodes(Role::Prefill)[home]
+                .outstanding
+                .fetch_add(1, Ordering::Relaxed);
         }
         let (p, _) = r.assign(all_up, Some(key)).unwrap();
         assert_eq!(p, home);
         r.release(p, 0);
-        r.prefill[home].fetch_add(1, Ordering::Relaxed);
+        r.nodes(Role::Prefill)[home]
+            .outstanding
+            .fetch_add(1, Ordering::Relaxed);
         let (p, _) = r.assign(all_up, Some(key)).unwrap();
         assert_ne!(p, home, "one more and it yields to load");
         r.release(p, 0);
+    }
+
+    #[test]
+    fn a_grown_router_routes_to_the_new_node() {
+        let r = Router::new(1, 1);
+        let all_up = |_: Role, _: usize| true;
+        assert_eq!(r.assign(all_up, None), Some((0, 0)));
+        r.grow(Role::Decode, 2);
+        assert_eq!(r.len(Role::Decode), 2);
+        assert_eq!(r.assign(all_up, None), Some((0, 1)), "the idle new node");
+        assert_eq!(r.outstanding(Role::Decode, 1), 1);
+        assert_eq!(r.outstanding(Role::Decode, 7), 0);
+        r.release(0, 1);
+        assert_eq!(r.outstanding(Role::Decode, 1), 0);
+        assert_eq!(
+            r.assigned(Role::Decode, 1),
+            1,
+            "assigned counts never go down"
+        );
     }
 }

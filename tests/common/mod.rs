@@ -113,16 +113,22 @@ nodes = [{decode}]
         if !certs.join("ca.pem").exists() {
             ops(&["certs", "init", "--dir", certs.to_str().unwrap()]);
         }
-        ops(&[
-            "certs",
-            "issue",
-            "--config",
-            path.to_str().unwrap(),
-            "--dir",
-            certs.to_str().unwrap(),
-        ]);
+        issue_certs(&path, &certs);
     }
     path
+}
+
+/// `tessera ops certs issue`: certificates for every node the file at `config` lists,
+/// signed by the CA in `certs`.
+pub fn issue_certs(config: &Path, certs: &Path) {
+    ops(&[
+        "certs",
+        "issue",
+        "--config",
+        config.to_str().unwrap(),
+        "--dir",
+        certs.to_str().unwrap(),
+    ]);
 }
 
 /// Runs `tessera ops ARGS`; panics unless it succeeds. Returns stdout.
