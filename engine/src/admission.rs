@@ -61,6 +61,11 @@ pub struct OutputOptions {
     /// prompt position.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<u32>,
+    /// The shape the output must take (JSON object, JSON Schema), enforced by
+    /// constrained decoding ([`tessera_model::grammar`]); `None`: free text, and no
+    /// mask is computed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<tessera_model::grammar::ResponseFormat>,
 }
 
 /// Why a request was refused at admission. Terminal: nothing was allocated.

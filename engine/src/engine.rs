@@ -825,6 +825,16 @@ impl Engine {
     /// the cached pages of its prompt's longest cached prefix after their tags check
     /// (I3); a mismatch fails the request (the entry is evicted).
     fn start_waiting(&mut self, w: Waiting) {
+        // The format compiles before any page is reserved (a few ms at most).
+        let r = w.req.request();
+        let sampler = match constrain(&self.tokenizer, r, Sampler::new(r.sampling.clone(), w.id.0))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.fail_unstarted(w, e);
+                return;
+            }
+        };
         let tokens = w.tokens();
         let max_hit = w.max_hit_pages(self.cfg.page_size);
         let tenant = w.req.request().tenant;
@@ -855,7 +865,6 @@ impl Engine {
             ..
         } = w;
         let r = req.into_request();
-        let sampler = Sampler::new(r.sampling.clone(), id.0);
         let mut s = Seq::new(id, r, sampler, sink, submitted, role);
         s.cached = hits * self.cfg.page_size;
         s.prefilled = s.cached;
@@ -892,6 +901,20 @@ impl Engine {
         }
         rows
     }
+}
+
+/// `sampler` restricted to the request's `response_format`, when it has one (the
+/// grammar compiled for this engine's vocabulary).
+pub(crate) fn constrain(
+    tk: &Tokenizer,
+    r: &GenerateRequest,
+    sampler: Sampler,
+) -> Result<Sampler, EngineError> {
+    let Some(format) = &r.output.format else {
+        return Ok(sampler);
+    };
+    let constraint = tk.grammar()?.compile(format)?;
+    Ok(sampler.with_constraint(constraint))
 }
 
 pub(crate) enum Accepted {

@@ -230,7 +230,19 @@ impl Engine {
             submitted,
         } = import;
         let r = req.into_request();
-        let sampler = Sampler::resume(r.sampling.clone(), seed_fallback, rng_word_pos);
+        let resumed = Sampler::resume(r.sampling.clone(), seed_fallback, rng_word_pos);
+        let mut sampler = match crate::engine::constrain(&self.tokenizer, &r, resumed) {
+            Ok(s) => s,
+            Err(e) => {
+                self.kv.release(seq);
+                let mut sink = sink;
+                let _ = sink.send(crate::sink::Event::Error(e.clone()));
+                self.record_end(seq, SeqEnd::Failed(e));
+                return;
+            }
+        };
+        // The prefill node's sampler consumed the first token; this one catches up.
+        sampler.accept_external(first_token);
         let mut s = crate::engine::Seq::new(seq, r, sampler, sink, submitted, SeqRole::Generate);
         s.prefilled = s.prompt.len();
         s.cached = cached_tokens;

@@ -78,6 +78,10 @@ pub enum EngineError {
         /// The engine's limit (ms).
         limit_ms: u64,
     },
+    /// The request's `response_format` could not be compiled here (the gateway
+    /// compiles it first, so only a request that skipped it gets this).
+    #[error("response_format: {0}")]
+    Format(#[from] tessera_model::grammar::GrammarError),
 }
 
 impl EngineError {
@@ -87,6 +91,7 @@ impl EngineError {
             Self::Integrity(_) => "integrity",
             Self::Shutdown => "shutdown",
             Self::BatchQueueTimeout { .. } => "batch_queue_timeout",
+            Self::Format(_) => "bad_format",
         }
     }
 }

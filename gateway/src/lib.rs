@@ -38,6 +38,7 @@ pub mod error;
 pub mod metrics;
 pub mod server;
 pub mod tls;
+pub mod tools;
 pub mod validation;
 
 pub mod admin;

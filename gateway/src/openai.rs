@@ -4,6 +4,7 @@
 
 use crate::driver::{finish_label, Msg, TokenCounts};
 use crate::http::{sse, Shape};
+use crate::tools::{openai_calls, workers_ai_calls, CallScanner, ToolCall};
 use crate::workers_ai;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
@@ -25,6 +26,8 @@ pub(crate) struct Formatter {
     pub(crate) logprobs: Option<LogprobsView>,
     /// Completions `echo`: the prompt text, sent once before the completion.
     pub(crate) echo: Option<String>,
+    /// The request's tools: the output is scanned for calls (chat, Workers AI).
+    pub(crate) tools: Option<CallScanner>,
 }
 
 /// What rendering log probabilities needs: the tokenizer that names tokens, the
@@ -132,6 +135,15 @@ impl Formatter {
         }
     }
 
+    /// `finish_reason`: `tool_calls` when the output held calls.
+    fn finish(reason: FinishReason, calls: &[ToolCall]) -> &'static str {
+        if calls.is_empty() {
+            finish_label(reason)
+        } else {
+            "tool_calls"
+        }
+    }
+
     /// The whole (non-streaming) response body.
     pub(crate) fn complete(
         &mut self,
@@ -140,14 +152,36 @@ impl Formatter {
         tokens: TokenCounts,
         lp: &Collected,
     ) -> Value {
+        let (text, calls) = match self.tools.take() {
+            Some(mut scanner) => {
+                let mut shown = scanner.push(text);
+                let (tail, calls) = scanner.finish();
+                shown.push_str(&tail);
+                (shown, calls)
+            }
+            None => (text.to_string(), vec![]),
+        };
+        let text = text.as_str();
         let choice = match self.shape {
-            Shape::WorkersAi => return workers_ai::complete(text, tokens),
-            Shape::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs.as_ref().map(|v| v.chat(&lp.tokens)),
-                "finish_reason": finish_label(reason),
-            }),
+            Shape::WorkersAi => {
+                let calls = (!calls.is_empty()).then(|| workers_ai_calls(&calls));
+                return workers_ai::complete(text, calls, tokens);
+            }
+            Shape::Chat => {
+                let mut message = json!({"role": "assistant", "content": text});
+                if !calls.is_empty() {
+                    if text.trim().is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    message["tool_calls"] = openai_calls(&self.rid, &calls, false);
+                }
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": self.logprobs.as_ref().map(|v| v.chat(&lp.tokens)),
+                    "finish_reason": Self::finish(reason, &calls),
+                })
+            }
             Shape::Completion => {
                 let echo = self.echo.take();
                 let prompt = echo.as_ref().map(|_| lp.prompt.as_slice());
@@ -185,8 +219,7 @@ impl Formatter {
         sse(&v)
     }
 
-    fn delta(&self, text: Option<&str>, finish: Option<FinishReason>, logprobs: Value) -> Value {
-        let finish = finish.map(finish_label);
+    fn delta(&self, text: Option<&str>, finish: Option<&str>, logprobs: Value) -> Value {
         match self.shape {
             Shape::Completion => {
                 json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
@@ -231,21 +264,58 @@ impl Formatter {
         self.started = true;
         match (self.shape, m) {
             (Shape::WorkersAi, Msg::Text { text, .. }) => {
+                let text = match &mut self.tools {
+                    Some(scanner) => scanner.push(&text),
+                    None => text,
+                };
                 if !text.is_empty() {
                     out.push_str(&workers_ai::text_frame(&text))
                 }
             }
             (Shape::WorkersAi, Msg::Done { tokens, .. }) => {
+                if let Some(scanner) = self.tools.take() {
+                    let (tail, calls) = scanner.finish();
+                    if !tail.is_empty() {
+                        out.push_str(&workers_ai::text_frame(&tail));
+                    }
+                    if !calls.is_empty() {
+                        out.push_str(&workers_ai::calls_frame(workers_ai_calls(&calls)));
+                    }
+                }
                 out.push_str(&workers_ai::done_frames(tokens))
             }
             (Shape::WorkersAi, Msg::Error(e)) => out.push_str(&workers_ai::error_frame(&e)),
-            (_, Msg::Text { text, logprobs }) => self.text_chunks(&text, logprobs, &mut out),
+            (_, Msg::Text { text, logprobs }) => {
+                let text = match &mut self.tools {
+                    Some(scanner) => scanner.push(&text),
+                    None => text,
+                };
+                // Text held back by the tool-call scanner is sent later (or becomes a
+                // call); a token's log probabilities are sent when it arrives.
+                if !text.is_empty() || logprobs.is_some() {
+                    self.text_chunks(&text, logprobs, &mut out)
+                }
+            }
             (_, Msg::Done { reason, tokens }) => {
                 if let Some(echo) = self.echo.take() {
                     let echo = self.delta(Some(&echo), None, Value::Null);
                     out.push_str(&self.chunk(Some(echo), None));
                 }
-                let last = self.delta(None, Some(reason), Value::Null);
+                let mut calls = vec![];
+                if let Some(scanner) = self.tools.take() {
+                    let (tail, found) = scanner.finish();
+                    if !tail.is_empty() {
+                        self.text_chunks(&tail, None, &mut out);
+                    }
+                    if !found.is_empty() {
+                        let delta = json!({"index": 0,
+                            "delta": {"tool_calls": openai_calls(&self.rid, &found, true)},
+                            "logprobs": null, "finish_reason": null});
+                        out.push_str(&self.chunk(Some(delta), None));
+                    }
+                    calls = found;
+                }
+                let last = self.delta(None, Some(Self::finish(reason, &calls)), Value::Null);
                 out.push_str(&self.chunk(Some(last), None));
                 if self.include_usage {
                     out.push_str(&self.chunk(None, Some(usage(tokens))));

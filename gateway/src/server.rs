@@ -253,6 +253,7 @@ async fn generate_in_span(
             offset: 0,
         }),
         echo: v.echo,
+        tools: v.tools.as_ref().map(|t| t.scanner()),
     };
     let entry = &served.entry;
     if !v.stream {

@@ -5,8 +5,10 @@
 
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::error::{ApiError, ErrorKind};
+use crate::tools::{self, history_text, Tools};
 use serde_json::{Map, Value};
 use tessera_model::chat::ChatMessage;
+use tessera_model::grammar::ResponseFormat;
 use tessera_model::sampling::{
     prompt_logprobs_wire_bytes, SamplingParams, MAX_PROMPT_LOGPROBS_BYTES, MAX_TOP_LOGPROBS,
 };
@@ -60,6 +62,11 @@ pub struct ParsedRequest {
     /// Completions `echo`: the prompt comes back before the completion (with its
     /// log probabilities when `logprobs` is set).
     pub echo: bool,
+    /// `response_format`: the shape the output must take; `None`: free text.
+    pub format: Option<ResponseFormat>,
+    /// `tools` and `tool_choice` (chat and Workers AI); `None`: no tools, or
+    /// `tool_choice: "none"`.
+    pub tools: Option<Tools>,
 }
 
 /// What validation takes from the caller's tenant record: server-side values only,
@@ -102,6 +109,8 @@ pub struct Validated {
     pub include_usage: bool,
     /// Completions `echo`: the prompt text to send back before the completion.
     pub echo: Option<String>,
+    /// The request's tools: its output is scanned for calls.
+    pub tools: Option<Tools>,
 }
 
 /// Parses a JSON object body.
@@ -122,7 +131,8 @@ pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn type_name(v: &Value) -> &'static str {
+/// The JSON type of `v`, as error messages name it.
+pub(crate) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "boolean",
@@ -326,9 +336,11 @@ fn messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
             ));
         }
         let role = if role == "developer" { "system" } else { role };
-        let content = m.get("content").unwrap_or(&Value::Null);
-        let content = content_text(content, &format!("messages[{i}].content"))?;
-        out.push(ChatMessage::new(role, content));
+        let content = match m.get("content") {
+            None | Some(Value::Null) => None,
+            Some(c) => Some(content_text(c, &format!("messages[{i}].content"))?),
+        };
+        out.push(ChatMessage::new(role, history_text(i, role, content, m)?));
     }
     Ok(out)
 }
@@ -421,7 +433,114 @@ pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, 
         priority: requested_priority(o, false)?,
         logprobs: None,
         echo: false,
+        format: response_format(o, false)?,
+        tools: tools::parse(o, false)?,
     })
+}
+
+/// `response_format`: `{"type": "text"}` (free text, as if absent), `{"type":
+/// "json_object"}` (any JSON object), or `{"type": "json_schema", "json_schema": X}`
+/// where X is OpenAI's wrapper `{"name", "description"?, "schema"?, "strict"?}` (no
+/// `schema`: any JSON object) or, on Workers AI, the schema itself (Workers AI
+/// documents that shape; its wrapper form is accepted too: an object whose only
+/// schema-like key is `schema`). Only the shape is checked here; [`validate`]
+/// compiles the schema.
+fn response_format(
+    o: &Map<String, Value>,
+    openai: bool,
+) -> Result<Option<ResponseFormat>, ApiError> {
+    const F: &str = "response_format";
+    let Some(v) = present(o, F) else {
+        return Ok(None);
+    };
+    let Value::Object(rf) = v else {
+        return Err(ApiError::field(
+            F,
+            format!("`{F}` must be an object. Given: {}", type_name(v)),
+        ));
+    };
+    let kind = opt_string(rf, "type")
+        .map_err(|_| ApiError::field(F, format!("`{F}.type` must be a string")))?
+        .ok_or_else(|| ApiError::field(F, format!("`{F}.type` is required")))?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(ResponseFormat::JsonObject)),
+        "json_schema" => {
+            let js = present(rf, "json_schema").ok_or_else(|| {
+                ApiError::field(
+                    F,
+                    format!("`{F}.json_schema` is required with type json_schema"),
+                )
+            })?;
+            let Value::Object(js) = js else {
+                return Err(ApiError::field(
+                    F,
+                    format!(
+                        "`{F}.json_schema` must be an object. Given: {}",
+                        type_name(js)
+                    ),
+                ));
+            };
+            let schema_like = [
+                "type",
+                "properties",
+                "$schema",
+                "$defs",
+                "anyOf",
+                "oneOf",
+                "allOf",
+                "enum",
+                "const",
+                "items",
+                "$ref",
+            ];
+            let wrapper = openai || !schema_like.iter().any(|k| js.contains_key(*k));
+            if !wrapper {
+                return Ok(Some(ResponseFormat::JsonSchema {
+                    schema: Value::Object(js.clone()),
+                }));
+            }
+            if let Some(name) = present(js, "name") {
+                let ok = name.as_str().is_some_and(|n| {
+                    !n.is_empty()
+                        && n.len() <= 64
+                        && n.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+                });
+                if !ok {
+                    return Err(ApiError::field(
+                        F,
+                        format!("`{F}.json_schema.name` must be 1 to 64 of a-z, A-Z, 0-9, _ and -"),
+                    ));
+                }
+            }
+            opt_bool(js, "strict").map_err(|_| {
+                ApiError::field(F, format!("`{F}.json_schema.strict` must be a boolean"))
+            })?;
+            match present(js, "schema") {
+                None => Ok(Some(ResponseFormat::JsonObject)),
+                Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                    Ok(Some(ResponseFormat::JsonSchema {
+                        schema: schema.clone(),
+                    }))
+                }
+                Some(other) => Err(ApiError::field(
+                    F,
+                    format!(
+                        "`{F}.json_schema.schema` must be an object or boolean. Given: {}",
+                        type_name(other)
+                    ),
+                )),
+            }
+        }
+        other => Err(ApiError::field(
+            F,
+            format!(
+                "`{F}.type` must be one of text, json_object, json_schema. Given: {}",
+                other.chars().take(64).collect::<String>()
+            ),
+        )),
+    }
 }
 
 /// A count of alternatives per position: an integer in `0..=MAX_TOP_LOGPROBS`.
@@ -497,6 +616,8 @@ fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, 
         priority: requested_priority(o, true)?,
         logprobs: None,
         echo: false,
+        format: response_format(o, true)?,
+        tools: None,
     })
 }
 
@@ -507,6 +628,7 @@ pub fn openai_chat(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
     let input = Input::Messages(messages(m)?);
     Ok(ParsedRequest {
         logprobs: chat_logprobs(o)?,
+        tools: tools::parse(o, true)?,
         ..openai_common(o, input)?
     })
 }
@@ -566,7 +688,18 @@ pub fn validate(
     // contents are plain text, so they cannot open new turns). A raw prompt is the
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
     // control tokens, as llama.cpp's server and vLLM parse completions prompts.
+    let tools = p.tools;
+    let shown = |m: Vec<ChatMessage>| match &tools {
+        Some(t) => t.show(m),
+        None => m,
+    };
     let prompt = match &p.input {
+        Input::Prompt { chat: false, .. } if tools.is_some() => {
+            return Err(ApiError::field(
+                "tools",
+                "`tools` need a chat request: `messages`, or a `prompt` without `raw`",
+            ))
+        }
         Input::Prompt { text, chat: false } => model.tokenizer.encode(text, true).map_err(|e| {
             ApiError::new(
                 ErrorKind::BadRequest,
@@ -574,9 +707,9 @@ pub fn validate(
             )
         })?,
         Input::Prompt { text, chat: true } => {
-            encode_chat(model, &[ChatMessage::new("user", text.clone())])?
+            encode_chat(model, &shown(vec![ChatMessage::new("user", text.clone())]))?
         }
-        Input::Messages(m) => encode_chat(model, m)?,
+        Input::Messages(m) => encode_chat(model, &shown(m.clone()))?,
     };
     if prompt.is_empty() {
         return Err(ApiError::field(
@@ -599,9 +732,32 @@ pub fn validate(
         (Input::Prompt { text, .. }, true) => Some(text.clone()),
         _ => None,
     };
+    // `required` or a named function: the call is the output's grammar.
+    let (format, format_field) = match (tools.as_ref().and_then(Tools::format), p.format) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::field(
+                "response_format",
+                "`response_format` cannot be combined with `tool_choice` \"required\" or a \
+                 named function: the output is then the call, shaped by the function's \
+                 `parameters`",
+            ))
+        }
+        (Some(f), None) => (Some(f), "tools"),
+        (None, f) => (f, "response_format"),
+    };
+    if let Some(f) = &format {
+        // Compiled here so a schema that cannot be enforced is a 400 before anything
+        // is queued; the engine compiles its own copy.
+        model
+            .tokenizer
+            .grammar()
+            .and_then(|g| g.compile(f))
+            .map_err(|e| ApiError::field(format_field, format!("`{format_field}`: {e}")))?;
+    }
     let output = OutputOptions {
         logprobs: p.logprobs,
         prompt_logprobs: p.logprobs.filter(|_| echo.is_some()),
+        format,
     };
     if let Some(k) = output.prompt_logprobs {
         // One entry per prompt position after the first, in one control frame.
@@ -637,6 +793,7 @@ pub fn validate(
         stream: p.stream,
         include_usage: p.include_usage,
         echo,
+        tools,
     })
 }
 

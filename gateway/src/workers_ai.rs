@@ -16,9 +16,19 @@ pub(crate) fn usage(t: TokenCounts) -> Value {
     })
 }
 
-/// Non-streaming `ai/run` result.
-pub(crate) fn complete(text: &str, t: TokenCounts) -> Value {
-    envelope(json!({"response": text, "usage": usage(t)}))
+/// Non-streaming `ai/run` result; `tool_calls` (`[{"name", "arguments"}]`) when
+/// the output held calls.
+pub(crate) fn complete(text: &str, calls: Option<Value>, t: TokenCounts) -> Value {
+    let mut result = json!({"response": text, "usage": usage(t)});
+    if let Some(calls) = calls {
+        result["tool_calls"] = calls;
+    }
+    envelope(result)
+}
+
+/// The SSE frame of the calls the output held, before the usage frame.
+pub(crate) fn calls_frame(calls: Value) -> String {
+    sse(&json!({"response": "", "tool_calls": calls}))
 }
 
 /// One SSE frame of text.

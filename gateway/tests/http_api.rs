@@ -153,12 +153,7 @@ async fn openai_shapes_over_http() {
         .await
         .unwrap();
     let rid = resp.headers()["x-request-id"].to_str().unwrap().to_string();
-    let ev = sse_events(resp).await;
-    assert_eq!(ev.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = ev[..ev.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = sse_json(resp).await;
     assert!(chunks
         .iter()
         .all(|c| c["object"] == "chat.completion.chunk" && c["id"] == format!("chatcmpl-{rid}")));

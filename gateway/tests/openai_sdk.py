@@ -92,6 +92,87 @@ out["completion_logprobs"] = {
 out["models"] = [m.id for m in client.models.list()]
 
 # Errors arrive as the SDK's typed exceptions.
+# Structured outputs (issue 14): the SDK's own `parse` helper with a pydantic model
+# (it sends a strict json_schema response_format and parses the content), and JSON mode.
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class Pet(BaseModel):
+    name: str
+    kind: Literal["cat", "dog", "fish"]
+    age: int
+
+
+parsed = client.chat.completions.parse(
+    model=model,
+    messages=[{"role": "user", "content": "Describe a pet."}],
+    max_tokens=80,
+    response_format=Pet,
+)
+pet = parsed.choices[0].message.parsed
+out["parsed"] = {
+    "content": parsed.choices[0].message.content,
+    "finish_reason": parsed.choices[0].finish_reason,
+    "pet": pet.model_dump() if pet is not None else None,
+    "schema": Pet.model_json_schema(),
+}
+jm = client.chat.completions.create(
+    model=model, messages=msgs, max_tokens=80, response_format={"type": "json_object"}
+)
+out["json_mode"] = {"content": jm.choices[0].message.content, "finish_reason": jm.choices[0].finish_reason}
+
+# Tools (issue 14): a required call through the SDK's pydantic helper (strict
+# function schema, arguments parsed by the SDK), a named call streamed (the SDK's
+# stream helper joins the deltas), and the call's answer sent back as a `tool` message.
+import openai as _openai
+
+
+class GetWeather(BaseModel):
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+weather_tool = _openai.pydantic_function_tool(GetWeather, name="get_weather", description="Weather in a city")
+ask = [{"role": "user", "content": "What is the weather in Lisbon?"}]
+tc = client.chat.completions.parse(
+    model=model, messages=ask, max_tokens=80, tools=[weather_tool], tool_choice="required"
+)
+call = tc.choices[0].message.tool_calls[0]
+out["tool_call"] = {
+    "finish_reason": tc.choices[0].finish_reason,
+    "name": call.function.name,
+    "arguments": json.loads(call.function.arguments),
+    "parsed": call.function.parsed_arguments.model_dump() if call.function.parsed_arguments else None,
+    "schema": GetWeather.model_json_schema(),
+}
+with client.chat.completions.stream(
+    model=model,
+    messages=ask,
+    max_tokens=80,
+    tools=[weather_tool],
+    tool_choice={"type": "function", "function": {"name": "get_weather"}},
+) as st:
+    final = st.get_final_completion()
+scall = final.choices[0].message.tool_calls[0]
+out["tool_call_stream"] = {
+    "finish_reason": final.choices[0].finish_reason,
+    "name": scall.function.name,
+    "arguments": json.loads(scall.function.arguments),
+}
+answer = client.chat.completions.create(
+    model=model,
+    max_tokens=30,
+    tools=[weather_tool],
+    messages=ask
+    + [
+        tc.choices[0].message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ],
+)
+out["tool_answer"] = {"finish_reason": answer.choices[0].finish_reason}
+
 errors = {}
 try:
     client.chat.completions.create(model=model, messages=msgs, max_tokens=100000)
@@ -113,5 +194,15 @@ try:
     client.completions.create(model=model, prompt="a", n=2)
 except openai.BadRequestError as e:
     errors["n"] = {"status": e.status_code, "param": e.param}
+try:
+    client.chat.completions.create(
+        model=model, messages=msgs, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}
+    )
+except openai.BadRequestError as e:
+    errors["response_format"] = {"status": e.status_code, "param": e.param}
+try:
+    client.chat.completions.create(model=model, messages=msgs, tools=[weather_tool], tool_choice="sometimes")
+except openai.BadRequestError as e:
+    errors["tool_choice"] = {"status": e.status_code, "param": e.param}
 out["errors"] = errors
 print(json.dumps(out))

@@ -158,6 +158,56 @@ async fn openai_python_sdk_against_the_live_server() {
         (e["model"]["status"].as_i64(), e["model"]["code"].as_str()),
         (Some(404), Some("model_not_found"))
     );
+
+    // Structured outputs: the SDK's pydantic `parse` got an object of its model
+    // (the content validates against the schema pydantic generated), JSON mode an
+    // object, and a schema that cannot compile a 400 naming `response_format`.
+    let parsed = &v["parsed"];
+    assert_eq!(parsed["finish_reason"], "stop", "{parsed}");
+    assert!(parsed["pet"]["name"].is_string(), "{parsed}");
+    let content: serde_json::Value =
+        serde_json::from_str(parsed["content"].as_str().unwrap()).unwrap();
+    assert_eq!(content, parsed["pet"]);
+    let validator = jsonschema::validator_for(&parsed["schema"]).unwrap();
+    assert!(validator.is_valid(&content), "{parsed}");
+    let jm: serde_json::Value =
+        serde_json::from_str(v["json_mode"]["content"].as_str().unwrap()).unwrap();
+    assert!(jm.is_object(), "{jm}");
+    assert_eq!(
+        (
+            &e["response_format"]["status"],
+            &e["response_format"]["param"]
+        ),
+        (
+            &serde_json::json!(400),
+            &serde_json::json!("response_format")
+        )
+    );
+
+    // Tools: the SDK's strict pydantic function tool with `required` came back as a
+    // call whose arguments the SDK parsed into the model and that validate against
+    // its schema; the named call streamed joins into the same shape; the answer as a
+    // `tool` message is accepted; a bad `tool_choice` is a 400 naming it.
+    let tc = &v["tool_call"];
+    assert_eq!(
+        (&tc["finish_reason"], &tc["name"]),
+        (
+            &serde_json::json!("tool_calls"),
+            &serde_json::json!("get_weather")
+        ),
+        "{tc}"
+    );
+    assert_eq!(tc["parsed"], tc["arguments"], "{tc}");
+    let weather = jsonschema::validator_for(&tc["schema"]).unwrap();
+    assert!(weather.is_valid(&tc["arguments"]), "{tc}");
+    let ts = &v["tool_call_stream"];
+    assert_eq!(ts["finish_reason"], "tool_calls", "{ts}");
+    assert!(weather.is_valid(&ts["arguments"]), "{ts}");
+    assert!(v["tool_answer"]["finish_reason"].is_string());
+    assert_eq!(
+        (&e["tool_choice"]["status"], &e["tool_choice"]["param"]),
+        (&serde_json::json!(400), &serde_json::json!("tool_choice"))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

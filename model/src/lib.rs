@@ -14,6 +14,7 @@ pub mod cuda;
 pub mod detok;
 pub mod gguf;
 pub mod gguf_write;
+pub mod grammar;
 pub mod kv;
 pub mod llama;
 pub mod sampling;

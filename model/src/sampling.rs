@@ -7,6 +7,8 @@
 //! give the same tokens.
 //!
 //! Order of operations in [`Sampler::sample`]:
+//! 0. with a [`Constraint`] (the request's `response_format`), every token it
+//!    forbids gets `-inf`;
 //! 1. repetition penalty over every distinct token of prompt + output
 //!    (llama.cpp/HF: a positive logit is divided by the penalty, a negative one
 //!    multiplied), then frequency and presence penalties over the output
@@ -14,6 +16,7 @@
 //! 2. greedy (`temperature == 0`): argmax, ties to the lowest id;
 //! 3. temperature, top-k, softmax, top-p, then one draw.
 
+use crate::grammar::Constraint;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
@@ -249,6 +252,9 @@ pub struct Sampler {
     seen: Vec<u32>,
     /// Scratch: candidate (id, logit or probability) pairs.
     cands: Vec<(u32, f32)>,
+    /// The request's output format, when it gave one: masks the logits before
+    /// the penalties and advances with each draw.
+    constraint: Option<Box<Constraint>>,
 }
 
 impl Sampler {
@@ -262,6 +268,27 @@ impl Sampler {
             rng: ChaCha20Rng::seed_from_u64(seed),
             seen: Vec::new(),
             cands: Vec::new(),
+            constraint: None,
+        }
+    }
+
+    /// This sampler with its draws restricted to what `constraint` allows (a
+    /// request's `response_format`, [`crate::grammar`]).
+    pub fn with_constraint(mut self, constraint: Constraint) -> Self {
+        self.constraint = Some(Box::new(constraint));
+        self
+    }
+
+    /// The output-format constraint, if the request has one.
+    pub fn constraint(&self) -> Option<&Constraint> {
+        self.constraint.as_deref()
+    }
+
+    /// Advances the constraint past `token` sampled elsewhere (the first token,
+    /// sampled by a prefill node). No-op without a constraint.
+    pub fn accept_external(&mut self, token: u32) {
+        if let Some(c) = &mut self.constraint {
+            c.accept(token);
         }
     }
 
@@ -287,13 +314,13 @@ impl Sampler {
     /// penalties are applied in place). `prompt_tokens` and
     /// `generated` are the sequence so far; ids outside `logits` are ignored.
     pub fn sample(&mut self, logits: &mut [f32], prompt_tokens: &[u32], generated: &[u32]) -> u32 {
-        self.apply_penalties(logits, prompt_tokens, generated);
-        self.pick(logits)
+        self.sample_logprobs(logits, prompt_tokens, generated, None)
+            .0
     }
 
     /// [`Self::sample`], and with `top` the sampled token's log probability and the
     /// `top` most likely alternatives ([`token_logprobs`]) from the same logits the
-    /// draw used: after the penalties, before temperature, top-k and top-p (which
+    /// draw used: after the format mask and the penalties, before temperature, top-k and top-p (which
     /// shape the draw, not the model's distribution). `None` costs nothing extra.
     pub fn sample_logprobs(
         &mut self,
@@ -302,8 +329,14 @@ impl Sampler {
         generated: &[u32],
         top: Option<usize>,
     ) -> (u32, Option<TokenLogprobs>) {
+        if let Some(c) = &mut self.constraint {
+            c.mask_logits(logits);
+        }
         self.apply_penalties(logits, prompt_tokens, generated);
         let id = self.pick(logits);
+        if let Some(c) = &mut self.constraint {
+            c.accept(id);
+        }
         (id, top.map(|k| token_logprobs(logits, id, k)))
     }
 

@@ -123,6 +123,9 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+    /// Built on first use: most requests never ask for a format.
+    grammar:
+        std::sync::OnceLock<Result<crate::grammar::GrammarCompiler, crate::grammar::GrammarError>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -377,6 +380,7 @@ impl Tokenizer {
             bos: get_token_id(content, KEY_BOS, tokens.len())?,
             eos: get_token_id(content, KEY_EOS, tokens.len())?,
             add_bos,
+            grammar: std::sync::OnceLock::new(),
         })
     }
 
@@ -456,6 +460,20 @@ impl Tokenizer {
     /// normal tokens are looked up in their byte-level form, e.g. `"Ġworld"`).
     pub fn token_id(&self, text: &str) -> Option<u32> {
         self.with_special.token_to_id(text)
+    }
+
+    /// The constrained-decoding compiler for this vocabulary, built on the first call
+    /// (tens of ms) and shared by every later one.
+    ///
+    /// Errors: [`crate::grammar::GrammarError::Vocabulary`] when the vocabulary cannot
+    /// be loaded into the constraint engine (then every call fails alike).
+    pub fn grammar(
+        &self,
+    ) -> Result<&crate::grammar::GrammarCompiler, crate::grammar::GrammarError> {
+        self.grammar
+            .get_or_init(|| crate::grammar::GrammarCompiler::new(self))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// The stored string of token `id` (byte-level form for normal tokens).

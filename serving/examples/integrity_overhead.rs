@@ -15,11 +15,14 @@
 //! Prints one JSON line per run and a summary line. The checks are never off in a
 //! server; this is the only caller of the switch.
 
+mod bench_common;
+
+use bench_common::{chat_ids, run};
 use std::time::Instant;
 use tessera_engine::{EngineConfig, GenerateRequest};
 use tessera_kernels::attention::set_integrity_checks_for_benchmark;
 use tessera_model::LoadedModel;
-use tessera_serving::{EngineHandle, StreamEvent};
+use tessera_serving::EngineHandle;
 
 const PROMPTS: [&str; 8] = [
     "What is the capital of France?",
@@ -49,25 +52,13 @@ fn main() {
     };
     let h = EngineHandle::spawn_disaggregated(&model, &[cfg(8192)], &[cfg(16384)]);
     let reqs: Vec<GenerateRequest> = (0..requests)
-        .map(|i| {
-            let text = model
-                .chat
-                .render(
-                    &[tessera_model::chat::ChatMessage::new(
-                        "user",
-                        PROMPTS[i % PROMPTS.len()],
-                    )],
-                    true,
-                )
-                .unwrap();
-            GenerateRequest {
-                ignore_eos: true,
-                ..GenerateRequest::new(
-                    1 + i as u64 % 4,
-                    model.tokenizer.encode(&text, true).unwrap(),
-                    max_tokens,
-                )
-            }
+        .map(|i| GenerateRequest {
+            ignore_eos: true,
+            ..GenerateRequest::new(
+                1 + i as u64 % 4,
+                chat_ids(&model, PROMPTS[i % PROMPTS.len()]),
+                max_tokens,
+            )
         })
         .collect();
     // Warm-up (page faults, thread pool).
@@ -130,23 +121,6 @@ fn main() {
         page.len() as f64 / per_page / 1e9,
         pages as f64 * per_page / run_s * 100.0
     );
-}
-
-/// Submits every request at once and returns output tokens per second.
-fn run(h: &EngineHandle, reqs: &[GenerateRequest]) -> f64 {
-    let start = Instant::now();
-    let mut rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
-    let mut tokens = 0usize;
-    for rx in &mut rxs {
-        loop {
-            match rx.blocking_recv() {
-                Some(StreamEvent::Token { .. }) => tokens += 1,
-                Some(StreamEvent::Done { .. }) => break,
-                other => panic!("request failed: {other:?}"),
-            }
-        }
-    }
-    tokens as f64 / start.elapsed().as_secs_f64()
 }
 
 /// The 97.5 % quantile of Student's t distribution with `df` degrees of freedom

@@ -177,13 +177,13 @@ impl CoordLinks for Nodes {
                 submitted,
                 prefill,
                 trace,
-            } => Some(RequestBody {
+            } => Some(Box::new(RequestBody {
                 req: body,
                 sink: Box::new(client),
                 submitted,
                 writer: Some(prefill_name(prefill)),
                 trace,
-            }),
+            })),
             _ => None,
         };
         self.decode[index].send(DecodeCmd::FromCoordinator {

@@ -59,7 +59,8 @@ pub(crate) enum DecodeCmd {
     FromCoordinator {
         msg: Msg,
         reply: ReplyTo,
-        body: Option<RequestBody>,
+        /// Boxed: a body is much larger than the other commands.
+        body: Option<Box<RequestBody>>,
     },
     /// From a prefill node: `Commit` (with the sampler position after the first
     /// token and the prompt tokens the prefill node took from its cache), `Renew`,
@@ -563,7 +564,7 @@ impl NodeLoop for DecodeLoop {
                             req,
                             DecodeRecord {
                                 reply: reply.clone(),
-                                body,
+                                body: body.map(|b| *b),
                                 writer,
                                 lease_from: Instant::now(),
                                 span: crate::telemetry::child_span(
@@ -771,7 +772,7 @@ impl NodeLoop for DecodeLoop {
                     reason: FailReason::new(
                         match e {
                             EngineError::Integrity(_) => FailKind::Integrity,
-                            EngineError::Shutdown => FailKind::Internal,
+                            EngineError::Shutdown | EngineError::Format(_) => FailKind::Internal,
                             EngineError::BatchQueueTimeout { .. } => FailKind::Busy,
                         },
                         e.to_string(),

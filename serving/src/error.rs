@@ -168,6 +168,7 @@ impl From<EngineError> for ServeError {
             EngineError::Integrity(_) => ServeErrorKind::Integrity,
             EngineError::Shutdown => ServeErrorKind::Shutdown,
             EngineError::BatchQueueTimeout { .. } => ServeErrorKind::Busy,
+            EngineError::Format(_) => ServeErrorKind::Invalid,
         };
         Self::new(kind, e.to_string())
     }

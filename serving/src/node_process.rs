@@ -759,7 +759,7 @@ impl NodeState {
                                 "Prealloc for {req:?}, which another link carries"
                             ));
                         }
-                        Some(RequestBody {
+                        Some(Box::new(RequestBody {
                             req: body,
                             sink: Box::new(ConnSink {
                                 conn: link.conn.clone(),

@@ -175,6 +175,21 @@ impl TestServer {
         split(resp).await
     }
 
+    /// POSTs a streaming request with the tenant's key; asserts 200 and returns the
+    /// JSON frames ([`sse_json`]).
+    pub async fn post_stream(&self, url: &str, body: &serde_json::Value) -> Vec<serde_json::Value> {
+        let resp = self
+            .client
+            .post(url)
+            .bearer_auth(&self.key)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        sse_json(resp).await
+    }
+
     pub async fn get(&self, url: &str, key: Option<&str>) -> (u16, String, serde_json::Value) {
         let mut r = self.client.get(url);
         if let Some(k) = key {
@@ -350,5 +365,19 @@ pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
                 .unwrap_or_else(|| panic!("bad SSE frame {f:?}"))
                 .to_string()
         })
+        .collect()
+}
+
+/// Reads a whole SSE body that ends with `[DONE]` into its JSON frames (the
+/// `[DONE]` checked and dropped).
+pub async fn sse_json(resp: reqwest::Response) -> Vec<serde_json::Value> {
+    let mut ev = sse_events(resp).await;
+    assert_eq!(
+        ev.pop().as_deref(),
+        Some("[DONE]"),
+        "the stream did not end with [DONE]"
+    );
+    ev.iter()
+        .map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}")))
         .collect()
 }
