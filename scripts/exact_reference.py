@@ -24,7 +24,9 @@ import sys
 import numpy as np
 
 
-def load(path):
+def load(path, dtype=np.float64):
+    """The model's config and weights, dequantized to `dtype` (the forward pass
+    computes in the dtype of the weights)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -38,7 +40,7 @@ def load(path):
 
     def w(name):
         x = t[name]
-        a = dequantize(x.data, x.tensor_type).astype(np.float64)
+        a = dequantize(x.data, x.tensor_type).astype(dtype)
         return a.reshape([int(d) for d in reversed(x.shape)])
 
     cfg = dict(
@@ -59,16 +61,24 @@ def load(path):
     return cfg, emb, out, w("output_norm.weight"), layers
 
 
-def forward(model, tokens):
-    """Logits [len(tokens), vocab] of a causal pass over `tokens`."""
+def forward(model, tokens, act=None, qkv=None):
+    """Logits [len(tokens), vocab] of a causal pass over `tokens`, every
+    activation in the weights' dtype (float64 or float32).
+
+    Hooks to emulate an engine's rounding (scripts/perplexity.py --emulate):
+    `act(x)` is applied to every matmul input, `qkv(q, k, v)` to the attention
+    inputs after RoPE; by default neither changes anything."""
+    act = act or (lambda a: a)
     cfg, emb, out, out_norm, layers = model
+    dt = emb.dtype
     n, d = len(tokens), emb.shape[1]
     nh, nkv = cfg["heads"], cfg["kv_heads"]
     hd = d // nh
     x = emb[tokens]
     pos = np.arange(n)[:, None]
     inv = cfg["base"] ** (-2.0 * np.arange(hd // 2) / hd)
-    cos, sin = np.cos(pos * inv), np.sin(pos * inv)
+    cos, sin = np.cos(pos * inv).astype(dt), np.sin(pos * inv).astype(dt)
+    sqrt_hd = dt.type(np.sqrt(hd))
 
     def norm(v, g):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg["eps"]) * g
@@ -81,23 +91,27 @@ def forward(model, tokens):
         r[..., 1::2] = a * s + b * c
         return r
 
-    mask = np.triu(np.full((n, n), -np.inf), 1)
+    mask = np.triu(np.full((n, n), -np.inf, dtype=dt), 1)
     for L in layers:
-        h = norm(x, L["attn_norm"])
+        h = act(norm(x, L["attn_norm"]))
         q = rope((h @ L["attn_q"].T).reshape(n, nh, hd))
         k = rope((h @ L["attn_k"].T).reshape(n, nkv, hd))
         v = (h @ L["attn_v"].T).reshape(n, nkv, hd)
+        if qkv:
+            q, k, v = qkv(q, k, v)
         g = nh // nkv
-        att = np.empty((n, nh, hd))
+        att = np.empty((n, nh, hd), dtype=dt)
         for hh in range(nh):
-            s = q[:, hh] @ k[:, hh // g].T / np.sqrt(hd) + mask
+            s = q[:, hh] @ k[:, hh // g].T / sqrt_hd + mask
             s = np.exp(s - s.max(-1, keepdims=True))
             att[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, hh // g]
-        x = x + att.reshape(n, d) @ L["attn_output"].T
-        h = norm(x, L["ffn_norm"])
+        x = x + act(att.reshape(n, d)) @ L["attn_output"].T
+        h = act(norm(x, L["ffn_norm"]))
         gate, up = h @ L["ffn_gate"].T, h @ L["ffn_up"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ L["ffn_down"].T
-    return norm(x, out_norm) @ out.T
+        x = x + act(gate / (1 + np.exp(-gate)) * up) @ L["ffn_down"].T
+    logits = act(norm(x, out_norm)) @ out.T
+    assert logits.dtype == dt, (logits.dtype, dt)
+    return logits
 
 
 def top(l, k=8):
