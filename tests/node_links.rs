@@ -802,14 +802,7 @@ async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
     let certs = dir.path().join("certs");
     let other = dir.path().join("other-ca");
     ops(&["certs", "init", "--dir", other.to_str().unwrap()]);
-    ops(&[
-        "certs",
-        "issue",
-        "--config",
-        config.to_str().unwrap(),
-        "--dir",
-        other.to_str().unwrap(),
-    ]);
+    issue_certs(&config, &other);
     for (what, (cert, key)) in [
         (
             "the prefill node's certificate",

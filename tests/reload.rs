@@ -128,6 +128,12 @@ fn addr(port: u16) -> String {
 }
 
 /// `/metrics` (admin token): the value of `series`, 0 when absent.
+/// `tessera_config_reloads_total` for `outcome` (`applied` or `refused`).
+async fn reloads(gw: &Gateway, token: &str, outcome: &str) -> f64 {
+    let series = format!("tessera_config_reloads_total{{outcome=\"{outcome}\"}}");
+    metric(gw, token, &series).await
+}
+
 async fn metric(gw: &Gateway, token: &str, series: &str) -> f64 {
     let text = reqwest::Client::new()
         .get(format!("{}/metrics", gw.base))
@@ -263,15 +269,7 @@ async fn nodes_added_by_a_reload_get_traffic() {
     assert_eq!(table.len(), 4, "{table:?}");
     // The first pair is busy with a long stream: the next goes to the new prefill node.
     goes_to_the_new_node(&gw, &token, dir.path(), &body, &solo.text(), &addr(p1)).await;
-    assert_eq!(
-        metric(
-            &gw,
-            &token,
-            r#"tessera_config_reloads_total{outcome="applied"}"#
-        )
-        .await,
-        2.0
-    );
+    assert_eq!(reloads(&gw, &token, "applied").await, 2.0);
 }
 
 /// A decode node removed by a reload (SIGHUP here) keeps the stream it holds until
@@ -349,15 +347,7 @@ async fn a_removed_node_finishes_its_stream_gets_nothing_new_and_is_dropped() {
     }
     let (status, v) = gw.run(&short).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(
-        metric(
-            &gw,
-            &token,
-            r#"tessera_config_reloads_total{outcome="applied"}"#
-        )
-        .await,
-        1.0
-    );
+    assert_eq!(reloads(&gw, &token, "applied").await, 1.0);
 }
 
 /// Refused reloads change nothing: no admin token (401), an unparsable file, a
@@ -434,24 +424,8 @@ async fn refused_reloads_leave_the_old_membership_serving() {
         assert_eq!(status, 200, "{v}\n{}", dep.logs());
         assert_eq!(answer(&v["result"]), answer(&solo));
     }
-    assert_eq!(
-        metric(
-            gw,
-            &token,
-            r#"tessera_config_reloads_total{outcome="refused"}"#
-        )
-        .await,
-        4.0
-    );
-    assert_eq!(
-        metric(
-            gw,
-            &token,
-            r#"tessera_config_reloads_total{outcome="applied"}"#
-        )
-        .await,
-        0.0
-    );
+    assert_eq!(reloads(gw, &token, "refused").await, 4.0);
+    assert_eq!(reloads(gw, &token, "applied").await, 0.0);
     // The original file again: applied, nothing changed.
     std::fs::write(&dep.config, &original).unwrap();
     let (status, v) = reload(gw, Some(&token)).await;

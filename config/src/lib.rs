@@ -1803,23 +1803,15 @@ nodes = ["10.0.0.2:9201"]
     #[test]
     fn only_node_membership_changes_need_no_restart() {
         let text = |decode: &str, kv: usize| {
-            format!(
-                r#"[gateway]
-                   listen = "127.0.0.1:8787"
-                   [[models]]
-                   id = "@cf/a/b"
-                   path = "m.gguf"
-                   [[pools]]
-                   name = "p"
-                   role = "prefill"
-                   kv_pool_tokens = 8192
-                   nodes = ["127.0.0.1:9101"]
-                   [[pools]]
-                   name = "d"
-                   role = "decode"
-                   kv_pool_tokens = {kv}
-                   nodes = [{decode}]"#
-            )
+            EXAMPLE
+                .replace(
+                    r#"nodes = ["127.0.0.1:9201"]"#,
+                    &format!("nodes = [{decode}]"),
+                )
+                .replace(
+                    "page_size = 32\nkv_pool_tokens = 16384",
+                    &format!("page_size = 32\nkv_pool_tokens = {kv}"),
+                )
         };
         let parse = |t: String| DeploymentConfig::parse(&t, Path::new("t.toml")).unwrap();
         let old = parse(text(r#""127.0.0.1:9201""#, 16384));
@@ -1829,7 +1821,7 @@ nodes = ["10.0.0.2:9201"]
         let resized = parse(text(r#""127.0.0.1:9201""#, 32768));
         let c = old.changes_needing_restart(&resized);
         assert_eq!(c.len(), 1, "{c:?}");
-        assert!(c[0].contains("pool d"), "{c:?}");
+        assert!(c[0].contains("pool decode"), "{c:?}");
         let mut moved = old.clone();
         moved.gateway.listen = "127.0.0.1:9999".parse().unwrap();
         moved.pools.pop();

@@ -12,6 +12,29 @@ pub fn engine(m: &LoadedModel, cfg: EngineConfig) -> Engine {
     Engine::new(m.llama.clone(), m.tokenizer.clone(), cfg)
 }
 
+/// An engine whose steps hold at most `max_batch_tokens` tokens (small budgets make
+/// prefill chunks share passes with other requests' decode tokens).
+pub fn engine_with_batch(m: &LoadedModel, max_batch_tokens: usize) -> Engine {
+    engine(
+        m,
+        EngineConfig {
+            max_batch_tokens,
+            ..EngineConfig::default()
+        },
+    )
+}
+
+/// Admits and enqueues every request (all must pass admission); their event
+/// receivers, in order.
+pub fn enqueue_all<'a>(
+    e: &mut Engine,
+    reqs: impl IntoIterator<Item = &'a GenerateRequest>,
+) -> Vec<UnboundedReceiver<Event>> {
+    reqs.into_iter()
+        .map(|r| e.enqueue(e.admit(r.clone()).unwrap()))
+        .collect()
+}
+
 /// A greedy request of tenant 1.
 pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest::new(1, prompt, max_tokens)

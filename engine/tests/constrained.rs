@@ -174,10 +174,7 @@ fn two_hundred_constrained_generations_all_parse_and_validate() {
     }
     assert_eq!(reqs.len(), 200);
     let mut e = engine(&m, EngineConfig::default());
-    let mut rxs: Vec<_> = reqs
-        .iter()
-        .map(|(_, r)| e.enqueue(e.admit(r.clone()).unwrap()))
-        .collect();
+    let mut rxs = enqueue_all(&mut e, reqs.iter().map(|(_, r)| r));
     e.run_to_completion();
     assert_eq!(e.kv().pool().free_pages(), e.kv().pool().capacity());
     let mut distinct = std::collections::HashSet::new();
@@ -227,13 +224,7 @@ fn a_constrained_output_alone_equals_the_same_request_in_a_batch() {
         })
         .collect();
     let alone: Vec<_> = reqs.iter().map(|r| solo(&m, r.clone())).collect();
-    let mut e = engine(
-        &m,
-        EngineConfig {
-            max_batch_tokens: 64,
-            ..EngineConfig::default()
-        },
-    );
+    let mut e = engine_with_batch(&m, 64);
     // Unconstrained neighbours share the passes too.
     let mut free: Vec<_> = (0..3)
         .map(|_| {
@@ -243,10 +234,7 @@ fn a_constrained_output_alone_equals_the_same_request_in_a_batch() {
             )
         })
         .collect();
-    let mut rxs: Vec<_> = reqs
-        .iter()
-        .map(|r| e.enqueue(e.admit(r.clone()).unwrap()))
-        .collect();
+    let mut rxs = enqueue_all(&mut e, &reqs);
     e.run_to_completion();
     for (i, rx) in rxs.iter_mut().enumerate() {
         assert_eq!(drain(rx), alone[i], "schema {i}");

@@ -35,17 +35,8 @@ fn greedy_output_alone_equals_output_with_seven_other_requests() {
 
     // Small token budget: prefill chunks of later requests share passes with
     // decode tokens of earlier ones.
-    let mut e = engine(
-        &m,
-        EngineConfig {
-            max_batch_tokens: 40,
-            ..EngineConfig::default()
-        },
-    );
-    let mut rxs: Vec<_> = reqs
-        .iter()
-        .map(|r| e.enqueue(e.admit(r.clone()).unwrap()))
-        .collect();
+    let mut e = engine_with_batch(&m, 40);
+    let mut rxs = enqueue_all(&mut e, &reqs);
     let mut max_batch = 0;
     while e.has_work() {
         max_batch = max_batch.max(e.running_ids().len());

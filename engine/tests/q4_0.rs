@@ -6,7 +6,6 @@ use candle_core::quantized::gguf_file::{self, Content};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use tessera_engine::testing::*;
-use tessera_engine::EngineConfig;
 use tessera_model::testing::direct_kv;
 use tessera_model::LoadedModel;
 
@@ -96,17 +95,8 @@ fn a_q4_0_model_loads_runs_batch_invariant_and_agrees_with_its_q4_1_source() {
         .map(|p| greedy(chat_prompt(&q40, p), 12))
         .collect();
     let alone: Vec<_> = reqs.iter().map(|r| solo(&q40, r.clone())).collect();
-    let mut e = engine(
-        &q40,
-        EngineConfig {
-            max_batch_tokens: 24,
-            ..EngineConfig::default()
-        },
-    );
-    let mut rxs: Vec<_> = reqs
-        .iter()
-        .map(|r| e.enqueue(e.admit(r.clone()).unwrap()))
-        .collect();
+    let mut e = engine_with_batch(&q40, 24);
+    let mut rxs = enqueue_all(&mut e, &reqs);
     e.run_to_completion();
     for (i, rx) in rxs.iter_mut().enumerate() {
         assert!(!alone[i].ids.is_empty());

@@ -17,11 +17,9 @@
 
 mod bench_common;
 
-use bench_common::{chat_ids, run};
-use tessera_engine::{EngineConfig, GenerateRequest};
+use bench_common::{chat_ids, load_model, run, spawn_pd};
+use tessera_engine::GenerateRequest;
 use tessera_model::grammar::ResponseFormat;
-use tessera_model::LoadedModel;
-use tessera_serving::EngineHandle;
 
 const PROMPTS: [&str; 4] = [
     "Describe a person you admire, as JSON.",
@@ -45,14 +43,8 @@ fn main() {
     let blocks = args.first().copied().unwrap_or(4).max(1);
     let requests = args.get(1).copied().unwrap_or(16);
     let max_tokens = args.get(2).copied().unwrap_or(128);
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let model = LoadedModel::load(&path).expect("load the model (tessera model fetch)");
-    let cfg = |tokens| EngineConfig {
-        kv_pool_tokens: tokens,
-        ..EngineConfig::default()
-    };
-    let h = EngineHandle::spawn_disaggregated(&model, &[cfg(8192)], &[cfg(16384)]);
+    let model = load_model();
+    let h = spawn_pd(&model);
     let schema = serde_json::json!({
         "type": "object",
         "properties": {

@@ -17,12 +17,10 @@
 
 mod bench_common;
 
-use bench_common::{chat_ids, run};
+use bench_common::{chat_ids, load_model, run, spawn_pd};
 use std::time::Instant;
-use tessera_engine::{EngineConfig, GenerateRequest};
+use tessera_engine::GenerateRequest;
 use tessera_kernels::attention::set_integrity_checks_for_benchmark;
-use tessera_model::LoadedModel;
-use tessera_serving::EngineHandle;
 
 const PROMPTS: [&str; 8] = [
     "What is the capital of France?",
@@ -43,14 +41,8 @@ fn main() {
     let rounds = args.first().copied().unwrap_or(8);
     let requests = args.get(1).copied().unwrap_or(16);
     let max_tokens = args.get(2).copied().unwrap_or(64);
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let model = LoadedModel::load(&path).expect("load the model (tessera model fetch)");
-    let cfg = |tokens| EngineConfig {
-        kv_pool_tokens: tokens,
-        ..EngineConfig::default()
-    };
-    let h = EngineHandle::spawn_disaggregated(&model, &[cfg(8192)], &[cfg(16384)]);
+    let model = load_model();
+    let h = spawn_pd(&model);
     let reqs: Vec<GenerateRequest> = (0..requests)
         .map(|i| GenerateRequest {
             ignore_eos: true,
