@@ -19,7 +19,7 @@ use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::transport::DestPage;
 
 /// One page of a prefill's export: where it goes, its bytes (the pool's page format,
-/// `layout.page_bytes()` bytes: 8-bit K/V with per-slot scales, see
+/// `layout.page_bytes()` bytes: 16-bit K and 8-bit V with per-slot scales, see
 /// `tessera_kernels::attention::KvLayout`) and their CRC-32C.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportedPage {

@@ -73,7 +73,11 @@ fn schemas() -> Vec<(&'static str, Option<Value>)> {
             "What is the temperature in Paris today, in JSON?",
             Some(json!({
                 "type": "object",
-                "properties": {"celsius": {"type": "number", "minimum": -50, "maximum": 60}},
+                // multipleOf bounds the fraction's digits: a bare number bounds its
+                // length no more than a string without maxLength does.
+                "properties": {"celsius": {
+                    "type": "number", "minimum": -50, "maximum": 60, "multipleOf": 0.1
+                }},
                 "required": ["celsius"],
                 "additionalProperties": false
             })),

@@ -96,13 +96,14 @@ out["models"] = [m.id for m in client.models.list()]
 # (it sends a strict json_schema response_format and parses the content), and JSON mode.
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
+# Bounded fields: an unbounded string lets a small model fill max_tokens inside it.
 class Pet(BaseModel):
-    name: str
+    name: str = Field(max_length=20)
     kind: Literal["cat", "dog", "fish"]
-    age: int
+    age: int = Field(ge=0, le=40)
 
 
 parsed = client.chat.completions.parse(

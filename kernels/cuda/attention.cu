@@ -1,4 +1,4 @@
-// Paged attention over tagged 8-bit KV pages, the K/V store that fills them, and
+// Paged attention over tagged KV pages (K 16-bit, V 8-bit), the K/V store that fills them, and
 // the tag array's writes and checks (DESIGN.md §2 I3, §5).
 //
 // Every kernel that touches a page first compares the page's tag in the device tag
@@ -12,9 +12,12 @@
 // FlashAttention-2 (Dao 2023): per query row and head, running maximum `m`, sum
 // `l` and output `acc`, rescaled by 2^(m_old - m_new) per tile of 32 keys; scores
 // in base 2 with log2(e)/sqrt(head_dim) folded into q. K and V are dequantized from
-// the 8-bit page bytes on the fly (k = (byte ^ 0x80) as i8 * k_scale,
-// v = byte as i8 * v_scale, see KvLayout). f32 throughout.
+// the page on the fly (k = i16 pair element * k_scale, v = byte as i8 * v_scale, see
+// KvLayout). f32 throughout.
 #include "tessera_common.cuh"
+
+// Largest stored K magnitude (KvLayout's K_MAX in kernels/src/page.rs).
+#define TESSERA_K_MAX 16383.f
 
 #define MAX_DIMS_PER_LANE 8  // head_dim <= 256
 
@@ -49,7 +52,7 @@ extern "C" __global__ void paged_attention(const float* __restrict__ q, u32 q_st
     const u32 nk = t.row_pos[row] + 1;
     const u32 off = t.slot_off[slot], len = t.slot_len[slot];
     const u64 head_off = (u64)(layer * g.kv_heads + kvh) * g.head_bytes;
-    const float4* q4 = reinterpret_cast<const float4*>(qs);
+    const float2* q2 = reinterpret_cast<const float2*>(qs);
 
     float acc[MAX_DIMS_PER_LANE];
 #pragma unroll
@@ -92,13 +95,11 @@ extern "C" __global__ void paged_attention(const float* __restrict__ q, u32 q_st
             page = t.tbl_page[off + b];
             const u8* hb = pool + (u64)page * g.page_bytes + head_off;
             float dot = 0.f;
-            for (u32 qd = 0; qd < hd / 4; ++qd) {
-                const u32 w = *reinterpret_cast<const u32*>(hb + qd * ps * 4 + s_in * 4);
-                const float4 qv = q4[qd];
-                dot += (float)(i8)((w & 0xffu) ^ 0x80u) * qv.x;
-                dot += (float)(i8)(((w >> 8) & 0xffu) ^ 0x80u) * qv.y;
-                dot += (float)(i8)(((w >> 16) & 0xffu) ^ 0x80u) * qv.z;
-                dot += (float)(i8)(((w >> 24) & 0xffu) ^ 0x80u) * qv.w;
+            for (u32 pr = 0; pr < hd / 2; ++pr) {
+                const u32 w = *reinterpret_cast<const u32*>(hb + pr * ps * 4 + s_in * 4);
+                const float2 qv = q2[pr];
+                dot += (float)(short)(w & 0xffffu) * qv.x;
+                dot += (float)(short)(w >> 16) * qv.y;
             }
             s = dot * *reinterpret_cast<const float*>(hb + g.k_scale_off + s_in * 4);
             dv = *reinterpret_cast<const float*>(hb + g.v_scale_off + s_in * 4);
@@ -161,8 +162,9 @@ extern "C" __global__ void paged_attention(const float* __restrict__ q, u32 q_st
 }
 
 // Quantizes each row's K and V (after RoPE) into its slot of its page, as
-// KvLayout::write_token does: per KV head, d = max|x| / 127, q = round(x / d)
-// (half away from zero), K stored offset-binary. The page's tag is checked first
+// KvLayout::write_token does: per KV head, d = max|x| / max, q = round(x / d)
+// (half away from zero), max = TESSERA_K_MAX for K (16-bit), 127 for V (8-bit).
+// The page's tag is checked first
 // (the page must be this sequence's, at this logical block and epoch); a
 // mismatch records the failure and writes nothing. A sequence that already failed
 // in this step writes nothing more.
@@ -201,17 +203,18 @@ extern "C" __global__ void kv_store(const float* __restrict__ qkv, u32 qkv_strid
             amax = fmaxf(amax, fabsf(v[i]));
         }
         amax = warp_max(amax);
-        const float d = amax / 127.f;
+        const float d = amax / (which ? 127.f : TESSERA_K_MAX);
         const float id = d > 0.f ? 1.f / d : 0.f;
 #pragma unroll
         for (int i = 0; i < MAX_DIMS_PER_LANE; ++i) {
             if ((u32)i < nd) {
                 const u32 dd = lane + 32 * i;
-                const i8 qv = (i8)(int)roundf(__fmul_rn(v[i], id));
+                const int qv = (int)roundf(__fmul_rn(v[i], id));
                 if (which == 0) {
-                    hb[(dd / 4) * ps * 4 + s * 4 + (dd & 3u)] = ((u8)qv) ^ 0x80u;
+                    *reinterpret_cast<short*>(hb + (dd / 2) * ps * 4 + s * 4 + (dd & 1u) * 2) =
+                        (short)qv;
                 } else {
-                    hb[g.v_off + (s / 4) * hd * 4 + dd * 4 + (s & 3u)] = (u8)qv;
+                    hb[g.v_off + (s / 4) * hd * 4 + dd * 4 + (s & 3u)] = (u8)(i8)qv;
                 }
             }
         }

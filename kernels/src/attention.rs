@@ -1,7 +1,7 @@
 //! Paged attention on CPU with page-tag verification (DESIGN.md §2 I3, §5).
 //!
 //! KV memory is a pool of fixed pages. One page holds `page_size` token slots for
-//! every layer and KV head as 8-bit values with one `f32` scale per token and head
+//! every layer and KV head (K 16-bit, V 8-bit) with one `f32` scale per token and head
 //! (see [`KvLayout`] for the byte layout), so a page is one contiguous byte range
 //! (one transfer write). A sequence reaches its pages only through its block table,
 //! whose entries carry the tag the page must hold; the kernel compares that with
@@ -208,7 +208,7 @@ mod tests {
                 let want: f64 = (0..n_keys)
                     .map(|t| e[t] / z * f.key(1, g, t, true)[d] as f64)
                     .sum();
-                // 8-bit queries and probabilities: within 1% of the value range.
+                // Quantized queries, keys, values and probabilities: within 1% of the value range.
                 let got = out[h * 64 + d] as f64;
                 assert!(
                     (got - want).abs() < 0.01,

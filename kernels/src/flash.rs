@@ -1,21 +1,24 @@
 //! Tiled paged attention with an online softmax ("flash attention" on CPU).
 //!
-//! K and V are 8-bit in the page (one `f32` scale per token and KV head, see
-//! [`KvLayout`]); queries are quantized to 8 bits per row and head, so `q . k` is
-//! one exact integer dot product (`vpdpbusd` on AVX-512 VNNI: 64 byte products per
-//! instruction, 16 keys of a page per register) times two scales. Each page is
+//! K is 16-bit and V 8-bit in the page (one `f32` scale per token and KV head, see
+//! [`KvLayout`]); queries are quantized to 12 bits per row and head (`hd` 64), so
+//! `q . k` is one exact integer dot product (`vpdpwssd` on AVX-512 VNNI: 32 16-bit
+//! products per instruction, 16 keys of a page per register) times two scales.
+//! Keys and queries are wide because at 8 bits they were the largest rounding
+//! error of the forward pass (docs/benchmarks.md, perplexity). Each page is
 //! read once per tile of query rows; its scores update the row's running maximum
 //! `m`, sum `l` and output `o` in place (Milakov & Gimelshein 2018; Dao et al.
 //! 2022), so nothing grows with the context but the loop count.
 //!
 //! The arithmetic of one row, fixed whatever its batch mates and however a
 //! prefill is cut into query blocks, tiles or tasks (batch invariance):
-//! 1. `q8 = round(q / dq)` with `dq = max|q| / 127`; the softmax scale
-//!    `log2(e) / sqrt(head_dim)` is folded into `dq`, so scores are in base 2.
+//! 1. `qi = round(q / dq)` with `dq = max|q| / q_max(hd)` (`q_max` in `page`:
+//!    `|qi . ki| < 2^31`); the softmax scale `log2(e) / sqrt(head_dim)` is folded
+//!    into `dq`, so scores are in base 2.
 //! 2. Keys are visited in chunks of [`CHUNK_KEYS`] (page-aligned), each from a
 //!    fresh state `(m, l, o) = (-inf, 0, 0)`; within a chunk, in groups of
 //!    [`GROUP_PAGES`] pages (aligned to the chunk start), over the slots below
-//!    the row's key count: `s_j = (sum q8 . k8_j) * (dq * dk_j)`,
+//!    the row's key count: `s_j = (sum qi . ki_j) * (dq * dk_j)`,
 //!    `m' = max(m, max s_j)`, `a = 2^(m - m')`, `p_j = 2^(s_j - m')`,
 //!    `l = l a + sum p_j`, `o = o a`, then per page, with `w_j = p_j * dv_j`
 //!    quantized to 16 bits, `u_j = round(65535 w_j / max w)`:
@@ -28,7 +31,9 @@
 //! second pass merges them in the same order a single task would.
 
 use crate::isa::{isa, Isa};
-use crate::page::{verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv};
+use crate::page::{
+    q_max, quantize_sym, verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv,
+};
 
 /// Keys per chunk (rounded down to whole pages, at least one page).
 pub(crate) const CHUNK_KEYS: usize = 512;
@@ -106,12 +111,10 @@ impl Src<'_> {
 /// The query rows of one unit (tokens `t0..t1` of a job x the query heads of one
 /// KV head), quantized.
 struct Rows {
-    /// `[r, hd]` 8-bit queries.
-    qq: Vec<i8>,
+    /// `[r, hd]` queries in `-q_max(hd)..=q_max(hd)`.
+    qq: Vec<i16>,
     /// Per row: query scale times `log2(e) / sqrt(hd)`.
     dq: Vec<f32>,
-    /// Per row: `sum(qq)` (K is offset by 128 in the page).
-    qsum: Vec<i32>,
     /// Per row: keys attended.
     nk: Vec<usize>,
 }
@@ -227,16 +230,15 @@ pub(crate) fn run(
         let mut rows = Rows {
             qq: vec![0; r * hd],
             dq: vec![0.0; r],
-            qsum: vec![0; r],
             nk: vec![0; r],
         };
         let scale = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+        let qmax = q_max(hd);
         for i in 0..r {
             let (t, h) = (u.t0 + i / group, u.g * group + i % group);
             let q = &job.q[t * row + h * hd..t * row + (h + 1) * hd];
             let qq = &mut rows.qq[i * hd..(i + 1) * hd];
-            rows.dq[i] = crate::page::quantize_i8(q, qq) * scale;
-            rows.qsum[i] = qq.iter().map(|&v| v as i32).sum();
+            rows.dq[i] = quantize_sym(q, qmax, |d, v| qq[d] = v as i16) * scale;
             rows.nk[i] = job.n_keys[t];
         }
         rows
@@ -445,8 +447,9 @@ fn own_keys(nk: usize, b: usize, ps: usize) -> usize {
     nk.saturating_sub(b * ps).min(ps)
 }
 
-/// `sum a_i b_i` of 4 products of bytes (exact: |sum| < 2^18), without overflow
-/// checks so that the loops around it vectorize.
+/// `sum a_i b_i` of 4 products (of bytes, or of a 16-bit pair and zeros), with
+/// wrapping arithmetic so that the loops around it vectorize; exact where the
+/// true sum fits `i32`, as every caller's does.
 #[inline(always)]
 fn dot4(a: [i32; 4], b: [i32; 4]) -> i32 {
     let p = |i: usize| a[i].wrapping_mul(b[i]);
@@ -469,8 +472,6 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
     let geo = src.geo;
     let (ps, hd) = (geo.ps, geo.hd);
     let halves = ps / 8;
-    let ones = _mm256_set1_epi16(1);
-    let flip = _mm256_set1_epi8(-128);
     let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
     let lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     // `2^x` per lane as `exp2` computes it.
@@ -495,6 +496,7 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
         _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
     };
     for i in 0..rows.nk.len() {
+        // Pairs of 16-bit query values, one `i32` per pair.
         let qq = rows.qq[i * hd..].as_ptr().cast::<i32>();
         let dq = _mm256_set1_ps(rows.dq[i]);
         let mut m = f32::NEG_INFINITY;
@@ -518,20 +520,16 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
                 let hb = src.data[at[g]..at[g] + geo.head_bytes].as_ptr();
                 for h in 0..halves {
                     let mut isum = _mm256_setzero_si256();
-                    for quad in 0..hd / 4 {
-                        // SAFETY: the head block holds hd/4 rows of ps*4 K bytes;
-                        // the row has hd query bytes.
-                        let (k, q4) = unsafe {
+                    for pair in 0..hd / 2 {
+                        // SAFETY: the head block holds hd/2 rows of ps*4 K bytes;
+                        // the row has hd / 2 query pairs.
+                        let (k, q2) = unsafe {
                             (
-                                _mm256_loadu_si256(hb.add(quad * ps * 4 + h * 32).cast()),
-                                _mm256_set1_epi32(std::ptr::read_unaligned(qq.add(quad))),
+                                _mm256_loadu_si256(hb.add(pair * ps * 4 + h * 32).cast()),
+                                _mm256_set1_epi32(std::ptr::read_unaligned(qq.add(pair))),
                             )
                         };
-                        // q * k with k signed (stored k ^ 0x80): |q| * (k * sign(q)).
-                        let k = _mm256_xor_si256(k, flip);
-                        let p16 =
-                            _mm256_maddubs_epi16(_mm256_abs_epi8(q4), _mm256_sign_epi8(k, q4));
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, ones));
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(k, q2));
                     }
                     // SAFETY: ps K scales and ps V scales in the head block.
                     let (dk, v) = unsafe {
@@ -679,18 +677,17 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
                 let at = src.at(b);
                 let hb = &src.data[at..at + geo.head_bytes];
                 isum[..own].fill(0);
-                for (quad, q) in qq.chunks_exact(4).enumerate() {
-                    let k = &hb[quad * ps * 4..quad * ps * 4 + own * 4];
+                for (pair, q) in qq.chunks_exact(2).enumerate() {
+                    let k = &hb[pair * ps * 4..pair * ps * 4 + own * 4];
                     for (a, k) in isum.iter_mut().zip(k.chunks_exact(4)) {
-                        *a = a.wrapping_add(dot4(
-                            [k[0] as i32, k[1] as i32, k[2] as i32, k[3] as i32],
-                            [q[0] as i32, q[1] as i32, q[2] as i32, q[3] as i32],
-                        ));
+                        let k0 = i16::from_le_bytes([k[0], k[1]]) as i32;
+                        let k1 = i16::from_le_bytes([k[2], k[3]]) as i32;
+                        *a = a.wrapping_add(dot4([k0, k1, 0, 0], [q[0] as i32, q[1] as i32, 0, 0]));
                     }
                 }
                 let g = (b - b0) * p4;
                 for j in 0..own {
-                    let x = (isum[j] - 128 * rows.qsum[i]) as f32;
+                    let x = isum[j] as f32;
                     s[g + j] = x * (rows.dq[i] * f32_at(hb, geo.k_scale + j * 4));
                     dv[g + j] = f32_at(hb, geo.v_scale + j * 4);
                     mp = mp.max(s[g + j]);
@@ -847,9 +844,6 @@ mod avx512 {
             std::array::from_fn(|t| rows.qq[(i0 + t) * hd..].as_ptr().cast::<i32>());
         let nk: [usize; T] = std::array::from_fn(|t| rows.nk[i0 + t]);
         let dq: [__m512; T] = std::array::from_fn(|t| _mm512_set1_ps(rows.dq[i0 + t]));
-        // K is stored offset by 128: the integer sums start at -128 * sum(q).
-        let qoff: [__m512i; T] =
-            std::array::from_fn(|t| _mm512_set1_epi32(-128 * rows.qsum[i0 + t]));
         let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
         // A chunk starts from the empty state (m = -inf, l = 0, o = 0).
         let mut m = [f32::NEG_INFINITY; T];
@@ -885,15 +879,15 @@ mod avx512 {
                 // is inside the pool; every load below stays inside it (masked to
                 // `ps` slots, V quads below slots4 / 4).
                 hb[gi] = unsafe { src.data.as_ptr().add(src.at(b0 + gi)) };
-                // Scores: 16 slots per register, 4 dimensions per vpdpbusd lane.
-                let mut acc = qoff;
+                // Scores: 16 slots per register, 2 dimensions per vpdpwssd lane.
+                let mut acc = [_mm512_setzero_si512(); T];
                 let mut kp = hb[gi];
-                for quad in 0..hd / 4 {
-                    // SAFETY: see `hb`; rows have hd query bytes (hd / 4 quads).
+                for pair in 0..hd / 2 {
+                    // SAFETY: see `hb`; rows have hd query values (hd / 2 pairs).
                     let k = unsafe { _mm512_maskz_loadu_epi32(lanes, kp.cast()) };
                     for t in 0..T {
-                        let q4 = unsafe { std::ptr::read_unaligned(qq[t].add(quad)) };
-                        acc[t] = _mm512_dpbusd_epi32(acc[t], k, _mm512_set1_epi32(q4));
+                        let q2 = unsafe { std::ptr::read_unaligned(qq[t].add(pair)) };
+                        acc[t] = _mm512_dpwssd_epi32(acc[t], k, _mm512_set1_epi32(q2));
                     }
                     kp = kp.wrapping_add(ps * 4);
                 }

@@ -60,17 +60,19 @@ impl KvLayout {
 
     /// Bytes of one (layer, KV head) block of a page. Within it, for `ps` slots,
     /// `hd` dimensions and `s4 = slots4()`:
-    /// - `[0, hd*ps)`: K as `[hd/4][ps][4]` bytes: dimension `d` of slot `s` at
-    ///   `(d/4)*ps*4 + s*4 + d%4`, stored offset-binary (`k_i8 ^ 0x80`, i.e.
-    ///   `k_i8 + 128` as `u8`), so 4 consecutive dimensions of 16 slots are one
-    ///   64-byte row of a VNNI dot product;
-    /// - then `ps` `f32` (little-endian) K scales, one per slot: `k ~= scale * k_i8`;
+    /// - `[0, 2*hd*ps)`: K as `[hd/2][ps][2]` little-endian `i16` in
+    ///   `-K_MAX..=K_MAX` ([`K_MAX`]): dimension `d` of slot `s` at byte
+    ///   `(d/2)*ps*4 + s*4 + (d%2)*2`, so 2 consecutive dimensions of 16 slots are
+    ///   one 64-byte row of a 16-bit dot product (`vpdpwssd`). K is 16-bit because
+    ///   8-bit keys were the largest rounding error of the forward pass
+    ///   (docs/benchmarks.md, perplexity);
+    /// - then `ps` `f32` (little-endian) K scales, one per slot: `k ~= scale * k_i16`;
     /// - then V as `[s4/4][hd][4]` signed bytes: slot `s`, dimension `d` at
     ///   `(s/4)*hd*4 + d*4 + s%4` (4 slots of one dimension side by side);
     /// - then `s4` `f32` V scales.
     pub fn head_block_bytes(&self) -> usize {
         let (hd, ps, s4) = (self.head_dim, self.page_size, self.slots4());
-        hd * ps + 4 * ps + hd * s4 + 4 * s4
+        2 * hd * ps + 4 * ps + hd * s4 + 4 * s4
     }
 
     /// Bytes of one page: `layers * kv_heads` head blocks, layer-major.
@@ -85,7 +87,7 @@ impl KvLayout {
 
     /// Byte offset of the K scales within a head block.
     pub(crate) fn k_scale_offset(&self) -> usize {
-        self.head_dim * self.page_size
+        2 * self.head_dim * self.page_size
     }
 
     /// Byte offset of the V values within a head block.
@@ -100,7 +102,8 @@ impl KvLayout {
 
     /// Quantizes one token's K and V for `layer` (`k`, `v`: `[kv_heads * head_dim]`)
     /// into slot `slot` of `page` (one page, [`Self::page_bytes`] long): per KV head,
-    /// symmetric 8-bit with round-to-nearest and scale `max|x| / 127`.
+    /// symmetric with round-to-nearest, K to 16 bits (scale `max|k| / K_MAX`) and V
+    /// to 8 bits (scale `max|v| / 127`).
     ///
     /// Panics if `head_dim` is not a multiple of 4, `slot >= page_size` or a slice
     /// has the wrong length.
@@ -115,13 +118,16 @@ impl KvLayout {
         );
         for g in 0..self.kv_heads {
             let hb = &mut page[self.head_offset(layer, g)..][..self.head_block_bytes()];
-            let d = quantize_i8_with(&k[g * hd..(g + 1) * hd], |dd, q| {
-                hb[(dd / 4) * ps * 4 + slot * 4 + dd % 4] = (q as u8) ^ 0x80;
+            let d = quantize_sym(&k[g * hd..(g + 1) * hd], K_MAX, |dd, q| {
+                let at = (dd / 2) * ps * 4 + slot * 4 + (dd % 2) * 2;
+                hb[at..at + 2].copy_from_slice(&(q as i16).to_le_bytes());
             });
             let ks = self.k_scale_offset() + slot * 4;
             hb[ks..ks + 4].copy_from_slice(&d.to_le_bytes());
             let vo = self.v_offset() + (slot / 4) * hd * 4 + slot % 4;
-            let d = quantize_i8_with(&v[g * hd..(g + 1) * hd], |dd, q| hb[vo + dd * 4] = q as u8);
+            let d = quantize_sym(&v[g * hd..(g + 1) * hd], 127, |dd, q| {
+                hb[vo + dd * 4] = q as i8 as u8
+            });
             let vs = self.v_scale_offset() + slot * 4;
             hb[vs..vs + 4].copy_from_slice(&d.to_le_bytes());
         }
@@ -136,8 +142,8 @@ impl KvLayout {
             return;
         }
         for hb in page.chunks_exact_mut(self.head_block_bytes()) {
-            for quad in 0..hd / 4 {
-                hb[quad * ps * 4 + from.min(ps) * 4..(quad + 1) * ps * 4].fill(0);
+            for pair in 0..hd / 2 {
+                hb[pair * ps * 4 + from.min(ps) * 4..(pair + 1) * ps * 4].fill(0);
             }
             let ks = self.k_scale_offset();
             hb[ks + from.min(ps) * 4..ks + ps * 4].fill(0);
@@ -172,25 +178,35 @@ impl KvLayout {
         } else {
             let d = scale(self.k_scale_offset() + slot * 4);
             (0..hd)
-                .map(|dd| (hb[(dd / 4) * ps * 4 + slot * 4 + dd % 4] ^ 0x80) as i8 as f32 * d)
+                .map(|dd| {
+                    let at = (dd / 2) * ps * 4 + slot * 4 + (dd % 2) * 2;
+                    i16::from_le_bytes([hb[at], hb[at + 1]]) as f32 * d
+                })
                 .collect()
         }
     }
 }
 
-/// Symmetric 8-bit quantization of `x` into `q` (same length): returns the scale
-/// `d = max|x| / 127` with `x ~= d * q`, round half away from zero (0 for a zero row).
-pub(crate) fn quantize_i8(x: &[f32], q: &mut [i8]) -> f32 {
-    quantize_i8_with(x, |i, v| q[i] = v)
+/// Largest magnitude of a stored K value (14 bits and a sign): with queries at
+/// most [`q_max`]`(hd)`, a score's integer dot product stays below `2^31`.
+pub(crate) const K_MAX: i32 = 16383;
+
+/// Largest magnitude of a quantized query for head dimension `hd`:
+/// `floor((2^31 - 1) / (K_MAX * hd))`, at most `i16::MAX` (2,047 for `hd` 64, 1,023
+/// for 128), so `sum_d q_d k_d` over `hd` dimensions is exact in `i32`.
+pub(crate) fn q_max(hd: usize) -> i32 {
+    (i32::MAX as i64 / (K_MAX as i64 * hd.max(1) as i64)).min(i16::MAX as i64) as i32
 }
 
-/// [`quantize_i8`] handing value `i` to `put(i, q_i)` instead of storing it.
-fn quantize_i8_with(x: &[f32], mut put: impl FnMut(usize, i8)) -> f32 {
+/// Symmetric quantization of `x` to integers in `-max..=max`, handing value `i` to
+/// `put(i, q_i)`: returns the scale `d = max|x| / max` with `x ~= d * q`, rounding
+/// half away from zero (0 for a zero row).
+pub(crate) fn quantize_sym(x: &[f32], max: i32, mut put: impl FnMut(usize, i32)) -> f32 {
     let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
-    let d = amax / 127.0;
+    let d = amax / max as f32;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
     for (i, &v) in x.iter().enumerate() {
-        put(i, (v * id).round() as i8);
+        put(i, ((v * id).round() as i32).clamp(-max, max));
     }
     d
 }
@@ -331,7 +347,8 @@ pub(crate) mod tests {
             for g in 0..2 {
                 for (x, back) in [(k, false), (v, true)] {
                     let x = &x[g * 8..(g + 1) * 8];
-                    let step = x.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+                    let max = if back { 127.0 } else { K_MAX as f32 };
+                    let step = x.iter().fold(0f32, |a, v| a.max(v.abs())) / max;
                     let got = layout.read_token(&page, 1, g, slot, back);
                     for (a, b) in x.iter().zip(&got) {
                         assert!((a - b).abs() <= step * 0.5 + 1e-6);
@@ -358,11 +375,14 @@ pub(crate) mod tests {
                 }
             }
         }
-        // Every byte the clear touched belongs to slots 4.. (K values, K scales, V
-        // values and scales, including the padding slots 6 and 7).
-        let changed = page.iter().zip(&before).filter(|(a, b)| a != b).count();
-        let per_head = 8 * 2 + 4 * 2 + 8 * 4 + 4 * 4;
-        assert_eq!(changed, 2 * 2 * per_head);
+        // The clear touched at most the bytes of slots 4.. (K values, K scales, V
+        // values and scales, including the padding slots 6 and 7), zeroing them; a
+        // few of layer 1's were zero already (high bytes of small K values).
+        let changed: Vec<usize> = (0..page.len()).filter(|&i| page[i] != before[i]).collect();
+        assert!(changed.iter().all(|&i| page[i] == 0));
+        let per_head = 2 * 8 * 2 + 4 * 2 + 8 * 4 + 4 * 4;
+        assert!(changed.len() <= 2 * 2 * per_head, "{}", changed.len());
+        assert!(changed.len() >= 2 * 2 * per_head - 8, "{}", changed.len());
     }
 
     #[test]

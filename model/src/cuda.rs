@@ -20,7 +20,7 @@
 //! equals the CPU's except at near-ties (bf16 weights against 8-bit activations).
 //!
 //! Per layer: RMSNorm -> bf16 -> GEMM (Q, K, V stacked) -> RoPE on Q and K ->
-//! `kv_store` (tag check, 8-bit K/V into the row's slot) -> paged attention (tag
+//! `kv_store` (tag check, 16-bit K and 8-bit V into the row's slot) -> paged attention (tag
 //! check per page) -> bf16 -> GEMM (output, accumulated into the residual) ->
 //! RMSNorm -> GEMM (gate, up) -> SwiGLU -> GEMM (down, accumulated).
 

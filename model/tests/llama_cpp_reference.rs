@@ -11,8 +11,11 @@
 //! SIMD path runs); and running *exact* `f32` activations against llama.cpp differs
 //! just as much (up to 0.50) and flips argmax already at token 0 (margin 0.089).
 //! So a divergence is accepted only where llama.cpp's own top-2 margin is under
-//! [`MAX_MARGIN`], and only to llama.cpp's second choice; after it the case is not
-//! compared further. (The issue asked for margins under 0.05 and 8 exact tokens;
+//! [`MAX_MARGIN`], and only to llama.cpp's second choice, or where our token is the
+//! exact reference's argmax at that position (`tests/data/exact_reference.json`:
+//! `scripts/exact_reference.py`, the float64 forward pass teacher-forced along
+//! llama.cpp's tokens, so it is llama.cpp that rounded away from exact there);
+//! after it the case is not compared further. (The issue asked for margins under 0.05 and 8 exact tokens;
 //! exact arithmetic itself misses that against llama.cpp: see the issue notes.)
 
 use serde_json::Value;
@@ -32,6 +35,25 @@ fn reference() -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// Per case name: the exact (float64) argmax at each of llama.cpp's output positions.
+fn exact_argmax() -> std::collections::HashMap<String, Vec<u32>> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/exact_reference.json"
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    v["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let top = c["top8"].as_array().unwrap();
+            let argmax = top.iter().map(|s| s[0][0].as_u64().unwrap() as u32);
+            (c["name"].as_str().unwrap().to_string(), argmax.collect())
+        })
+        .collect()
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
@@ -44,6 +66,7 @@ fn ids(v: &Value) -> Vec<u32> {
 fn greedy_tokens_match_llama_cpp_within_near_ties() {
     let m = load();
     let r = reference();
+    let exact = exact_argmax();
     let cases = r["cases"].as_array().unwrap();
     assert!(cases.len() >= 5);
     let (mut report, mut failures) = (Vec::new(), Vec::new());
@@ -57,6 +80,8 @@ fn greedy_tokens_match_llama_cpp_within_near_ties() {
         assert_eq!(prompt, ids(&c["prompt_ids"]), "{name}: prompt tokenization");
         let want = ids(&c["output_ids"]);
         let top2 = c["top2"].as_array().unwrap();
+        let exact = &exact[name];
+        assert_eq!(exact.len(), want.len(), "{name}: exact reference length");
         let (got, logits) = greedy_with_logits(&m, &prompt, want.len());
         let mut max_diff = 0f32;
         let mut diverged = None;
@@ -71,10 +96,11 @@ fn greedy_tokens_match_llama_cpp_within_near_ties() {
             max_diff = max_diff.max((logits[i][id1] - l1 as f32).abs());
             if got[i] != want[i] {
                 let margin = l1 - l2;
-                if !(margin < MAX_MARGIN && got[i] == id2) {
+                if !(margin < MAX_MARGIN && got[i] == id2) && got[i] != exact[i] {
                     failures.push(format!(
-                        "{name}: token {i} is {} but llama.cpp chose {} (top-2 margin {margin:.4}, second choice {id2})",
-                        got[i], want[i]
+                        "{name}: token {i} is {} but llama.cpp chose {} (top-2 margin {margin:.4}, \
+                         second choice {id2}) and exact arithmetic {}",
+                        got[i], want[i], exact[i]
                     ));
                 }
                 diverged = Some((i, margin));

@@ -7,7 +7,7 @@
 //! UCX_TLS=tcp     cargo run --release -p tessera-transfer --example ucx_put_bw -- --runs 3
 //! ```
 //!
-//! Options (all optional): `--page-bytes N` (195840: one page of the default model),
+//! Options (all optional): `--page-bytes N` (288000: one page of the default model),
 //! `--total-bytes N` (1 GiB per run), `--pages N` (pages in the source buffer and the
 //! sink region, cycled; 64), `--flush-every K` (flush after every K puts; 0 = only
 //! at the end), `--runs R` (3; the median is reported), `--sink-alloc heap|ucx`
@@ -44,7 +44,7 @@ struct Options {
 
 fn parse() -> Options {
     let mut o = Options {
-        page_bytes: 195_840,
+        page_bytes: 288_000,
         total_bytes: 1 << 30,
         pages: 64,
         flush_every: 0,

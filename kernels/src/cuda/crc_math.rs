@@ -104,9 +104,9 @@ mod tests {
     #[test]
     fn chunked_crc_equals_the_crc32c_crate() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
-        // The default model's page (195,840 bytes), odd sizes, sizes below the
+        // The default model's page (288,000 bytes), odd sizes, sizes below the
         // thread count (empty chunks) and the empty page.
-        for len in [195_840usize, 4096, 1000, 257, 255, 31, 1, 0] {
+        for len in [288_000usize, 4096, 1000, 257, 255, 31, 1, 0] {
             let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
             for threads in [256, 128, 7, 1] {
                 assert_eq!(

@@ -74,15 +74,15 @@ mod tests {
     #[test]
     fn pages_are_the_fraction_of_free_memory_over_page_plus_tag() {
         let l = smollm();
-        assert_eq!(l.page_bytes(), 195_840);
+        assert_eq!(l.page_bytes(), 288_000);
         // An H200 with 130 GiB free at fraction 0.9.
         let free = 130usize << 30;
         let pages = pool_pages(free, 0.9, &l).unwrap();
-        assert_eq!(pages, (free as f64 * 0.9) as usize / (195_840 + 24));
+        assert_eq!(pages, (free as f64 * 0.9) as usize / (288_000 + 24));
         assert!(pages * (l.page_bytes() + 24) <= (free as f64 * 0.9) as usize);
         assert!((pages + 1) * (l.page_bytes() + 24) > (free as f64 * 0.9) as usize);
-        // About 613k pages: 9.8M tokens, far over the 8,192-token context (I2).
-        assert!(pages * 16 > 9_000_000);
+        // About 436k pages: 7.0M tokens, far over the 8,192-token context (I2).
+        assert!(pages * 16 > 6_900_000);
     }
 
     #[test]
@@ -96,7 +96,7 @@ mod tests {
         }
         let e = pool_pages(100_000, 1.0, &l).unwrap_err();
         assert!(matches!(e, SizingError::NoPage { .. }));
-        assert!(e.to_string().contains("195840"), "{e}");
-        assert_eq!(pool_pages(195_864, 1.0, &l), Ok(1));
+        assert!(e.to_string().contains("288000"), "{e}");
+        assert_eq!(pool_pages(288_024, 1.0, &l), Ok(1));
     }
 }

@@ -39,7 +39,7 @@ pub enum PoolError {
 
 /// Fixed-size pool of KV pages with owner tags.
 ///
-/// Memory: `pages * layout.page_bytes()` bytes (8-bit K/V with per-token scales,
+/// Memory: `pages * layout.page_bytes()` bytes (16-bit K and 8-bit V with per-token scales,
 /// see [`KvLayout`]), allocated once at start.
 /// Allocation writes the owner's tag into the page; free bumps the page's epoch and
 /// clears the tag, so any block-table entry made before the free stops validating.

@@ -678,7 +678,7 @@ pub struct UcxSourceConfig {
 }
 
 impl Default for UcxSourceConfig {
-    /// 10 s per operation (a 195,840-byte page takes well under 1 ms on every
+    /// 10 s per operation (a 288,000-byte page takes well under 1 ms on every
     /// transport here), 2 s to close.
     fn default() -> Self {
         UcxSourceConfig {
