@@ -265,6 +265,22 @@ def mode_reference(args):
         # attention (its f16 V accumulation not emulated).
         "act8+kv16": {"act": lambda a: q8(a, 32),
                       "qkv": lambda q, k, v: (f16(q), f16(k), f16(v))},
+        # Which half of Tessera's rounding matters: 16-bit queries with 8-bit K/V,
+        # and 8-bit queries with 16-bit K/V.
+        "act8+q16kv8": {"act": lambda a: q8(a, 32),
+                        "qkv": lambda q, k, v: (f16(q), q8(k, k.shape[-1]), q8(v, v.shape[-1]))},
+        "act8+q8kv16": {"act": lambda a: q8(a, 32),
+                        "qkv": lambda q, k, v: (q8(q, q.shape[-1]), f16(k), f16(v))},
+        "act8+k8": {"act": lambda a: q8(a, 32),
+                    "qkv": lambda q, k, v: (q, q8(k, k.shape[-1]), v)},
+        "act8+v8": {"act": lambda a: q8(a, 32),
+                    "qkv": lambda q, k, v: (q, k, q8(v, v.shape[-1]))},
+        "act8+kv8b32": {"act": lambda a: q8(a, 32),
+                        "qkv": lambda q, k, v: (q8(q, q.shape[-1]), q8(k, 32), q8(v, 32))},
+        "act8+qkv8b32": {"act": lambda a: q8(a, 32),
+                         "qkv": lambda q, k, v: (q8(q, 32), q8(k, 32), q8(v, v.shape[-1]))},
+        "act8+q16k8b32": {"act": lambda a: q8(a, 32),
+                          "qkv": lambda q, k, v: (f16(q), q8(k, 32), q8(v, v.shape[-1]))},
     }[args.emulate]
 
     def window_nll(start, end):
@@ -367,7 +383,9 @@ def main():
                            help="also run this llama-perplexity binary (-c 2048)")
         if name == "reference":
             p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-            p.add_argument("--emulate", choices=["none", "act8", "act8+kv8", "act8+kv16"],
+            p.add_argument("--emulate", choices=["none", "act8", "act8+kv8", "act8+kv16", "act8+q16kv8",
+                                                 "act8+q8kv16", "act8+k8", "act8+v8", "act8+kv8b32",
+                                                 "act8+qkv8b32", "act8+q16k8b32"],
                            default="none", help="round like an engine (to attribute its "
                            "distance; not part of the reference)")
         if name == "tessera":
