@@ -117,7 +117,7 @@ mod tests {
         assert_eq!(g.head_bytes as usize, l.head_block_bytes());
         assert_eq!(
             (g.k_scale_off, g.v_off, g.v_scale_off),
-            (1024, 1024 + 64, 1024 + 64 + 1024)
+            (2048, 2048 + 64, 2048 + 64 + 1024)
         );
         assert_eq!(g.n_pages, 7);
     }
