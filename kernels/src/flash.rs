@@ -519,7 +519,9 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
                 at[g] = src.at(b);
                 let hb = src.data[at[g]..at[g] + geo.head_bytes].as_ptr();
                 for h in 0..halves {
-                    let mut isum = _mm256_setzero_si256();
+                    // Two accumulators (even and odd pairs): shorter dependent
+                    // chains, the same integer sum.
+                    let mut isum2 = [_mm256_setzero_si256(); 2];
                     for pair in 0..hd / 2 {
                         // SAFETY: the head block holds hd/2 rows of ps*4 K bytes;
                         // the row has hd / 2 query pairs.
@@ -529,8 +531,10 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
                                 _mm256_set1_epi32(std::ptr::read_unaligned(qq.add(pair))),
                             )
                         };
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(k, q2));
+                        let a = &mut isum2[pair % 2];
+                        *a = _mm256_add_epi32(*a, _mm256_madd_epi16(k, q2));
                     }
+                    let isum = _mm256_add_epi32(isum2[0], isum2[1]);
                     // SAFETY: ps K scales and ps V scales in the head block.
                     let (dk, v) = unsafe {
                         (
@@ -879,23 +883,30 @@ mod avx512 {
                 // is inside the pool; every load below stays inside it (masked to
                 // `ps` slots, V quads below slots4 / 4).
                 hb[gi] = unsafe { src.data.as_ptr().add(src.at(b0 + gi)) };
-                // Scores: 16 slots per register, 2 dimensions per vpdpwssd lane.
-                let mut acc = [_mm512_setzero_si512(); T];
+                // Scores: 16 slots per register, 2 dimensions per vpdpwssd lane;
+                // two accumulators per row (even and odd pairs) so that the
+                // dependent chains are half as long (integer sums: same result).
+                let mut acc = [[_mm512_setzero_si512(); 2]; T];
                 let mut kp = hb[gi];
-                for pair in 0..hd / 2 {
-                    // SAFETY: see `hb`; rows have hd query values (hd / 2 pairs).
-                    let k = unsafe { _mm512_maskz_loadu_epi32(lanes, kp.cast()) };
+                for pair in (0..hd / 2).step_by(2) {
+                    // SAFETY: see `hb`; rows have hd query values (hd / 2 pairs,
+                    // an even count since hd is a multiple of 16 here).
+                    let k: [__m512i; 2] = std::array::from_fn(|j| unsafe {
+                        _mm512_maskz_loadu_epi32(lanes, kp.add(j * ps * 4).cast())
+                    });
                     for t in 0..T {
-                        let q2 = unsafe { std::ptr::read_unaligned(qq[t].add(pair)) };
-                        acc[t] = _mm512_dpwssd_epi32(acc[t], k, _mm512_set1_epi32(q2));
+                        for j in 0..2 {
+                            let q2 = unsafe { std::ptr::read_unaligned(qq[t].add(pair + j)) };
+                            acc[t][j] = _mm512_dpwssd_epi32(acc[t][j], k[j], _mm512_set1_epi32(q2));
+                        }
                     }
-                    kp = kp.wrapping_add(ps * 4);
+                    kp = kp.wrapping_add(2 * ps * 4);
                 }
                 // SAFETY: see `hb`.
                 let dk = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.k_scale).cast()) };
                 dv[gi] = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.v_scale).cast()) };
                 for t in 0..T {
-                    let x = _mm512_cvtepi32_ps(acc[t]);
+                    let x = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[t][0], acc[t][1]));
                     let x = _mm512_mul_ps(x, _mm512_mul_ps(dq[t], dk));
                     s[t][gi] = _mm512_mask_blend_ps(valid[t][gi], neg_inf, x);
                 }
