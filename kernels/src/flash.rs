@@ -768,6 +768,27 @@ mod avx512 {
         _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n))
     }
 
+    /// `acc + a . b` over 16-bit pairs as one `vpdpwssd`. Written in assembly
+    /// because LLVM's generic tuning splits some `vpdpwssd`s into `vpmaddwd` +
+    /// `vpaddd` to shorten dependency chains; here the chains are already short and
+    /// the second instruction only takes issue slots from the score loop.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+        let mut acc = acc;
+        // SAFETY: a register-only instruction this function's features enable.
+        unsafe {
+            std::arch::asm!(
+                "vpdpwssd {acc}, {a}, {b}",
+                acc = inout(zmm_reg) acc,
+                a = in(zmm_reg) a,
+                b = in(zmm_reg) b,
+                options(pure, nomem, nostack, preserves_flags)
+            );
+        }
+        acc
+    }
+
     /// Sum of the 16 lanes in the order of [`reduce16`].
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -897,7 +918,7 @@ mod avx512 {
                     for t in 0..T {
                         for j in 0..2 {
                             let q2 = unsafe { std::ptr::read_unaligned(qq[t].add(pair + j)) };
-                            acc[t][j] = _mm512_dpwssd_epi32(acc[t][j], k[j], _mm512_set1_epi32(q2));
+                            acc[t][j] = dpwssd(acc[t][j], k[j], _mm512_set1_epi32(q2));
                         }
                     }
                     kp = kp.wrapping_add(2 * ps * 4);
@@ -975,20 +996,21 @@ mod avx512 {
                     o[t] = o[t].map(|x| _mm512_mul_ps(x, a));
                 }
             }
+            // Rows outer, slots inner: one row's 2 x NC integer sums stay in
+            // registers (all rows' sums at once spilled); V reloads hit L1.
             for gi in 0..npg {
-                let most = (0..T).map(|t| own[t][gi]).max().unwrap_or(0);
-                let mut acc = [[_mm512_setzero_si512(); NC]; T];
-                let mut acl = [[_mm512_setzero_si512(); NC]; T];
-                let mut vp = hb[gi].wrapping_add(geo.v_off);
-                for quad in 0..most.div_ceil(4) {
-                    // SAFETY: see `hb`.
-                    let v: [__m512i; NC] = std::array::from_fn(|c| unsafe {
-                        _mm512_loadu_si512(vp.add(c * 64).cast())
-                    });
-                    for t in 0..T {
-                        if own[t][gi] <= quad * 4 {
-                            continue;
-                        }
+                for t in 0..T {
+                    if own[t][gi] == 0 {
+                        continue;
+                    }
+                    let mut acc = [_mm512_setzero_si512(); NC];
+                    let mut acl = [_mm512_setzero_si512(); NC];
+                    let mut vp = hb[gi].wrapping_add(geo.v_off);
+                    for quad in 0..own[t][gi].div_ceil(4) {
+                        // SAFETY: see `hb`.
+                        let v: [__m512i; NC] = std::array::from_fn(|c| unsafe {
+                            _mm512_loadu_si512(vp.add(c * 64).cast())
+                        });
                         // SAFETY: quad < 4 within the 16-byte arrays.
                         let (h4, l4) = unsafe {
                             (
@@ -1000,24 +1022,15 @@ mod avx512 {
                         };
                         let (h4, l4) = (_mm512_set1_epi32(h4), _mm512_set1_epi32(l4));
                         for c in 0..NC {
-                            acc[t][c] = _mm512_dpbusd_epi32(acc[t][c], h4, v[c]);
-                            acl[t][c] = _mm512_dpbusd_epi32(acl[t][c], l4, v[c]);
+                            acc[c] = _mm512_dpbusd_epi32(acc[c], h4, v[c]);
+                            acl[c] = _mm512_dpbusd_epi32(acl[c], l4, v[c]);
                         }
-                    }
-                    vp = vp.wrapping_add(hd * 4);
-                }
-                for t in 0..T {
-                    for c in 0..NC {
-                        acc[t][c] = _mm512_add_epi32(_mm512_slli_epi32::<8>(acc[t][c]), acl[t][c]);
-                    }
-                }
-                for t in 0..T {
-                    if own[t][gi] == 0 {
-                        continue;
+                        vp = vp.wrapping_add(hd * 4);
                     }
                     let s = _mm512_set1_ps(sc[t][gi]);
                     for c in 0..NC {
-                        o[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][c]), s, o[t][c]);
+                        let a = _mm512_add_epi32(_mm512_slli_epi32::<8>(acc[c]), acl[c]);
+                        o[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, o[t][c]);
                     }
                 }
             }
