@@ -9,124 +9,19 @@
 //! deadline; nothing asserts how fast anything runs.
 
 mod common;
+#[path = "common/otlp.rs"]
+mod otlp;
 
-use axum::body::Bytes;
-use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
-use axum::routing::post;
 use common::*;
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
-use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, KeyValue};
-use prost::Message;
+use otlp::{Otlp, Span};
 use serde_json::{json, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-
-/// One span as the receiver got it.
-#[derive(Clone, Debug)]
-struct Span {
-    /// The exporting process's `service.name`.
-    service: String,
-    name: String,
-    trace_id: Vec<u8>,
-    span_id: Vec<u8>,
-    parent_span_id: Vec<u8>,
-    /// String and integer attributes, as strings.
-    attrs: HashMap<String, String>,
-}
-
-/// An OTLP/HTTP trace receiver on a loopback port: decodes every
-/// `ExportTraceServiceRequest` (protobuf) posted to `/v1/traces` and keeps its spans.
-struct Otlp {
-    addr: std::net::SocketAddr,
-    spans: Arc<Mutex<Vec<Span>>>,
-    /// Bodies that were not a valid protobuf export request.
-    bad: Arc<Mutex<Vec<String>>>,
-}
-
-type Received = (Arc<Mutex<Vec<Span>>>, Arc<Mutex<Vec<String>>>);
-
-fn value_text(v: &Option<AnyValue>) -> String {
-    match v.as_ref().and_then(|v| v.value.as_ref()) {
-        Some(any_value::Value::StringValue(s)) => s.clone(),
-        Some(any_value::Value::IntValue(i)) => i.to_string(),
-        Some(any_value::Value::BoolValue(b)) => b.to_string(),
-        Some(any_value::Value::DoubleValue(d)) => d.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
-fn attrs(kvs: &[KeyValue]) -> HashMap<String, String> {
-    kvs.iter()
-        .map(|kv| (kv.key.clone(), value_text(&kv.value)))
-        .collect()
-}
-
-async fn export(
-    State((spans, bad)): State<Received>,
-    body: Bytes,
-) -> impl axum::response::IntoResponse {
-    match ExportTraceServiceRequest::decode(body) {
-        Ok(req) => {
-            let mut got = spans.lock().unwrap();
-            for rs in req.resource_spans {
-                let service = rs
-                    .resource
-                    .as_ref()
-                    .and_then(|r| attrs(&r.attributes).remove("service.name"))
-                    .unwrap_or_default();
-                for ss in rs.scope_spans {
-                    for s in ss.spans {
-                        got.push(Span {
-                            service: service.clone(),
-                            name: s.name,
-                            trace_id: s.trace_id,
-                            span_id: s.span_id,
-                            parent_span_id: s.parent_span_id,
-                            attrs: attrs(&s.attributes),
-                        });
-                    }
-                }
-            }
-        }
-        Err(e) => bad.lock().unwrap().push(e.to_string()),
-    }
-    (
-        [(CONTENT_TYPE, "application/x-protobuf")],
-        ExportTraceServiceResponse::default().encode_to_vec(),
-    )
-}
-
-impl Otlp {
-    async fn start() -> Self {
-        let spans = Arc::new(Mutex::new(Vec::new()));
-        let bad = Arc::new(Mutex::new(Vec::new()));
-        let app = axum::Router::new()
-            .route("/v1/traces", post(export))
-            .with_state((spans.clone(), bad.clone()));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        Self { addr, spans, bad }
-    }
-
-    /// What `OTEL_EXPORTER_OTLP_ENDPOINT` is set to (the exporter appends
-    /// `/v1/traces`).
-    fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    fn spans(&self) -> Vec<Span> {
-        self.spans.lock().unwrap().clone()
-    }
-}
 
 /// Spawns `tessera ARGS` with `RUST_LOG` and every `OTEL_*` variable removed and
 /// `env` set (stdout piped, stderr to `log`); reads stdout until a line satisfies
@@ -341,7 +236,7 @@ async fn one_request_is_one_trace_across_the_gateway_and_both_nodes() {
     terminate(&mut prefill, "the prefill node", dir.path()).await;
     terminate(&mut decode, "the decode node", dir.path()).await;
 
-    let bad = otlp.bad.lock().unwrap().clone();
+    let bad = otlp.bad();
     assert!(bad.is_empty(), "undecodable export requests: {bad:?}");
     let spans = otlp.spans();
     let roots: Vec<&Span> = spans.iter().filter(|s| s.name == "request").collect();
