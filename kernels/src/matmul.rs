@@ -360,11 +360,17 @@ impl QMatrix {
             while i < x.n {
                 let take = (x.n - i).min(GROUP);
                 self.panel(t0..t1, x, i, take, |r, j0, v| {
-                    // SAFETY: row i + r, columns j0..j0 + v.len() are in bounds and
-                    // owned by this chunk (its tiles).
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut(ptr.at((i + r) * rows + j0), v.len())
-                    };
+                    let at = ptr.at((i + r) * rows + j0);
+                    // A whole tile as one fixed-size copy (a slice copy of a
+                    // run-time length was a `memcpy` call per tile and row).
+                    if let Ok(full) = <&[f32; TILE]>::try_from(v) {
+                        // SAFETY: row i + r, columns j0..j0 + TILE are in bounds and
+                        // owned by this chunk (its tiles).
+                        unsafe { at.cast::<[f32; TILE]>().write_unaligned(*full) };
+                        return;
+                    }
+                    // SAFETY: as above, for the last tile's v.len() columns.
+                    let o = unsafe { std::slice::from_raw_parts_mut(at, v.len()) };
                     o.copy_from_slice(v);
                 });
                 i += take;
