@@ -202,23 +202,50 @@ pub(crate) fn q_max(hd: usize) -> i32 {
 /// `put(i, q_i)`: returns the scale `d = max|x| / max` with `x ~= d * q`, rounding
 /// half away from zero (0 for a zero row).
 pub(crate) fn quantize_sym(x: &[f32], max: i32, mut put: impl FnMut(usize, i32)) -> f32 {
-    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
-    let d = amax / max as f32;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let (d, id) = sym_scale(x, max);
     for (i, &v) in x.iter().enumerate() {
-        put(i, round_half_away(v * id).clamp(-max, max));
+        put(i, round_clamp(v * id, max));
     }
     d
 }
 
-/// `x.round() as i32` (half away from zero, NaN to 0) for `|x| < 2^31`, without
-/// the `roundf` library call `f32::round` compiles to on baseline x86-64 (it was
-/// a few percent of prefill). The fraction `x - trunc(x)` is exact in `f32`, so
-/// the result equals `roundf`'s bit for bit (the CUDA `kv_store` uses `roundf`).
+/// [`quantize_sym`] into a contiguous `i16` row (`out.len() == x.len()`,
+/// `max <= i16::MAX`): the same integers, in a loop the compiler vectorizes
+/// (the query rows of attention, once per unit of work).
 #[inline(always)]
-pub(crate) fn round_half_away(x: f32) -> i32 {
-    let t = x as i32;
-    let f = x - t as f32;
+pub(crate) fn quantize_sym_i16(x: &[f32], max: i32, out: &mut [i16]) -> f32 {
+    assert_eq!(x.len(), out.len(), "quantize_sym_i16 shapes");
+    debug_assert!(max <= i32::from(i16::MAX));
+    let (d, id) = sym_scale(x, max);
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = round_clamp(v * id, max) as i16;
+    }
+    d
+}
+
+/// `(d, 1 / d)` of [`quantize_sym`], with `1 / d` 0 for an all-zero row.
+#[inline(always)]
+fn sym_scale(x: &[f32], max: i32) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    let d = amax / max as f32;
+    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
+}
+
+/// `(x.round() as i32).clamp(-max, max)` (half away from zero; NaN to 0,
+/// infinities to `±max`) for `0 <= max < 2^24`, without the `roundf` library call
+/// `f32::round` compiles to on baseline x86-64 (it was a few percent of prefill),
+/// and in a form loops vectorize. Clamping first in `f32` gives the same integer
+/// (`max` is exact in `f32`), and the fraction `y - trunc(y)` is exact, so the
+/// result equals `roundf`'s bit for bit (the CUDA `kv_store` uses `roundf`).
+/// A tiny nonzero row makes `1 / d` infinite; its values land on `±max` here.
+#[inline(always)]
+pub(crate) fn round_clamp(x: f32, max: i32) -> i32 {
+    debug_assert!((0..1 << 24).contains(&max));
+    let m = max as f32;
+    let y = if x.is_nan() { 0.0 } else { x.clamp(-m, m) };
+    // SAFETY: `y` is finite and |y| <= max < 2^24.
+    let t = unsafe { y.to_int_unchecked::<i32>() };
+    let f = y - t as f32;
     t + i32::from(f >= 0.5) - i32::from(f <= -0.5)
 }
 
@@ -410,7 +437,24 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn round_half_away_equals_roundf() {
+    fn a_denormal_row_quantizes_to_the_ends_without_overflow() {
+        // d = amax / max is denormal and 1 / d infinite: every nonzero value
+        // scales to an infinity (the old integer rounding overflowed here).
+        let x = [1e-40f32, 0.0, -1e-40, 5e-41];
+        let mut q = [0i32; 4];
+        let d = quantize_sym(&x, 127, |i, v| q[i] = v);
+        assert!(d > 0.0);
+        assert_eq!(q, [127, 0, -127, 127]);
+        let mut q16 = [0i16; 4];
+        assert_eq!(
+            quantize_sym_i16(&x, 2047, &mut q16).to_bits(),
+            (1e-40f32 / 2047.0).to_bits()
+        );
+        assert_eq!(q16, [2047, 0, -2047, 2047]);
+    }
+
+    #[test]
+    fn round_clamp_equals_roundf_then_clamp() {
         let mut vals = vec![
             0.0f32,
             -0.0,
@@ -432,6 +476,9 @@ pub(crate) mod tests {
             -2.1e9,
             f32::NAN,
             f32::MIN_POSITIVE,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
         ];
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         vals.extend((0..200_000).map(|_| rng.random_range(-20_000.0f32..20_000.0)));
@@ -445,7 +492,13 @@ pub(crate) mod tests {
             ]);
         }
         for v in vals {
-            assert_eq!(round_half_away(v), v.round() as i32, "{v:e}");
+            for max in [127, 2047, 32767, (1 << 24) - 1] {
+                assert_eq!(
+                    round_clamp(v, max),
+                    (v.round() as i32).clamp(-max, max),
+                    "{v:e} {max}"
+                );
+            }
         }
     }
 }
