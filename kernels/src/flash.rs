@@ -32,7 +32,7 @@
 
 use crate::isa::{isa, Isa};
 use crate::page::{
-    q_max, quantize_sym, verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv,
+    q_max, quantize_sym_i16, verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv,
 };
 
 /// Keys per chunk (rounded down to whole pages, at least one page).
@@ -238,7 +238,7 @@ pub(crate) fn run(
             let (t, h) = (u.t0 + i / group, u.g * group + i % group);
             let q = &job.q[t * row + h * hd..t * row + (h + 1) * hd];
             let qq = &mut rows.qq[i * hd..(i + 1) * hd];
-            rows.dq[i] = quantize_sym(q, qmax, |d, v| qq[d] = v as i16) * scale;
+            rows.dq[i] = quantize_query(q, qmax, qq) * scale;
             rows.nk[i] = job.n_keys[t];
         }
         rows
@@ -324,8 +324,42 @@ pub(crate) fn run(
     results
 }
 
+/// [`quantize_sym_i16`] of one query row, vectorized with AVX2 where the machine
+/// has it (baseline x86-64 keeps the saturating float-to-int casts scalar).
+fn quantize_query(q: &[f32], qmax: i32, out: &mut [i16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() != Isa::Scalar {
+        #[target_feature(enable = "avx2,fma,sse4.1")]
+        unsafe fn avx2(q: &[f32], qmax: i32, out: &mut [i16]) -> f32 {
+            quantize_sym_i16(q, qmax, out)
+        }
+        // SAFETY: `isa()` verified AVX2 and FMA.
+        return unsafe { avx2(q, qmax, out) };
+    }
+    quantize_sym_i16(q, qmax, out)
+}
+
 /// Folds chunk state `c` (keys after those of `t`) into `t`, row by row.
 fn merge(t: &mut State, c: &State, hd: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if isa() != Isa::Scalar {
+        // SAFETY: `isa()` verified FMA (and SSE4.1 with it).
+        return unsafe { merge_fma(t, c, hd) };
+    }
+    merge_rows(t, c, hd);
+}
+
+/// [`merge_rows`] with hardware FMA and rounding, instead of the `fmaf` and
+/// `rintf` library calls that baseline x86-64 compiles `exp2` to: the same
+/// correctly rounded results.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma,sse4.1")]
+unsafe fn merge_fma(t: &mut State, c: &State, hd: usize) {
+    merge_rows(t, c, hd);
+}
+
+#[inline(always)]
+fn merge_rows(t: &mut State, c: &State, hd: usize) {
     for i in 0..t.m.len() {
         if c.m[i] == f32::NEG_INFINITY {
             continue;
@@ -431,9 +465,10 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => unsafe {
                 if geo.hd == 64 {
-                    // 8 rows per pass over a page: K and V bytes per row halve
-                    // against 4 (attention_speed prefill about 8 % faster).
-                    avx512::chunk::<8, 4>(src, rows, pages, &mut st)
+                    // 16 rows per pass over a page (a unit's 48 rows in three):
+                    // each page's K and V bytes serve more rows (attention_speed
+                    // prefill: 8 rows were about 8 % faster than 4, 16 another 7 %).
+                    avx512::chunk::<16, 4>(src, rows, pages, &mut st)
                 } else {
                     avx512::chunk::<2, 8>(src, rows, pages, &mut st)
                 }
@@ -774,18 +809,26 @@ mod avx512 {
     /// because LLVM's generic tuning splits some `vpdpwssd`s into `vpmaddwd` +
     /// `vpaddd` to shorten dependency chains; here the chains are already short and
     /// the second instruction only takes issue slots from the score loop.
+    ///
+    /// The second operand is the 32-bit pair at `b.add(i)`, broadcast by the
+    /// instruction's memory form: one fused uop instead of a broadcast load and a
+    /// register `vpdpwssd`.
+    ///
+    /// # Safety
+    /// `b.add(i)` must be readable for 4 bytes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512vnni")]
-    fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    unsafe fn dpwssd_bcst(acc: __m512i, a: __m512i, b: *const i32, i: usize) -> __m512i {
         let mut acc = acc;
-        // SAFETY: a register-only instruction this function's features enable.
+        // SAFETY: the caller guarantees the 4-byte read; the features are enabled.
         unsafe {
             std::arch::asm!(
-                "vpdpwssd {acc}, {a}, {b}",
+                "vpdpwssd {acc}, {a}, dword ptr [{b} + {i} * 4]{{1to16}}",
                 acc = inout(zmm_reg) acc,
                 a = in(zmm_reg) a,
-                b = in(zmm_reg) b,
-                options(pure, nomem, nostack, preserves_flags)
+                b = in(reg) b,
+                i = in(reg) i,
+                options(pure, readonly, nostack, preserves_flags)
             );
         }
         acc
@@ -802,26 +845,17 @@ mod avx512 {
         _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)))
     }
 
-    /// The maximum of each of up to 4 registers (exact, so it equals one
+    /// The maximum of each of up to 16 registers (exact, so it equals one
     /// `_mm512_reduce_max_ps` per register), sharing the shuffles.
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn reduce_max_rows<const T: usize>(v: [__m512; T]) -> [f32; T] {
-        debug_assert!(T <= 8);
+        debug_assert!(T <= 16);
+        if T > 8 {
+            return split_max_rows::<T, 8>(v);
+        }
         if T > 4 {
-            let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-            let a = reduce_max_rows::<4>(std::array::from_fn(|i| v[i]));
-            let b =
-                reduce_max_rows::<4>(std::array::from_fn(
-                    |i| {
-                        if 4 + i < T {
-                            v[4 + i]
-                        } else {
-                            ninf
-                        }
-                    },
-                ));
-            return std::array::from_fn(|t| if t < 4 { a[t] } else { b[t - 4] });
+            return split_max_rows::<T, 4>(v);
         }
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         let r = |i: usize| if i < T { v[i] } else { ninf };
@@ -846,6 +880,19 @@ mod avx512 {
         std::array::from_fn(|t| out[4 * t])
     }
 
+    /// [`reduce_max_rows`] of `T <= 2 H` registers as two of `H` (the second
+    /// padded with `-inf`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn split_max_rows<const T: usize, const H: usize>(v: [__m512; T]) -> [f32; T] {
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let a = reduce_max_rows::<H>(std::array::from_fn(|i| v[i]));
+        let b = reduce_max_rows::<H>(std::array::from_fn(
+            |i| if H + i < T { v[H + i] } else { ninf },
+        ));
+        std::array::from_fn(|t| if t < H { a[t] } else { b[t - H] })
+    }
+
     /// `T` rows at a time (`NC = hd / 16` output registers per row); every row's
     /// instructions are the same whatever `T` and its tile mates are.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
@@ -863,6 +910,7 @@ mod avx512 {
                 2 => tile::<2, NC>(src, rows, pages.clone(), st, i),
                 3 if T >= 3 => tile::<3, NC>(src, rows, pages.clone(), st, i),
                 4..=7 if T >= 8 => tile::<4, NC>(src, rows, pages.clone(), st, i),
+                8..=15 if T >= 16 => tile::<8, NC>(src, rows, pages.clone(), st, i),
                 _ => tile::<T, NC>(src, rows, pages.clone(), st, i),
             };
         }
@@ -921,9 +969,12 @@ mod avx512 {
                 // is inside the pool; every load below stays inside it (masked to
                 // `ps` slots, V quads below slots4 / 4).
                 hb[gi] = unsafe { src.data.as_ptr().add(src.at(b0 + gi)) };
-                // Scores: 16 slots per register, 2 dimensions per vpdpwssd lane;
-                // two accumulators per row (even and odd pairs) so that the
-                // dependent chains are half as long (integer sums: same result).
+                // Scores: 16 slots per register, 2 dimensions per vpdpwssd lane.
+                // Below 16 rows, two accumulators per row (even and odd pairs)
+                // halve the dependent chains; from 16 rows on, 16 chains already
+                // hide the latency and 32 accumulators would not fit the
+                // registers (integer sums: the same result either way).
+                let chains = if T >= 16 { 1 } else { 2 };
                 let mut acc = [[_mm512_setzero_si512(); 2]; T];
                 let mut kp = hb[gi];
                 for pair in (0..hd / 2).step_by(2) {
@@ -933,9 +984,10 @@ mod avx512 {
                         _mm512_maskz_loadu_epi32(lanes, kp.add(j * ps * 4).cast())
                     });
                     for t in 0..T {
-                        for j in 0..2 {
-                            let q2 = unsafe { std::ptr::read_unaligned(qq[t].add(pair + j)) };
-                            acc[t][j] = dpwssd(acc[t][j], k[j], _mm512_set1_epi32(q2));
+                        for (j, &kj) in k.iter().enumerate() {
+                            let a = j % chains;
+                            // SAFETY: pair + j < hd / 2 pairs of row t.
+                            acc[t][a] = unsafe { dpwssd_bcst(acc[t][a], kj, qq[t], pair + j) };
                         }
                     }
                     kp = kp.wrapping_add(2 * ps * 4);
@@ -1013,42 +1065,39 @@ mod avx512 {
                     o[t] = o[t].map(|x| _mm512_mul_ps(x, a));
                 }
             }
-            // Rows outer, slots inner: one row's 2 x NC integer sums stay in
-            // registers (all rows' sums at once spilled); V reloads hit L1.
+            // Rows outer, slots inner: R rows' 2 x NC integer sums stay in
+            // registers (all rows' sums at once spilled), and each V load serves
+            // R rows. A row visits the quads of its mate's keys too: its weights
+            // there are 0, so its integer sums are the same.
+            macro_rules! pv {
+                ($r:expr, $t0:expr, $gi:expr, $v0:expr) => {{
+                    let rows: [usize; $r] = std::array::from_fn(|k| $t0 + k);
+                    let out = pv_rows::<$r, NC>(
+                        $v0,
+                        hd,
+                        rows.map(|t| &u[t][$gi]),
+                        rows.map(|t| &ul[t][$gi]),
+                        rows.map(|t| own[t][$gi]),
+                        rows.map(|t| sc[t][$gi]),
+                        rows.map(|t| o[t]),
+                    );
+                    for (k, ot) in out.into_iter().enumerate() {
+                        o[$t0 + k] = ot;
+                    }
+                    $r
+                }};
+            }
             for gi in 0..npg {
-                for t in 0..T {
-                    if own[t][gi] == 0 {
-                        continue;
-                    }
-                    let mut acc = [_mm512_setzero_si512(); NC];
-                    let mut acl = [_mm512_setzero_si512(); NC];
-                    let mut vp = hb[gi].wrapping_add(geo.v_off);
-                    for quad in 0..own[t][gi].div_ceil(4) {
-                        // SAFETY: see `hb`.
-                        let v: [__m512i; NC] = std::array::from_fn(|c| unsafe {
-                            _mm512_loadu_si512(vp.add(c * 64).cast())
-                        });
-                        // SAFETY: quad < 4 within the 16-byte arrays.
-                        let (h4, l4) = unsafe {
-                            (
-                                std::ptr::read_unaligned(u[t][gi].as_ptr().cast::<i32>().add(quad)),
-                                std::ptr::read_unaligned(
-                                    ul[t][gi].as_ptr().cast::<i32>().add(quad),
-                                ),
-                            )
-                        };
-                        let (h4, l4) = (_mm512_set1_epi32(h4), _mm512_set1_epi32(l4));
-                        for c in 0..NC {
-                            acc[c] = _mm512_dpbusd_epi32(acc[c], h4, v[c]);
-                            acl[c] = _mm512_dpbusd_epi32(acl[c], l4, v[c]);
-                        }
-                        vp = vp.wrapping_add(hd * 4);
-                    }
-                    let s = _mm512_set1_ps(sc[t][gi]);
-                    for c in 0..NC {
-                        let a = _mm512_add_epi32(_mm512_slli_epi32::<8>(acc[c]), acl[c]);
-                        o[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, o[t][c]);
-                    }
+                let v0 = hb[gi].wrapping_add(geo.v_off);
+                let mut t0 = 0;
+                while t0 < T {
+                    // Two rows per V load where their 4 x NC sums fit the
+                    // registers (three rows measured no faster). `v0` is the V
+                    // block of a head block inside the pool (see `hb`).
+                    t0 += match (NC, T - t0) {
+                        (..=4, 2..) => pv!(2, t0, gi, v0),
+                        _ => pv!(1, t0, gi, v0),
+                    };
                 }
             }
             b0 = b1;
@@ -1062,5 +1111,65 @@ mod avx512 {
             }
         }
         T
+    }
+
+    /// `o[r] + sc[r] * sum_j (256 u_j + ul_j) v_j` for `R` rows over the V block
+    /// at `v0` (the page's `hd * 16` bytes, 4 slots per 32-bit lane); a row with
+    /// no keys in the page (`own` 0) is returned unchanged. The quads visited are
+    /// those of the row with most keys; a row's weights beyond its keys are 0, so
+    /// its integer sums do not depend on its mates.
+    ///
+    /// # Safety
+    /// `v0` must point at the V bytes of a head block inside the pool.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn pv_rows<const R: usize, const NC: usize>(
+        v0: *const u8,
+        hd: usize,
+        u: [&[u8; 16]; R],
+        ul: [&[u8; 16]; R],
+        own: [usize; R],
+        sc: [f32; R],
+        mut o: [[__m512; NC]; R],
+    ) -> [[__m512; NC]; R] {
+        let quads = own.iter().max().copied().unwrap_or(0).div_ceil(4);
+        if quads == 0 {
+            return o;
+        }
+        let mut acc = [[_mm512_setzero_si512(); NC]; R];
+        let mut acl = [[_mm512_setzero_si512(); NC]; R];
+        let mut vp = v0;
+        for quad in 0..quads {
+            // SAFETY: the caller's V block holds 4 quads of hd * 4 bytes.
+            let v: [__m512i; NC] =
+                std::array::from_fn(|c| unsafe { _mm512_loadu_si512(vp.add(c * 64).cast()) });
+            for r in 0..R {
+                // SAFETY: quad < 4 within the 16-byte arrays.
+                let (h4, l4) = unsafe {
+                    (
+                        std::ptr::read_unaligned(u[r].as_ptr().cast::<i32>().add(quad)),
+                        std::ptr::read_unaligned(ul[r].as_ptr().cast::<i32>().add(quad)),
+                    )
+                };
+                let (h4, l4) = (_mm512_set1_epi32(h4), _mm512_set1_epi32(l4));
+                for c in 0..NC {
+                    acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], h4, v[c]);
+                    acl[r][c] = _mm512_dpbusd_epi32(acl[r][c], l4, v[c]);
+                }
+            }
+            vp = vp.wrapping_add(hd * 4);
+        }
+        for r in 0..R {
+            if own[r] == 0 {
+                continue;
+            }
+            let s = _mm512_set1_ps(sc[r]);
+            for c in 0..NC {
+                let a = _mm512_add_epi32(_mm512_slli_epi32::<8>(acc[r][c]), acl[r][c]);
+                o[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, o[r][c]);
+            }
+        }
+        o
     }
 }
