@@ -1,8 +1,11 @@
 //! Speed of the paged attention kernel alone, for kernel work (not a benchmark
 //! of record: `tessera bench` is). Prefill of a `CTX`-token prompt in 512-token
-//! chunks with the default model's shape (9 heads, 3 KV heads, head_dim 64, one
-//! layer), then decode rows at that context:
-//! `cargo run --release -p tessera-kernels --example attention_speed -- 6000`.
+//! chunks with the default model's shape (9 heads, 3 KV heads, head_dim 64), then
+//! decode rows at that context:
+//! `cargo run --release -p tessera-kernels --example attention_speed -- 6000 [LAYERS]`.
+//! The pages hold `LAYERS` layers (default 30, the model's: consecutive pages of
+//! one layer's head block are 288 KiB apart, as in the server) and the kernel reads
+//! the middle one; `1` packs them 9.4 KiB apart.
 //! With `TESSERA_THREADS=1` the figures are also given per CPU second of the
 //! calling thread, which other processes on a shared machine do not inflate.
 
@@ -26,8 +29,12 @@ fn main() {
     let ctx: usize = std::env::args()
         .nth(1)
         .map_or(6000, |a| a.parse().expect("CTX"));
+    let layers: usize = std::env::args()
+        .nth(2)
+        .map_or(30, |a| a.parse().expect("LAYERS"));
+    let layer = layers / 2;
     let layout = KvLayout {
-        layers: 1,
+        layers,
         page_size: 16,
         kv_heads: 3,
         head_dim: 64,
@@ -44,7 +51,7 @@ fn main() {
         let k: Vec<f32> = (0..192).map(|_| rnd()).collect();
         let v: Vec<f32> = (0..192).map(|_| rnd()).collect();
         let p = t / 16;
-        layout.write_token(&mut data[p * pb..(p + 1) * pb], 0, t % 16, &k, &v);
+        layout.write_token(&mut data[p * pb..(p + 1) * pb], layer, t % 16, &k, &v);
     }
     let tag = |b: u32| PageTag {
         tenant: 1,
@@ -63,7 +70,7 @@ fn main() {
         layout: &layout,
         data: &data,
         tags: &tags,
-        layer: 0,
+        layer,
     };
     let row = 9 * 64;
     let q: Vec<f32> = (0..512 * row).map(|_| rnd() * 3.0).collect();
@@ -113,7 +120,7 @@ fn main() {
     println!(
         "decode at {ctx}: {:.1} us per layer, {:.1} GB/s of KV; {:.1} us per CPU",
         s * 1e6,
-        (pages * pb) as f64 / s / 1e9,
+        (pages * layout.kv_heads * layout.head_block_bytes()) as f64 / s / 1e9,
         cpu * 1e6
     );
 }
