@@ -1141,11 +1141,12 @@ mod avx512 {
         let mut acl = [[_mm512_setzero_si512(); NC]; R];
         let mut vp = v0;
         for quad in 0..quads {
-            // SAFETY: the caller's V block holds 4 quads of hd * 4 bytes.
+            // SAFETY: quads <= ceil(page_size / 4), the quads of hd * 4 bytes
+            // the caller's V block holds (`own` is at most the page size).
             let v: [__m512i; NC] =
                 std::array::from_fn(|c| unsafe { _mm512_loadu_si512(vp.add(c * 64).cast()) });
             for r in 0..R {
-                // SAFETY: quad < 4 within the 16-byte arrays.
+                // SAFETY: quad < 4 (page size <= 16) within the 16-byte arrays.
                 let (h4, l4) = unsafe {
                     (
                         std::ptr::read_unaligned(u[r].as_ptr().cast::<i32>().add(quad)),
