@@ -942,15 +942,14 @@ mod avx512 {
         let mut b0 = pages.start;
         while b0 < pages.end {
             let b1 = (b0 + GP).min(pages.end);
-            let own: [[usize; GP]; T] = std::array::from_fn(|t| {
-                std::array::from_fn(|gi| {
-                    if b0 + gi < b1 {
-                        own_keys(nk[t], b0 + gi, ps)
-                    } else {
-                        0
-                    }
-                })
-            });
+            // Plain loops, not `from_fn` closures: a closure does not inherit
+            // the target features, so it was not inlined (a call per entry).
+            let mut own = [[0usize; GP]; T];
+            for (t, ot) in own.iter_mut().enumerate() {
+                for (gi, o) in ot.iter_mut().enumerate().take(b1 - b0) {
+                    *o = own_keys(nk[t], b0 + gi, ps);
+                }
+            }
             // Pages of the group that some row of the tile reads.
             let npg = (0..GP)
                 .take_while(|&gi| (0..T).any(|t| own[t][gi] > 0))
@@ -958,9 +957,12 @@ mod avx512 {
             if npg == 0 {
                 break;
             }
-            let valid: [[__mmask16; GP]; T] = std::array::from_fn(|t| {
-                std::array::from_fn(|gi| ((1u32 << own[t][gi]) - 1) as u16)
-            });
+            let mut valid = [[0 as __mmask16; GP]; T];
+            for (vt, ot) in valid.iter_mut().zip(&own) {
+                for (v, &o) in vt.iter_mut().zip(ot) {
+                    *v = ((1u32 << o) - 1) as u16;
+                }
+            }
             let mut hb = [std::ptr::null::<u8>(); GP];
             let mut s = [[neg_inf; GP]; T];
             let mut dv = [_mm512_setzero_ps(); GP];

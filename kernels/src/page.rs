@@ -226,7 +226,20 @@ pub(crate) fn quantize_sym_i16(x: &[f32], max: i32, out: &mut [i16]) -> f32 {
 /// `(d, 1 / d)` of [`quantize_sym`], with `1 / d` 0 for an all-zero row.
 #[inline(always)]
 fn sym_scale(x: &[f32], max: i32) -> (f32, f32) {
-    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    // 16 running maxima, so the loop vectorizes (a max is exact: any order
+    // gives the same value; NaNs are skipped either way).
+    let mut lanes = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in lanes.iter_mut().zip(c) {
+            *a = a.max(v.abs());
+        }
+    }
+    let amax = chunks
+        .remainder()
+        .iter()
+        .chain(&lanes)
+        .fold(0f32, |a, &v| a.max(v.abs()));
     let d = amax / max as f32;
     (d, if d > 0.0 { 1.0 / d } else { 0.0 })
 }
@@ -246,7 +259,10 @@ pub(crate) fn round_clamp(x: f32, max: i32) -> i32 {
     // SAFETY: `y` is finite and |y| <= max < 2^24.
     let t = unsafe { y.to_int_unchecked::<i32>() };
     let f = y - t as f32;
-    t + i32::from(f >= 0.5) - i32::from(f <= -0.5)
+    // Wrapping (|t| < 2^24 cannot overflow): the release profile's overflow
+    // checks would otherwise keep callers' loops scalar.
+    t.wrapping_add(i32::from(f >= 0.5))
+        .wrapping_sub(i32::from(f <= -0.5))
 }
 
 /// A page's tag differs from the one its block table expects.
