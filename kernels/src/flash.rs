@@ -933,6 +933,7 @@ mod avx512 {
         let qq: [*const i32; T] =
             std::array::from_fn(|t| rows.qq[(i0 + t) * hd..].as_ptr().cast::<i32>());
         let nk: [usize; T] = std::array::from_fn(|t| rows.nk[i0 + t]);
+        let nk_max = nk.iter().copied().max().unwrap_or(0);
         let dq: [__m512; T] = std::array::from_fn(|t| _mm512_set1_ps(rows.dq[i0 + t]));
         let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
         // A chunk starts from the empty state (m = -inf, l = 0, o = 0).
@@ -979,7 +980,21 @@ mod avx512 {
                 let chains = if T >= 16 { 1 } else { 2 };
                 let mut acc = [[_mm512_setzero_si512(); 2]; T];
                 let mut kp = hb[gi];
+                // The next page's K, one line per load here, so it is in L1
+                // when its turn comes (the head blocks of consecutive pages are
+                // a page stride apart: the hardware prefetchers restart).
+                let nb = b0 + gi + 1;
+                let mut np = if nb < pages.end && nb * ps < nk_max {
+                    src.data.as_ptr().wrapping_add(src.at(nb))
+                } else {
+                    std::ptr::null()
+                };
                 for pair in (0..hd / 2).step_by(2) {
+                    if !np.is_null() {
+                        _mm_prefetch::<_MM_HINT_T0>(np.cast());
+                        _mm_prefetch::<_MM_HINT_T0>(np.wrapping_add(64).cast());
+                        np = np.wrapping_add(2 * ps * 4);
+                    }
                     // SAFETY: see `hb`; rows have hd query values (hd / 2 pairs,
                     // an even count since hd is a multiple of 16 here).
                     let k: [__m512i; 2] = std::array::from_fn(|j| unsafe {
