@@ -61,13 +61,16 @@ def load(path, dtype=np.float64):
     return cfg, emb, out, w("output_norm.weight"), layers
 
 
-def forward(model, tokens, act=None, qkv=None):
+def forward(model, tokens, act=None, qkv=None, probs=None):
     """Logits [len(tokens), vocab] of a causal pass over `tokens`, every
     activation in the weights' dtype (float64 or float32).
 
     Hooks to emulate an engine's rounding (scripts/perplexity.py --emulate):
     `act(x)` is applied to every matmul input, `qkv(q, k, v)` to the attention
-    inputs after RoPE; by default neither changes anything."""
+    inputs after RoPE, `probs(p, v)` to one head's unnormalized probabilities
+    [queries, keys] (its V [keys, hd] given) before the product with V, the
+    sum staying that of the unrounded ones (as in kernels/src/flash.rs); by
+    default none changes anything."""
     act = act or (lambda a: a)
     cfg, emb, out, out_norm, layers = model
     dt = emb.dtype
@@ -104,7 +107,10 @@ def forward(model, tokens, act=None, qkv=None):
         for hh in range(nh):
             s = q[:, hh] @ k[:, hh // g].T / sqrt_hd + mask
             s = np.exp(s - s.max(-1, keepdims=True))
-            att[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, hh // g]
+            if probs:
+                att[:, hh] = (probs(s, v[:, hh // g]) @ v[:, hh // g]) / s.sum(-1, keepdims=True)
+            else:
+                att[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, hh // g]
         x = x + act(att.reshape(n, d)) @ L["attn_output"].T
         h = act(norm(x, L["ffn_norm"]))
         gate, up = h @ L["ffn_gate"].T, h @ L["ffn_up"].T

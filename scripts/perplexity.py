@@ -248,6 +248,19 @@ def mode_reference(args):
         q = b / np.where(d > 0, d, 1)
         return (np.sign(q) * np.floor(np.abs(q) + 0.5) * d).reshape(x.shape).astype(x.dtype)
 
+    def pq(p, v, levels):
+        """kernels/src/flash.rs's probability weights: `w = p * dv` per key (`dv`
+        the key's 8-bit V scale), rounded per 16-key page to `levels` steps of
+        the page's largest `w`; returned as the `p` they stand for."""
+        n, m = p.shape
+        dv = np.abs(v).max(-1) / 127
+        dv = np.where(dv > 0, dv, 1).astype(p.dtype)
+        pad = (-m) % 16
+        w = np.pad(p * dv[None, :], ((0, 0), (0, pad))).reshape(n, -1, 16)
+        top = w.max(-1, keepdims=True)
+        u = np.floor(w / np.where(top > 0, top, 1) * levels + 0.5)
+        return ((u * top / levels).reshape(n, -1)[:, :m] / dv[None, :]).astype(p.dtype)
+
     def f16(x):
         return x.astype(np.float16).astype(x.dtype)
 
@@ -281,6 +294,15 @@ def mode_reference(args):
                          "qkv": lambda q, k, v: (q8(q, 32), q8(k, 32), q8(v, v.shape[-1]))},
         "act8+q16k8b32": {"act": lambda a: q8(a, 32),
                           "qkv": lambda q, k, v: (f16(q), q8(k, 32), q8(v, v.shape[-1]))},
+        # + the probability weights of P.V rounded as the kernel does: 16 bits
+        # (today's) or 8 bits (half the P.V instructions; not adopted: see
+        # docs/benchmarks.md, 2026-12-04).
+        "act8+v8p16": {"act": lambda a: q8(a, 32),
+                       "qkv": lambda q, k, v: (q, k, q8(v, v.shape[-1])),
+                       "probs": lambda p, v: pq(p, v, 65535.0)},
+        "act8+v8p8": {"act": lambda a: q8(a, 32),
+                      "qkv": lambda q, k, v: (q, k, q8(v, v.shape[-1])),
+                      "probs": lambda p, v: pq(p, v, 255.0)},
     }[args.emulate]
 
     def window_nll(start, end):
@@ -385,7 +407,7 @@ def main():
             p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
             p.add_argument("--emulate", choices=["none", "act8", "act8+kv8", "act8+kv16", "act8+q16kv8",
                                                  "act8+q8kv16", "act8+k8", "act8+v8", "act8+kv8b32",
-                                                 "act8+qkv8b32", "act8+q16k8b32"],
+                                                 "act8+qkv8b32", "act8+q16k8b32", "act8+v8p16", "act8+v8p8"],
                            default="none", help="round like an engine (to attribute its "
                            "distance; not part of the reference)")
         if name == "tessera":
