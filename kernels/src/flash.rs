@@ -789,6 +789,31 @@ mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// `vpshufb` control: in each 128-bit block of 4 dwords `[lo, hi, 0, 0]`,
+    /// the 4 low bytes to dword 0 and the 4 high bytes to dword 1 (rest zeroed).
+    const BYTES_LO_HI: __m512i = unsafe {
+        std::mem::transmute::<[i8; 64], __m512i>({
+            let mut c = [-128i8; 64];
+            let mut blk = 0;
+            while blk < 4 {
+                let mut j = 0;
+                while j < 4 {
+                    c[blk * 16 + j] = (4 * j) as i8;
+                    c[blk * 16 + 4 + j] = (4 * j + 1) as i8;
+                    j += 1;
+                }
+                blk += 1;
+            }
+            c
+        })
+    };
+    /// `vpermd` indices: dword 0 of each block (low bytes), then dword 1 (high).
+    const DWORDS_LO_HI: __m512i = unsafe {
+        std::mem::transmute::<[i32; 16], __m512i>([
+            0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0,
+        ])
+    };
+
     /// `2^x` in every lane for `x <= 0`; 0 below -126 and for NaN.
     #[inline]
     #[target_feature(enable = "avx512f")]
@@ -1018,9 +1043,9 @@ mod avx512 {
                     s[t][gi] = _mm512_mask_blend_ps(valid[t][gi], neg_inf, x);
                 }
             }
-            // 16-bit weights as high and low bytes (two integer passes).
-            let mut u = [[[0u8; 16]; GP]; T];
-            let mut ul = [[[0u8; 16]; GP]; T];
+            // 16-bit weights as low bytes (0..16) and high bytes (16..32): two
+            // integer passes.
+            let mut u = [[[0u8; 32]; GP]; T];
             let mut sc = [[0f32; GP]; T];
             // Maxima of all rows of the tile in one reduction (exact: the same
             // values as one reduction per row).
@@ -1051,21 +1076,39 @@ mod avx512 {
                     _mm512_maskz_mul_ps(valid[t][gi], p, dv[gi])
                 });
                 let wmax = reduce_max_rows(w);
+                // Every row's `wmax / W_MAX` and `W_MAX / wmax` in two vector
+                // divisions: the same correctly rounded quotients as scalar ones,
+                // without 2 T serial `divss` per page.
+                let mut wm = [1f32; 16];
+                wm[..T].copy_from_slice(&wmax);
+                // SAFETY: 16 floats.
+                let wmv = unsafe { _mm512_loadu_ps(wm.as_ptr()) };
+                let (mut scale, mut inv) = ([0f32; 16], [0f32; 16]);
+                // SAFETY: 16 floats each.
+                unsafe {
+                    _mm512_storeu_ps(
+                        scale.as_mut_ptr(),
+                        _mm512_div_ps(wmv, _mm512_set1_ps(W_MAX)),
+                    );
+                    _mm512_storeu_ps(inv.as_mut_ptr(), _mm512_div_ps(_mm512_set1_ps(W_MAX), wmv));
+                }
                 for t in 0..T {
                     if own[t][gi] == 0 || wmax[t].is_nan() || wmax[t] <= 0.0 {
                         continue;
                     }
-                    sc[t][gi] = wmax[t] / W_MAX;
-                    let q =
-                        _mm512_cvtps_epi32(_mm512_mul_ps(w[t], _mm512_set1_ps(W_MAX / wmax[t])));
+                    sc[t][gi] = scale[t];
+                    let q = _mm512_cvtps_epi32(_mm512_mul_ps(w[t], _mm512_set1_ps(inv[t])));
                     let q = _mm512_min_epi32(q, _mm512_set1_epi32(W_MAX as i32));
-                    let hi = _mm512_cvtepi32_epi8(_mm512_srli_epi32::<8>(q));
-                    let lo = _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255)));
-                    // SAFETY: 16 bytes into 16-byte arrays.
+                    // Lane j is [lo, hi, 0, 0]: gather the low bytes into dword 0
+                    // and the high bytes into dword 1 of each 128-bit block, then
+                    // those dwords in order (one shuffle and one store instead
+                    // of two `vpmovdb` stores, slow on Zen 4).
+                    let b = _mm512_shuffle_epi8(q, BYTES_LO_HI);
+                    let b = _mm512_permutexvar_epi32(DWORDS_LO_HI, b);
+                    // SAFETY: 32 bytes into a 32-byte array.
                     unsafe {
-                        _mm_storeu_si128(u[t][gi].as_mut_ptr().cast(), hi);
-                        _mm_storeu_si128(ul[t][gi].as_mut_ptr().cast(), lo);
-                    }
+                        _mm256_storeu_si256(u[t][gi].as_mut_ptr().cast(), _mm512_castsi512_si256(b))
+                    };
                 }
             }
             for t in 0..T {
@@ -1093,7 +1136,6 @@ mod avx512 {
                         $v0,
                         hd,
                         rows.map(|t| &u[t][$gi]),
-                        rows.map(|t| &ul[t][$gi]),
                         rows.map(|t| own[t][$gi]),
                         rows.map(|t| sc[t][$gi]),
                         rows.map(|t| o[t]),
@@ -1130,7 +1172,7 @@ mod avx512 {
         T
     }
 
-    /// `o[r] + sc[r] * sum_j (256 u_j + ul_j) v_j` for `R` rows over the V block
+    /// `o[r] + sc[r] * sum_j (256 hi_j + lo_j) v_j` for `R` rows over the V block
     /// at `v0` (the page's `hd * 16` bytes, 4 slots per 32-bit lane); a row with
     /// no keys in the page (`own` 0) is returned unchanged. The quads visited are
     /// those of the row with most keys; a row's weights beyond its keys are 0, so
@@ -1144,8 +1186,7 @@ mod avx512 {
     unsafe fn pv_rows<const R: usize, const NC: usize>(
         v0: *const u8,
         hd: usize,
-        u: [&[u8; 16]; R],
-        ul: [&[u8; 16]; R],
+        u: [&[u8; 32]; R],
         own: [usize; R],
         sc: [f32; R],
         mut o: [[__m512; NC]; R],
@@ -1163,11 +1204,12 @@ mod avx512 {
             let v: [__m512i; NC] =
                 std::array::from_fn(|c| unsafe { _mm512_loadu_si512(vp.add(c * 64).cast()) });
             for r in 0..R {
-                // SAFETY: quad < 4 (page size <= 16) within the 16-byte arrays.
+                // SAFETY: quad < 4 (page size <= 16): low bytes at 0..16, high
+                // bytes at 16..32 of the 32-byte arrays.
                 let (h4, l4) = unsafe {
                     (
+                        std::ptr::read_unaligned(u[r].as_ptr().cast::<i32>().add(4 + quad)),
                         std::ptr::read_unaligned(u[r].as_ptr().cast::<i32>().add(quad)),
-                        std::ptr::read_unaligned(ul[r].as_ptr().cast::<i32>().add(quad)),
                     )
                 };
                 let (h4, l4) = (_mm512_set1_epi32(h4), _mm512_set1_epi32(l4));
