@@ -4,7 +4,7 @@ pass in float64 (numpy), along the token paths of a greedy reference file.
 
 No activation quantization and no KV quantization: this is the arithmetic both
 llama.cpp and Tessera approximate (see ../shared/BENCHMARKS.md, "For numerics").
-For every case of the reference file (default model/tests/data/
+For every case of the reference file (default backend/model/tests/data/
 greedy_reference.json: llama.cpp's greedy tokens) the prompt and llama.cpp's
 output tokens are run teacher-forced, and for each generated position the exact
 top-8 token ids and logits are written.
@@ -172,7 +172,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?")
     ap.add_argument("-o", "--output", default="exact_reference.json")
-    ap.add_argument("--reference", default="model/tests/data/greedy_reference.json")
+    ap.add_argument("--reference", default="backend/model/tests/data/greedy_reference.json")
     ap.add_argument("--compare", nargs=2, metavar=("EXACT_JSON", "OURS_JSONL"))
     args = ap.parse_args()
     if args.compare:

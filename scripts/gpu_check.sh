@@ -5,7 +5,7 @@
 # most 8 minutes in all) and writes into $OUT:
 #   device.txt         date, nvidia-smi, driver, CUDA toolkit, libraries used
 #   kernel_tests.log   the CUDA kernel tests (kernels/tests/cuda_kernels.rs), GPU required
-#   gpu_check.jsonl    one JSON object per check (model/examples/gpu_check.rs)
+#   gpu_check.jsonl    one JSON object per check (backend/model/examples/gpu_check.rs)
 #   gpu_check.log      its output
 #   summary.txt        the table printed last
 # Exit status: 0 when every check passed.

@@ -12,7 +12,7 @@ it; the positions where one was emitted are listed in the case's `eos_positions`
 Usage (from the repository root, with the model from `tessera model fetch`):
 
     python scripts/greedy_reference.py models/SmolLM2-135M-Instruct.Q4_1.gguf \
-        -o model/tests/data/greedy_reference.json
+        -o backend/model/tests/data/greedy_reference.json
 
 Run with a python that has llama-cpp-python installed (outside the repository, e.g.
 /work/ext/venv/bin/python).
@@ -118,7 +118,7 @@ def to_json(doc):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="path to SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("-o", "--out", default="model/tests/data/greedy_reference.json")
+    ap.add_argument("-o", "--out", default="backend/model/tests/data/greedy_reference.json")
     ap.add_argument("-n", "--n-out", type=int, default=32, help="tokens per case")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()

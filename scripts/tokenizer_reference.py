@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Write llama.cpp's token ids for a fixed list of strings.
 
-The Rust tokenizer (model/src/tokenizer.rs) must give the same ids; its test
+The Rust tokenizer (backend/model/src/tokenizer.rs) must give the same ids; its test
 `tokenizer::tests::matches_llama_cpp_reference` reads the file written here.
 
 Usage (llama-cpp-python installed in the interpreter):
-    python scripts/tokenizer_reference.py MODEL.gguf model/tests/data/tokenizer_reference.json
+    python scripts/tokenizer_reference.py MODEL.gguf backend/model/tests/data/tokenizer_reference.json
 """
 
 import json

@@ -341,7 +341,7 @@ async fn dashboard_and_alert_queries_name_exported_metrics_and_runbooks_exist() 
         .map(str::to_string)
         .collect();
     assert!(families.contains("tessera_kv_capacity_pages"), "{text}");
-    for src in ["gateway/src/metrics.rs", "serving/src/metrics.rs"] {
+    for src in ["gateway/src/metrics.rs", "backend/serving/src/metrics.rs"] {
         let code = std::fs::read_to_string(root.join(src)).unwrap();
         let mut lines = code.lines();
         while let Some(l) = lines.next() {

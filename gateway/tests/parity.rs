@@ -373,19 +373,19 @@ async fn logprobs_chat_completions_echo_streamed_and_disaggregated() {
 
 /// The values are the model's: the log-softmax of the same forward pass's logits
 /// (checked against a direct forward pass of the model, within f32 rounding) and,
-/// against llama.cpp's logits on the same GGUF (`model/tests/data/greedy_reference.json`,
+/// against llama.cpp's logits on the same GGUF (`backend/model/tests/data/greedy_reference.json`,
 /// its top-2 per step), the gap between the top two tokens' log probabilities equals
 /// llama.cpp's logit gap within `llama_cpp_reference.rs`'s tolerance, up to the
 /// first divergence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_are_the_models_and_agree_with_llama_cpp() {
-    /// `model/tests/llama_cpp_reference.rs`'s LOGIT_TOL.
+    /// `backend/model/tests/llama_cpp_reference.rs`'s LOGIT_TOL.
     const LOGIT_TOL: f64 = 1.5;
     let s = start().await;
     let m = tessera_model::testing::load();
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../model/tests/data/greedy_reference.json"
+        "/../backend/model/tests/data/greedy_reference.json"
     );
     let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut worst = 0f64;

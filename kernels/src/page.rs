@@ -286,7 +286,7 @@ pub struct IntegrityError {
 static INTEGRITY_CHECKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
 /// Turns tag checks and transfer checksums off or on for the whole process.
-/// Benchmarks only (`serving/examples/integrity_overhead.rs`); nothing in a
+/// Benchmarks only (`backend/serving/examples/integrity_overhead.rs`); nothing in a
 /// server calls it, and with checks off I3/I4 do not hold.
 #[doc(hidden)]
 pub fn set_integrity_checks_for_benchmark(on: bool) {

@@ -30,7 +30,7 @@ fn main() -> anyhow::Result<()> {
     let model = args.next().unwrap_or_else(|| {
         concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../models/SmolLM2-135M-Instruct.Q4_1.gguf"
+            "/../../models/SmolLM2-135M-Instruct.Q4_1.gguf"
         )
         .into()
     });

@@ -16,8 +16,8 @@ pub fn model_path() -> PathBuf {
     if let Ok(p) = std::env::var("TESSERA_MODEL") {
         return p.into();
     }
-    let p =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
         p.exists(),
         "model file {} missing: run `cargo run --release -- model fetch` (or set TESSERA_MODEL)",

@@ -1,4 +1,4 @@
-#![doc = include_str!("../../docs/transfer-protocol.md")]
+#![doc = include_str!("../../../docs/transfer-protocol.md")]
 
 use crate::transport::DestPage;
 use serde::{Deserialize, Serialize};

@@ -1582,7 +1582,7 @@ mod tests {
     }
 
     fn gguf_path() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
     }
 
     #[test]
@@ -1665,12 +1665,12 @@ models = ["@cf/huggingfacetb/smollm2-135m-instruct"]
 
     #[test]
     fn the_repository_example_parses_and_passes() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/deploy/tessera.toml");
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ops/deploy/tessera.toml");
         let mut c = DeploymentConfig::load(&path).unwrap();
         // Its model path is relative to the repository root.
         for m in &mut c.models {
             m.path = Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("..")
+                .join("../..")
                 .join(&m.path);
         }
         // It names mutual TLS files that only `tessera ops certs issue` creates (the

@@ -6,7 +6,7 @@
 //! 1. `device`: name, compute capability, driver, NVRTC, memory, the pool the
 //!    default memory fraction (0.9 of free memory) would give, and a
 //!    device-to-device copy's bandwidth (bytes read + written).
-//! 2. `greedy`: for each prompt of `model/tests/data/greedy_reference.json`, 32
+//! 2. `greedy`: for each prompt of `backend/model/tests/data/greedy_reference.json`, 32
 //!    greedy tokens on the CPU (`Llama::forward`) and on the GPU (`CudaLlama`);
 //!    equal, or the first divergence at a near-tie: the CPU's margin between its
 //!    token and the GPU's under [`NEAR_TIE`] (and the GPU's the other way too).
@@ -37,7 +37,7 @@ use tessera_model::LoadedModel;
 /// differently: the CPU quantizes activations to 8 bits, the GPU rounds weights
 /// to bf16 (8 significant bits), and either moves logits of this model by a few
 /// tenths (the CPU against llama.cpp: up to ~1.0, accepted there at margins under
-/// 0.25, model/tests/llama_cpp_reference.rs).
+/// 0.25, backend/model/tests/llama_cpp_reference.rs).
 const NEAR_TIE: f32 = 0.25;
 /// Tokens per greedy case (as the reference).
 const GREEDY_TOKENS: usize = 32;

@@ -494,7 +494,7 @@ pub(crate) mod tests {
         match std::env::var_os("TESSERA_MODEL") {
             Some(p) => PathBuf::from(p),
             None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("..")
+                .join("../..")
                 .join("models")
                 .join("SmolLM2-135M-Instruct.Q4_1.gguf"),
         }
@@ -668,7 +668,7 @@ pub(crate) mod tests {
     }
 
     /// Our ids equal llama.cpp's (via llama-cpp-python) for every case of
-    /// `model/tests/data/tokenizer_reference.json`.
+    /// `backend/model/tests/data/tokenizer_reference.json`.
     #[test]
     fn matches_llama_cpp_reference() {
         let Some(tok) = test_tokenizer() else { return };

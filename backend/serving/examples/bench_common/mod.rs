@@ -10,7 +10,7 @@ use tessera_serving::{EngineHandle, StreamEvent};
 /// The default model (`tessera model fetch`), loaded.
 pub(crate) fn load_model() -> LoadedModel {
     let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     LoadedModel::load(&path).expect("load the model (tessera model fetch)")
 }
 
