@@ -2,6 +2,7 @@
 //! the library crates; no logic lives here.
 
 mod bench;
+mod deployment;
 mod device;
 mod generate;
 mod model_fetch;

@@ -1,15 +1,15 @@
 //! `tessera node`: one prefill or decode node as its own process, configured by the
-//! deployment file, and the deployment-file side of `tessera serve --config`.
+//! deployment file (read through [`crate::deployment`]).
 
+use crate::deployment::{decode_nodes, load_config, pool_model};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
-use tessera_config::{DeploymentConfig, LinkIdentity, ModelEntry, PoolConfig, Role};
+use tessera_config::{LinkIdentity, ModelEntry, Role};
 use tessera_model::LoadedModel;
 use tessera_serving::remote::{
-    drain_node, run_node_process, NodeLinks, NodeOptions, ProtocolRole, RemoteNodes, TestPanic,
-    TransportKind,
+    drain_node, run_node_process, NodeLinks, NodeOptions, ProtocolRole, TestPanic, TransportKind,
 };
 
 /// Test-only: makes a node panic on purpose (`engine` or `connection`), for the
@@ -100,34 +100,6 @@ pub(crate) enum TransportArg {
     Tcp,
     /// UCX one-sided puts (shared memory, TCP or RDMA verbs, as UCX picks).
     Ucx,
-}
-
-fn load_config(path: &Path) -> Result<DeploymentConfig> {
-    let cfg = DeploymentConfig::load(path)?;
-    let problems = cfg.structural_violations();
-    if !problems.is_empty() {
-        let list: Vec<String> = problems.iter().map(|v| format!("  - {v}")).collect();
-        bail!(
-            "deployment file {} is invalid:\n{}",
-            path.display(),
-            list.join("\n")
-        );
-    }
-    Ok(cfg)
-}
-
-/// The one model a pool serves (one model per node for now).
-fn pool_model<'a>(cfg: &'a DeploymentConfig, pool: &'a PoolConfig) -> Result<&'a ModelEntry> {
-    let models: Vec<&ModelEntry> = cfg.models_served_by(pool).collect();
-    match models.as_slice() {
-        [m] => Ok(m),
-        [] => bail!("pool \"{}\" serves no model", pool.name),
-        _ => bail!(
-            "pool \"{}\" serves {} models; a node serves one model",
-            pool.name,
-            models.len()
-        ),
-    }
 }
 
 fn load_model(m: &ModelEntry) -> Result<LoadedModel> {
@@ -263,75 +235,4 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         );
     })
     .context("running the node")
-}
-
-/// The pools of `role` that serve model `id`, in file order.
-fn pools_of<'a>(
-    cfg: &'a DeploymentConfig,
-    role: Role,
-    id: &'a str,
-) -> impl Iterator<Item = &'a PoolConfig> + 'a {
-    cfg.pools_with_role(role).filter(move |p| p.serves(id))
-}
-
-/// The decode nodes serving model `id`, in file order: the list a prefill node of
-/// that model and the gateway's cluster for it both index (so an index names the
-/// same node on both sides, and never a node of another model).
-fn decode_nodes(cfg: &DeploymentConfig, id: &str) -> Vec<String> {
-    pools_of(cfg, Role::Decode, id)
-        .flat_map(|p| p.nodes.iter().cloned())
-        .collect()
-}
-
-/// What `tessera serve --config` needs from the deployment file: for every
-/// `[[models]]` entry, the entry and the prefill and decode nodes of the pools that
-/// serve it with their pool sizes; and the file. Checks the whole file first, I2
-/// included, against each model's real context window, and that each prefill and
-/// decode pool serves one model (a node loads one).
-pub(crate) fn remote_deployment(
-    path: &Path,
-    insecure_node_links: bool,
-) -> Result<(Vec<(ModelEntry, RemoteNodes)>, DeploymentConfig)> {
-    let cfg = load_config(path)?;
-    // The gateway's own node-link files only: it is not given the nodes' keys.
-    let verdict = cfg.check_offline_for(&LinkIdentity::Gateway);
-    if !verdict.is_ok() {
-        bail!("refusing to start: {}", verdict.into_result().unwrap_err());
-    }
-    let links =
-        NodeLinks::from_deployment(&cfg, &LinkIdentity::Gateway, insecure_node_links, None)?;
-    let mut out = Vec::new();
-    for pool in cfg
-        .pools_with_role(Role::Prefill)
-        .chain(cfg.pools_with_role(Role::Decode))
-    {
-        pool_model(&cfg, pool)?;
-    }
-    for m in &cfg.models {
-        let prefill: Vec<&PoolConfig> = pools_of(&cfg, Role::Prefill, &m.id).collect();
-        let decode: Vec<&PoolConfig> = pools_of(&cfg, Role::Decode, &m.id).collect();
-        if prefill.is_empty() || decode.is_empty() {
-            bail!(
-                "{}: model {} needs at least one prefill and one decode pool for a disaggregated gateway",
-                path.display(),
-                m.id
-            );
-        }
-        let usable = |pools: &[&PoolConfig]| pools.iter().map(|p| p.usable_tokens()).min();
-        out.push((
-            m.clone(),
-            RemoteNodes {
-                prefill: prefill
-                    .iter()
-                    .flat_map(|p| p.nodes.iter().cloned())
-                    .collect(),
-                decode: decode_nodes(&cfg, &m.id),
-                prefill_pool_tokens: usable(&prefill).unwrap_or(0),
-                decode_pool_tokens: usable(&decode).unwrap_or(0),
-                page_size: decode[0].page_size,
-                links: links.clone(),
-            },
-        ));
-    }
-    Ok((out, cfg))
 }

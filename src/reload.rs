@@ -57,12 +57,14 @@ impl Reload for DeploymentReloader {
     fn reload(&self) -> Result<Value, String> {
         let mut applied = self.applied.lock().unwrap();
         let file = self.path.display();
-        let (models, cfg) = crate::node::remote_deployment(&self.path, self.insecure_node_links)
-            .map_err(|e| {
-                format!("{e:#}")
-                    .trim_start_matches("refusing to start: ")
-                    .to_string()
-            })?;
+        let (models, cfg) =
+            crate::deployment::remote_deployment(&self.path, self.insecure_node_links).map_err(
+                |e| {
+                    format!("{e:#}")
+                        .trim_start_matches("refusing to start: ")
+                        .to_string()
+                },
+            )?;
         let restart = applied.changes_needing_restart(&cfg);
         if !restart.is_empty() {
             return Err(format!(

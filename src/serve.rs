@@ -259,7 +259,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
     }
     device_check(&a)?;
     let remote = match &a.config {
-        Some(f) => Some(crate::node::remote_deployment(f, a.insecure_node_links)?),
+        Some(f) => Some(crate::deployment::remote_deployment(
+            f,
+            a.insecure_node_links,
+        )?),
         None => None,
     };
     let listen = a

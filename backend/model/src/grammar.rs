@@ -14,7 +14,6 @@
 //! llguidance's fuel limits ([`GrammarCompiler::new`]), so a pathological schema
 //! fails with [`GrammarError::Invalid`] instead of stalling a batch.
 
-use crate::tokenizer::Tokenizer;
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
@@ -70,7 +69,7 @@ pub enum GrammarError {
 
 /// Compiles formats into [`Constraint`]s for one tokenizer's vocabulary. Building
 /// it walks the whole vocabulary (tens of ms); one per tokenizer, shared
-/// ([`Tokenizer::grammar`]).
+/// ([`crate::tokenizer::Tokenizer::grammar`]).
 pub struct GrammarCompiler {
     factory: ParserFactory,
     vocab: usize,
@@ -86,25 +85,31 @@ impl std::fmt::Debug for GrammarCompiler {
 }
 
 impl GrammarCompiler {
-    /// A compiler for `tok`'s vocabulary. Control tokens carry llguidance's
-    /// special-token marker (byte 0xFF, never valid UTF-8), so no text can match
-    /// them; the end-of-sequence token is what a completed document allows.
+    /// A compiler for one vocabulary: `tokens` yields each token id's bytes in id
+    /// order (byte-level decoded) and whether it is a control token. Control
+    /// tokens carry llguidance's special-token marker (byte 0xFF, never valid
+    /// UTF-8), so no text can match them; the end-of-sequence token `eos` is what
+    /// a completed document allows. Takes the vocabulary rather than the
+    /// tokenizer, which caches one compiler ([`crate::tokenizer::Tokenizer::grammar`]).
     ///
     /// Budget: llguidance's default fuel (about 20 ms of lexer construction per
     /// compile, about 15 ms of lexer work per mask), a grammar of at most 200,000
     /// symbols and 50,000 lexer states.
     ///
-    /// Errors: [`GrammarError::Vocabulary`] when the tokenizer declares no
-    /// end-of-sequence token or the trie cannot be built.
-    pub fn new(tok: &Tokenizer) -> Result<Self, GrammarError> {
-        let vocab = tok.vocab_size();
-        let eos = tok.eos_id().ok_or_else(|| {
+    /// Errors: [`GrammarError::Vocabulary`] when `eos` is `None` (the model
+    /// declares no end-of-sequence token) or the trie cannot be built.
+    pub fn new<'a>(
+        tokens: impl ExactSizeIterator<Item = (&'a [u8], bool)>,
+        eos: Option<u32>,
+        bos: Option<u32>,
+    ) -> Result<Self, GrammarError> {
+        let vocab = tokens.len();
+        let eos = eos.ok_or_else(|| {
             GrammarError::Vocabulary("the model declares no end-of-sequence token".into())
         })?;
-        let words: Vec<Vec<u8>> = (0..vocab as u32)
-            .map(|id| {
-                let bytes = tok.token_bytes_ref(id);
-                if tok.is_control(id) {
+        let words: Vec<Vec<u8>> = tokens
+            .map(|(bytes, control)| {
+                if control {
                     let mut w = Vec::with_capacity(bytes.len() + 1);
                     w.push(TokTrie::SPECIAL_TOKEN_MARKER);
                     w.extend_from_slice(bytes);
@@ -115,7 +120,7 @@ impl GrammarCompiler {
             })
             .collect();
         let mut info = TokRxInfo::new(vocab as u32, eos);
-        info.tok_bos = tok.bos_id();
+        info.tok_bos = bos;
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory =

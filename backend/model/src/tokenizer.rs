@@ -471,7 +471,11 @@ impl Tokenizer {
         &self,
     ) -> Result<&crate::grammar::GrammarCompiler, crate::grammar::GrammarError> {
         self.grammar
-            .get_or_init(|| crate::grammar::GrammarCompiler::new(self))
+            .get_or_init(|| {
+                let vocab = (0..self.vocab_size() as u32)
+                    .map(|id| (self.token_bytes_ref(id), self.is_control(id)));
+                crate::grammar::GrammarCompiler::new(vocab, self.eos_id(), self.bos_id())
+            })
             .as_ref()
             .map_err(Clone::clone)
     }
