@@ -184,7 +184,12 @@ async fn generate_in_span(
     ctx.model = v.model.id.clone();
     span.record("model", ctx.model.as_str());
     if state.log_request_text {
-        ctx.prompt_text = Some(served.model.tokenizer.decode(&v.request.prompt, false));
+        let (tok, prompt) = (served.model.tokenizer.clone(), v.request.prompt.clone());
+        let text = state
+            .cpu
+            .run(Lane::Request, move || tok.decode(&prompt, false))
+            .await;
+        ctx.prompt_text = Some(text);
     }
     let max_tokens = u32::try_from(v.request.max_tokens).unwrap_or(u32::MAX);
     let input = u32::try_from(v.request.prompt.len()).unwrap_or(u32::MAX);
