@@ -289,6 +289,26 @@ async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
     assert_eq!(rows.len(), 1, "the one request's row; none for refusals");
     assert_eq!(rows[0].endpoint, "workers_ai.run");
     assert_eq!(s.state.limiter.inflight(&t.id), 0);
+    // An accepted batch spends its requests: after a batch of one item, the
+    // minute's one request is gone.
+    let (t2, key2) = s.tenant_with_key("one-a-minute-too", limits).await;
+    let id = submit(
+        &s,
+        &t2.id,
+        &key2,
+        json!([{"prompt": "Hi", "max_tokens": 2}]),
+    )
+    .await;
+    let (st, _, v) = s
+        .post(
+            &s.run_url(&t2.id),
+            Some(&key2),
+            &json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 429, "the batch took the minute's request: {v}");
+    let done = wait_done(&s, &t2.id, &key2, &id).await;
+    assert_eq!(done["responses"][0]["success"], true, "{done}");
 }
 
 /// Every item's tokens (prompt + `max_tokens`) are reserved against the daily quota
