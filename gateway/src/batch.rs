@@ -7,33 +7,42 @@
 //!   done, then `{"responses": [{"id", "success", "result" | "errors",
 //!   "external_reference"}], "usage": {...}}` (ids are the items' indices).
 //!
-//! Each item runs as its own request through every phase of
-//! [`crate::server::generate`] (authentication with the submitting key, limits,
-//! validation, the daily quota, one usage row), in the `batch` priority class,
-//! at most [`ITEM_PARALLELISM`] at a time per batch. An item refused by a rate or
-//! concurrency limit before admission (no usage row) waits and retries, so a batch
-//! never bills an item twice; any other failure is that item's result.
+//! A submission takes the tenant's allowances before any item is validated, as a
+//! request does before its body is: one concurrency slot, held while the batch's
+//! items run, and one request per item from requests/minute, all or nothing (more
+//! items than the per-minute limit: 429, not retryable). Its items are then
+//! validated (chat template, tokenizer, grammar compile, the context window) on the
+//! CPU pool's batch lane ([`crate::cpu`]), never on the async workers, and their
+//! tokens (prompt, `max_tokens`) are reserved together against the token limits and
+//! the daily quota. A refused submission gets the 429 any request gets, and writes
+//! no usage row. Each item then runs as its own request through the typed stages of
+//! `request` (the submitting key checked again, one usage row, its own request id),
+//! in the `batch` priority class, at most [`ITEM_PARALLELISM`] at a time per batch,
+//! on the batch's reservation, which is settled with the items' real tokens once
+//! the last one ends. An item refused by a busy engine (503 that says a retry can
+//! succeed) waits and retries; any other failure is that item's result.
 //!
 //! Batches live in the gateway's memory: a poll must reach the gateway that took
 //! the batch, and a restart loses unfinished batches (their finished items keep
 //! their usage rows). Only the submitting tenant can see a batch; any other
 //! caller gets the same 404 as for an unknown id.
 
+use crate::cpu::Lane;
+use crate::driver::{BatchCharge, Charge};
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{authenticate, envelope, read_body_in_time, Shape};
-use crate::state::{AppState, Ctx};
-use crate::validation::{self, ParsedRequest};
-use axum::body::Body;
+use crate::request::{self, Stop};
+use crate::state::{AppState, Ctx, Job, Progress};
+use crate::validation::{self, ParsedRequest, Validated};
 use axum::extract::Request;
-use axum::http::{header, HeaderValue};
+use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
-use serde_json::{json, Map, Value};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tessera_tenancy::Scope;
+use tessera_tenancy::{Principal, Scope};
+use tracing::Instrument;
 
 /// Most items in one batch.
 pub const MAX_BATCH_ITEMS: usize = 256;
@@ -50,65 +59,11 @@ pub const MAX_REQUEST_ID_BYTES: usize = 64;
 pub const MAX_EXTERNAL_REFERENCE_BYTES: usize = 256;
 /// Items of one batch running at once.
 pub const ITEM_PARALLELISM: usize = 2;
-/// How long one item keeps retrying refusals that say a retry can succeed (rate
-/// and concurrency limits, a busy engine, an unreachable limits store) before the
-/// refusal becomes its result.
+/// How long one item keeps retrying refusals that say a retry can succeed (a busy
+/// engine, the batch queue's wait) before the refusal becomes its result.
 pub const MAX_LIMIT_WAIT: Duration = Duration::from_secs(600);
 /// Default time a finished batch's results are kept.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(3600);
-
-/// The gateway's batches, by request id.
-pub(crate) struct Batches {
-    jobs: Mutex<HashMap<String, Arc<Job>>>,
-    retention: Duration,
-    /// Set when the server drains: items not yet started end as 503.
-    closing: AtomicBool,
-}
-
-struct Job {
-    id: String,
-    tenant_id: String,
-    /// The catalog id of the model (aliases resolved).
-    model: String,
-    progress: Mutex<Progress>,
-}
-
-#[derive(Default)]
-struct Progress {
-    started: usize,
-    results: Vec<Option<Value>>,
-    prompt_tokens: u64,
-    completion_tokens: u64,
-    finished: Option<Instant>,
-}
-
-impl Batches {
-    pub(crate) fn new(retention: Duration) -> Self {
-        Self {
-            jobs: Mutex::new(HashMap::new()),
-            retention,
-            closing: AtomicBool::new(false),
-        }
-    }
-
-    /// Stops starting items (shutdown); items not yet started end as 503.
-    pub(crate) fn close(&self) {
-        self.closing.store(true, Ordering::Release);
-    }
-
-    fn closing(&self) -> bool {
-        self.closing.load(Ordering::Acquire)
-    }
-
-    /// Drops finished batches older than the retention.
-    fn sweep(&self, jobs: &mut HashMap<String, Arc<Job>>) {
-        let keep = self.retention;
-        jobs.retain(|_, j| {
-            let p = j.progress.lock().expect("batch progress lock");
-            p.finished.is_none_or(|t| t.elapsed() < keep)
-        });
-    }
-}
+pub const DEFAULT_RETENTION: Duration = crate::state::DEFAULT_BATCH_RETENTION;
 
 /// Whether a query string asks for the batch API (`queueRequest=true`), its
 /// pairs percent-decoded.
@@ -174,10 +129,11 @@ pub(crate) async fn handle(
     };
     let tenant_id = principal.tenant.id.clone();
     let parsed = match read_body_in_time(&state, &parts.headers, body).await {
-        Ok(b) => validation::parse_object(&b),
+        // A body of up to the size limit: parsed on the CPU pool.
+        Ok(b) => request::parse_body(&state, Lane::Batch, b).await,
         Err(e) => Err(e),
     };
-    let o = match parsed {
+    let mut o = match parsed {
         Ok(o) => o,
         Err(e) => return ctx.refuse(&state, "batch_invalid", e),
     };
@@ -195,7 +151,7 @@ pub(crate) async fn handle(
         return ctx.refuse(&state, "batch_invalid", e);
     }
     let model_id = entry.id.clone();
-    let result = match (o.get("requests"), o.get("request_id")) {
+    let result = match (o.remove("requests"), o.get("request_id")) {
         (Some(_), Some(_)) => Err(ApiError::new(
             ErrorKind::BadRequest,
             "give either `requests` (a new batch) or `request_id` (a poll), not both",
@@ -208,47 +164,42 @@ pub(crate) async fn handle(
         (None, Some(id)) => poll(&state, &tenant_id, &model_id, id),
         (Some(items), None) => {
             let auth = parts.headers.get(header::AUTHORIZATION).cloned();
-            let tenant = crate::server::tenant_context(&principal.tenant);
-            let check = |p: ParsedRequest| {
-                let served = state
-                    .served(&model_id)
-                    .ok_or_else(|| validation::no_such_model(&model_id))?;
-                let limits = served.engine.limits();
-                validation::validate(p, &state.catalog, &served.model, limits, &tenant).map(|_| ())
-            };
-            submit(&state, &account, &tenant_id, &model_id, items, auth, &check)
+            match submit(&state, &ctx, &principal, &account, &model_id, items, auth).await {
+                Ok(v) => Ok(v),
+                // Counted (or its row written) by the stage that stopped it.
+                Err(stop) => return stop.into_error().into_response_as(ctx.flavor, &ctx.rid),
+            }
         }
     };
     match result {
         Ok(v) => ctx.header((axum::http::StatusCode::OK, axum::Json(envelope(v))).into_response()),
         Err(e) => {
-            let reason = match e.kind {
-                ErrorKind::RateLimited => "batch_limit",
-                ErrorKind::Unavailable => "batch_unavailable",
-                ErrorKind::NotFound => "batch_not_found",
-                _ => "batch_invalid",
-            };
+            let reason = reason_of(&e);
             ctx.refuse(&state, reason, e)
         }
     }
 }
 
-/// One item's body as it will run, and its `external_reference`.
+/// The refusal reason (metrics label) of a batch error.
+fn reason_of(e: &ApiError) -> &'static str {
+    match e.kind {
+        ErrorKind::RateLimited => "batch_limit",
+        ErrorKind::Unavailable => "batch_unavailable",
+        ErrorKind::NotFound => "batch_not_found",
+        _ => "batch_invalid",
+    }
+}
+
+/// One item as it will run (validated), and its `external_reference`.
 #[derive(Debug)]
-struct Item {
-    body: Map<String, Value>,
+struct Item<T = Validated> {
+    v: T,
     external_reference: Value,
 }
 
-/// Checks every item before anything runs: its shape, then `check` (the full
-/// validation a request gets: model, tokenization, context window), and that it
-/// fits `max_body` bytes as it will run. Errors name `requests[i].field`.
-fn items(
-    model: &str,
-    v: &Value,
-    max_body: usize,
-    check: &dyn Fn(ParsedRequest) -> Result<(), ApiError>,
-) -> Result<Vec<Item>, ApiError> {
+/// The item count of `requests`: an array of 1 to [`MAX_BATCH_ITEMS`] (checked
+/// before the allowances are taken; the items themselves after).
+fn count(v: &Value) -> Result<usize, ApiError> {
     let Some(list) = v.as_array() else {
         return Err(ApiError::field("requests", "`requests` must be an array"));
     };
@@ -261,6 +212,20 @@ fn items(
             ),
         ));
     }
+    Ok(list.len())
+}
+
+/// Checks every item before anything runs: its shape, then `check` (the full
+/// validation a request gets: model, chat template, tokenization, context window)
+/// of the item as it will run (`priority: batch`, not streamed). Errors name
+/// `requests[i].field`. CPU-heavy: call it on the CPU pool.
+fn items<T>(
+    model: &str,
+    v: &Value,
+    check: &dyn Fn(ParsedRequest) -> Result<T, ApiError>,
+) -> Result<Vec<Item<T>>, ApiError> {
+    count(v)?;
+    let list = v.as_array().expect("counted: an array");
     let mut out = Vec::with_capacity(list.len());
     for (i, item) in list.iter().enumerate() {
         let name = |f: &str| format!("requests[{i}].{f}");
@@ -291,99 +256,157 @@ fn items(
                 format!("`{f}` must be false: batch results are collected, not streamed"),
             ));
         }
-        if let Err(mut e) = validation::workers_ai(model, &body).and_then(check) {
-            e.param = Some(match e.param.as_deref() {
-                Some(f) => name(f),
-                None => format!("requests[{i}]"),
-            });
-            e.message = format!("requests[{i}]: {}", e.message);
-            return Err(e);
-        }
         // Queued work runs in the lowest class, whatever the item asked for.
         body.insert("priority".into(), Value::String("batch".into()));
         body.insert("stream".into(), Value::Bool(false));
-        let size = Value::Object(body.clone()).to_string().len();
-        if size > max_body {
-            return Err(ApiError::field(
-                &format!("requests[{i}]"),
-                format!("`requests[{i}]` is {size} bytes as it runs; at most {max_body}"),
-            ));
+        match validation::workers_ai(model, &body).and_then(check) {
+            Ok(v) => out.push(Item {
+                v,
+                external_reference,
+            }),
+            Err(mut e) => {
+                e.param = Some(match e.param.as_deref() {
+                    Some(f) => name(f),
+                    None => format!("requests[{i}]"),
+                });
+                e.message = format!("requests[{i}]: {}", e.message);
+                return Err(e);
+            }
         }
-        out.push(Item {
-            body,
-            external_reference,
-        });
     }
     Ok(out)
 }
 
-fn submit(
-    state: &Arc<AppState>,
-    account: &str,
+/// Whether `tenant_id` may store one more batch now: the gateway is not closing,
+/// the tenant is under its stored and open caps, the gateway under its own.
+/// Errors: 503 (closing, gateway full) or 429 (the tenant's caps), with
+/// `retry-after`.
+fn room(
+    batches: &crate::state::Batches,
+    jobs: &std::collections::HashMap<String, Arc<Job>>,
     tenant_id: &str,
-    model: &str,
-    requests: &Value,
-    auth: Option<HeaderValue>,
-    check: &dyn Fn(ParsedRequest) -> Result<(), ApiError>,
-) -> Result<Value, ApiError> {
-    let items = items(model, requests, state.max_body_bytes, check)?;
-    let auth = auth.ok_or_else(|| ApiError::new(ErrorKind::Unauthenticated, "missing API key"))?;
-    let batches = &state.batches;
+) -> Result<(), ApiError> {
     if batches.closing() {
         return Err(ApiError::new(
             ErrorKind::Unavailable,
             "the server is shutting down and takes no new batches",
         ));
     }
+    let theirs: Vec<&Arc<Job>> = jobs.values().filter(|j| j.tenant_id == tenant_id).collect();
+    if theirs.len() >= MAX_STORED_BATCHES_PER_TENANT {
+        let mut e = ApiError::new(
+            ErrorKind::RateLimited,
+            format!(
+                "this account has {} batches stored; at most {MAX_STORED_BATCHES_PER_TENANT} \
+                 (finished ones are kept for their retention, then dropped)",
+                theirs.len()
+            ),
+        );
+        e.retry_after = Some(Duration::from_secs(60));
+        return Err(e);
+    }
+    let open = theirs
+        .iter()
+        .filter(|j| {
+            j.progress
+                .lock()
+                .expect("batch progress lock")
+                .finished
+                .is_none()
+        })
+        .count();
+    if open >= MAX_OPEN_BATCHES_PER_TENANT {
+        let mut e = ApiError::new(
+            ErrorKind::RateLimited,
+            format!(
+                "this account has {open} batches queued or running; at most \
+                 {MAX_OPEN_BATCHES_PER_TENANT} at once"
+            ),
+        );
+        e.retry_after = Some(Duration::from_secs(5));
+        return Err(e);
+    }
+    if jobs.len() >= MAX_STORED_BATCHES {
+        let mut e = ApiError::new(
+            ErrorKind::Unavailable,
+            "this gateway holds as many batches as it keeps; retry later",
+        );
+        e.retry_after = Some(Duration::from_secs(60));
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// [`room`] under the store's lock (finished batches past their retention swept).
+fn check_room(state: &AppState, tenant_id: &str) -> Result<(), ApiError> {
+    let batches = &state.batches;
+    let mut jobs = batches.jobs.lock().expect("batches lock");
+    batches.sweep(&mut jobs);
+    room(batches, &jobs, tenant_id)
+}
+
+/// A new batch: room, allowances (one slot, a request per item), items validated
+/// on the CPU pool, their tokens reserved, then stored and started.
+///
+/// Errors: as [`Stop`]: a limit or a cap (429), an invalid item (400 naming
+/// `requests[i].field`), closing or full (503); none writes a usage row except an
+/// unreadable usage store (503).
+async fn submit(
+    state: &Arc<AppState>,
+    ctx: &Ctx,
+    principal: &Principal,
+    account: &str,
+    model: &str,
+    requests: Value,
+    auth: Option<HeaderValue>,
+) -> Result<Value, Stop> {
+    let refused = |e: ApiError| Stop::refused(state, reason_of(&e), e);
+    let tenant = &principal.tenant;
+    let auth =
+        auth.ok_or_else(|| refused(ApiError::new(ErrorKind::Unauthenticated, "missing API key")))?;
+    let n = count(&requests).map_err(refused)?;
+    // Cheap caps first, so that a batch that cannot be stored spends nothing.
+    check_room(state, &tenant.id).map_err(refused)?;
+    let admission = request::admit(state, tenant, u32::try_from(n).unwrap_or(u32::MAX)).await?;
+    let (st, m, tc) = (
+        state.clone(),
+        model.to_string(),
+        request::tenant_context(tenant),
+    );
+    let checked = state
+        .cpu
+        .run(Lane::Batch, move || {
+            let served = st.served(&m).ok_or_else(|| validation::no_such_model(&m))?;
+            let limits = served.engine.limits();
+            items(&m, &requests, &|p| {
+                validation::validate(p, &st.catalog, &served.model, limits, &tc)
+            })
+        })
+        .instrument(tracing::info_span!(target: tessera_serving::telemetry::TARGET, "validation"))
+        .await;
+    // Invalid: the admission drops here (its slot back, its requests spent).
+    let items = checked.map_err(refused)?;
+    let (mut input, mut output) = (0u32, 0u32);
+    for it in &items {
+        let prompt = u32::try_from(it.v.request.prompt.len()).unwrap_or(u32::MAX);
+        let max = u32::try_from(it.v.request.max_tokens).unwrap_or(u32::MAX);
+        input = input.saturating_add(prompt);
+        output = output.saturating_add(max);
+    }
+    let reservation = request::reserve(state, ctx, tenant, admission, input, output).await?;
     let job = {
+        let batches = &state.batches;
         let mut jobs = batches.jobs.lock().expect("batches lock");
         batches.sweep(&mut jobs);
-        let theirs: Vec<&Arc<Job>> = jobs.values().filter(|j| j.tenant_id == tenant_id).collect();
-        if theirs.len() >= MAX_STORED_BATCHES_PER_TENANT {
-            let mut e = ApiError::new(
-                ErrorKind::RateLimited,
-                format!(
-                    "this account has {} batches stored; at most {MAX_STORED_BATCHES_PER_TENANT} \
-                     (finished ones are kept for their retention, then dropped)",
-                    theirs.len()
-                ),
-            );
-            e.retry_after = Some(Duration::from_secs(60));
-            return Err(e);
-        }
-        let open = theirs
-            .iter()
-            .filter(|j| {
-                j.progress
-                    .lock()
-                    .expect("batch progress lock")
-                    .finished
-                    .is_none()
-            })
-            .count();
-        if open >= MAX_OPEN_BATCHES_PER_TENANT {
-            let mut e = ApiError::new(
-                ErrorKind::RateLimited,
-                format!(
-                    "this account has {open} batches queued or running; at most \
-                     {MAX_OPEN_BATCHES_PER_TENANT} at once"
-                ),
-            );
-            e.retry_after = Some(Duration::from_secs(5));
-            return Err(e);
-        }
-        if jobs.len() >= MAX_STORED_BATCHES {
-            let mut e = ApiError::new(
-                ErrorKind::Unavailable,
-                "this gateway holds as many batches as it keeps; retry later",
-            );
-            e.retry_after = Some(Duration::from_secs(60));
-            return Err(e);
+        if let Err(e) = room(batches, &jobs, &tenant.id) {
+            drop(jobs);
+            reservation.cancel();
+            return Err(refused(e));
         }
         let id = uuid_like();
         let job = Arc::new(Job {
             id: id.clone(),
-            tenant_id: tenant_id.into(),
+            tenant_id: tenant.id.clone(),
             model: model.into(),
             progress: Mutex::new(Progress {
                 results: vec![None; items.len()],
@@ -394,7 +417,15 @@ fn submit(
         job
     };
     state.metrics.batch_items("queued", items.len());
-    tokio::spawn(run(state.clone(), job.clone(), account.into(), items, auth));
+    let charge = BatchCharge::new(reservation);
+    tokio::spawn(run(
+        state.clone(),
+        job.clone(),
+        account.into(),
+        items,
+        auth,
+        charge,
+    ));
     Ok(json!({"status": "queued", "request_id": job.id, "model": job.model}))
 }
 
@@ -452,26 +483,29 @@ fn uuid_like() -> String {
     )
 }
 
-/// Runs a batch's items, [`ITEM_PARALLELISM`] at a time, and marks it finished.
+/// Runs a batch's items, [`ITEM_PARALLELISM`] at a time, and marks it finished;
+/// `charge` (the batch's reservation) is settled once the last item ended.
 async fn run(
     state: Arc<AppState>,
     job: Arc<Job>,
     account: String,
     items: Vec<Item>,
     auth: HeaderValue,
+    charge: Arc<BatchCharge>,
 ) {
     let model = job.model.clone();
     futures_util::stream::iter(items.into_iter().enumerate())
         .for_each_concurrent(ITEM_PARALLELISM, |(i, item)| {
-            let (state, job, account, model, auth) = (
+            let (state, job, account, model, auth, charge) = (
                 state.clone(),
                 job.clone(),
                 account.clone(),
                 model.clone(),
                 auth.clone(),
+                charge.clone(),
             );
             async move {
-                let out = run_item(&state, &job, &account, &model, item.body, &auth).await;
+                let out = run_item(&state, &job, &account, &model, &item.v, &auth, &charge).await;
                 let outcome = if out.is_ok() { "succeeded" } else { "failed" };
                 state.metrics.batch_items(outcome, 1);
                 let mut p = job.progress.lock().expect("batch progress lock");
@@ -490,78 +524,96 @@ async fn run(
             }
         })
         .await;
+    // Every item's driver has added its tokens (each settles before its last
+    // message); this was the last holder: the reservation settles now.
+    drop(charge);
     job.progress.lock().expect("batch progress lock").finished = Some(Instant::now());
 }
 
-/// One item through [`crate::server::generate`]; `Ok(result)` or `Err(errors)` in
-/// the Workers AI shapes.
+/// An error as an item's `errors` (the Workers AI shape).
+fn errors(e: &ApiError) -> Value {
+    json!([{"code": e.kind.workers_code(), "message": e.message}])
+}
+
+/// One item through the typed stages of `request` on the batch's `charge`:
+/// `Ok(result)` or `Err(errors)` in the Workers AI shapes.
 async fn run_item(
     state: &Arc<AppState>,
     job: &Job,
     account: &str,
     model: &str,
-    body: Map<String, Value>,
+    v: &Validated,
     auth: &HeaderValue,
+    charge: &Arc<BatchCharge>,
 ) -> Result<Value, Value> {
-    let bytes = Value::Object(body).to_string();
     let began = Instant::now();
     job.progress.lock().expect("batch progress lock").started += 1;
+    let mut headers = HeaderMap::new();
+    headers.insert(header::AUTHORIZATION, auth.clone());
     loop {
         if state.batches.closing() {
             let e = ApiError::new(
                 ErrorKind::Unavailable,
                 "the server shut down before this batch item ran",
             );
-            return Err(json!([{"code": e.kind.workers_code(), "message": e.message}]));
+            return Err(errors(&e));
         }
-        let req = Request::builder()
-            .method("POST")
-            .uri("/")
-            .header(header::AUTHORIZATION, auth.clone())
-            .header(header::CONTENT_TYPE, "application/json")
-            .header(header::CONTENT_LENGTH, bytes.len())
-            .body(Body::from(bytes.clone()))
-            .expect("a valid request");
-        let resp = crate::server::generate(
-            state.clone(),
-            Shape::WorkersAi,
-            "workers_ai.batch",
-            Some(account.into()),
-            Some(model.into()),
-            req,
-        )
+        let mut ctx = Ctx::new("workers_ai.batch", Flavor::WorkersAi);
+        ctx.model = model.into();
+        let span = tracing::info_span!(
+            target: tessera_serving::telemetry::TARGET,
+            "request",
+            request_id = %ctx.rid,
+            api = ctx.endpoint,
+            tenant = %job.tenant_id,
+            model = model,
+        );
+        let out = async {
+            // The submitting key, checked again as each item starts (revoked,
+            // expired, suspended: the item's result, no row).
+            let principal =
+                authenticate(state, &mut ctx, &headers, Some(account), Scope::Inference)
+                    .await
+                    .map_err(|(reason, e)| Stop::refused(state, reason, e))?;
+            let Some(served) = state.served(model) else {
+                let e = validation::no_such_model(model);
+                return Err(Stop::failed(state, &ctx, e).await);
+            };
+            let started = request::start(
+                state,
+                &ctx,
+                Shape::WorkersAi,
+                served,
+                v,
+                Charge::Batch(charge.clone()),
+                None,
+                &principal.key_id,
+            )
+            .await?;
+            request::collect(started).await.map_err(Stop::Failed)
+        }
+        .instrument(span)
         .await;
-        let status = resp.status();
-        let retry = resp
-            .headers()
-            .get("x-should-retry")
-            .is_some_and(|v| v == "true");
-        let wait = resp
-            .headers()
-            .get(header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-            .map_or(Duration::from_secs(1), Duration::from_secs)
+        let e = match out {
+            Ok(body) => return Ok(body["result"].clone()),
+            Err(stop) => stop.into_error(),
+        };
+        // A busy engine or the batch queue's wait (503 with a retry hint) refused
+        // the item and said a retry can succeed: wait. Its row has no tokens, so
+        // the item is still billed once.
+        let wait = e
+            .retry_after
+            .unwrap_or(Duration::from_secs(1))
             .clamp(Duration::from_millis(250), Duration::from_secs(5));
-        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-            .await
-            .unwrap_or_default();
-        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        if status.is_success() {
-            return Ok(v["result"].clone());
-        }
-        // A limit (429) or a busy or unreachable backend (503: the limits store, the
-        // batch queue's wait) refused the item and said a retry can succeed: wait.
-        // Limit refusals write no usage row; a busy engine's writes one with no
-        // tokens, so the item is still billed once.
-        if (status == axum::http::StatusCode::TOO_MANY_REQUESTS
-            || status == axum::http::StatusCode::SERVICE_UNAVAILABLE)
-            && retry
+        if e.kind == ErrorKind::Unavailable
+            && e.retry_after.is_some()
+            && e.retryable
             && began.elapsed() + wait < MAX_LIMIT_WAIT
         {
             tokio::time::sleep(wait).await;
             continue;
         }
-        return Err(v["errors"].clone());
+        return Err(errors(&e));
     }
 }
 
@@ -569,8 +621,8 @@ async fn run_item(
 mod tests {
     use super::*;
 
-    fn shape(m: &str, v: &Value) -> Result<Vec<Item>, ApiError> {
-        items(m, v, 1 << 20, &|_| Ok(()))
+    fn shape(m: &str, v: &Value) -> Result<Vec<Item<ParsedRequest>>, ApiError> {
+        items(m, v, &Ok)
     }
 
     fn queued_in(q: &str) -> Result<bool, ApiError> {
@@ -630,17 +682,13 @@ mod tests {
             &json!([{"prompt": "a", "priority": "interactive", "external_reference": "r"}]),
         )
         .unwrap();
-        assert_eq!(ok[0].body["priority"], "batch");
+        // Checked as it will run: in the batch class, not streamed.
+        assert_eq!(ok[0].v.priority, Some(tessera_serving::Priority::Batch));
+        assert!(!ok[0].v.stream);
         assert_eq!(ok[0].external_reference, "r");
-        assert!(!ok[0].body.contains_key("external_reference"));
-        // As it will run (with `priority` and `stream` added), an item must fit the
-        // body limit: else a 400 now rather than a 413 when it runs.
-        let big = json!([{"prompt": "a".repeat(100)}]);
-        let e = items(m, &big, 110, &|_| Ok(())).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("requests[0]"));
         // The full validation's verdict names the item.
-        let refuse = |_| Err(ApiError::field("max_tokens", "too many"));
-        let e = items(m, &json!([{"prompt": "a"}]), 1 << 20, &refuse).unwrap_err();
+        let refuse = |_| -> Result<(), ApiError> { Err(ApiError::field("max_tokens", "too many")) };
+        let e = items(m, &json!([{"prompt": "a"}]), &refuse).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("requests[0].max_tokens"));
     }
 

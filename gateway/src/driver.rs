@@ -79,10 +79,74 @@ pub(crate) fn finish_label(r: FinishReason) -> &'static str {
     }
 }
 
+/// Where an admitted request's limits are held and its tokens charged.
+pub(crate) enum Charge {
+    /// Its own reservation (slot, token allowances, daily reservation), settled
+    /// with its tokens when it ends.
+    Own(Reservation),
+    /// An async batch item: its batch's reservation, which holds every item's
+    /// allowances and is settled once, with all their tokens, when the last item
+    /// ends.
+    Batch(Arc<BatchCharge>),
+}
+
+impl Charge {
+    fn settle(self, input: i64, output: i64) {
+        match self {
+            Self::Own(r) => r.settle(input, output),
+            Self::Batch(b) => b.add(input, output),
+        }
+    }
+
+    /// Ends a request that computed nothing.
+    pub(crate) fn cancel(self) {
+        self.settle(0, 0);
+    }
+}
+
+/// An async batch's reservation, shared by its items (see [`Charge::Batch`]): the
+/// tokens its items used are added up and the reservation is settled with the sum
+/// when the last holder drops it (items never started charge nothing).
+pub(crate) struct BatchCharge {
+    reservation: std::sync::Mutex<Option<Reservation>>,
+    input: std::sync::atomic::AtomicI64,
+    output: std::sync::atomic::AtomicI64,
+}
+
+impl BatchCharge {
+    pub(crate) fn new(r: Reservation) -> Arc<Self> {
+        Arc::new(Self {
+            reservation: std::sync::Mutex::new(Some(r)),
+            input: 0.into(),
+            output: 0.into(),
+        })
+    }
+
+    /// Adds one item's tokens.
+    fn add(&self, input: i64, output: i64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.input.fetch_add(input.max(0), Relaxed);
+        self.output.fetch_add(output.max(0), Relaxed);
+    }
+}
+
+impl Drop for BatchCharge {
+    fn drop(&mut self) {
+        let r = self
+            .reservation
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(r) = r {
+            r.settle(*self.input.get_mut(), *self.output.get_mut());
+        }
+    }
+}
+
 /// What an admitted request holds until its row is written.
 pub(crate) struct Held {
     /// Its limits (slot, token allowances, daily reservation).
-    pub(crate) reservation: Reservation,
+    pub(crate) charge: Charge,
     /// Its registration among the requests in flight (revocation aborts it).
     pub(crate) live: LiveGuard,
 }
@@ -122,10 +186,7 @@ pub(crate) fn spawn(
     let (tx, rx) = unbounded_channel();
     let inflight = state.inflight_guard();
     let mut abort = state.abort_signal();
-    let Held {
-        reservation,
-        mut live,
-    } = held;
+    let Held { charge, mut live } = held;
     let started = tokio::time::Instant::from_std(ctx.started);
     let first_deadline = started + state.deadlines.first_token;
     let total_deadline = started + state.deadlines.total;
@@ -305,7 +366,7 @@ pub(crate) fn spawn(
         // next request as soon as it sees this one end is not refused by its own
         // finished request; then answer, then write the row (off the response's
         // critical path; the in-flight guard keeps shutdown waiting for it).
-        reservation.settle(record.input_tokens, record.output_tokens);
+        charge.settle(record.input_tokens, record.output_tokens);
         if let Some(m) = msg {
             let _ = tx.send(m);
         }

@@ -45,11 +45,13 @@ pub mod admin;
 pub mod listener;
 
 pub mod batch;
+mod cpu;
 mod driver;
 mod http;
 mod live;
 mod models_api;
 mod openai;
+mod request;
 mod request_log;
 mod state;
 mod usage_api;

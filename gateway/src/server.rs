@@ -6,13 +6,15 @@
 pub use crate::state::{AppState, Deadlines, GatewayConfig, UsageConfig, MAX_ID_BYTES};
 
 use crate::catalog::{now_secs, Lookup};
-use crate::driver::{self, Msg};
+use crate::cpu::Lane;
+use crate::driver::{Charge, Msg};
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::http::{authenticate, limit_error, read_body_in_time, Shape};
+use crate::http::{authenticate, read_body_in_time, Shape};
 use crate::models_api::with_lifecycle;
-use crate::openai::{Collected, Formatter, LogprobsView};
+use crate::openai::Formatter;
+use crate::request;
 use crate::state::{ConnLimits, Ctx};
-use crate::validation::{self, ParsedRequest, Validated};
+use crate::validation::{self, Validated};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -25,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tessera_serving::Priority;
 use tessera_tenancy::limits::FailMode;
-use tessera_tenancy::{now_ms, PriorityCeiling, Scope};
+use tessera_tenancy::{now_ms, Scope};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::watch;
@@ -41,8 +43,11 @@ const TRACE: &str = tessera_serving::telemetry::TARGET;
 /// 1. model id length (path), 2. authentication, account and scope,
 /// 3. concurrency and requests/minute ([`tessera_tenancy::Limiter::admit`]),
 /// 4. body (size limit, read deadline), 5. validation (fields, model, chat
-///    template, tokenizer, I1), 6. token limits and the daily quota reserved
+///    template, tokenizer, I1; parsing and validation on the CPU pool, see
+///    [`crate::cpu`]), 6. token limits and the daily quota reserved
 ///    ([`tessera_tenancy::Admission::reserve`]), 7. engine submit, 8. the driver.
+///    Phases 3 and 5-8 are the typed stages of `request`, which the async batch
+///    runner calls too.
 ///
 /// Runs in the request's trace span (`request`: request id, API, then tenant and
 /// model once known), with child spans `validation`, `admission` and, in the
@@ -104,34 +109,41 @@ async fn generate_in_span(
     };
     let tenant = &principal.tenant;
     span.record("tenant", tenant.id.as_str());
-    let admitted = state
-        .limiter
-        .admit(&tenant.id, tenant.limits)
-        .instrument(tracing::info_span!(target: TRACE, "admission", step = "limits"))
-        .await;
-    let admission = match admitted {
+    let admission = match request::admit(&state, tenant, 1).await {
         Ok(a) => a,
-        Err(l) => return ctx.refuse(&state, l.kind.label(), limit_error(&l)),
+        Err(stop) => return render(&ctx, stop),
     };
     let bytes = match read_body_in_time(&state, &parts.headers, body).await {
         Ok(b) => b,
         Err(e) => return ctx.fail(&state, e).await,
     };
-    let validation = tracing::info_span!(target: TRACE, "validation").entered();
-    let parsed: Result<ParsedRequest, ApiError> = validation::parse_object(&bytes).and_then(|o| {
-        if let Some(m) = o.get("model").and_then(|m| m.as_str()) {
-            if path_model.is_none() && m.len() <= MAX_ID_BYTES {
-                ctx.model = m.into();
-            }
-        }
-        match shape {
-            Shape::WorkersAi => {
-                validation::workers_ai(path_model.as_deref().unwrap_or_default(), &o)
-            }
-            Shape::Chat => validation::openai_chat(&o),
-            Shape::Completion => validation::openai_completion(&o),
-        }
-    });
+    // Parsing (a body of up to the size limit) runs on the CPU pool.
+    let in_path = path_model.clone();
+    let (body_model, parsed) = state
+        .cpu
+        .run(Lane::Request, move || {
+            let mut body_model = None;
+            let parsed = validation::parse_object(&bytes).and_then(|o| {
+                if let Some(m) = o.get("model").and_then(|m| m.as_str()) {
+                    if in_path.is_none() && m.len() <= MAX_ID_BYTES {
+                        body_model = Some(m.to_string());
+                    }
+                }
+                match shape {
+                    Shape::WorkersAi => {
+                        validation::workers_ai(in_path.as_deref().unwrap_or_default(), &o)
+                    }
+                    Shape::Chat => validation::openai_chat(&o),
+                    Shape::Completion => validation::openai_completion(&o),
+                }
+            });
+            (body_model, parsed)
+        })
+        .instrument(tracing::info_span!(target: TRACE, "validation"))
+        .await;
+    if let Some(m) = body_model {
+        ctx.model = m;
+    }
     let parsed = parsed.and_then(|mut p| {
         // The body's `priority` wins over the header; either is capped below.
         if p.priority.is_none() {
@@ -147,7 +159,6 @@ async fn generate_in_span(
         Lookup::Removed(e) => Err(crate::models_api::removed(e)),
         Lookup::Unknown => Err(validation::no_such_model(&p.model)),
     });
-    drop(validation);
     let (parsed, entry) = match routed {
         Ok(x) => x,
         Err(e) => return ctx.fail(&state, e).await,
@@ -165,100 +176,54 @@ async fn generate_in_span(
             .fail(&state, validation::no_such_model(&parsed.model))
             .await;
     };
-    let validation = tracing::info_span!(target: TRACE, "validation").entered();
-    let v: Validated = match validation::validate(
-        parsed,
-        &state.catalog,
-        &served.model,
-        served.engine.limits(),
-        &tenant_context(tenant),
-    ) {
+    let tc = request::tenant_context(tenant);
+    let v: Validated = match request::validate(&state, Lane::Request, parsed, &entry.id, tc).await {
         Ok(v) => v,
-        Err(e) => {
-            drop(validation);
-            return ctx.fail(&state, e).await;
-        }
+        Err(e) => return ctx.fail(&state, e).await,
     };
-    drop(validation);
     ctx.model = v.model.id.clone();
     span.record("model", ctx.model.as_str());
     if state.log_request_text {
-        ctx.prompt_text = Some(served.model.tokenizer.decode(&v.request.prompt, false));
-    }
-    let prompt_tokens = v.request.prompt.len();
-    if state.limiter.needs_daily(&tenant.id, tenant.limits).await {
-        let day_start = tessera_tenancy::limits::utc_day(now_ms()) * 86_400_000;
-        match state.store.tokens_since(&tenant.id, day_start).await {
-            Ok(used) => {
-                state
-                    .limiter
-                    .set_daily_used(&tenant.id, tenant.limits, used)
-                    .await
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot read daily usage");
-                let err = ApiError::new(ErrorKind::Unavailable, "usage store unavailable");
-                return ctx.fail(&state, err).await;
-            }
-        }
+        let (tok, prompt) = (served.model.tokenizer.clone(), v.request.prompt.clone());
+        let text = state
+            .cpu
+            .run(Lane::Request, move || tok.decode(&prompt, false))
+            .await;
+        ctx.prompt_text = Some(text);
     }
     let max_tokens = u32::try_from(v.request.max_tokens).unwrap_or(u32::MAX);
-    let input = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
-    let reserved = admission
-        .reserve(input, max_tokens)
-        .instrument(tracing::info_span!(target: TRACE, "admission", step = "tokens"))
-        .await;
-    let reservation = match reserved {
-        Ok(r) => r,
-        Err(l) => {
-            // Token limits are the account's, over every model; the refusal names
-            // the model the request asked for.
-            let mut e = limit_error(&l);
-            e.message = format!("{} (request for model {})", e.message, ctx.model);
-            return ctx.refuse(&state, l.kind.label(), e);
-        }
-    };
-    // The backend re-checks I1 against its own pool.
+    let input = u32::try_from(v.request.prompt.len()).unwrap_or(u32::MAX);
+    let reservation =
+        match request::reserve(&state, &ctx, tenant, admission, input, max_tokens).await {
+            Ok(r) => r,
+            Err(stop) => return render(&ctx, stop),
+        };
     let affinity = session_affinity(&parts.headers, &tenant.id);
-    let events = match served
-        .engine
-        .submit_with_affinity(v.request.clone(), affinity)
-    {
-        Ok(rx) => rx,
-        Err(e) => {
-            reservation.cancel();
-            state.metrics.serve_error(e.kind().label());
-            return ctx.fail(&state, ApiError::serving(&e)).await;
-        }
-    };
-    let live = state.live.register(&principal.key_id);
-    let mut out = driver::spawn(
-        state.clone(),
-        ctx.clone(),
-        events,
-        driver::Held { reservation, live },
-        prompt_tokens,
-    );
-    let echo_logprobs = v.echo.is_some() && v.request.output.prompt_logprobs.is_some();
-    let fmt = Formatter {
+    let started = match request::start(
+        &state,
+        &ctx,
         shape,
-        rid: ctx.rid.clone(),
-        model: v.model.id.clone(),
-        created: ctx.created_ms / 1000,
-        include_usage: v.include_usage,
-        started: false,
-        logprobs: v.request.output.logprobs.map(|_| LogprobsView {
-            tokenizer: served.model.tokenizer.clone(),
-            prompt: echo_logprobs.then(|| v.request.prompt.clone()),
-            offset: 0,
-        }),
-        echo: v.echo,
-        tools: v.tools.as_ref().map(|t| t.scanner()),
+        served,
+        &v,
+        Charge::Own(reservation),
+        affinity,
+        &principal.key_id,
+    )
+    .await
+    {
+        Ok(s) => s,
+        Err(stop) => return render(&ctx, stop),
     };
     let entry = &served.entry;
     if !v.stream {
-        return with_lifecycle(collect_response(&ctx, fmt, out).await, entry);
+        let r = match request::collect(started).await {
+            Ok(body) => ctx.header((StatusCode::OK, axum::Json(body)).into_response()),
+            // The driver already wrote the usage row.
+            Err(e) => e.into_response_as(ctx.flavor, &ctx.rid),
+        };
+        return with_lifecycle(r, entry);
     }
+    let request::Started { fmt, mut out } = started;
     // A batch request may wait in a queue and expire there (503): its stream's
     // status is decided by its first message, so such a failure is a status, not an
     // error frame after a 200.
@@ -273,6 +238,11 @@ async fn generate_in_span(
         None
     };
     with_lifecycle(stream_response(&ctx, fmt, first, out), entry)
+}
+
+/// A stage's stop as the response (its metric or row is already recorded).
+fn render(ctx: &Ctx, stop: request::Stop) -> Response {
+    stop.into_error().into_response_as(ctx.flavor, &ctx.rid)
 }
 
 /// The class a request asks for in the `x-tessera-priority` header (`interactive`
@@ -297,21 +267,6 @@ pub const PRIORITY_HEADER: &str = "x-tessera-priority";
 /// to the same prefill node, where its prompt prefix is cached.
 pub const SESSION_AFFINITY_HEADER: &str = "x-session-affinity";
 
-/// What the engine takes from a tenant's record: engine id, weight, ceiling and the
-/// prefix-cache namespace (derived from the account and its salt, never from the
-/// request).
-pub(crate) fn tenant_context(t: &tessera_tenancy::Tenant) -> validation::TenantContext {
-    validation::TenantContext {
-        engine_id: t.engine_id(),
-        weight: t.scheduling.weight,
-        max_priority: match t.scheduling.max_priority {
-            PriorityCeiling::Interactive => Priority::Interactive,
-            PriorityCeiling::Batch => Priority::Batch,
-        },
-        cache_namespace: Some(t.cache_namespace()),
-    }
-}
-
 /// The routing key of a request's session: a hash of the tenant and the
 /// `x-session-affinity` value (so two tenants' session names never pick for each
 /// other), or `None` without the header.
@@ -327,33 +282,6 @@ fn session_affinity(headers: &HeaderMap, tenant_id: &str) -> Option<u64> {
     h.update(v);
     let d = h.finalize();
     Some(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")))
-}
-
-async fn collect_response(
-    ctx: &Ctx,
-    mut fmt: Formatter,
-    mut out: UnboundedReceiver<Msg>,
-) -> Response {
-    let mut text = String::new();
-    let mut lp = Collected::default();
-    while let Some(m) = out.recv().await {
-        match m {
-            Msg::Text { text: t, logprobs } => {
-                text.push_str(&t);
-                if let Some(l) = logprobs {
-                    lp.push(*l);
-                }
-            }
-            Msg::Done { reason, tokens } => {
-                let body = fmt.complete(&text, reason, tokens, &lp);
-                return ctx.header((StatusCode::OK, axum::Json(body)).into_response());
-            }
-            // The driver already wrote the usage row.
-            Msg::Error(e) => return e.into_response_as(ctx.flavor, &ctx.rid),
-        }
-    }
-    ApiError::new(ErrorKind::Internal, "generation ended without a result")
-        .into_response_as(ctx.flavor, &ctx.rid)
 }
 
 /// The SSE response: `first` (a message already taken from `out`), then the rest.

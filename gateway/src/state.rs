@@ -1,7 +1,9 @@
 //! The gateway's state and settings: [`AppState`] (one per process) with its
 //! in-flight count and guard, the per-request context [`Ctx`], the configuration
-//! ([`GatewayConfig`], [`Deadlines`], [`UsageConfig`], [`ConnLimits`]) and the
-//! length limit on ids. Every other module takes these from here.
+//! ([`GatewayConfig`], [`Deadlines`], [`UsageConfig`], [`ConnLimits`]), the store of
+//! async batches ([`Batches`], run by `batch`) and the length limit on ids. Every
+//! other module takes these from here; this one imports neither the server nor the
+//! batch module (no import circle).
 
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::error::{ApiError, Flavor};
@@ -9,9 +11,10 @@ use crate::live::Live;
 use crate::tls::TlsMode;
 use axum::http::HeaderValue;
 use axum::response::Response;
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tessera_model::LoadedModel;
 use tessera_serving::EngineHandle;
@@ -175,7 +178,7 @@ impl Default for GatewayConfig {
             drain_timeout: Duration::from_secs(30),
             metrics_top_tenants: crate::metrics::DEFAULT_TOP_TENANTS,
             log_request_text: false,
-            batch_retention: crate::batch::DEFAULT_RETENTION,
+            batch_retention: DEFAULT_BATCH_RETENTION,
             shared_limits: None,
             private_models_as_404: false,
         }
@@ -251,7 +254,10 @@ pub struct AppState {
     pub(crate) live: Arc<Live>,
     pub(crate) revocation_poll: Duration,
     /// Async batches (`queueRequest=true`), by request id.
-    pub(crate) batches: crate::batch::Batches,
+    pub(crate) batches: Batches,
+    /// The bounded pool on which CPU-heavy request steps run (parsing, templates,
+    /// tokenizing, grammar compiles), off the async workers.
+    pub(crate) cpu: crate::cpu::CpuPool,
     /// Set to true to abort every running request (shutdown after the drain deadline).
     abort_all: watch::Sender<bool>,
     /// Requests whose driver has not yet written the usage row.
@@ -314,7 +320,8 @@ impl AppState {
             metrics: crate::metrics::Metrics::new(&ids, cfg.metrics_top_tenants),
             live: Arc::new(Live::default()),
             revocation_poll: cfg.revocation_poll,
-            batches: crate::batch::Batches::new(cfg.batch_retention),
+            batches: Batches::new(cfg.batch_retention),
+            cpu: crate::cpu::CpuPool::from_cores(),
             abort_all: watch::channel(false).0,
             inflight: AtomicUsize::new(0),
             idle: Notify::new(),
@@ -524,6 +531,13 @@ impl Ctx {
 
     /// Records the error's usage row (nothing was computed: 0 tokens) and renders it.
     pub(crate) async fn fail(&self, state: &AppState, e: ApiError) -> Response {
+        self.record_failure(state, &e).await;
+        e.into_response_as(self.flavor, &self.rid)
+    }
+
+    /// Records the usage row of a request that failed with `e` after admission
+    /// (nothing was computed: 0 tokens).
+    pub(crate) async fn record_failure(&self, state: &AppState, e: &ApiError) {
         let row = self.usage(
             e.kind.status().as_u16(),
             e.kind.workers_code(),
@@ -533,7 +547,6 @@ impl Ctx {
             0,
         );
         state.record(&row).await;
-        e.into_response_as(self.flavor, &self.rid)
     }
 
     /// A refusal before admission: counted in the metrics by `reason`, rendered,
@@ -548,5 +561,64 @@ impl Ctx {
             r.headers_mut().insert("x-request-id", v);
         }
         r
+    }
+}
+
+/// Default time a finished async batch's results are kept.
+pub(crate) const DEFAULT_BATCH_RETENTION: Duration = Duration::from_secs(3600);
+
+/// The gateway's async batches (`queueRequest=true`), by request id; `batch` runs
+/// them and answers polls.
+pub(crate) struct Batches {
+    pub(crate) jobs: Mutex<HashMap<String, Arc<Job>>>,
+    retention: Duration,
+    /// Set when the server drains: items not yet started end as 503.
+    closing: AtomicBool,
+}
+
+/// One batch.
+pub(crate) struct Job {
+    pub(crate) id: String,
+    pub(crate) tenant_id: String,
+    /// The catalog id of the model (aliases resolved).
+    pub(crate) model: String,
+    pub(crate) progress: Mutex<Progress>,
+}
+
+/// A batch's items so far.
+#[derive(Default)]
+pub(crate) struct Progress {
+    pub(crate) started: usize,
+    pub(crate) results: Vec<Option<serde_json::Value>>,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) completion_tokens: u64,
+    pub(crate) finished: Option<Instant>,
+}
+
+impl Batches {
+    pub(crate) fn new(retention: Duration) -> Self {
+        Self {
+            jobs: Mutex::new(HashMap::new()),
+            retention,
+            closing: AtomicBool::new(false),
+        }
+    }
+
+    /// Stops starting items (shutdown); items not yet started end as 503.
+    pub(crate) fn close(&self) {
+        self.closing.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// Drops finished batches older than the retention.
+    pub(crate) fn sweep(&self, jobs: &mut HashMap<String, Arc<Job>>) {
+        let keep = self.retention;
+        jobs.retain(|_, j| {
+            let p = j.progress.lock().expect("batch progress lock");
+            p.finished.is_none_or(|t| t.elapsed() < keep)
+        });
     }
 }

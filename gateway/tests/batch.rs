@@ -1,8 +1,10 @@
 //! Workers AI async batch (`?queueRequest=true`) over real HTTP with the real model:
 //! results equal the same requests run one by one, each item is billed once (one
 //! usage row, its tokens in the batch's usage), only the submitting tenant sees a
-//! batch, limits make items wait instead of failing, and every malformed body is a
-//! 400 naming its field.
+//! batch, a submission takes the tenant's allowances (a request per item, one
+//! concurrency slot while its items run, every item's daily reservation) before
+//! its items are validated and is refused 429 as a request is, and every malformed
+//! body is a 400 naming its field.
 
 mod common;
 
@@ -146,8 +148,41 @@ async fn a_batch_answers_as_its_items_alone_and_bills_each_once() {
     assert_eq!(wait_done(&s, &s.tenant.id, &s.key, &id).await, done);
 }
 
+/// A POST with `key`; returns status, `retry-after`, `x-should-retry` and the body.
+async fn post_with_headers(
+    s: &TestServer,
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> (u16, Option<String>, Option<String>, Value) {
+    let resp = s
+        .client
+        .post(url)
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let h = |n: &str| {
+        resp.headers()
+            .get(n)
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    let (retry_after, should_retry) = (h("retry-after"), h("x-should-retry"));
+    let status = resp.status().as_u16();
+    (
+        status,
+        retry_after,
+        should_retry,
+        resp.json().await.unwrap(),
+    )
+}
+
+/// A batch holds one of its tenant's concurrency slots while its items run: the
+/// tenant's own requests get the concurrency 429 meanwhile, the items all run (no
+/// item is refused by its own batch), and the slot comes back at the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batch_items_wait_for_the_tenants_limits_instead_of_failing() {
+async fn a_batch_holds_one_concurrency_slot_while_its_items_run() {
     let s = start().await;
     let limits = Limits {
         max_concurrent: 1,
@@ -155,21 +190,164 @@ async fn batch_items_wait_for_the_tenants_limits_instead_of_failing() {
     };
     let (t, key) = s.tenant_with_key("one-at-a-time", limits).await;
     let items: Vec<Value> = (0..4)
-        .map(|i| json!({"prompt": format!("Count to {}.", i + 3), "max_tokens": 16}))
+        .map(|i| json!({"prompt": format!("Count from {} to 500.", i + 3), "max_tokens": 64}))
         .collect();
     let id = submit(&s, &t.id, &key, Value::Array(items)).await;
+    assert_eq!(s.state.limiter.inflight(&t.id), 1, "one slot for the batch");
+    let (st, _, v) = s
+        .post(
+            &s.run_url(&t.id),
+            Some(&key),
+            &json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 429, "the batch holds the only slot: {v}");
+    assert!(s.state.metrics.refused_count("max_concurrent") > 0);
     let done = wait_done(&s, &t.id, &key, &id).await;
     let responses = done["responses"].as_array().unwrap();
     assert!(
         responses.iter().all(|r| r["success"] == true),
-        "items refused by the concurrency limit retry: {done}"
+        "every item ran on the batch's slot: {done}"
     );
     s.settle().await;
+    assert_eq!(s.state.limiter.inflight(&t.id), 0, "the slot came back");
     let rows = s.store().usage_rows(Some(&t.id)).await.unwrap();
-    assert_eq!(rows.len(), 4, "one row per item, none for the refusals");
-    assert!(
-        s.state.metrics.refused_count("max_concurrent") > 0,
-        "the second item was refused at least once (two run at a time)"
+    assert_eq!(rows.len(), 4, "one row per item, none for the refusal");
+    let (st, _, v) = s
+        .post(
+            &s.run_url(&t.id),
+            Some(&key),
+            &json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+}
+
+/// The attack of issue 32 item 1: a tenant limited to 1 request/minute submitted
+/// batches that were validated (their last item invalid) and run without touching
+/// any limit. Now a submission takes a request per item before any item is
+/// validated (a 429, not the 400 its invalid item would get), all or nothing, in
+/// the same shape as any request's 429, and writes no usage row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
+    let s = start().await;
+    let limits = Limits {
+        requests_per_minute: 1,
+        ..Limits::default()
+    };
+    let (t, key) = s.tenant_with_key("one-a-minute", limits).await;
+    let url = batch_url(&s, &t.id);
+    let bad_last = json!({"requests": [
+        {"prompt": "Hi", "max_tokens": 2},
+        {"prompt": "Hi", "temperature": 9},
+    ]});
+    let (st, retry_after, should_retry, v) = post_with_headers(&s, &url, &key, &bad_last).await;
+    assert_eq!(st, 429, "refused before its invalid item is looked at: {v}");
+    assert_eq!(v["success"], false);
+    assert_eq!(v["errors"][0]["code"], 3040, "{v}");
+    let msg = v["errors"][0]["message"].as_str().unwrap();
+    assert!(msg.contains("requests_per_minute"), "{msg}");
+    assert!(retry_after.is_some());
+    assert_eq!(
+        should_retry.as_deref(),
+        Some("false"),
+        "2 requests never fit 1/minute"
+    );
+    assert_eq!(s.state.metrics.refused_count("requests_per_minute"), 1);
+    // All or nothing: the refused batch took nothing, so the minute's one request
+    // is still there for a request...
+    let (st, _, v) = s
+        .post(
+            &s.run_url(&t.id),
+            Some(&key),
+            &json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    // ...which spent it: a batch of one item now waits for the next minute, and is
+    // refused exactly as a request is.
+    let one = json!({"requests": [{"prompt": "Hi", "max_tokens": 2}]});
+    let (st, retry_after, should_retry, batch_429) = post_with_headers(&s, &url, &key, &one).await;
+    assert_eq!(st, 429, "{batch_429}");
+    assert_eq!(should_retry.as_deref(), Some("true"));
+    assert!(retry_after.is_some());
+    let (st, _, _, request_429) = post_with_headers(
+        &s,
+        &s.run_url(&t.id),
+        &key,
+        &json!({"prompt": "Hi", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(st, 429);
+    assert_eq!(
+        batch_429["errors"][0]["code"],
+        request_429["errors"][0]["code"]
+    );
+    assert_eq!(s.state.metrics.refused_count("requests_per_minute"), 3);
+    s.settle().await;
+    let rows = s.store().usage_rows(Some(&t.id)).await.unwrap();
+    assert_eq!(rows.len(), 1, "the one request's row; none for refusals");
+    assert_eq!(rows[0].endpoint, "workers_ai.run");
+    assert_eq!(s.state.limiter.inflight(&t.id), 0);
+    // An accepted batch spends its requests: after a batch of one item, the
+    // minute's one request is gone.
+    let (t2, key2) = s.tenant_with_key("one-a-minute-too", limits).await;
+    let id = submit(
+        &s,
+        &t2.id,
+        &key2,
+        json!([{"prompt": "Hi", "max_tokens": 2}]),
+    )
+    .await;
+    let (st, _, v) = s
+        .post(
+            &s.run_url(&t2.id),
+            Some(&key2),
+            &json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 429, "the batch took the minute's request: {v}");
+    let done = wait_done(&s, &t2.id, &key2, &id).await;
+    assert_eq!(done["responses"][0]["success"], true, "{done}");
+}
+
+/// Every item's tokens (prompt + `max_tokens`) are reserved against the daily quota
+/// at submission: a batch whose items together exceed it is refused 429 (the
+/// quota's code) with no row and nothing left reserved, even when each item alone
+/// would fit; a batch that fits is charged exactly its items' real tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_reserves_every_items_daily_tokens_at_submission() {
+    let s = start().await;
+    let limits = Limits {
+        daily_tokens: 150,
+        ..Limits::default()
+    };
+    let (t, key) = s.tenant_with_key("daily", limits).await;
+    let url = batch_url(&s, &t.id);
+    let item = json!({"prompt": "Hi", "max_tokens": 40});
+    let three = json!({"requests": [item, item, item]});
+    let (st, retry_after, _, v) = post_with_headers(&s, &url, &key, &three).await;
+    assert_eq!(st, 429, "3 x (prompt + 40) > 150: {v}");
+    assert_eq!(v["errors"][0]["code"], 3036, "the daily quota's code: {v}");
+    assert!(retry_after.is_some());
+    assert!(s.state.metrics.refused_count("daily_tokens") >= 1);
+    let d = s.state.limiter.daily(&t.id).expect("loaded");
+    assert_eq!((d.used, d.reserved), (0, 0), "a refusal keeps nothing");
+    assert_eq!(s.state.limiter.inflight(&t.id), 0);
+    assert_eq!(s.row_count().await, 0, "no row for a refused batch");
+    // One item alone fits.
+    let id = submit(&s, &t.id, &key, json!([item])).await;
+    let done = wait_done(&s, &t.id, &key, &id).await;
+    assert_eq!(done["responses"][0]["success"], true, "{done}");
+    s.settle().await;
+    let rows = s.store().usage_rows(Some(&t.id)).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    let d = s.state.limiter.daily(&t.id).unwrap();
+    assert_eq!(d.reserved, 0, "settled");
+    assert_eq!(
+        d.used,
+        rows[0].input_tokens + rows[0].output_tokens,
+        "charged the item's real tokens"
     );
 }
 
@@ -314,17 +492,13 @@ async fn open_batches_per_tenant_are_bounded_and_results_expire() {
 }
 
 /// Finished batches count against their tenant until they expire, so one tenant
-/// cannot fill the gateway's store for the others (free to try: a tenant whose
-/// every item is refused by its daily quota at once).
+/// cannot fill the gateway's store for the others (here with batches of one
+/// one-token item, which finish at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_cannot_fill_the_gateways_batch_store() {
     use tessera_gateway::batch::MAX_STORED_BATCHES_PER_TENANT;
     let s = start().await;
-    let broke = Limits {
-        daily_tokens: 1,
-        ..Limits::default()
-    };
-    let (t, key) = s.tenant_with_key("broke", broke).await;
+    let (t, key) = s.tenant_with_key("busy", Limits::default()).await;
     let one = json!([{"prompt": "x", "max_tokens": 1}]);
     let mut stored = 0;
     while stored < MAX_STORED_BATCHES_PER_TENANT {
@@ -333,7 +507,7 @@ async fn a_tenant_cannot_fill_the_gateways_batch_store() {
             .await;
         match st {
             200 => stored += 1,
-            // At most 4 open at once: wait for them to fail on the quota.
+            // At most 4 open at once: wait for them to finish.
             429 => tokio::time::sleep(Duration::from_millis(50)).await,
             _ => panic!("{st}: {v}"),
         }

@@ -115,12 +115,28 @@ fn concurrency_error(inflight: u32, max: u32) -> LimitError {
     }
 }
 
-fn requests_error(cap: u32, wait: Option<Duration>) -> LimitError {
-    LimitError {
-        kind: LimitKind::Requests,
-        retry_after: wait.unwrap_or(Duration::from_secs(60)),
-        retryable: true,
-        detail: format!("limit {cap} requests/minute"),
+/// `n` requests refused; `wait`: `None` when `n` alone exceeds the limit (never
+/// fits: not retryable).
+fn requests_error(n: u32, cap: u32, wait: Option<Duration>) -> LimitError {
+    match wait {
+        Some(wait) => LimitError {
+            kind: LimitKind::Requests,
+            retry_after: wait,
+            retryable: true,
+            detail: if n > 1 {
+                format!("{n} requests at once; limit {cap} requests/minute")
+            } else {
+                format!("limit {cap} requests/minute")
+            },
+        },
+        None => LimitError {
+            kind: LimitKind::Requests,
+            retry_after: Duration::from_secs(60),
+            retryable: false,
+            detail: format!(
+                "{n} requests at once exceed the limit of {cap} requests/minute; send fewer"
+            ),
+        },
     }
 }
 
@@ -435,6 +451,8 @@ impl Drop for Slot {
 /// spent. [`Admission::reserve`] continues once the prompt is tokenized.
 pub struct Admission {
     inner: Phase1,
+    /// Requests spent (given back if phase 2 refuses).
+    requests: u32,
 }
 
 enum Phase1 {
@@ -642,10 +660,30 @@ impl Limiter {
     /// [`LimitKind::Unavailable`] (with [`FailMode::Open`] the in-memory limits
     /// decide instead).
     pub async fn admit(&self, id: &str, limits: Limits) -> Result<Admission, LimitError> {
+        self.admit_many(id, limits, 1).await
+    }
+
+    /// [`Limiter::admit`] for `requests` requests at once (an async batch of that
+    /// many items): one concurrency slot, `requests` taken from requests/minute,
+    /// all or nothing (0 counts as 1). A refusal in phase 2 gives all of them back.
+    ///
+    /// Errors: as [`Limiter::admit`]; more requests than the per-minute limit is
+    /// a [`LimitKind::Requests`] refusal that is not retryable.
+    pub async fn admit_many(
+        &self,
+        id: &str,
+        limits: Limits,
+        requests: u32,
+    ) -> Result<Admission, LimitError> {
+        let n = requests.max(1);
         let Some(s) = &self.shared else {
-            return self.admit_at(id, limits, Now::real());
+            return self.admit_at(id, limits, n, Now::real());
         };
-        match s.admit(id, limits).await {
+        let cap = limits.requests_per_minute;
+        if cap > 0 && n > cap {
+            return Err(requests_error(n, cap, None));
+        }
+        match s.admit(id, limits, n).await {
             Ok(Ok(lease)) => Ok(Admission {
                 inner: Phase1::Shared {
                     lease,
@@ -653,20 +691,27 @@ impl Limiter {
                     local: (s.on_failure() == FailMode::Open)
                         .then(|| self.tenant(id, limits, Instant::now())),
                 },
+                requests: n,
             }),
             Ok(Err(refused)) => Err(refused),
             Err(shared::Down { .. }) => match s.on_failure() {
                 FailMode::Closed => Err(unavailable_error()),
                 FailMode::Open => {
                     s.count_fallback();
-                    self.admit_at(id, limits, Now::real())
+                    self.admit_at(id, limits, n, Now::real())
                 }
             },
         }
     }
 
-    fn admit_at(&self, id: &str, limits: Limits, now: Now) -> Result<Admission, LimitError> {
-        admit_local(self.tenant(id, limits, now.at), limits, now)
+    fn admit_at(
+        &self,
+        id: &str,
+        limits: Limits,
+        n: u32,
+        now: Now,
+    ) -> Result<Admission, LimitError> {
+        admit_local(self.tenant(id, limits, now.at), limits, n, now)
     }
 
     /// Whether the tenant's daily counter must be loaded from the ledger first
@@ -781,7 +826,12 @@ impl Limiter {
 }
 
 /// Phase 1 against one tenant's in-memory state.
-fn admit_local(t: Arc<TenantLimiter>, limits: Limits, now: Now) -> Result<Admission, LimitError> {
+fn admit_local(
+    t: Arc<TenantLimiter>,
+    limits: Limits,
+    n: u32,
+    now: Now,
+) -> Result<Admission, LimitError> {
     let mut st = t.lock();
     st.update(limits, now.at);
     if limits.max_concurrent > 0 && st.inflight >= limits.max_concurrent {
@@ -789,15 +839,16 @@ fn admit_local(t: Arc<TenantLimiter>, limits: Limits, now: Now) -> Result<Admiss
     }
     let cap = limits.requests_per_minute;
     if cap > 0 {
-        if let Err(wait) = st.requests.check(cap, 1, now.at) {
-            return Err(requests_error(cap, wait));
+        if let Err(wait) = st.requests.check(cap, n, now.at) {
+            return Err(requests_error(n, cap, wait));
         }
-        st.requests.take(1);
+        st.requests.take(n);
     }
     st.inflight += 1;
     drop(st);
     Ok(Admission {
         inner: Phase1::Local(Slot(t)),
+        requests: n,
     })
 }
 
@@ -815,9 +866,10 @@ impl Admission {
         input_tokens: u32,
         max_tokens: u32,
     ) -> Result<Reservation, LimitError> {
+        let n = self.requests;
         let (mut lease, limits, local) = match self.inner {
             Phase1::Local(slot) => {
-                return reserve_local(slot, input_tokens, max_tokens, Now::real())
+                return reserve_local(slot, n, input_tokens, max_tokens, Now::real())
             }
             Phase1::Shared {
                 lease,
@@ -825,7 +877,7 @@ impl Admission {
                 local,
             } => (lease, limits, local),
         };
-        match lease.reserve(limits, input_tokens, max_tokens).await {
+        match lease.reserve(limits, n, input_tokens, max_tokens).await {
             Ok(Ok(())) => Ok(Reservation {
                 inner: Phase2::Shared {
                     lease,
@@ -848,9 +900,9 @@ impl Admission {
                     (FailMode::Open, Some(t)) => {
                         s.count_fallback();
                         let now = Now::real();
-                        match admit_local(t, limits, now)?.inner {
+                        match admit_local(t, limits, n, now)?.inner {
                             Phase1::Local(slot) => {
-                                reserve_local(slot, input_tokens, max_tokens, now)
+                                reserve_local(slot, n, input_tokens, max_tokens, now)
                             }
                             Phase1::Shared { .. } => unreachable!("admit_local is local"),
                         }
@@ -864,20 +916,27 @@ impl Admission {
     #[cfg(test)]
     fn reserve_at(self, input: u32, output: u32, now: Now) -> Result<Reservation, LimitError> {
         match self.inner {
-            Phase1::Local(slot) => reserve_local(slot, input, output, now),
+            Phase1::Local(slot) => reserve_local(slot, self.requests, input, output, now),
             Phase1::Shared { .. } => panic!("reserve_at is for in-memory admissions"),
         }
     }
 }
 
 /// Phase 2 against one tenant's in-memory state.
-fn reserve_local(slot: Slot, input: u32, output: u32, now: Now) -> Result<Reservation, LimitError> {
+/// `requests`: spent in phase 1, given back on a refusal.
+fn reserve_local(
+    slot: Slot,
+    requests: u32,
+    input: u32,
+    output: u32,
+    now: Now,
+) -> Result<Reservation, LimitError> {
     let t = slot.0.clone();
     let mut st = t.lock();
     let limits = st.limits;
     if let Err(e) = check_tokens(&mut st, input, output, now) {
         if limits.requests_per_minute > 0 {
-            st.requests.give(limits.requests_per_minute, 1);
+            st.requests.give(limits.requests_per_minute, requests);
         }
         drop(st);
         return Err(e); // `slot` drops here: the slot goes back.
@@ -1058,17 +1117,47 @@ mod tests {
             requests_per_minute: 2,
             ..Limits::UNLIMITED
         };
-        assert!(l.admit_at("a", lim, at(t0, 0.0)).is_ok());
-        assert!(l.admit_at("a", lim, at(t0, 0.0)).is_ok());
-        let e = l.admit_at("a", lim, at(t0, 0.0)).unwrap_err();
+        assert!(l.admit_at("a", lim, 1, at(t0, 0.0)).is_ok());
+        assert!(l.admit_at("a", lim, 1, at(t0, 0.0)).is_ok());
+        let e = l.admit_at("a", lim, 1, at(t0, 0.0)).unwrap_err();
         assert_eq!(e.kind, LimitKind::Requests);
         assert!(e.retryable);
         assert_eq!(e.retry_after, Duration::from_secs(30));
         // Half a minute later one request's worth has refilled, not two.
-        assert!(l.admit_at("a", lim, at(t0, 30.0)).is_ok());
-        assert!(l.admit_at("a", lim, at(t0, 30.0)).is_err());
+        assert!(l.admit_at("a", lim, 1, at(t0, 30.0)).is_ok());
+        assert!(l.admit_at("a", lim, 1, at(t0, 30.0)).is_err());
         // Another tenant with the same limits is unaffected.
-        assert!(l.admit_at("b", lim, at(t0, 0.0)).is_ok());
+        assert!(l.admit_at("b", lim, 1, at(t0, 0.0)).is_ok());
+    }
+
+    /// A batch of `n` items takes `n` requests and one slot, all or nothing; a
+    /// phase-2 refusal gives all `n` back; more than the limit never fits.
+    #[test]
+    fn admit_many_takes_n_requests_and_one_slot() {
+        let l = Limiter::new();
+        let t0 = Instant::now();
+        let lim = Limits {
+            requests_per_minute: 4,
+            max_concurrent: 2,
+            daily_tokens: 10,
+            ..Limits::UNLIMITED
+        };
+        let a = l.admit_at("a", lim, 3, at(t0, 0.0)).unwrap();
+        assert_eq!(l.inflight("a"), 1, "one slot for the whole batch");
+        let e = l.admit_at("a", lim, 2, at(t0, 0.0)).unwrap_err();
+        assert_eq!(e.kind, LimitKind::Requests);
+        assert!(e.retryable);
+        // Refused in phase 2 (daily quota): the three requests come back.
+        assert_eq!(
+            a.reserve_at(5, 6, at(t0, 0.0)).unwrap_err().kind,
+            LimitKind::DailyQuota
+        );
+        assert_eq!(l.inflight("a"), 0);
+        let b = l.admit_at("a", lim, 4, at(t0, 0.0)).unwrap();
+        drop(b);
+        let e = l.admit_at("a", lim, 5, at(t0, 59.0)).unwrap_err();
+        assert_eq!(e.kind, LimitKind::Requests);
+        assert!(!e.retryable, "5 requests never fit a limit of 4/minute");
     }
 
     #[tokio::test]
@@ -1136,7 +1225,7 @@ mod tests {
             output_tokens_per_minute: 50,
             ..Limits::UNLIMITED
         };
-        let adm = |n| l.admit_at("a", lim, at(t0, n)).unwrap();
+        let adm = |n| l.admit_at("a", lim, 1, at(t0, n)).unwrap();
         let e = adm(0.0).reserve_at(101, 1, at(t0, 0.0)).unwrap_err();
         assert_eq!((e.kind, e.retryable), (LimitKind::InputTokens, false));
         let e = adm(0.0).reserve_at(1, 51, at(t0, 0.0)).unwrap_err();
@@ -1162,14 +1251,14 @@ mod tests {
             max_concurrent: 1,
             ..Limits::UNLIMITED
         };
-        let a = l.admit_at("a", lim, at(t0, 0.0)).unwrap();
+        let a = l.admit_at("a", lim, 1, at(t0, 0.0)).unwrap();
         assert_eq!(
             a.reserve_at(11, 1, at(t0, 0.0)).unwrap_err().kind,
             LimitKind::InputTokens
         );
         assert_eq!(l.inflight("a"), 0);
         // The one request of this minute is still there.
-        let a = l.admit_at("a", lim, at(t0, 0.0)).unwrap();
+        let a = l.admit_at("a", lim, 1, at(t0, 0.0)).unwrap();
         assert!(a.reserve_at(5, 1, at(t0, 0.0)).is_ok());
     }
 
@@ -1229,13 +1318,13 @@ mod tests {
             ..Limits::UNLIMITED
         };
         let r = l
-            .admit_at("a", lim, at(t0, 0.0))
+            .admit_at("a", lim, 1, at(t0, 0.0))
             .unwrap()
             .reserve_at(50, 50, at(t0, 0.0))
             .unwrap();
         let next_day = at(t0, 86_400.0);
         let r2 = l
-            .admit_at("a", lim, next_day)
+            .admit_at("a", lim, 1, next_day)
             .unwrap()
             .reserve_at(50, 50, next_day)
             .unwrap();
@@ -1258,7 +1347,7 @@ mod tests {
         let e = l.usage_query_at("a", lim, 2, at(t0, 0.0)).unwrap_err();
         assert_eq!(e.kind, LimitKind::UsageQueries);
         // Inference is counted apart.
-        assert!(l.admit_at("a", lim, at(t0, 0.0)).is_ok());
+        assert!(l.admit_at("a", lim, 1, at(t0, 0.0)).is_ok());
         assert!(l.usage_query_at("a", lim, 2, at(t0, 30.0)).is_ok());
     }
 

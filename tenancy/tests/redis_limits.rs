@@ -69,6 +69,33 @@ async fn requests_per_minute_are_shared() {
     assert_eq!(gws[0].backend_errors() + gws[1].backend_errors(), 0);
 }
 
+/// An async batch of `n` items (`admit_many`) takes `n` requests and one lease in
+/// Redis, all or nothing; a refusal in phase 2 gives all `n` back; more than the
+/// limit never fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_takes_n_shared_requests_and_one_lease() {
+    let (_server, url) = RedisServer::from_env_or_start();
+    let gws = [gateway(&url), gateway(&url)];
+    let t = tenant();
+    let lim = Limits {
+        requests_per_minute: 5,
+        daily_tokens: 10,
+        ..Limits::UNLIMITED
+    };
+    let batch = gws[0].admit_many(&t, lim, 3).await.unwrap();
+    assert_eq!(gws[0].inflight(&t), 1, "one lease for the batch");
+    let e = gws[1].admit_many(&t, lim, 3).await.unwrap_err();
+    assert_eq!((e.kind, e.retryable), (LimitKind::Requests, true));
+    // Refused by the daily quota in phase 2: its 3 requests come back.
+    let e = batch.reserve(6, 6).await.unwrap_err();
+    assert_eq!(e.kind, LimitKind::DailyQuota);
+    drop(gws[1].admit_many(&t, lim, 5).await.unwrap());
+    assert!(gws[0].admit(&t, lim).await.is_err(), "all 5 spent");
+    let e = gws[0].admit_many(&tenant(), lim, 6).await.unwrap_err();
+    assert_eq!((e.kind, e.retryable), (LimitKind::Requests, false));
+    assert_eq!(gws[0].backend_errors() + gws[1].backend_errors(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_is_shared_and_a_drop_frees_a_slot_for_the_other_gateway() {
     let (_server, url) = RedisServer::from_env_or_start();

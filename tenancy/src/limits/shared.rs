@@ -106,13 +106,13 @@ end
 }
 
 /// Phase 1. KEYS: leases, held, daily, requests. ARGV: max concurrent, requests per
-/// minute, lease id, lease ttl (ms). Returns {0, inflight} | {1, inflight}
+/// minute, lease id, lease ttl (ms), requests taken (a batch's items). Returns {0, inflight} | {1, inflight}
 /// (concurrency) | {2, wait ms} (requests/minute).
 const ADMIT: &str = concat!(
     lua_prelude!(),
     r#"
 local now = now_ms()
-local maxc, rpm, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+local maxc, rpm, ttl, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4]), tonumber(ARGV[5])
 -- Leases not refreshed in time belong to dead gateways: end them unsettled.
 local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 if #lapsed > 0 then
@@ -123,11 +123,11 @@ local inflight = redis.call('ZCARD', KEYS[1])
 if maxc > 0 and inflight >= maxc then return {1, inflight} end
 if rpm > 0 then
   local tat = tat_of(KEYS[4], rpm, now)
-  local w = wait_for(tat, rpm, 1, now)
+  local w = wait_for(tat, rpm, n, now)
   -- Refused: still store the bucket at the current limit, so a raised limit
   -- refills at its new rate from now on (as the local bucket does).
   if w > 0 then put(KEYS[4], rpm, tat, now) return {2, math.ceil(w)} end
-  put(KEYS[4], rpm, tat + 60000 / rpm, now)
+  put(KEYS[4], rpm, tat + n * 60000 / rpm, now)
 else
   -- Unlimited: a later limit starts full.
   redis.call('DEL', KEYS[4])
@@ -141,19 +141,19 @@ return {0, inflight + 1}
 
 /// Phase 2. KEYS: leases, held, daily, requests, input, output. ARGV: lease id,
 /// requests/minute, input/minute, output/minute, daily tokens, prompt tokens, max
-/// tokens. Returns {0, day, 0, 0} | {3 or 4, wait ms or -1 (never), 0, 0} (input or
+/// tokens, requests taken in phase 1. Returns {0, day, 0, 0} | {3 or 4, wait ms or -1 (never), 0, 0} (input or
 /// output tokens) | {5, used, reserved, ms to the next UTC day} (daily quota). A
-/// refusal gives back the request of phase 1 and ends the lease.
+/// refusal gives back the requests of phase 1 and ends the lease.
 const RESERVE: &str = concat!(
     lua_prelude!(),
     r#"
 local now = now_ms()
 local id = ARGV[1]
-local rpm, dlim = tonumber(ARGV[2]), tonumber(ARGV[5])
+local rpm, dlim, nreq = tonumber(ARGV[2]), tonumber(ARGV[5]), tonumber(ARGV[8])
 local day = math.floor(now / 86400000)
 local function refuse(code, a, b, c)
   if rpm > 0 then
-    put(KEYS[4], rpm, math.max(tat_of(KEYS[4], rpm, now) - 60000 / rpm, now), now)
+    put(KEYS[4], rpm, math.max(tat_of(KEYS[4], rpm, now) - nreq * 60000 / rpm, now), now)
   end
   redis.call('ZREM', KEYS[1], id)
   return {code, a, b, c}
@@ -593,11 +593,12 @@ impl Shared {
         }
     }
 
-    /// Phase 1: takes a lease and a request (or refuses).
+    /// Phase 1: takes a lease and `n` requests (or refuses).
     pub(super) async fn admit(
         self: &Arc<Self>,
         tenant: &str,
         limits: Limits,
+        n: u32,
     ) -> Result<Result<Lease, LimitError>, Down> {
         self.ensure_refresher();
         let keys = Keys::new(tenant);
@@ -621,6 +622,7 @@ impl Shared {
                     .arg(limits.requests_per_minute)
                     .arg(lid)
                     .arg(ttl)
+                    .arg(n)
                     .invoke_async(&mut c)
                     .await
             })
@@ -656,6 +658,7 @@ impl Shared {
             [2, wait, ..] => {
                 lease.open = false;
                 Err(super::requests_error(
+                    n,
                     limits.requests_per_minute,
                     Some(Duration::from_millis((*wait).max(0) as u64)),
                 ))
@@ -700,6 +703,7 @@ impl Lease {
     pub(super) async fn reserve(
         &mut self,
         limits: Limits,
+        requests: u32,
         input: u32,
         output: u32,
     ) -> Result<Result<(), LimitError>, Down> {
@@ -726,6 +730,7 @@ impl Lease {
                     .arg(limits.daily_tokens)
                     .arg(input)
                     .arg(output)
+                    .arg(requests)
                     .invoke_async(&mut c)
                     .await
             })
