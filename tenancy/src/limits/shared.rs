@@ -36,7 +36,10 @@
 //! and `Drop` stop refreshing the lease at once and hand the Redis call to a tokio
 //! task ([`Limiter::flush`](super::Limiter::flush) waits for them).
 
-use super::{FailMode, LimitError, SharedLimits};
+use super::policy::{
+    concurrency_error, daily_error, requests_error, tokens_error, FailMode, LimitError, LimitKind,
+    SharedLimits,
+};
 use crate::store::Limits;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, RedisResult, Script};
@@ -650,14 +653,14 @@ impl Shared {
             }
             [1, inflight, ..] => {
                 lease.open = false;
-                Err(super::concurrency_error(
+                Err(concurrency_error(
                     u32::try_from(*inflight).unwrap_or(u32::MAX),
                     limits.max_concurrent,
                 ))
             }
             [2, wait, ..] => {
                 lease.open = false;
-                Err(super::requests_error(
+                Err(requests_error(
                     n,
                     limits.requests_per_minute,
                     Some(Duration::from_millis((*wait).max(0) as u64)),
@@ -740,21 +743,21 @@ impl Lease {
             [code @ (3 | 4), wait, ..] => {
                 let (kind, n, cap) = if *code == 3 {
                     (
-                        super::LimitKind::InputTokens,
+                        LimitKind::InputTokens,
                         input,
                         limits.input_tokens_per_minute,
                     )
                 } else {
                     (
-                        super::LimitKind::OutputTokens,
+                        LimitKind::OutputTokens,
                         output,
                         limits.output_tokens_per_minute,
                     )
                 };
                 let wait = (*wait >= 0).then(|| Duration::from_millis(*wait as u64));
-                super::tokens_error(kind, n, cap, wait)
+                tokens_error(kind, n, cap, wait)
             }
-            [5, used, reserved, ms_left] => super::daily_error(
+            [5, used, reserved, ms_left] => daily_error(
                 *used,
                 *reserved,
                 i64::from(input) + i64::from(output),
