@@ -28,24 +28,10 @@ use tessera_model::LoadedModel;
 use tessera_serving::{EngineConfig, EngineHandle};
 use tessera_tenancy::{Limits, Store};
 
+mod support;
+use support::{arg, pct};
+
 const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
-
-fn arg(name: &str, default: u64) -> u64 {
-    let a: Vec<String> = std::env::args().collect();
-    a.iter()
-        .position(|x| x == name)
-        .and_then(|i| a.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
 
 /// `/healthz` every 20 ms until `stop`; latencies in ms.
 async fn probe(client: reqwest::Client, base: String, stop: Arc<AtomicBool>) -> Vec<f64> {
