@@ -1765,7 +1765,7 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
     let debug = [("RUST_LOG", "warn,tessera_serving=debug")];
     let _decode = start_node_with(dir.path(), &config, "decode", d, &[], &debug).await;
     let _prefill = start_node(dir.path(), &config, "prefill", p).await;
-    let token = "metrics-7Qx2kP9vL4nR8sT1wZ6y";
+    let token = "metrics-7Qx2kP9vL4nR8sT1wZ6yHcJ3mB5dF0gA";
     let gw = start_config_gateway(
         dir.path(),
         &config,
