@@ -1801,7 +1801,9 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
         )
     };
     let control = |msg: Value| frame(&json!({"control": {"msg": msg}}), &[]);
-    let attacks: Vec<(&str, &str, Box<dyn Fn(u64) -> Vec<u8>>)> = vec![
+    // (what, the violation's reason, the frame for a victim's id).
+    type Attack = (&'static str, &'static str, Box<dyn Fn(u64) -> Vec<u8>>);
+    let attacks: Vec<Attack> = vec![
         (
             "an injected token in a victim's stream",
             "not_routed",

@@ -455,13 +455,16 @@ pub enum Routed {
 /// violation.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct RouteBook<L> {
-    /// Live requests: (prefill link, decode link), each once routed.
-    live: BTreeMap<ReqId, (Option<L>, Option<L>)>,
+    /// Live requests' routes.
+    live: BTreeMap<ReqId, Route<L>>,
     /// Ended requests' routes and the clock reading when each ended.
-    ended: BTreeMap<ReqId, ((Option<L>, Option<L>), u64)>,
+    ended: BTreeMap<ReqId, (Route<L>, u64)>,
     /// The driver's clock as of the last [`RouteBook::expire`] (milliseconds).
     now: u64,
 }
+
+/// A request's (prefill link, decode link), each once routed.
+type Route<L> = (Option<L>, Option<L>);
 
 impl<L> Default for RouteBook<L> {
     fn default() -> Self {
@@ -523,7 +526,7 @@ impl<L: Copy + Eq> RouteBook<L> {
     }
 
     fn check_req(&self, link: L, from: Role, req: ReqId) -> Result<Routed, LinkViolation> {
-        let pick = |r: &(Option<L>, Option<L>)| match from {
+        let pick = |r: &Route<L>| match from {
             Role::Prefill => r.0,
             Role::Decode => r.1,
             Role::Coordinator => None,
