@@ -1720,7 +1720,11 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
     // The rogue: welcomes each link the gateway opens (as draining, with the model
     // the gateway names), keeps it alive, writes one injection on it when told, and
     // reports whether the gateway then cut the link.
-    type Injection = (Vec<u8>, tokio::sync::oneshot::Sender<bool>);
+    // An injection is built from the newest victim id at the moment it is written.
+    type Attack = Box<dyn Fn(u64) -> Vec<u8> + Send>;
+    type Injection = (Attack, tokio::sync::oneshot::Sender<bool>);
+    let log = dir.path().join("decode.log");
+    let victims = log.clone();
     let (inject, mut injections) = tokio::sync::mpsc::channel::<Injection>(1);
     let rogue = tokio::spawn(async move {
         let ping = frame(&json!("ping"), &[]);
@@ -1744,7 +1748,7 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
                 continue;
             }
             links += 1;
-            let (bytes, done) = loop {
+            let (attack, done) = loop {
                 tokio::select! {
                     m = injections.recv() => match m {
                         Some(m) => break m,
@@ -1757,8 +1761,31 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
                     }
                 }
             };
-            let _ = s.write_all(&bytes).await;
-            let (_, ended) = read_frames(&mut s, REFUSAL).await;
+            // A live victim id: the newest request the honest decode node took.
+            let req = newest_req(&victims).unwrap_or(1);
+            let _ = s.write_all(&attack(req)).await;
+            // Still pinging (a silent link would be cut as dead, not for this).
+            let deadline = Instant::now() + REFUSAL;
+            let ended = loop {
+                if Instant::now() > deadline {
+                    break false;
+                }
+                let mut first = [0u8; 1];
+                let wait = Duration::from_millis(500);
+                match tokio::time::timeout(wait, s.read_exact(&mut first)).await {
+                    Err(_) => {
+                        if s.write_all(&ping).await.is_err() {
+                            break true;
+                        }
+                    }
+                    Ok(Err(_)) => break true,
+                    Ok(Ok(_)) => {
+                        if read_frame_after(first[0], &mut s).await.is_err() {
+                            break true;
+                        }
+                    }
+                }
+            };
             let _ = done.send(ended);
         }
     });
@@ -1789,10 +1816,9 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
     }
     assert_eq!(gateway_metric(&gw, token, rejected).await, (0.0, true));
 
-    let body = greedy(32);
+    let body = endless(64);
     let solo = gw.run_when_up(&body).await["result"].clone();
     let (stop, tenant) = serve_tenant(&gw, body, solo);
-    let log = dir.path().join("decode.log");
     let token_event = |req: u64, text: &str| {
         frame(
             &json!({"event": {"req": req,
@@ -1802,8 +1828,7 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
     };
     let control = |msg: Value| frame(&json!({"control": {"msg": msg}}), &[]);
     // (what, the violation's reason, the frame for a victim's id).
-    type Attack = (&'static str, &'static str, Box<dyn Fn(u64) -> Vec<u8>>);
-    let attacks: Vec<Attack> = vec![
+    let attacks: Vec<(&str, &str, Attack)> = vec![
         (
             "an injected token in a victim's stream",
             "not_routed",
@@ -1852,19 +1877,12 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
             Box::new(move |req| control(json!({"type": "abort", "req": req}))),
         ),
     ];
-    for (what, reason, attack) in &attacks {
+    assert!(newest_req(&log).is_some(), "no request id in {log:?}");
+    let injected = attacks.len();
+    for (what, reason, attack) in attacks {
         let before = gateway_metric(&gw, token, &series(reason)).await.0;
-        // A live victim id: the newest request the honest decode node took.
-        let deadline = Instant::now() + REQUEST;
-        let req = loop {
-            if let Some(r) = newest_req(&log) {
-                break r;
-            }
-            assert!(Instant::now() < deadline, "no request id in {log:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
         let (done, cut) = tokio::sync::oneshot::channel();
-        inject.send((attack(req), done)).await.unwrap();
+        inject.send((attack, done)).await.unwrap();
         let cut = tokio::time::timeout(REQUEST, cut).await;
         assert!(
             matches!(cut, Ok(Ok(true))),
@@ -1881,10 +1899,7 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
         logs(dir.path())
     );
     let (rejected, _) = gateway_metric(&gw, token, rejected).await;
-    assert!(
-        rejected >= attacks.len() as f64,
-        "frames_rejected: {rejected}"
-    );
+    assert!(rejected >= injected as f64, "frames_rejected: {rejected}");
     drop(inject);
     rogue.abort();
 }
