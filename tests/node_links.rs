@@ -808,8 +808,8 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
 
 /// The dialer checks it reached the node it meant: a gateway whose decode node's
 /// port is held by a TLS server with the prefill node's certificate (same CA), or
-/// with the decode node's name from another CA, never says hello to it and stays
-/// not ready.
+/// with the decode node's name from another CA, never says hello to it, stays not
+/// ready and counts the refused peer (`tessera_node_peers_refused_total`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
     let dir = tempfile::tempdir().unwrap();
@@ -868,7 +868,9 @@ async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
             (attempts, hellos)
         });
         let data = format!("data-{}", what.len());
-        let gw = start_config_gateway(dir.path(), &config, &data, "gateway.log", &[]).await;
+        let token = "metrics-7Qx2kP9vL4nR8sT1wZ6yHcJ3mB5dF0gA";
+        let args = ["--metrics-token", token];
+        let gw = start_config_gateway(dir.path(), &config, &data, "gateway.log", &args).await;
         // It dialed before it was up; give it a retry or two as well.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         stop.store(true, Ordering::Release);
@@ -883,6 +885,10 @@ async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
             .unwrap()
             .status();
         assert_eq!(ready, 503, "{what}");
+        // Each refused dial is counted on the gateway.
+        let refused = r#"tessera_node_peers_refused_total{node="gateway",role="coordinator"}"#;
+        let (n, _) = gateway_metric(&gw, token, refused).await;
+        assert!(n >= 1.0, "{what}: {n} refused peers counted");
     }
 }
 
