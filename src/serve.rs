@@ -274,9 +274,11 @@ async fn serve(a: ServeArgs) -> Result<()> {
         Some((models, deployment)) => {
             let mut served = Vec::new();
             let mut engines = Vec::new();
+            // The gateway's node-link counters, for every model's nodes.
+            let metrics = std::sync::Arc::new(tessera_serving::NodeMetrics::new());
             for (entry, nodes) in models {
                 let model = load(&entry.path)?;
-                let engine = EngineHandle::connect_remote(&model, nodes);
+                let engine = EngineHandle::connect_remote_in(&model, nodes, metrics.clone());
                 engines.push((entry.id.clone(), engine.clone()));
                 let catalog = catalog_entry(&entry, &model, engine.limits().context)?;
                 served.push((ServedModel::with_entry(catalog, model, engine), entry.path));

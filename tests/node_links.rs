@@ -319,7 +319,7 @@ fn model_shape() -> (usize, usize) {
     (c.kv_layout(16).page_bytes(), c.vocab)
 }
 
-/// A raw request's id: far from any gateway's (a random 32-bit prefix, a counter).
+/// A raw request's id (a gateway draws 64 random bits per request: they do not meet).
 fn raw_req(i: u64) -> u64 {
     0x7a57_0000_0000_0000 + i
 }
@@ -437,6 +437,15 @@ async fn metric(url: &str, series: &str) -> f64 {
         })
         .collect();
     m.get(series).copied().unwrap_or(0.0)
+}
+
+/// The sum of every series of a `/metrics` whose `name{labels` starts with `prefix`.
+async fn metric_sum(url: &str, prefix: &str) -> f64 {
+    let text = reqwest::get(url).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
 
 /// Every attack on the node ports of a running deployment is refused (the link is
@@ -660,9 +669,10 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
     );
     let decode_name = node_name("decode", d);
     let writer = format!("127.0.0.1:{p}");
+    // Summed over reasons (a series per reason).
     let violations =
-        format!(r#"tessera_node_link_violations_total{{node="127.0.0.1:{d}",role="decode"}}"#);
-    let mut counted = metric(&metrics, &violations).await;
+        format!(r#"tessera_node_link_violations_total{{node="127.0.0.1:{d}",role="decode","#);
+    let mut counted = metric_sum(&metrics, &violations).await;
     // Asserts one more violation was counted (it is, before the link is cut).
     let mut one_more = |now: f64, what: &str| {
         assert_eq!(now, counted + 1.0, "{what}: not counted once");
@@ -693,7 +703,7 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
     s.send(&land(r1, &pages1[0], &forged)).await;
     s.assert_cut("a page from a prefill identity that is not the writer")
         .await;
-    one_more(metric(&metrics, &violations).await, "stranger's page");
+    one_more(metric_sum(&metrics, &violations).await, "stranger's page");
     // The writer writes and commits R1's pages: the commit verifies, so the
     // stranger's page never landed.
     let mut w = Raw::open(d, &decode_name, &as_writer, "Prefill").await;
@@ -708,12 +718,18 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
     let mut s = Raw::open(d, &decode_name, &as_stranger, "Prefill").await;
     s.send(&land(r1, &pages1[1], &forged)).await;
     s.assert_cut("a stranger's page after the commit").await;
-    one_more(metric(&metrics, &violations).await, "stranger's late page");
+    one_more(
+        metric_sum(&metrics, &violations).await,
+        "stranger's late page",
+    );
     // The writer itself after its commit was verified: refused, and R1 ends with an
     // integrity failure that names the writer's late page (not the stranger's).
     w.send(&land(r1, &pages1[1], &forged)).await;
     w.assert_cut("the writer's page after its commit").await;
-    one_more(metric(&metrics, &violations).await, "writer's late page");
+    one_more(
+        metric_sum(&metrics, &violations).await,
+        "writer's late page",
+    );
     let r = gw.reply(r1).await;
     assert_eq!(r["type"], "finished", "{r}");
     let reason = &r["outcome"]["Failed"]["reason"];
@@ -737,7 +753,7 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
     }
     w.send(&land(r3, &pages4[0], &forged)).await;
     w.assert_cut("a page aimed at another reservation").await;
-    one_more(metric(&metrics, &violations).await, "page aimed at R4");
+    one_more(metric_sum(&metrics, &violations).await, "page aimed at R4");
     let mut w = Raw::open(d, &decode_name, &as_writer, "Prefill").await;
     w.send(&raw_commit(r4, 20, &pages4, &zeros, 100)).await;
     let r = gw.reply(r4).await;
@@ -771,7 +787,7 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
         "{r}"
     );
     assert_eq!(
-        metric(&metrics, &violations).await,
+        metric_sum(&metrics, &violations).await,
         counted,
         "a valid frame counted"
     );
@@ -792,8 +808,8 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
 
 /// The dialer checks it reached the node it meant: a gateway whose decode node's
 /// port is held by a TLS server with the prefill node's certificate (same CA), or
-/// with the decode node's name from another CA, never says hello to it and stays
-/// not ready.
+/// with the decode node's name from another CA, never says hello to it, stays not
+/// ready and counts the refused peer (`tessera_node_peers_refused_total`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
     let dir = tempfile::tempdir().unwrap();
@@ -852,7 +868,9 @@ async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
             (attempts, hellos)
         });
         let data = format!("data-{}", what.len());
-        let gw = start_config_gateway(dir.path(), &config, &data, "gateway.log", &[]).await;
+        let token = "metrics-7Qx2kP9vL4nR8sT1wZ6yHcJ3mB5dF0gA";
+        let args = ["--metrics-token", token];
+        let gw = start_config_gateway(dir.path(), &config, &data, "gateway.log", &args).await;
         // It dialed before it was up; give it a retry or two as well.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         stop.store(true, Ordering::Release);
@@ -867,6 +885,10 @@ async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
             .unwrap()
             .status();
         assert_eq!(ready, 503, "{what}");
+        // Each refused dial is counted on the gateway.
+        let refused = r#"tessera_node_peers_refused_total{node="gateway",role="coordinator"}"#;
+        let (n, _) = gateway_metric(&gw, token, refused).await;
+        assert!(n >= 1.0, "{what}: {n} refused peers counted");
     }
 }
 
@@ -1632,4 +1654,305 @@ async fn one_of_two_writer_links_closing_does_not_free_a_quarantine() {
     )
     .await;
     assert!(decode.try_wait().unwrap().is_none(), "{}", logs(dir.path()));
+}
+
+/// One series of the gateway's `/metrics` (read with `token`), 0 when absent; and
+/// whether it is exported at all.
+async fn gateway_metric(gw: &Gateway, token: &str, series: &str) -> (f64, bool) {
+    let text = reqwest::Client::new()
+        .get(format!("{}/metrics", gw.base))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let v = text
+        .lines()
+        .filter_map(|l| l.rsplit_once(' '))
+        .find(|(k, _)| *k == series)
+        .and_then(|(_, v)| v.parse().ok());
+    (v.unwrap_or(0.0), v.is_some())
+}
+
+/// The id of the newest request the node that logs to `log` took from a gateway
+/// (its debug line `a new request from a gateway`, `req=ReqId(N)`).
+fn newest_req(log: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(log).ok()?;
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.contains("a new request from a gateway"))?;
+    let (_, rest) = line.split_once("ReqId(")?;
+    rest.split(')').next()?.parse().ok()
+}
+
+/// A decode identity is believed only about the requests routed to its own link. A
+/// rogue node holding a valid decode certificate of the cluster CA (a listed node's
+/// identity: what a stolen node key or a reload adding a hostile node gives) is
+/// dialed by the gateway, welcomed as draining (so nothing is routed to it), and
+/// then injects, one per link, stream events and control messages for the live
+/// requests of a tenant served by the honest decode node (ids read from that node's
+/// debug log: an attacker who knows them, the strongest case), for a neighbour id,
+/// and messages its role never sends. Each is dropped, counted in
+/// `tessera_node_link_violations_total{reason}` (exported at 0 before the first) and
+/// `tessera_node_frames_rejected_total`, and cuts the rogue's link; the tenant's
+/// answers stay byte-identical to its solo answer throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d, f) = (free_port(), free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d, f], (CONTEXT, CONTEXT));
+    let certs = dir.path().join("certs");
+    let (cert, key) = identity(&certs, &format!("decode-127.0.0.1-{f}"));
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let server = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            CertificateDer::pem_file_iter(&cert)
+                .unwrap()
+                .map(|c| c.unwrap())
+                .collect(),
+            PrivateKeyDer::from_pem_file(&key).unwrap(),
+        )
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", f))
+        .await
+        .unwrap();
+    // The rogue: welcomes each link the gateway opens (as draining, with the model
+    // the gateway names), keeps it alive, writes one injection on it when told, and
+    // reports whether the gateway then cut the link.
+    // An injection is built from the newest victim id at the moment it is written.
+    type Attack = Box<dyn Fn(u64) -> Vec<u8> + Send>;
+    type Injection = (Attack, tokio::sync::oneshot::Sender<bool>);
+    let log = dir.path().join("decode.log");
+    let victims = log.clone();
+    let (inject, mut injections) = tokio::sync::mpsc::channel::<Injection>(1);
+    let rogue = tokio::spawn(async move {
+        let ping = frame(&json!("ping"), &[]);
+        let mut links = 0;
+        'links: loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return links;
+            };
+            let Ok(mut s) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let Some(h) = first_frame(&mut s).await else {
+                continue;
+            };
+            if h["hello"].is_null() {
+                continue;
+            }
+            let welcome = json!({"welcome": {"incarnation": 7, "draining": true,
+                                             "model": h["hello"]["model"]}});
+            if s.write_all(&frame(&welcome, &[])).await.is_err() {
+                continue;
+            }
+            links += 1;
+            let (attack, done) = loop {
+                tokio::select! {
+                    m = injections.recv() => match m {
+                        Some(m) => break m,
+                        None => return links,
+                    },
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                        if s.write_all(&ping).await.is_err() {
+                            continue 'links;
+                        }
+                    }
+                }
+            };
+            // A live victim id: the newest request the honest decode node took.
+            let req = newest_req(&victims).unwrap_or(1);
+            let _ = s.write_all(&attack(req)).await;
+            // Still pinging (a silent link would be cut as dead, not for this).
+            let deadline = Instant::now() + REFUSAL;
+            let ended = loop {
+                if Instant::now() > deadline {
+                    break false;
+                }
+                let mut first = [0u8; 1];
+                let wait = Duration::from_millis(500);
+                match tokio::time::timeout(wait, s.read_exact(&mut first)).await {
+                    Err(_) => {
+                        if s.write_all(&ping).await.is_err() {
+                            break true;
+                        }
+                    }
+                    Ok(Err(_)) => break true,
+                    Ok(Ok(_)) => {
+                        if read_frame_after(first[0], &mut s).await.is_err() {
+                            break true;
+                        }
+                    }
+                }
+            };
+            let _ = done.send(ended);
+        }
+    });
+    let debug = [("RUST_LOG", "warn,tessera_serving=debug")];
+    let _decode = start_node_with(dir.path(), &config, "decode", d, &[], &debug).await;
+    let _prefill = start_node(dir.path(), &config, "prefill", p).await;
+    let token = "metrics-7Qx2kP9vL4nR8sT1wZ6yHcJ3mB5dF0gA";
+    let gw = start_config_gateway(
+        dir.path(),
+        &config,
+        "data",
+        "gateway.log",
+        &["--metrics-token", token],
+    )
+    .await;
+    let series = |reason: &str| {
+        format!(
+            r#"tessera_node_link_violations_total{{node="gateway",role="coordinator",reason="{reason}"}}"#
+        )
+    };
+    let rejected = r#"tessera_node_frames_rejected_total{node="gateway",role="coordinator"}"#;
+    for reason in ["not_routed", "wrong_sender", "frame_kind"] {
+        assert_eq!(
+            gateway_metric(&gw, token, &series(reason)).await,
+            (0.0, true),
+            "{reason} is exported at 0 before any violation"
+        );
+    }
+    assert_eq!(gateway_metric(&gw, token, rejected).await, (0.0, true));
+
+    let body = endless(64);
+    let solo = gw.run_when_up(&body).await["result"].clone();
+    let (stop, tenant) = serve_tenant(&gw, body, solo);
+    let token_event = |req: u64, text: &str| {
+        frame(
+            &json!({"event": {"req": req,
+                              "event": {"type": "token", "id": 13, "text": text}}}),
+            &[],
+        )
+    };
+    let control = |msg: Value| frame(&json!({"control": {"msg": msg}}), &[]);
+    // (what, the violation's reason, the frame for a victim's id).
+    let attacks: Vec<(&str, &str, Attack)> = vec![
+        (
+            "an injected token in a victim's stream",
+            "not_routed",
+            Box::new(move |req| token_event(req, "<<INJECTED>>")),
+        ),
+        (
+            "an early end of a victim's stream",
+            "not_routed",
+            Box::new(move |req| {
+                frame(
+                    &json!({"event": {"req": req, "event": {"type": "done", "stop": true,
+                        "prompt_tokens": 1, "completion_tokens": 1, "ttft_us": 1, "tpot_us": 1}}}),
+                    &[],
+                )
+            }),
+        ),
+        (
+            "a victim's Finished",
+            "not_routed",
+            Box::new(move |req| {
+                control(json!({"type": "finished", "req": req, "outcome": "Completed"}))
+            }),
+        ),
+        (
+            "a victim's CommitFailed",
+            "not_routed",
+            Box::new(move |req| {
+                control(json!({"type": "commit_failed", "req": req, "reason": "UnknownRequest"}))
+            }),
+        ),
+        (
+            "an injected token for a neighbour id",
+            "not_routed",
+            Box::new(move |req| token_event(req.wrapping_add(1), "<<INJECTED>>")),
+        ),
+        (
+            "a prefill node's message from a decode identity",
+            "wrong_sender",
+            Box::new(move |req| {
+                control(json!({"type": "abort_ack", "req": req, "from": "Prefill"}))
+            }),
+        ),
+        (
+            "a coordinator's message from a decode identity",
+            "wrong_sender",
+            Box::new(move |req| control(json!({"type": "abort", "req": req}))),
+        ),
+    ];
+    assert!(newest_req(&log).is_some(), "no request id in {log:?}");
+    let injected = attacks.len();
+    for (what, reason, attack) in attacks {
+        let before = gateway_metric(&gw, token, &series(reason)).await.0;
+        let (done, cut) = tokio::sync::oneshot::channel();
+        inject.send((attack, done)).await.unwrap();
+        let cut = tokio::time::timeout(REQUEST, cut).await;
+        assert!(
+            matches!(cut, Ok(Ok(true))),
+            "{what}: the gateway kept the rogue's link open"
+        );
+        let after = gateway_metric(&gw, token, &series(reason)).await.0;
+        assert_eq!(after, before + 1.0, "{what}: not counted once as {reason}");
+    }
+    stop.store(true, Ordering::Release);
+    let served = tenant.await.unwrap();
+    assert!(
+        matches!(served, Ok(n) if n >= 1),
+        "the tenant's answers changed: {served:?}\n{}",
+        logs(dir.path())
+    );
+    let (rejected, _) = gateway_metric(&gw, token, rejected).await;
+    assert!(rejected >= injected as f64, "frames_rejected: {rejected}");
+    drop(inject);
+    rogue.abort();
+}
+
+/// Refused node links and rejected frames are exported: 20 links without a client
+/// certificate move a node's `tessera_node_peers_refused_total` by 20, a malformed
+/// frame from a valid gateway identity moves `tessera_node_frames_rejected_total`;
+/// both exist at 0 before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_node_links_and_rejected_frames_move_a_metric() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d) = (free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
+    let certs = dir.path().join("certs");
+    let ca = certs.join("ca.pem");
+    let (_decode, url) = start_node_with_metrics(dir.path(), &config, "decode", d, &[]).await;
+    let labels = format!(r#"{{node="127.0.0.1:{d}",role="decode"}}"#);
+    let refused = format!("tessera_node_peers_refused_total{labels}");
+    let rejected = format!("tessera_node_frames_rejected_total{labels}");
+    let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
+    for s in [&refused, &rejected] {
+        assert!(
+            text.lines().any(|l| l == format!("{s} 0")),
+            "{s} is not exported at 0:\n{text}"
+        );
+    }
+    let decode_name = node_name("decode", d);
+    let anonymous = client(&ca, None);
+    for _ in 0..20 {
+        assert_tls_refused(
+            d,
+            &decode_name,
+            &anonymous,
+            &hello("Coordinator"),
+            "no cert",
+        )
+        .await;
+    }
+    let deadline = Instant::now() + REFUSAL;
+    while metric(&url, &refused).await < 20.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(metric(&url, &refused).await, 20.0, "20 refused links");
+    assert_eq!(metric(&url, &rejected).await, 0.0);
+    let as_gateway = client(&ca, Some(&identity(&certs, "gateway")));
+    let mut gw = Raw::open(d, &decode_name, &as_gateway, "Coordinator").await;
+    gw.send(&frame(&json!({"no_such_frame": {}}), &[])).await;
+    gw.assert_cut("a malformed frame").await;
+    assert_eq!(metric(&url, &rejected).await, 1.0, "the malformed frame");
 }

@@ -590,6 +590,8 @@ async fn node_metrics_endpoint_exports_node_families_and_quarantined_pages() {
         assert_eq!(pages.values().sum::<f64>(), POOL_PAGES, "{pages:?}");
         let mut want = vec![
             n.key("tessera_queue_depth", ""),
+            n.key("tessera_node_frames_rejected_total", ""),
+            n.key("tessera_node_peers_refused_total", ""),
             n.key("tessera_kv_tag_mismatches_total", r#"reader="attention""#),
             n.key(
                 "tessera_kv_tag_mismatches_total",
@@ -611,8 +613,16 @@ async fn node_metrics_endpoint_exports_node_families_and_quarantined_pages() {
                     r#"reason="checksum_mismatch""#,
                 ),
                 n.key("tessera_kv_late_writes_dropped_total", ""),
-                n.key("tessera_node_link_violations_total", ""),
             ]);
+            for reason in [
+                "not_routed",
+                "wrong_sender",
+                "refused_write",
+                "malformed_page",
+            ] {
+                let reason = format!(r#"reason="{reason}""#);
+                want.push(n.key("tessera_node_link_violations_total", &reason));
+            }
         } else {
             want.extend([
                 n.key("tessera_kv_transfer_bytes_total", ""),

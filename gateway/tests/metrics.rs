@@ -269,7 +269,9 @@ async fn every_counter_moves_by_exactly_what_the_requests_explain() {
     assert_eq!(d(late), pages);
     // Each replayed write is a protocol violation by the writer.
     assert_eq!(
-        d(r#"tessera_node_link_violations_total{node="decode-0",role="decode"}"#),
+        d(
+            r#"tessera_node_link_violations_total{node="decode-0",role="decode",reason="refused_write"}"#
+        ),
         pages
     );
     for reader in ["attention", "transfer_source"] {

@@ -11,9 +11,7 @@ use crate::error::ServeError;
 use crate::routing::Router;
 use crate::stream::{request_channel, ClientSink, RequestStream};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection};
 use tessera_transfer::protocol::{Coordinator, Msg, Outcome, Output, Refusal, ReqId, Role};
@@ -58,8 +56,6 @@ pub(crate) enum CoordCmd {
         trace: Option<String>,
         /// The request's session key (routing affinity), for a restart elsewhere.
         affinity: Option<u64>,
-        /// Where request ids come from (a restart takes a new one).
-        ids: Arc<AtomicU64>,
     },
     /// A node's reply.
     FromNode(Msg),
@@ -97,19 +93,12 @@ pub(crate) trait CoordLinks: Send + Sync {
 pub(crate) struct Submitter {
     tx: mpsc::Sender<CoordCmd>,
     admission: PdAdmission,
-    /// Request ids, shared with the coordinator thread (a restarted request gets a
-    /// new one: the nodes that saw the old id keep a tombstone of it).
-    next_req: Arc<AtomicU64>,
 }
 
 impl Submitter {
     /// Submits to the coordinator thread behind `tx`, admitting against `admission`.
     pub(crate) fn new(tx: mpsc::Sender<CoordCmd>, admission: PdAdmission) -> Self {
-        Self {
-            tx,
-            admission,
-            next_req: Arc::new(AtomicU64::new(first_req_id())),
-        }
+        Self { tx, admission }
     }
 
     /// What requests are admitted against.
@@ -139,7 +128,7 @@ impl Submitter {
                 ))
             })?;
         let (client, stream) = request_channel();
-        let req = ReqId(self.next_req.fetch_add(1, Ordering::Relaxed));
+        let req = new_req_id();
         let start = CoordCmd::Start {
             req,
             body,
@@ -148,7 +137,6 @@ impl Submitter {
             decode,
             trace: crate::telemetry::traceparent(),
             affinity,
-            ids: self.next_req.clone(),
         };
         if let Err(mpsc::SendError(CoordCmd::Start { client, .. })) = self.tx.send(start) {
             links.router().release(prefill, decode);
@@ -163,12 +151,16 @@ impl Submitter {
     }
 }
 
-/// The first request id of a coordinator: a random 32-bit coordinator id in the
-/// high bits, a counter in the low bits, so ids from two gateways (or one gateway
-/// before and after a restart) never meet on a node, where a reused id would
-/// address another request's records and pages.
-fn first_req_id() -> u64 {
-    (u64::from(rand::random::<u32>()) << 32) | 1
+/// A new request id: 64 random bits, drawn for each request (and again for a
+/// restart). Ids from two gateways (or one gateway before and after a restart) do
+/// not meet on a node, where a reused id would address another request's records
+/// and pages; and one id says nothing about any other, so a node that sees some
+/// requests cannot name its neighbours' (it could with a counter: a forged
+/// `QuietQuery` for a future id would fail that request's prefill). Links do not
+/// rely on secrecy either: a node link is believed only about the requests routed
+/// to it (`RouteBook`).
+fn new_req_id() -> ReqId {
+    ReqId(rand::random::<u64>().max(1))
 }
 
 /// One request at its coordinator.
@@ -192,8 +184,6 @@ struct CoordReq {
     trace: Option<String>,
     /// The session key the pair was chosen with.
     affinity: Option<u64>,
-    /// Request ids (for a restart).
-    ids: Arc<AtomicU64>,
     /// A draining node refused the request: once released it starts again elsewhere
     /// (this refusal goes to the client only if no other pair is left).
     restart: Option<Refusal>,
@@ -247,7 +237,7 @@ fn restart(
         r.client.fail(ServeError::refused(&refusal));
         return;
     };
-    let req = ReqId(r.ids.fetch_add(1, Ordering::Relaxed));
+    let req = new_req_id();
     tracing::info!(
         ?old,
         new = ?req,
@@ -300,7 +290,6 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                 decode,
                 trace,
                 affinity,
-                ids,
             }) => {
                 let (proto, out) = protocol_for(req, &body);
                 reqs.insert(
@@ -319,7 +308,6 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         last_heard: Instant::now(),
                         trace,
                         affinity,
-                        ids,
                         restart: None,
                         avoid: Vec::new(),
                     },

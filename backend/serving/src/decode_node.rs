@@ -480,11 +480,19 @@ impl DecodeLoop {
     /// from any other peer fails nothing but that peer's link: it was refused before
     /// it touched anything, and the request (maybe another tenant's) is not its to
     /// end.
-    fn violation(&mut self, engine: &mut Engine, req: ReqId, from: &WriterLink, what: &str) {
+    /// `reason`: its label, one of [`crate::metrics::NODE_VIOLATIONS`].
+    fn violation(
+        &mut self,
+        engine: &mut Engine,
+        req: ReqId,
+        from: &WriterLink,
+        reason: &'static str,
+        what: &str,
+    ) {
         self.counters
             .link_violations
             .fetch_add(1, Ordering::Relaxed);
-        self.metrics.link_violation();
+        self.metrics.link_violation(reason);
         if what.contains("page write") {
             self.counters.writes_dropped.fetch_add(1, Ordering::Relaxed);
             self.metrics.late_write_dropped();
@@ -514,7 +522,7 @@ impl DecodeLoop {
             PageWrite::Apply => {
                 if let Err(e) = engine.land(landing) {
                     let what = format!("a malformed page write: {e}");
-                    self.violation(engine, req, from, &what);
+                    self.violation(engine, req, from, "malformed_page", &what);
                 }
             }
             // Late writes after the reservation ended or was quarantined (its
@@ -524,7 +532,7 @@ impl DecodeLoop {
                 self.metrics.late_write_dropped();
                 tracing::debug!(?req, "dropped a late KV page write");
             }
-            PageWrite::Refuse(what) => self.violation(engine, req, from, what),
+            PageWrite::Refuse(what) => self.violation(engine, req, from, "refused_write", what),
         }
     }
 
@@ -588,11 +596,17 @@ impl NodeLoop for DecodeLoop {
             }
             DecodeCmd::FromPrefill { msg, extra, from } => {
                 let req = msg.req();
+                if !msg.may_send(Role::Prefill, Role::Decode) {
+                    let what = format!("a prefill node sent {msg:?}");
+                    self.violation(engine, req, &from, "wrong_sender", &what);
+                    return;
+                }
                 if !self.is_writer(req, &from) {
                     self.violation(
                         engine,
                         req,
                         &from,
+                        "not_routed",
                         "a writer frame from a node that is not the request's writer",
                     );
                     return;
@@ -631,7 +645,7 @@ impl NodeLoop for DecodeLoop {
                     }
                     other => {
                         let what = format!("a prefill node sent {other:?}");
-                        self.violation(engine, req, &from, &what);
+                        self.violation(engine, req, &from, "wrong_sender", &what);
                     }
                 }
             }
@@ -642,6 +656,7 @@ impl NodeLoop for DecodeLoop {
                         engine,
                         req,
                         &from,
+                        "not_routed",
                         "a page write from a node that is not the request's writer",
                     );
                 } else {

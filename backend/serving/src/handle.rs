@@ -133,6 +133,19 @@ impl EngineHandle {
         }
     }
 
+    /// [`Self::connect_remote`] publishing the gateway's node-link counters into
+    /// `metrics` (shared by every model of a process).
+    pub fn connect_remote_in(
+        model: &LoadedModel,
+        nodes: RemoteNodes,
+        metrics: Arc<NodeMetrics>,
+    ) -> Self {
+        let c = RemoteCluster::connect_in(model, nodes, metrics);
+        Self {
+            inner: Inner::Remote(Arc::new(c)),
+        }
+    }
+
     /// Whether requests can be served now: a remote deployment needs at least one
     /// reachable prefill and one reachable decode node; in-process engines always can.
     pub fn ready(&self) -> bool {
@@ -190,13 +203,13 @@ impl EngineHandle {
         Ok(stream)
     }
 
-    /// The metrics of the engines in this process (`None` for remote nodes: each
-    /// serves its own on `--metrics-listen`).
+    /// The metrics of the engines in this process; for remote nodes (each serves
+    /// its own on `--metrics-listen`) the gateway's node-link counters.
     pub fn node_metrics(&self) -> Option<&NodeMetrics> {
         match &self.inner {
             Inner::Colocated { metrics, .. } => Some(metrics),
             Inner::Disaggregated(c) => Some(c.metrics()),
-            Inner::Remote(_) => None,
+            Inner::Remote(c) => Some(c.metrics()),
         }
     }
 

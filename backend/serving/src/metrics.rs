@@ -12,6 +12,7 @@
 //! Names carry their unit; counters end in `_total` (the encoder appends it to the
 //! registered name).
 
+use crate::links::PdCounters;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -20,7 +21,8 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tessera_engine::{Engine, EngineMetrics, PageStates};
 use tessera_transfer::protocol::CommitError;
@@ -88,6 +90,26 @@ pub fn commit_reason(e: &CommitError) -> &'static str {
     }
 }
 
+/// The `reason` labels of `tessera_node_link_violations_total` on a decode node (the
+/// violations of its prefill peers): a write or commit for a request that peer was
+/// not assigned (`not_routed`), a message a prefill node does not send
+/// (`wrong_sender`), a write the protocol refuses (into pages not awaiting one:
+/// `refused_write`), a page the engine cannot take (`malformed_page`).
+pub const NODE_VIOLATIONS: [&str; 4] = [
+    "not_routed",
+    "wrong_sender",
+    "refused_write",
+    "malformed_page",
+];
+
+/// The `reason` labels of `tessera_node_link_violations_total` on a gateway (series
+/// `node="gateway"`, `role="coordinator"`: the violations of the nodes it dials): a
+/// message or stream event about a request not routed to that link (`not_routed`,
+/// [`LinkViolation::NotRouted`](tessera_transfer::protocol::LinkViolation)), a
+/// message the node's role does not send to a coordinator (`wrong_sender`), a frame
+/// kind a node may not send at all (`frame_kind`).
+pub const GATEWAY_VIOLATIONS: [&str; 3] = ["not_routed", "wrong_sender", "frame_kind"];
+
 /// The `state` labels of `tessera_kv_pages`, in the order [`page_counts`] returns
 /// them; the five sum to the pool's capacity.
 pub const PAGE_STATES: [&str; 5] = ["free", "reserved", "in_use", "cached", "quarantined"];
@@ -109,7 +131,12 @@ pub struct NodeMetrics {
     tag_mismatches: Family<ReaderLabels, Counter>,
     commits_rejected: Family<ReasonLabels, Counter>,
     late_writes_dropped: Family<NodeLabels, Counter>,
-    link_violations: Family<NodeLabels, Counter>,
+    link_violations: Family<ReasonLabels, Counter>,
+    frames_rejected: Family<NodeLabels, Counter>,
+    peers_refused: Family<NodeLabels, Counter>,
+    /// The link counters exported from [`PdCounters`] (synced when encoded), by the
+    /// series they feed.
+    link_sources: Mutex<Vec<(NodeLabels, Arc<PdCounters>)>>,
     transfer_bytes: Family<NodeLabels, Counter>,
     transfer_seconds: HistogramFamily<NodeLabels>,
 }
@@ -131,6 +158,9 @@ impl NodeMetrics {
             commits_rejected: Family::default(),
             late_writes_dropped: Family::default(),
             link_violations: Family::default(),
+            frames_rejected: Family::default(),
+            peers_refused: Family::default(),
+            link_sources: Mutex::new(Vec::new()),
             transfer_bytes: Family::default(),
             transfer_seconds: Family::new_with_constructor(transfer_histogram),
         };
@@ -162,8 +192,18 @@ impl NodeMetrics {
         );
         r.register(
             "tessera_node_link_violations",
-            "Protocol violations by a peer node (a write or commit from a node that is not the request's writer, a write into pages not awaiting one, a malformed page, a message a prefill node may not send): each cuts that peer's link.",
+            "Protocol violations by a peer, by reason, counted where they were refused (node and role: a decode node for its prefill peers; node=gateway, role=coordinator for the nodes a gateway dials): a message, stream event, write or commit about a request not routed to that link (not_routed), a message the peer's role does not send (wrong_sender), a frame kind the peer may not send (frame_kind), a write into pages not awaiting one (refused_write), a malformed page (malformed_page). Each cuts that peer's link.",
             m.link_violations.clone(),
+        );
+        r.register(
+            "tessera_node_frames_rejected",
+            "Node-link frames refused at the link (a header over the cap, a page payload that is not one page, a malformed header, a frame the peer may not send, a budget spent, a protocol violation); each closes its connection.",
+            m.frames_rejected.clone(),
+        );
+        r.register(
+            "tessera_node_peers_refused",
+            "Node-link peers refused before their first frame was served (a failed TLS handshake, a Hello whose role the certificate does not carry; on a gateway, a node that failed its identity or model check).",
+            m.peers_refused.clone(),
         );
         r.register(
             "tessera_kv_transfer_bytes",
@@ -225,7 +265,20 @@ impl NodeMetrics {
             sink_tag_mismatches: decode.then(|| reader("transfer_sink")),
             commits,
             late_writes: decode.then(|| self.late_writes_dropped.get_or_create_owned(&labels)),
-            link_violations: decode.then(|| self.link_violations.get_or_create_owned(&labels)),
+            link_violations: if decode {
+                NODE_VIOLATIONS
+                    .iter()
+                    .map(|&reason| {
+                        self.link_violations.get_or_create_owned(&ReasonLabels {
+                            node: node.to_string(),
+                            role,
+                            reason,
+                        })
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
             transfer_bytes: (role == "prefill")
                 .then(|| self.transfer_bytes.get_or_create_owned(&labels)),
             transfer_seconds: (role == "prefill")
@@ -233,14 +286,66 @@ impl NodeMetrics {
         }
     }
 
+    /// A gateway's `tessera_node_link_violations_total` counters, by
+    /// [`GATEWAY_VIOLATIONS`] index (series `node="gateway"`, `role="coordinator"`,
+    /// at zero from now on).
+    pub(crate) fn gateway_violations(&self) -> Vec<Counter> {
+        GATEWAY_VIOLATIONS
+            .iter()
+            .map(|&reason| {
+                self.link_violations.get_or_create_owned(&ReasonLabels {
+                    node: "gateway".into(),
+                    role: "coordinator",
+                    reason,
+                })
+            })
+            .collect()
+    }
+
+    /// Exports `counters`' `frames_rejected` and `peers_refused` as the series of
+    /// `node` and `role` (at zero from now on; several sources of one series add up).
+    pub(crate) fn watch_links(&self, node: &str, role: &'static str, counters: Arc<PdCounters>) {
+        let labels = NodeLabels {
+            node: node.to_string(),
+            role,
+        };
+        let _ = self.frames_rejected.get_or_create(&labels);
+        let _ = self.peers_refused.get_or_create(&labels);
+        self.link_sources.lock().unwrap().push((labels, counters));
+    }
+
+    /// Brings the series fed by [`PdCounters`] up to their counters' values.
+    fn sync_links(&self) {
+        let sources = self.link_sources.lock().unwrap();
+        let mut sums: Vec<(&NodeLabels, u64, u64)> = Vec::new();
+        for (labels, c) in sources.iter() {
+            let (f, p) = (
+                c.frames_rejected.load(Ordering::Relaxed),
+                c.peers_refused.load(Ordering::Relaxed),
+            );
+            match sums.iter_mut().find(|(l, ..)| *l == labels) {
+                Some(s) => (s.1, s.2) = (s.1 + f, s.2 + p),
+                None => sums.push((labels, f, p)),
+            }
+        }
+        for (labels, f, p) in sums {
+            for (family, v) in [(&self.frames_rejected, f), (&self.peers_refused, p)] {
+                let c = family.get_or_create(labels);
+                c.inc_by(v.saturating_sub(c.get()));
+            }
+        }
+    }
+
     /// Appends the OpenMetrics text of every family (no `# EOF`: the caller may
     /// append more and ends the message).
     pub fn encode(&self, out: &mut String) -> std::fmt::Result {
+        self.sync_links();
         prometheus_client::encoding::text::encode_registry(out, &self.registry)
     }
 
     /// The whole exposition, `# EOF` included.
     pub fn render(&self) -> String {
+        self.sync_links();
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
@@ -258,7 +363,8 @@ pub(crate) struct NodeHandles {
     /// By [`COMMIT_REASONS`] index (decode nodes).
     commits: Vec<Counter>,
     late_writes: Option<Counter>,
-    link_violations: Option<Counter>,
+    /// By [`NODE_VIOLATIONS`] index (decode nodes).
+    link_violations: Vec<Counter>,
     transfer_bytes: Option<Counter>,
     transfer_seconds: Option<Histogram>,
 }
@@ -299,14 +405,17 @@ impl NodeHandles {
         }
     }
 
-    /// A page write dropped (decode node).
-    /// A peer node broke the protocol (see `tessera_node_link_violations`).
-    pub(crate) fn link_violation(&self) {
-        if let Some(c) = &self.link_violations {
-            c.inc();
+    /// A peer node broke the protocol (see `tessera_node_link_violations`);
+    /// `reason`: one of [`NODE_VIOLATIONS`].
+    pub(crate) fn link_violation(&self, reason: &str) {
+        if let Some(i) = NODE_VIOLATIONS.iter().position(|r| *r == reason) {
+            if let Some(c) = self.link_violations.get(i) {
+                c.inc();
+            }
         }
     }
 
+    /// A page write dropped (decode node).
     pub(crate) fn late_write_dropped(&self) {
         if let Some(c) = &self.late_writes {
             c.inc();

@@ -665,7 +665,8 @@ pub(crate) async fn open_link(
     let answer = tokio::time::timeout(HANDSHAKE_TIMEOUT, reader.next()).await;
     let fail = |m: String| {
         conn.close();
-        Err(io::Error::new(io::ErrorKind::ConnectionRefused, m))
+        // Not `ConnectionRefused`: the peer answered, and was refused (counted).
+        Err(io::Error::new(io::ErrorKind::PermissionDenied, m))
     };
     match answer {
         Ok(Ok((

@@ -408,6 +408,7 @@ pub fn run_node_process(
         .clone()
         .with_context(model.llama.config().context);
     let counters = Arc::new(PdCounters::default());
+    metrics.watch_links(&opts.listen, role_label, counters.clone());
     let shared = Arc::new(Shared::with_metrics(handles.clone()));
     let carried = Arc::new(Carried::default());
     let registry = Arc::new(Registry::default());
@@ -759,6 +760,7 @@ impl NodeState {
                                 "Prealloc for {req:?}, which another link carries"
                             ));
                         }
+                        tracing::debug!(?req, "a new request from a gateway");
                         Some(Box::new(RequestBody {
                             req: body,
                             sink: Box::new(ConnSink {

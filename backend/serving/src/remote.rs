@@ -5,23 +5,31 @@
 //! link (or of a node's earlier incarnation) fail at once instead of waiting on a
 //! node that no longer knows them. The gateway reconnects in the background, so a
 //! restarted node serves new requests; a draining node gets none.
+//!
+//! A node link is believed only about the requests routed to it ([`RouteBook`]):
+//! link epochs are unique across every node of the cluster, so the epoch names the
+//! node and its link incarnation, and a message or stream event from a link about
+//! any other request (another node's, or one never routed) is a violation that is
+//! counted (`tessera_node_link_violations_total{reason}`) and cuts that link.
 
 use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
 use crate::error::ServeError;
 use crate::link_security::node_name;
-use crate::links::PdCounters;
+use crate::links::{PdCounters, TOMBSTONE_TTL_MS};
+use crate::metrics::{NodeMetrics, GATEWAY_VIOLATIONS};
 use crate::net::{self, block_on, open_link, Conn, Control, Frame, LinkEnd};
 use crate::node_loop::EngineStats;
 use crate::routing::Router;
 use crate::stream::{ClientSink, RequestStream};
+use prometheus_client::metrics::counter::Counter;
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tessera_engine::{AdmissionLimits, GenerateRequest, PdAdmission};
 use tessera_model::LoadedModel;
-use tessera_transfer::protocol::{Msg, ReqId, Role};
+use tessera_transfer::protocol::{LinkViolation, Msg, ReqId, Role, RouteBook, Routed};
 
 pub use crate::link_security::{LinkSettings, LinkSetupError, NodeLinks, DEFAULT_MAX_HEADER};
 pub use crate::node_process::{
@@ -36,6 +44,7 @@ const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
 /// A node's current link.
 struct Live {
     conn: Arc<Conn>,
+    /// Unique across every node of the cluster: names the node and the link.
     epoch: u64,
 }
 
@@ -45,7 +54,6 @@ struct NodeLink {
     live: Mutex<Option<Live>>,
     /// The incarnation of the last link (to log restarts).
     last_incarnation: Mutex<Option<u64>>,
-    epochs: AtomicU64,
     /// The node said it is draining (on its current link).
     draining: AtomicBool,
     /// A reload removed the node from the deployment: it gets no new requests, and
@@ -63,7 +71,6 @@ impl NodeLink {
             addr: addr.to_string(),
             live: Mutex::new(None),
             last_incarnation: Mutex::new(None),
-            epochs: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             idle_sweeps: AtomicUsize::new(0),
@@ -94,11 +101,25 @@ struct RemoteCoordLinks {
     decode: RwLock<Vec<Arc<NodeLink>>>,
     /// Where each request's events from its decode node go.
     streams: Mutex<HashMap<ReqId, ClientSink>>,
+    /// Which link (epoch) carries each request, per role: what a node link may
+    /// speak about.
+    routes: Mutex<RouteBook<u64>>,
+    /// Link epochs, across every node (so an epoch names one link of one node).
+    next_epoch: AtomicU64,
+    /// The clock of `routes`' expiry.
+    started: Instant,
     router: Router,
     coord: mpsc::Sender<CoordCmd>,
     links: NodeLinks,
     counters: Arc<PdCounters>,
+    /// `tessera_node_link_violations_total{reason}` by [`GATEWAY_VIOLATIONS`] index.
+    violations: Vec<Counter>,
+    metrics: Arc<NodeMetrics>,
 }
+
+/// The `reason` label (one of [`GATEWAY_VIOLATIONS`]) of a frame a node may not
+/// send at all.
+const FRAME_KIND: &str = "frame_kind";
 
 impl RemoteCoordLinks {
     fn list(&self, role: Role) -> &RwLock<Vec<Arc<NodeLink>>> {
@@ -117,11 +138,25 @@ impl RemoteCoordLinks {
         self.list(role).read().unwrap().clone()
     }
 
-    /// Queues a frame for a node without blocking.
-    fn send(&self, role: Role, index: usize, f: &Frame) -> bool {
-        self.node(role, index)
-            .and_then(|n| n.current())
-            .is_some_and(|(c, _)| c.try_send(f, &[]))
+    /// Queues a frame about `req` for a node without blocking; the link it goes on
+    /// is recorded as the request's (for `role`) first, so the node's answers are
+    /// believed.
+    fn send(&self, role: Role, index: usize, req: ReqId, f: &Frame) -> bool {
+        let Some((c, epoch)) = self.node(role, index).and_then(|n| n.current()) else {
+            return false;
+        };
+        self.routes.lock().unwrap().route(req, role, epoch);
+        c.try_send(f, &[])
+    }
+
+    /// Counts a node link's violation (`reason`: one of [`GATEWAY_VIOLATIONS`]).
+    fn violation(&self, reason: &str) {
+        self.counters
+            .link_violations
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(i) = GATEWAY_VIOLATIONS.iter().position(|r| *r == reason) {
+            self.violations[i].inc();
+        }
     }
 
     /// Connects to a node (TLS to its identity, hello, welcome: a node serving
@@ -129,15 +164,29 @@ impl RemoteCoordLinks {
     /// link epoch.
     fn open(self: &Arc<Self>, role: Role, node: &Arc<NodeLink>) -> io::Result<()> {
         let name = node_name(role, &node.addr)?;
-        let (conn, welcome, mut reader) = block_on(open_link(
+        let opened = block_on(open_link(
             self.links.clone(),
             node.addr.clone(),
             name,
             Role::Coordinator,
             None,
             None,
-        ))?;
-        let epoch = node.epochs.fetch_add(1, Ordering::AcqRel) + 1;
+        ));
+        let (conn, welcome, mut reader) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                // It answered and was refused (its identity, its model, its TLS), as
+                // opposed to not being reachable.
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::PermissionDenied | io::ErrorKind::InvalidData
+                ) {
+                    self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
+                }
+                return Err(e);
+            }
+        };
+        let epoch = self.next_epoch.fetch_add(1, Ordering::AcqRel) + 1;
         let last = node
             .last_incarnation
             .lock()
@@ -154,12 +203,36 @@ impl RemoteCoordLinks {
         let links = self.clone();
         let node = node.clone();
         net::spawn(async move {
+            // A message or event about a request this link does not carry.
+            let refuse = |v: LinkViolation, what: String| {
+                links.violation(v.label());
+                LinkEnd::Violation(format!("{what} ({})", v.label()))
+            };
             let end = loop {
                 match reader.next_on(&conn).await {
                     Ok((Frame::Control(Control { msg, .. }), _)) => {
-                        let _ = links.coord.send(CoordCmd::FromNode(msg));
+                        let verdict = links.routes.lock().unwrap().check(epoch, role, &msg);
+                        match verdict {
+                            Ok(Routed::Live) => {
+                                let _ = links.coord.send(CoordCmd::FromNode(msg));
+                            }
+                            Ok(Routed::Ended) => {} // a late duplicate
+                            Err(v) => {
+                                let what = format!("a {role:?} node sent {msg:?}");
+                                break refuse(v, what);
+                            }
+                        }
                     }
                     Ok((Frame::Event { req, event }, _)) if role == Role::Decode => {
+                        let verdict = links.routes.lock().unwrap().check_event(epoch, req);
+                        match verdict {
+                            Ok(Routed::Live) => {}
+                            Ok(Routed::Ended) => continue,
+                            Err(v) => {
+                                let what = format!("a stream event for {req:?}");
+                                break refuse(v, what);
+                            }
+                        }
                         let last = event.is_final();
                         let mut streams = links.streams.lock().unwrap();
                         if let Some(s) = streams.get(&req) {
@@ -176,10 +249,11 @@ impl RemoteCoordLinks {
                         node.draining.store(draining, Ordering::Release);
                     }
                     Ok((f, _)) => {
+                        links.violation(FRAME_KIND);
                         break LinkEnd::Violation(format!(
                             "a {} frame from a {role:?} node",
                             f.kind()
-                        ))
+                        ));
                     }
                     Err(end) => break end,
                 }
@@ -205,6 +279,8 @@ impl RemoteCoordLinks {
     /// on the second pass in a row that finds nothing outstanding on it (a request
     /// routed in the instant before the removal was seen has been counted by then).
     fn sweep(self: &Arc<Self>) {
+        let now = self.started.elapsed().as_millis() as u64;
+        self.routes.lock().unwrap().expire(now, TOMBSTONE_TTL_MS);
         for role in [Role::Prefill, Role::Decode] {
             for (i, node) in self.nodes(role).iter().enumerate() {
                 if node.dropped.load(Ordering::Acquire) {
@@ -250,6 +326,7 @@ impl CoordLinks for RemoteCoordLinks {
         self.send(
             Role::Decode,
             index,
+            msg.req(),
             &Frame::Control(Control {
                 body,
                 prefill,
@@ -278,6 +355,7 @@ impl CoordLinks for RemoteCoordLinks {
         self.send(
             Role::Prefill,
             index,
+            msg.req(),
             &Frame::Control(Control {
                 body,
                 decode,
@@ -312,6 +390,7 @@ impl CoordLinks for RemoteCoordLinks {
 
     fn released(&self, req: ReqId) {
         self.streams.lock().unwrap().remove(&req);
+        self.routes.lock().unwrap().end(req);
         self.counters.released.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -345,14 +424,26 @@ impl RemoteCluster {
     /// yet are retried in the background). Every node must serve `model`: links
     /// carry its fingerprint, and a node of another model is never connected.
     pub fn connect(model: &LoadedModel, nodes: RemoteNodes) -> Self {
+        Self::connect_in(model, nodes, Arc::new(NodeMetrics::new()))
+    }
+
+    /// [`Self::connect`] publishing this gateway's node-link counters into `metrics`
+    /// (shared by every model of a process; series `node="gateway"`,
+    /// `role="coordinator"`).
+    pub fn connect_in(model: &LoadedModel, nodes: RemoteNodes, metrics: Arc<NodeMetrics>) -> Self {
         let cfg = model.llama.config();
         let (tx, rx) = mpsc::channel();
         let submitter_tx = tx.clone();
         let link = |addr: &String| Arc::new(NodeLink::new(addr));
+        let counters = Arc::new(PdCounters::default());
+        metrics.watch_links("gateway", "coordinator", counters.clone());
         let links = Arc::new(RemoteCoordLinks {
             prefill: RwLock::new(nodes.prefill.iter().map(link).collect()),
             decode: RwLock::new(nodes.decode.iter().map(link).collect()),
             streams: Mutex::new(HashMap::new()),
+            routes: Mutex::new(RouteBook::default()),
+            next_epoch: AtomicU64::new(0),
+            started: Instant::now(),
             router: Router::new(nodes.prefill.len(), nodes.decode.len()),
             coord: tx,
             // Links that name this model: a node serving another one refuses them
@@ -362,7 +453,9 @@ impl RemoteCluster {
                 .clone()
                 .with_context(cfg.context)
                 .for_model(model.llama.fingerprint()),
-            counters: Arc::new(PdCounters::default()),
+            counters: counters.clone(),
+            violations: metrics.gateway_violations(),
+            metrics,
         });
         for role in [Role::Prefill, Role::Decode] {
             for node in links.nodes(role) {
@@ -446,6 +539,11 @@ impl RemoteCluster {
     /// requests released).
     pub fn counters(&self) -> &PdCounters {
         &self.links.counters
+    }
+
+    /// The metrics this cluster publishes into (the gateway's node-link counters).
+    pub fn metrics(&self) -> &NodeMetrics {
+        &self.links.metrics
     }
 }
 

@@ -86,6 +86,7 @@ const S2: &str = "S2 no page freed while a write can land";
 const S3: &str = "S3 a rejected request never reaches transfer";
 const S4: &str = "S4 exactly one terminal outcome, success only when verified";
 const S5: &str = "S5 every page free at quiescence";
+const LINKS: &str = "every message passes its receiver's sender check";
 
 const FIRST_TOKEN: u32 = 7;
 
@@ -322,6 +323,9 @@ struct Ghost {
     /// The prefill node was asked whether it is quiet for the request before it had
     /// heard of it (its `Prefill` lost with the coordinator, or still on its way).
     asked_unheard: bool,
+    /// A machine sent a message that its role does not send to that destination
+    /// (`Msg::may_send`): a link receiver would cut an honest peer for it.
+    unsendable: bool,
 }
 
 /// Faults and client behaviour still available.
@@ -461,11 +465,15 @@ fn canon<T: Hash>(v: &mut [T]) {
 impl PdModel {
     /// Applies the outputs of a state machine step: sends (dropped if the peer is
     /// dead), outcomes; and records what the properties need.
-    fn emit(&self, st: &mut PdState, coord: Option<usize>, outs: Vec<Output>) {
+    /// `from`: the role of the machine that stepped.
+    fn emit(&self, st: &mut PdState, coord: Option<usize>, from: Role, outs: Vec<Output>) {
         for o in outs {
             match o {
                 Output::Send { to, msg } => {
                     let g = &mut st.ghost[msg.req().0 as usize];
+                    if !msg.may_send(from, to) {
+                        g.unsendable = true;
+                    }
                     match &msg {
                         Msg::Rejected {
                             by: Role::Decode, ..
@@ -637,7 +645,7 @@ impl Model for PdModel {
                 &mut out,
             );
             st.coords.push(c);
-            self.emit(&mut st, Some(i), out);
+            self.emit(&mut st, Some(i), Role::Coordinator, out);
         }
         vec![st]
     }
@@ -781,6 +789,19 @@ impl Model for PdModel {
         let mut st = last.clone();
         let mut out = Vec::new();
         let mut coord = None;
+        // The machine whose step this is (the sender of what it emits).
+        let from = match &action {
+            Action::Deliver(i) | Action::Duplicate(i) => st.net[*i].0,
+            Action::Compute(_) | Action::Drain(_) => Role::Prefill,
+            Action::Notify(i) => match st.notices[*i].0 {
+                Notice::CoordinatorLost(Role::Prefill) => Role::Prefill,
+                _ => Role::Decode,
+            },
+            Action::BeginDrain(role) => *role,
+            Action::ClientGone(_) | Action::Timeout(_) | Action::Detect(..) => Role::Coordinator,
+            // The rest are decode-node steps or emit nothing.
+            _ => Role::Decode,
+        };
         match action {
             Action::Deliver(i) | Action::Duplicate(i) => {
                 // A duplicated message is delivered once and stays in flight for a
@@ -1015,11 +1036,11 @@ impl Model for PdModel {
                     *told = true;
                     let mut out = Vec::new();
                     st.coords[i].on_node_down(role, &mut out);
-                    self.emit(&mut st, Some(i), out);
+                    self.emit(&mut st, Some(i), Role::Coordinator, out);
                 }
             }
         }
-        self.emit(&mut st, coord, out);
+        self.emit(&mut st, coord, from, out);
         self.note_admissions(&mut st);
         Some(st)
     }
@@ -1090,6 +1111,9 @@ impl Model for PdModel {
                     d.pages.iter().all(|pg| pg.held.is_none()) && d.running.is_empty()
                 });
                 !quiescent || (prefill_free && decode_free)
+            }),
+            Property::always(LINKS, |_, st: &PdState| {
+                st.ghost.iter().all(|g| !g.unsendable)
             }),
             Property::sometimes("a request succeeds", |_, st: &PdState| {
                 st.ghost
