@@ -114,7 +114,9 @@ pub const MAX_STOP_BYTES: usize = 256;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum StopError {
     /// More than [`MAX_STOPS`] strings.
-    #[error("`stop` must be a string or an array of at most {MAX_STOPS} strings. Given: {0} strings")]
+    #[error(
+        "`stop` must be a string or an array of at most {MAX_STOPS} strings. Given: {0} strings"
+    )]
     TooMany(usize),
     /// A string longer than [`MAX_STOP_BYTES`].
     #[error("each `stop` string must be at most {MAX_STOP_BYTES} bytes. Given: {bytes} bytes (stop[{index}])")]
@@ -461,7 +463,8 @@ mod tests {
     #[test]
     fn stops_spanning_token_boundaries_match() {
         let Some(tok) = test_tokenizer() else { return };
-        let long_stop: String = "the longest stop, ".repeat(15)[..MAX_STOP_BYTES - 5].to_string() + "👋!";
+        let long_stop: String =
+            "the longest stop, ".repeat(15)[..MAX_STOP_BYTES - 5].to_string() + "👋!";
         assert_eq!(long_stop.len(), MAX_STOP_BYTES);
         let text = format!("Hello world, 你好 👋🌍 and {long_stop} then <|im_end|> more");
         let before_last = format!("Hello world, 你好 👋🌍 and {long_stop} ");
@@ -529,7 +532,13 @@ mod tests {
         assert_eq!(check_stops(&five), Err(StopError::TooMany(5)));
         let long = vec!["a".into(), "y".repeat(MAX_STOP_BYTES + 1)];
         let e = check_stops(&long).unwrap_err();
-        assert_eq!(e, StopError::TooLong { index: 1, bytes: 257 });
+        assert_eq!(
+            e,
+            StopError::TooLong {
+                index: 1,
+                bytes: 257
+            }
+        );
         assert!(e.to_string().contains("`stop`"), "{e}");
     }
 
