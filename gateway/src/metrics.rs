@@ -343,24 +343,24 @@ impl Metrics {
     fn zero_known_labels(&self) {
         for phase in ABORT_PHASES {
             for r in AbortReason::ALL {
-                self.aborts.get_or_create(&AbortLabels {
+                let _ = self.aborts.get_or_create(&AbortLabels {
                     phase,
                     reason: r.label(),
                 });
             }
         }
         for &reason in REFUSAL_REASONS {
-            self.refused.get_or_create(&ReasonLabels {
+            let _ = self.refused.get_or_create(&ReasonLabels {
                 reason: reason.into(),
             });
             match refusal_class(reason) {
                 Some(true) => {
-                    self.rate_limited.get_or_create(&LimitLabels {
+                    let _ = self.rate_limited.get_or_create(&LimitLabels {
                         limit: reason.into(),
                     });
                 }
                 Some(false) => {
-                    self.auth_failures.get_or_create(&ReasonLabels {
+                    let _ = self.auth_failures.get_or_create(&ReasonLabels {
                         reason: reason.into(),
                     });
                 }
