@@ -1955,4 +1955,115 @@ async fn refused_node_links_and_rejected_frames_move_a_metric() {
     gw.send(&frame(&json!({"no_such_frame": {}}), &[])).await;
     gw.assert_cut("a malformed frame").await;
     assert_eq!(metric(&url, &rejected).await, 1.0, "the malformed frame");
+
+/// Issue 32: 200 slow clients (one byte every 2 s, so no per-read timeout ever
+/// fires) against a node's metrics listener and then its control port. Each is cut
+/// by the whole-head deadline (5 s for metrics, 10 s for the control port) at the
+/// latest; those past the cap of connections still in their head are cut sooner to
+/// make room. Meanwhile a scrape and a gateway link (TLS handshake, hello, welcome)
+/// get in, and the metrics listener never runs more than its 64 connection threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_on_the_metrics_and_control_ports_are_cut_at_the_head_deadline() {
+    const SLOW: usize = 200;
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d) = (free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
+    let (decode, metrics_url) =
+        start_node_with_metrics(dir.path(), &config, "decode", d, &[]).await;
+    let pid = decode.id().unwrap();
+    let threads = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .count()
+    };
+    let metrics_port: u16 = metrics_url
+        .trim_end_matches("/metrics")
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let certs = dir.path().join("certs");
+    let as_gateway = client(&certs.join("ca.pem"), Some(&identity(&certs, "gateway")));
+    let idle_threads = threads();
+
+    // What each slow client trickles: an HTTP request line, or the start of a TLS
+    // ClientHello record (valid so far, so the handshake keeps waiting for it).
+    let http = b"GET /metrics HTTP/1.1\r\nhost: x\r\n".to_vec();
+    let mut hello_record = vec![
+        0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03,
+    ];
+    hello_record.resize(64, 0);
+    for (what, port, deadline, bytes) in [
+        ("metrics", metrics_port, Duration::from_secs(5), http),
+        ("control", d, Duration::from_secs(10), hello_record),
+    ] {
+        let started = Instant::now();
+        let mut slow = Vec::new();
+        for _ in 0..SLOW {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+            let bytes = bytes.clone();
+            slow.push(tokio::spawn(async move {
+                let mut buf = [0u8; 256];
+                for b in bytes.iter().cycle() {
+                    if s.write_all(&[*b]).await.is_err() {
+                        break;
+                    }
+                    match tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await {
+                        Ok(Ok(0)) | Ok(Err(_)) => break,
+                        _ if started.elapsed() > Duration::from_secs(60) => break,
+                        _ => {}
+                    }
+                }
+                started.elapsed()
+            }));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if what == "metrics" {
+            let threads_now = threads();
+            assert!(
+                threads_now <= idle_threads + 64 + 2,
+                "{threads_now} threads with {SLOW} slow metrics clients ({idle_threads} idle)"
+            );
+            let resp = reqwest::Client::new()
+                .get(&metrics_url)
+                .timeout(Duration::from_secs(3))
+                .send()
+                .await
+                .expect("a scrape gets in among the slow clients");
+            assert_eq!(resp.status(), 200);
+            assert!(resp.text().await.unwrap().contains("tessera_kv_pages"));
+        } else {
+            let mut s = tls(d, &node_name("decode", d), &as_gateway)
+                .await
+                .expect("a gateway's handshake gets in among the slow clients");
+            s.write_all(&hello("Coordinator")).await.unwrap();
+            let first = first_frame(&mut s).await;
+            assert!(
+                first.as_ref().is_some_and(is_welcome),
+                "the gateway was not welcomed: {first:?}"
+            );
+        }
+        assert!(
+            started.elapsed() < deadline,
+            "{what}: the checks above took past the deadline"
+        );
+        let mut longest = Duration::ZERO;
+        for t in slow {
+            let took = t.await.unwrap();
+            assert!(
+                took < deadline + Duration::from_secs(5),
+                "{what}: a slow client was held {took:?} (head deadline {deadline:?})"
+            );
+            longest = longest.max(took);
+        }
+        // The last ones in were cut by the deadline, not by a per-read timeout.
+        assert!(
+            longest + Duration::from_secs(2) >= deadline,
+            "{what}: {longest:?}"
+        );
+    }
+    // The node still serves after both storms.
+    let resp = reqwest::get(&metrics_url).await.unwrap();
+    assert_eq!(resp.status(), 200);
 }

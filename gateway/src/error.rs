@@ -201,6 +201,20 @@ impl ApiError {
     }
 }
 
+/// The JSON type of `v`, as a 400's message names it ("`x` must be a string.
+/// Given: number"). Shared by every body parser (validation, tools).
+pub(crate) fn type_name(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

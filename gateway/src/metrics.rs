@@ -185,6 +185,14 @@ pub enum AbortReason {
 }
 
 impl AbortReason {
+    /// Every reason, for the series created at 0.
+    const ALL: [Self; 4] = [
+        Self::ClientGone,
+        Self::Shutdown,
+        Self::Timeout,
+        Self::KeyInvalid,
+    ];
+
     fn label(self) -> &'static str {
         match self {
             Self::ClientGone => "client_gone",
@@ -194,6 +202,38 @@ impl AbortReason {
         }
     }
 }
+
+/// Every `reason` [`Metrics::refused`] is called with. Each one's
+/// `tessera_refused_total` series, and its `tessera_rate_limited_total` or
+/// `tessera_auth_failures_total` twin, exists at 0 from the start, so an alert on
+/// it reads 0 rather than "no data" before the first refusal.
+pub const REFUSAL_REASONS: &[&str] = &[
+    // Authentication and authorization (tessera_tenancy::AuthError labels first).
+    "missing_key",
+    "malformed_key",
+    "invalid_key",
+    "revoked_key",
+    "expired_key",
+    "tenant_suspended",
+    "wrong_account",
+    "scope",
+    "admin_auth",
+    "store_unavailable",
+    // Limits and quotas (tessera_tenancy::LimitKind labels).
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "max_concurrent",
+    "daily_tokens",
+    "usage_queries_per_minute",
+    "limits_unavailable",
+    // Request shape.
+    "path_too_long",
+    "batch_invalid",
+];
+
+/// The `phase` label of `tessera_aborts_total`.
+const ABORT_PHASES: [&str; 2] = ["prefill", "decode"];
 
 /// How a refusal's reason label is also counted.
 fn refusal_class(reason: &str) -> Option<bool> {
@@ -294,7 +334,39 @@ impl Metrics {
             engine_running: Gauge::default(),
             engine_waiting: Gauge::default(),
         };
+        m.zero_known_labels();
         m.register()
+    }
+
+    /// Creates at 0 every series of a labelled family whose label values are known
+    /// in advance (aborts, refusals, rate limits, auth failures).
+    fn zero_known_labels(&self) {
+        for phase in ABORT_PHASES {
+            for r in AbortReason::ALL {
+                let _ = self.aborts.get_or_create(&AbortLabels {
+                    phase,
+                    reason: r.label(),
+                });
+            }
+        }
+        for &reason in REFUSAL_REASONS {
+            let _ = self.refused.get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            });
+            match refusal_class(reason) {
+                Some(true) => {
+                    let _ = self.rate_limited.get_or_create(&LimitLabels {
+                        limit: reason.into(),
+                    });
+                }
+                Some(false) => {
+                    let _ = self.auth_failures.get_or_create(&ReasonLabels {
+                        reason: reason.into(),
+                    });
+                }
+                None => {}
+            }
+        }
     }
 
     fn register(mut self) -> Self {
@@ -491,7 +563,7 @@ impl Metrics {
     /// An abort: `decoding` when a token had been generated, the reason, and how long
     /// the nodes took to confirm the release (`None`: not within the bound).
     pub fn abort(&self, decoding: bool, reason: AbortReason, ack: Option<Duration>) {
-        let phase = if decoding { "decode" } else { "prefill" };
+        let phase = ABORT_PHASES[usize::from(decoding)];
         self.aborts
             .get_or_create(&AbortLabels {
                 phase,
@@ -650,7 +722,7 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tessera_tenancy::LimitKind;
+    use tessera_tenancy::{AuthError, LimitKind};
 
     #[test]
     fn the_top_n_tenants_get_labels_and_the_rest_are_other() {
@@ -675,8 +747,23 @@ mod tests {
             LimitKind::Concurrency,
             LimitKind::DailyQuota,
             LimitKind::UsageQueries,
+            LimitKind::Unavailable,
         ] {
-            assert_eq!(refusal_class(k.label()), Some(true), "{k:?}");
+            assert!(REFUSAL_REASONS.contains(&k.label()), "{k:?}");
+            if k != LimitKind::Unavailable {
+                assert_eq!(refusal_class(k.label()), Some(true), "{k:?}");
+            }
+        }
+        for e in [
+            AuthError::Missing,
+            AuthError::Malformed,
+            AuthError::Invalid,
+            AuthError::Revoked,
+            AuthError::Expired,
+            AuthError::Suspended("t".into()),
+        ] {
+            assert!(REFUSAL_REASONS.contains(&e.label()), "{e:?}");
+            assert_eq!(refusal_class(e.label()), Some(false), "{e:?}");
         }
         let m = Metrics::new(&["m"], 20);
         m.refused("invalid_key");

@@ -16,13 +16,12 @@
 //!   ([`CallScanner`]), the rest stays text. Arguments are whatever the model wrote
 //!   (not schema-checked), as with OpenAI's non-strict functions.
 //! - `"required"` or a named function: the output is constrained by grammar
-//!   ([`crate::validation`] sets a `response_format`) to one JSON object
+//!   (request validation sets a `response_format`) to one JSON object
 //!   `{"name": N, "arguments": A}` where A satisfies N's `parameters` schema, so the
 //!   call parses and validates unless `max_tokens` cuts it off (then it is text with
 //!   `finish_reason: "length"`).
 
-use crate::error::ApiError;
-use crate::validation::type_name;
+use crate::error::{type_name, ApiError};
 use serde_json::{json, Map, Value};
 use tessera_model::chat::ChatMessage;
 use tessera_model::grammar::ResponseFormat;

@@ -4,13 +4,15 @@
 //! the limit and the value given.
 
 use crate::catalog::{Catalog, CatalogEntry};
-use crate::error::{ApiError, ErrorKind};
+use crate::error::{type_name, ApiError, ErrorKind};
 use crate::tools::{self, history_text, Tools};
 use serde_json::{Map, Value};
 use tessera_model::chat::ChatMessage;
+use tessera_model::detok::{MAX_STOPS, MAX_STOP_BYTES};
 use tessera_model::grammar::ResponseFormat;
 use tessera_model::sampling::{
-    prompt_logprobs_wire_bytes, SamplingParams, MAX_PROMPT_LOGPROBS_BYTES, MAX_TOP_LOGPROBS,
+    prompt_logprobs_wire_bytes, SamplingError, SamplingParams, MAX_PROMPT_LOGPROBS_BYTES,
+    MAX_TOP_K, MAX_TOP_LOGPROBS,
 };
 use tessera_model::LoadedModel;
 use tessera_serving::admission::AdmissionLimits;
@@ -131,18 +133,6 @@ pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-/// The JSON type of `v`, as error messages name it.
-pub(crate) fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
-}
-
 fn present<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
     o.get(k).filter(|v| !v.is_null())
 }
@@ -259,16 +249,39 @@ fn sampling(o: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
     let s = SamplingParams {
         temperature: opt_f32(o, "temperature")?.unwrap_or(d.temperature),
         top_p: opt_f32(o, "top_p")?.unwrap_or(d.top_p),
-        top_k: opt_uint(o, "top_k", 0)?
-            .map(|k| k.min(u32::MAX as u64) as u32)
-            .unwrap_or(d.top_k),
-        seed: opt_uint(o, "seed", 0)?,
+        top_k: match opt_uint(o, "top_k", 0)? {
+            // Checked here so the message shows the value given, not a saturated one.
+            Some(k) if k > u64::from(MAX_TOP_K) => {
+                let e = SamplingError::TopK(k);
+                return Err(ApiError::field(e.field(), e.to_string()));
+            }
+            Some(k) => k as u32,
+            None => d.top_k,
+        },
+        seed: seed(o)?,
         repetition_penalty: opt_f32(o, "repetition_penalty")?.unwrap_or(d.repetition_penalty),
         frequency_penalty: opt_f32(o, "frequency_penalty")?.unwrap_or(d.frequency_penalty),
         presence_penalty: opt_f32(o, "presence_penalty")?.unwrap_or(d.presence_penalty),
     };
     s.validate()
         .map_err(|e| ApiError::field(e.field(), e.to_string()))?;
+    Ok(s)
+}
+
+/// `seed`: an integer in `[0, 2^64 - 1]` (a whole float beyond it is refused, not
+/// saturated: two different seeds must not silently become one).
+fn seed(o: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
+    let s = opt_uint(o, "seed", 0)?;
+    if s == Some(u64::MAX) && present(o, "seed").and_then(Value::as_u64) != Some(u64::MAX) {
+        return Err(ApiError::field(
+            "seed",
+            format!(
+                "`seed` must be an integer >= 0 and <= {}. Given: {}",
+                u64::MAX,
+                present(o, "seed").map(Value::to_string).unwrap_or_default()
+            ),
+        ));
+    }
     Ok(s)
 }
 
@@ -370,20 +383,49 @@ fn prompt_text(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
     }
 }
 
+/// `stop`: a string or an array of at most [`MAX_STOPS`] strings, each at most
+/// [`MAX_STOP_BYTES`] bytes (the stop matcher's work per token is bounded by the
+/// longest one); empty strings are dropped.
 fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
-    match present(o, "stop") {
-        None => Ok(vec![]),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
-        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(Value::is_string) => Ok(a
-            .iter()
-            .filter_map(|s| s.as_str().map(String::from))
-            .filter(|s| !s.is_empty())
-            .collect()),
-        Some(_) => Err(ApiError::field(
+    let shape = || {
+        ApiError::field(
             "stop",
-            "`stop` must be a string or an array of at most 4 strings",
-        )),
+            format!("`stop` must be a string or an array of at most {MAX_STOPS} strings"),
+        )
+    };
+    let stops: Vec<String> = match present(o, "stop") {
+        None => return Ok(vec![]),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
+            if a.len() > MAX_STOPS {
+                return Err(ApiError::field(
+                    "stop",
+                    format!(
+                        "`stop` must be a string or an array of at most {MAX_STOPS} strings. Given: {} strings",
+                        a.len()
+                    ),
+                ));
+            }
+            a.iter()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect()
+        }
+        Some(_) => return Err(shape()),
+    };
+    if let Some((i, s)) = stops
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+    {
+        return Err(ApiError::field(
+            "stop",
+            format!(
+                "each `stop` string must be at most {MAX_STOP_BYTES} bytes. Given: {} bytes (stop[{i}])",
+                s.len()
+            ),
+        ));
     }
+    Ok(stops.into_iter().filter(|s| !s.is_empty()).collect())
 }
 
 /// A 400 naming `field` when `v` is longer than [`crate::MAX_ID_BYTES`] bytes
@@ -427,7 +469,7 @@ pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, 
         input,
         max_tokens: max_tokens(o, &["max_tokens"])?,
         sampling: sampling(o)?,
-        stop: vec![],
+        stop: stop(o)?,
         stream: opt_bool(o, "stream")?.unwrap_or(false),
         include_usage: true,
         priority: requested_priority(o, false)?,
@@ -658,6 +700,7 @@ pub fn rejection(r: &Rejection) -> ApiError {
             ApiError::new(ErrorKind::ContextOverflow, r.to_string())
         }
         Rejection::Sampling(e) => ApiError::field(e.field(), e.to_string()),
+        Rejection::Stop(_) => ApiError::field("stop", r.to_string()),
         Rejection::ZeroMaxTokens => ApiError::field("max_tokens", r.to_string()),
         Rejection::EmptyPrompt => ApiError::field("prompt", r.to_string()),
         Rejection::BadToken { .. } => ApiError::new(ErrorKind::BadRequest, r.to_string()),

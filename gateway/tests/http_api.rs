@@ -1075,3 +1075,112 @@ async fn shutdown_drains_then_aborts_with_usage_rows() {
         .await
         .is_err());
 }
+
+/// Issue 32: stops and sampling parameters have bounds on both API shapes, and a
+/// request outside them is a 400 naming the field before anything runs (four
+/// stops of 240 KB each once cost other tenants 2x time per output token;
+/// `repetition_penalty: 1e-40` answered 200 with degenerate text). At the bounds a
+/// request is served, and a Workers AI `stop` cuts the answer as OpenAI's does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_and_sampling_bounds_are_400s_naming_the_field_on_both_apis() {
+    let s = start().await;
+    let run = s.run_url(&s.tenant.id);
+    let chat = format!("{}/v1/chat/completions", s.base);
+    let completions = format!(
+        "{}/client/v4/accounts/{}/ai/v1/completions",
+        s.base, s.tenant.id
+    );
+    let long = "x".repeat(257);
+    let bad: Vec<(&str, Value)> = vec![
+        ("stop", json!({"stop": ["a", "b", "c", "d", "e"]})),
+        ("stop", json!({"stop": long})),
+        ("stop", json!({"stop": ["a", long]})),
+        ("repetition_penalty", json!({"repetition_penalty": 1e-40})),
+        ("repetition_penalty", json!({"repetition_penalty": 0.05})),
+        ("repetition_penalty", json!({"repetition_penalty": 2.5})),
+        ("temperature", json!({"temperature": 5.5})),
+        ("temperature", json!({"temperature": -0.1})),
+        ("top_p", json!({"top_p": 0})),
+        ("top_p", json!({"top_p": 1.5})),
+        ("top_k", json!({"top_k": 1001})),
+        ("top_k", json!({"top_k": 1e30})),
+        ("frequency_penalty", json!({"frequency_penalty": 2.5})),
+        ("presence_penalty", json!({"presence_penalty": -3})),
+        ("seed", json!({"seed": -1})),
+        ("seed", json!({"seed": 1e30})),
+    ];
+    let rows = s.row_count().await;
+    for (url, openai) in [(&run, false), (&chat, true), (&completions, true)] {
+        for (field, extra) in &bad {
+            let mut body = if url == &chat {
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            } else if openai {
+                json!({"model": MODEL, "prompt": "hi", "max_tokens": 4})
+            } else {
+                json!({"prompt": "hi", "max_tokens": 4})
+            };
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let (st, _, v) = s.post(url, Some(&s.key), &body).await;
+            assert_eq!(st, 400, "{url} {extra}: {v}");
+            let (msg, named) = if openai {
+                (
+                    v["error"]["message"].as_str().unwrap().to_string(),
+                    v["error"]["param"] == json!(field),
+                )
+            } else {
+                let m = v["errors"][0]["message"].as_str().unwrap().to_string();
+                let named = m.contains(&format!("`{field}`"));
+                (m, named)
+            };
+            assert!(named, "{url} {extra}: the 400 does not name `{field}`: {v}");
+            assert!(msg.contains(field), "{url} {extra}: {msg}");
+        }
+    }
+    // Validation errors write one usage row each, never more, and nothing ran.
+    s.settle().await;
+    assert_eq!(s.row_count().await, rows + 3 * bad.len());
+    let stats = s.state.engine.stats();
+    assert_eq!(stats.free_pages, stats.capacity_pages);
+
+    // At the bounds: served. Greedy, so a stop taken from the unstopped answer (it
+    // spans several tokens) cuts it right before, on both shapes.
+    let prompt = "Count: 1, 2, 3, 4, 5,";
+    let base = json!({"prompt": prompt, "raw": true, "max_tokens": 24, "temperature": 0});
+    let (st, _, v) = s.post(&run, Some(&s.key), &base).await;
+    assert_eq!(st, 200, "{v}");
+    let full = v["result"]["response"].as_str().unwrap().to_string();
+    assert!(full.len() > 12, "{full:?}");
+    let cut = full
+        .char_indices()
+        .map(|(i, _)| i)
+        .find(|&i| i >= full.len() / 2)
+        .unwrap();
+    let stop = full[cut..].chars().take(6).collect::<String>();
+    let first = full.find(&stop).unwrap();
+    let at_bounds = json!([
+        stop,
+        "y".repeat(256),
+        "z".repeat(256),
+        "\u{1F44B}".repeat(64)
+    ]);
+    let mut body = base.clone();
+    body["stop"] = at_bounds.clone();
+    body["repetition_penalty"] = json!(1.0);
+    body["top_k"] = json!(1000);
+    body["seed"] = json!(u64::MAX);
+    let (st, _, v) = s.post(&run, Some(&s.key), &body).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["result"]["response"],
+        json!(&full[..first]),
+        "stop {stop:?}"
+    );
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                      "stop": at_bounds, "top_k": 0, "seed": 0});
+    let (st, _, v) = s.post(&completions, Some(&s.key), &body).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["choices"][0]["text"], json!(&full[..first]), "{v}");
+}

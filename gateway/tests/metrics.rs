@@ -427,3 +427,57 @@ async fn dashboard_and_alert_queries_name_exported_metrics_and_runbooks_exist() 
         );
     }
 }
+
+/// Labelled families whose label values are known in advance are in the very
+/// first scrape, every series at 0 (an alert on `tessera_rate_limited_total` or
+/// `tessera_aborts_total` reads 0 before the first event, not "no data"); the first
+/// refusal then moves exactly its own series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn known_label_sets_are_exported_at_zero_before_their_first_event() {
+    let s = start().await;
+    let first = scrape(&s).await;
+    let mut want = Vec::new();
+    for phase in ["prefill", "decode"] {
+        for reason in ["client_gone", "shutdown", "timeout", "key_invalid"] {
+            want.push(format!(
+                r#"tessera_aborts_total{{phase="{phase}",reason="{reason}"}}"#
+            ));
+        }
+    }
+    for reason in tessera_gateway::metrics::REFUSAL_REASONS {
+        want.push(format!(r#"tessera_refused_total{{reason="{reason}"}}"#));
+    }
+    for limit in [
+        "requests_per_minute",
+        "input_tokens_per_minute",
+        "output_tokens_per_minute",
+        "max_concurrent",
+        "daily_tokens",
+        "usage_queries_per_minute",
+    ] {
+        want.push(format!(r#"tessera_rate_limited_total{{limit="{limit}"}}"#));
+    }
+    for reason in ["missing_key", "invalid_key", "scope", "admin_auth"] {
+        want.push(format!(
+            r#"tessera_auth_failures_total{{reason="{reason}"}}"#
+        ));
+    }
+    for k in &want {
+        assert_eq!(first.get(k), Some(&0.0), "{k} is not exported at 0");
+    }
+
+    // One anonymous request: only its own series move.
+    let (st, _, v) = s
+        .post(&s.run_url(&s.tenant.id), None, &counting(2, false))
+        .await;
+    assert_eq!(st, 401, "{v}");
+    let after = scrape(&s).await;
+    for k in &want {
+        let by = if k.contains(r#""missing_key""#) {
+            1.0
+        } else {
+            0.0
+        };
+        assert_eq!(moved(&first, &after, k), by, "{k}");
+    }
+}

@@ -5,6 +5,7 @@
 //! accepts (there is no placeholder request).
 
 use crate::scheduler::Priority;
+use tessera_model::detok::{check_stops, StopError};
 use tessera_model::sampling::{SamplingError, SamplingParams};
 
 /// A prefix-cache namespace: 32 bytes the server derives from the tenant's account
@@ -38,7 +39,9 @@ pub struct GenerateRequest {
     pub max_tokens: usize,
     /// Sampling parameters.
     pub sampling: SamplingParams,
-    /// Stop strings: generation ends before the first occurrence.
+    /// Stop strings: generation ends before the first occurrence. At most
+    /// [`tessera_model::detok::MAX_STOPS`] of at most
+    /// [`tessera_model::detok::MAX_STOP_BYTES`] bytes each.
     pub stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens (benchmarks, reference tests).
     pub ignore_eos: bool,
@@ -106,6 +109,9 @@ pub enum Rejection {
     /// Invalid sampling parameters.
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// Too many or too long stop strings.
+    #[error(transparent)]
+    Stop(#[from] StopError),
     /// No node can take the request now (every node of a role is unreachable);
     /// retryable.
     #[error("{0}")]
@@ -141,6 +147,7 @@ impl Rejection {
             Self::PoolTooSmall { .. } => "pool_too_small",
             Self::BadToken { .. } => "bad_token",
             Self::Sampling(_) => "bad_sampling",
+            Self::Stop(_) => "bad_stop",
             Self::Unavailable(_) => "unavailable",
         }
     }
@@ -222,6 +229,7 @@ fn check(
         });
     }
     req.sampling.validate()?;
+    check_stops(&req.stop)?;
     Ok(())
 }
 

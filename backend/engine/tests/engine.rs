@@ -132,6 +132,13 @@ fn admission_rejections_leave_the_pool_untouched() {
     let mut bad = greedy(vec![1], 5);
     bad.sampling.top_p = 0.0;
     assert!(matches!(e.admit(bad).unwrap_err(), Rejection::Sampling(_)));
+    // Stops past the bounds (a node checks them too, not only the gateway).
+    let mut many = greedy(vec![1], 5);
+    many.stop = vec!["x".into(); 5];
+    assert!(matches!(e.admit(many).unwrap_err(), Rejection::Stop(_)));
+    let mut long = greedy(vec![1], 5);
+    long.stop = vec!["y".repeat(257)];
+    assert!(matches!(e.admit(long).unwrap_err(), Rejection::Stop(_)));
     assert_eq!(e.kv().pool().free_pages(), free);
     assert!(!e.has_work());
 

@@ -25,6 +25,15 @@ use serde::{Deserialize, Serialize};
 pub const MAX_TEMPERATURE: f32 = 5.0;
 /// Bound of `frequency_penalty` and `presence_penalty` (accepted range is `[-2, 2]`).
 pub const MAX_ABS_PENALTY: f32 = 2.0;
+/// Smallest accepted `repetition_penalty`. Below it a seen token's positive logit is
+/// multiplied by more than 10 (at 1e-40 it overflows to infinity): degenerate text,
+/// never a useful setting.
+pub const MIN_REPETITION_PENALTY: f32 = 0.1;
+/// Largest accepted `repetition_penalty` (Workers AI's documented maximum).
+pub const MAX_REPETITION_PENALTY: f32 = 2.0;
+/// Largest accepted `top_k` (0 disables it). Workers AI documents at most 50;
+/// beyond a few hundred candidates the draw is the same as without top-k.
+pub const MAX_TOP_K: u32 = 1000;
 
 /// How to pick the next token. `Default` is greedy with no penalties.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -34,13 +43,14 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// Nucleus sampling mass in `(0, 1]`; 1.0 disables it.
     pub top_p: f32,
-    /// Keep only the `top_k` most likely tokens; 0 disables it.
+    /// Keep only the `top_k` most likely tokens, at most [`MAX_TOP_K`]; 0 disables it.
     pub top_k: u32,
     /// Seed of the sequence's random number generator; `None` uses the
     /// sampler's fallback seed.
     pub seed: Option<u64>,
-    /// Multiplicative penalty (> 0) on every token seen in prompt or output;
-    /// 1.0 disables it.
+    /// Multiplicative penalty on every token seen in prompt or output, in
+    /// `[0.1, 2]` ([`MIN_REPETITION_PENALTY`], [`MAX_REPETITION_PENALTY`]); 1.0
+    /// disables it.
     pub repetition_penalty: f32,
     /// Subtracted from a logit once per occurrence in the output, in `[-2, 2]`.
     pub frequency_penalty: f32,
@@ -72,8 +82,11 @@ pub enum SamplingError {
     /// `top_p` is not in `(0, 1]`.
     #[error("`top_p` must be > 0 and <= 1. Given: {0}")]
     TopP(f32),
-    /// `repetition_penalty` is not a finite number above 0.
-    #[error("`repetition_penalty` must be > 0 and finite. Given: {0}")]
+    /// `top_k` is above [`MAX_TOP_K`].
+    #[error("`top_k` must be >= 0 and <= {MAX_TOP_K} (0 disables it). Given: {0}")]
+    TopK(u64),
+    /// `repetition_penalty` is outside `[0.1, 2]`.
+    #[error("`repetition_penalty` must be >= {MIN_REPETITION_PENALTY} and <= {MAX_REPETITION_PENALTY}. Given: {0}")]
     RepetitionPenalty(f32),
     /// `frequency_penalty` is outside `[-2, 2]`.
     #[error(
@@ -93,6 +106,7 @@ impl SamplingError {
         match self {
             Self::Temperature(_) => "temperature",
             Self::TopP(_) => "top_p",
+            Self::TopK(_) => "top_k",
             Self::RepetitionPenalty(_) => "repetition_penalty",
             Self::FrequencyPenalty(_) => "frequency_penalty",
             Self::PresencePenalty(_) => "presence_penalty",
@@ -111,8 +125,11 @@ impl SamplingParams {
         if !(p > 0.0 && p <= 1.0) {
             return Err(SamplingError::TopP(p));
         }
+        if self.top_k > MAX_TOP_K {
+            return Err(SamplingError::TopK(self.top_k.into()));
+        }
         let r = self.repetition_penalty;
-        if !(r > 0.0 && r.is_finite()) {
+        if !(MIN_REPETITION_PENALTY..=MAX_REPETITION_PENALTY).contains(&r) {
             return Err(SamplingError::RepetitionPenalty(r));
         }
         let range = -MAX_ABS_PENALTY..=MAX_ABS_PENALTY;
@@ -671,6 +688,7 @@ mod tests {
     #[test]
     fn validation_rejects_each_bad_field() {
         let ok = SamplingParams::default();
+        let tiny = 1e-40f32.to_string();
         let cases: Vec<(SamplingParams, &str, &str)> = vec![
             (
                 SamplingParams {
@@ -746,6 +764,30 @@ mod tests {
             ),
             (
                 SamplingParams {
+                    repetition_penalty: 1e-40,
+                    ..ok.clone()
+                },
+                "repetition_penalty",
+                &tiny,
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 2.5,
+                    ..ok.clone()
+                },
+                "repetition_penalty",
+                "2.5",
+            ),
+            (
+                SamplingParams {
+                    top_k: MAX_TOP_K + 1,
+                    ..ok.clone()
+                },
+                "top_k",
+                "1001",
+            ),
+            (
+                SamplingParams {
                     frequency_penalty: 2.5,
                     ..ok.clone()
                 },
@@ -787,9 +829,9 @@ mod tests {
         let edge = SamplingParams {
             temperature: 5.0,
             top_p: 1.0,
-            top_k: 1_000_000,
-            seed: Some(0),
-            repetition_penalty: 0.01,
+            top_k: MAX_TOP_K,
+            seed: Some(u64::MAX),
+            repetition_penalty: MIN_REPETITION_PENALTY,
             frequency_penalty: -2.0,
             presence_penalty: 2.0,
         };

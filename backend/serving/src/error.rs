@@ -156,7 +156,8 @@ impl From<Rejection> for ServeError {
             Rejection::EmptyPrompt
             | Rejection::ZeroMaxTokens
             | Rejection::BadToken { .. }
-            | Rejection::Sampling(_) => ServeErrorKind::Invalid,
+            | Rejection::Sampling(_)
+            | Rejection::Stop(_) => ServeErrorKind::Invalid,
         };
         Self::new(kind, r.to_string())
     }

@@ -13,6 +13,7 @@
 //!   [`remote::NodeLinks`]).
 
 pub mod cluster;
+mod conn_gate;
 mod coordinator;
 mod decode_node;
 pub mod error;

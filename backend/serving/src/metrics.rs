@@ -12,6 +12,7 @@
 //! Names carry their unit; counters end in `_total` (the encoder appends it to the
 //! registered name).
 
+use crate::conn_gate::{HeadGate, Ticket};
 use crate::links::PdCounters;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -19,11 +20,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tessera_engine::{Engine, EngineMetrics, PageStates};
 use tessera_transfer::protocol::CommitError;
 
@@ -435,26 +436,43 @@ impl NodeHandles {
 
 /// Longest request head the metrics listener reads.
 const MAX_HEAD: usize = 8 << 10;
-/// How long a metrics client may take to send its request head.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a metrics client may take to send its whole request head.
+pub const METRICS_HEAD_DEADLINE: Duration = Duration::from_secs(5);
+/// Most metrics connections at once (each is a short-lived thread); a new one past
+/// the cap cuts the one that has been sending its head the longest.
+pub const MAX_METRICS_CONNECTIONS: usize = 64;
 
 /// Serves `GET /metrics` (OpenMetrics text) on `listener` until the process exits:
 /// plain HTTP/1.1, one request per connection, read-only. Anything else is answered
-/// 404 (another path), 405 (another method) or 400 (not HTTP, a head over 8 KiB);
-/// a client that sends no complete head within 5 s is disconnected. Each connection
-/// runs on its own short-lived thread, so a slow client delays nobody else.
+/// 404 (another path), 405 (another method) or 400 (not HTTP, a head over 8 KiB).
+/// Each connection runs on its own short-lived thread, at most
+/// [`MAX_METRICS_CONNECTIONS`] at once; a client that has not sent its whole head
+/// within [`METRICS_HEAD_DEADLINE`] of connecting is disconnected (however it
+/// trickles it), and when the cap is reached the connection that has been in its
+/// head the longest is cut for the newcomer ([`crate::conn_gate`]), so slow
+/// clients delay neither a scrape nor the node.
 pub fn serve_metrics(listener: TcpListener, metrics: Arc<NodeMetrics>) {
+    let gate = HeadGate::new(MAX_METRICS_CONNECTIONS, MAX_METRICS_CONNECTIONS);
     for stream in listener.incoming() {
         let Ok(stream) = stream else {
             // Out of file descriptors or similar: back off instead of spinning.
             std::thread::sleep(Duration::from_millis(50));
             continue;
         };
+        let Ok(handle) = stream.try_clone() else {
+            continue;
+        };
+        let Some(ticket) = gate.admit(Box::new(move || {
+            let _ = handle.shutdown(std::net::Shutdown::Both);
+        })) else {
+            // Every slot is writing a response: refuse this one.
+            continue;
+        };
         let m = metrics.clone();
         let spawned = std::thread::Builder::new()
             .name("tessera-metrics-conn".into())
             .spawn(move || {
-                if let Err(e) = answer(stream, &m) {
+                if let Err(e) = answer(stream, ticket, &m) {
                     tracing::debug!(error = %e, "metrics connection ended");
                 }
             });
@@ -464,29 +482,55 @@ pub fn serve_metrics(listener: TcpListener, metrics: Arc<NodeMetrics>) {
     }
 }
 
-fn answer(stream: TcpStream, metrics: &NodeMetrics) -> io::Result<()> {
-    stream.set_read_timeout(Some(HEAD_TIMEOUT))?;
-    stream.set_write_timeout(Some(HEAD_TIMEOUT))?;
-    let mut r = BufReader::new((&stream).take(MAX_HEAD as u64));
-    let mut line = String::new();
-    r.read_line(&mut line)?;
-    // The rest of the head, up to the blank line (bounded by MAX_HEAD).
-    let mut complete = false;
-    let mut h = String::new();
+/// Reads a request head (up to the blank line) from `stream` by `deadline`:
+/// `Some(head)` without the blank line, `None` when the client closed first or
+/// the head is over [`MAX_HEAD`]; an error (`TimedOut`) at the deadline.
+fn read_head(stream: &TcpStream, deadline: Instant) -> io::Result<Option<String>> {
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
     loop {
-        h.clear();
-        if r.read_line(&mut h)? == 0 {
-            break;
+        let end = head
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .or_else(|| head.windows(2).position(|w| w == b"\n\n"));
+        if let Some(end) = end {
+            head.truncate(end);
+            return Ok(Some(String::from_utf8_lossy(&head).into_owned()));
         }
-        if h == "\r\n" || h == "\n" {
-            complete = true;
-            break;
+        if head.len() >= MAX_HEAD {
+            return Ok(None);
         }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no whole request head by the deadline",
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        let room = buf.len().min(MAX_HEAD - head.len());
+        let n = (&*stream).read(&mut buf[..room])?;
+        if n == 0 {
+            return Ok(None);
+        }
+        head.extend_from_slice(&buf[..n]);
     }
+}
+
+fn answer(stream: TcpStream, mut ticket: Ticket, metrics: &NodeMetrics) -> io::Result<()> {
+    let head = read_head(&stream, Instant::now() + METRICS_HEAD_DEADLINE)?;
+    if !ticket.head_done() {
+        return Err(io::Error::other("cut to make room for another connection"));
+    }
+    stream.set_write_timeout(Some(METRICS_HEAD_DEADLINE))?;
+    let line = head
+        .as_deref()
+        .and_then(|h| h.lines().next())
+        .unwrap_or_default();
     let mut parts = line.split_whitespace();
     let (method, path, version) = (parts.next(), parts.next(), parts.next());
     let (status, body, ctype) = match (method, path, version) {
-        _ if !complete => ("400 Bad Request", "bad request\n".to_string(), "text/plain"),
+        _ if head.is_none() => ("400 Bad Request", "bad request\n".to_string(), "text/plain"),
         (Some(_), Some(_), Some(v)) if !v.starts_with("HTTP/1.") => {
             ("400 Bad Request", "bad request\n".into(), "text/plain")
         }

@@ -14,6 +14,7 @@
 //! identity): the node tells its gateways it is draining, lets running requests
 //! finish until the drain deadline, ends the rest with an error, and exits 0.
 
+use crate::conn_gate::{HeadGate, Ticket};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::link_security::{fingerprint_hex, node_name, parse_fingerprint, NodeLinks};
 use crate::links::{CommitExtra, PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
@@ -49,6 +50,15 @@ const DRAIN_GRACE: Duration = Duration::from_secs(10);
 const UNKNOWN_BURST: f64 = 1024.0;
 /// ... and per second after the burst.
 const UNKNOWN_PER_SEC: f64 = 256.0;
+
+/// How long a control connection may take from accept to its hello (TLS handshake
+/// included), however it trickles its bytes or pings.
+pub(crate) const CONTROL_HEAD_DEADLINE: Duration = Duration::from_secs(10);
+/// Most control connections at once (gateways and prefill peers, one link each).
+pub(crate) const MAX_CONTROL_CONNECTIONS: usize = 1024;
+/// Most control connections before their hello; a new one past the cap cuts the one
+/// that has been in its head the longest ([`crate::conn_gate`]).
+pub(crate) const MAX_CONTROL_HEADS: usize = 64;
 
 /// How page bytes move from prefill to decode nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -516,11 +526,19 @@ pub fn run_node_process(
 }
 
 async fn accept_loop(node: Arc<NodeState>, listener: tokio::net::TcpListener) {
+    let gate = HeadGate::new(MAX_CONTROL_CONNECTIONS, MAX_CONTROL_HEADS);
     loop {
         match listener.accept().await {
             Ok((tcp, peer)) => {
+                let (cut_tx, cut) = tokio::sync::oneshot::channel::<()>();
+                let Some(ticket) = gate.admit(Box::new(move || {
+                    let _ = cut_tx.send(());
+                })) else {
+                    tracing::warn!(%peer, "refused a node link: every connection slot is taken");
+                    continue;
+                };
                 let n = node.clone();
-                tokio::spawn(async move { n.serve(tcp, peer.to_string()).await });
+                tokio::spawn(async move { n.serve(tcp, peer.to_string(), ticket, cut).await });
             }
             Err(e) => {
                 // Out of file descriptors or memory: back off instead of spinning.
@@ -582,9 +600,28 @@ impl NodeState {
     }
 
     /// Serves one accepted connection: handshake, hello, then frames until it ends.
-    async fn serve(self: Arc<Self>, tcp: tokio::net::TcpStream, peer: String) {
+    /// The head (handshake and hello) must be done by [`CONTROL_HEAD_DEADLINE`] and
+    /// ends early when `cut` fires (the slot is given to a newer connection).
+    async fn serve(
+        self: Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        peer: String,
+        mut ticket: Ticket,
+        mut cut: tokio::sync::oneshot::Receiver<()>,
+    ) {
         let s = self.links.settings();
-        let (r, w, cert) = match self.links.accept(tcp).await {
+        let deadline = tokio::time::Instant::now() + CONTROL_HEAD_DEADLINE;
+        let late = || {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no hello within {CONTROL_HEAD_DEADLINE:?} of connecting"),
+            )
+        };
+        let accepted = tokio::select! {
+            r = tokio::time::timeout_at(deadline, self.links.accept(tcp)) => r.unwrap_or_else(|_| Err(late())),
+            _ = &mut cut => Err(io::Error::other("cut to make room for another connection")),
+        };
+        let (r, w, cert) = match accepted {
             Ok(x) => x,
             Err(e) => {
                 self.counters.peers_refused.fetch_add(1, Ordering::Relaxed);
@@ -598,7 +635,20 @@ impl NodeState {
             page_bytes: None,
         };
         let mut reader = FrameReader::new(r, limits, s.dead_after);
-        let (from, hello_name, hello_model) = match reader.next_on(&conn).await {
+        let hello = tokio::select! {
+            r = tokio::time::timeout_at(deadline, reader.next_on(&conn)) => {
+                r.unwrap_or_else(|_| Err(LinkEnd::Closed(late().to_string())))
+            }
+            _ = &mut cut => Err(LinkEnd::Closed("cut to make room for another connection".into())),
+        };
+        let hello = if ticket.head_done() {
+            hello
+        } else {
+            Err(LinkEnd::Closed(
+                "cut to make room for another connection".into(),
+            ))
+        };
+        let (from, hello_name, hello_model) = match hello {
             Ok((Frame::Hello { from, name, model }, _)) => (from, name, model),
             Ok((f, _)) => {
                 let end = LinkEnd::Violation(format!("a {} frame before hello", f.kind()));
