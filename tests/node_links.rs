@@ -1955,6 +1955,7 @@ async fn refused_node_links_and_rejected_frames_move_a_metric() {
     gw.send(&frame(&json!({"no_such_frame": {}}), &[])).await;
     gw.assert_cut("a malformed frame").await;
     assert_eq!(metric(&url, &rejected).await, 1.0, "the malformed frame");
+}
 
 /// Issue 32: 200 slow clients (one byte every 2 s, so no per-read timeout ever
 /// fires) against a node's metrics listener and then its control port. Each is cut
