@@ -134,7 +134,12 @@ def check_secret_modes(objs: list, config: dict) -> list:
                 continue
             where = f"{o['kind']}/{o['metadata']['name']} volume {v['name']}"
             items = sec.get("items", [])
-            modes = [sec.get("defaultMode", 0o644)] + [i["mode"] for i in items if "mode" in i]
+            default = sec.get("defaultMode", 0o644)
+            # The modes the keys get: every file's without items, else each key item's.
+            if items:
+                modes = [i.get("mode", default) for i in items if i["path"].endswith(".key")]
+            else:
+                modes = [default]
             if any(i["key"] == "ca.key" for i in items):
                 problems.append(f"{where}: mounts ca.key (keep the CA key off the nodes)")
             for m in modes:
