@@ -15,7 +15,11 @@
    pool lists in the mounted deployment file (`<pod>.<service>:<port>`), and the
    ports agree.
 4. Runs `tessera ops check-config` on that deployment file, with throwaway node
-   certificates issued for it (`tessera ops certs init` / `issue`).
+   certificates issued for it (`tessera ops certs init --ca-dir` / `issue`, the CA
+   kept apart from the node files).
+5. The node-certificate Secret volumes: no `ca.key` item, no mode that others can
+   read, and group-readable modes (what `fsGroup` gives anyway) only with
+   `[node_links] allow_group_readable_keys = true` in the deployment file.
 
 Exits 1 naming every problem found.
 """
@@ -118,13 +122,44 @@ def check_pools(objs: list, config: dict) -> list:
     return problems
 
 
+def check_secret_modes(objs: list, config: dict) -> list:
+    """Node-certificate Secret volumes keep `ca.key` out and keys from others."""
+    problems = []
+    group_ok = config.get("node_links", {}).get("allow_group_readable_keys", False)
+    for o in objs:
+        spec = o.get("spec", {}).get("template", {}).get("spec", {})
+        for v in spec.get("volumes", []):
+            sec = v.get("secret")
+            if not sec or sec.get("secretName") != "tessera-node-certs":
+                continue
+            where = f"{o['kind']}/{o['metadata']['name']} volume {v['name']}"
+            items = sec.get("items", [])
+            default = sec.get("defaultMode", 0o644)
+            # The modes the keys get: every file's without items, else each key item's.
+            if items:
+                modes = [i.get("mode", default) for i in items if i["path"].endswith(".key")]
+            else:
+                modes = [default]
+            if any(i["key"] == "ca.key" for i in items):
+                problems.append(f"{where}: mounts ca.key (keep the CA key off the nodes)")
+            for m in modes:
+                if m & 0o007:
+                    problems.append(f"{where}: mode {m:04o} lets others read the keys (use 0400 or 0440)")
+                elif m & 0o070 and not group_ok:
+                    problems.append(
+                        f"{where}: mode {m:04o} is group-readable but [node_links] "
+                        "allow_group_readable_keys is not set"
+                    )
+    return problems
+
+
 def check_config(tessera: str, toml_text: str) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = pathlib.Path(tmp) / "tessera.toml"
         cfg.write_text(toml_text)
         steps = [
-            [tessera, "ops", "certs", "init", "--dir", "certs"],
-            [tessera, "ops", "certs", "issue", "--config", str(cfg), "--dir", "certs"],
+            [tessera, "ops", "certs", "init", "--ca-dir", "ca"],
+            [tessera, "ops", "certs", "issue", "--config", str(cfg), "--ca-dir", "ca", "--dir", "certs"],
             [tessera, "ops", "check-config", str(cfg)],
         ]
         for cmd in steps:
@@ -157,6 +192,7 @@ def main() -> int:
             continue
         text = cms[0]["data"]["tessera.toml"]
         problems += [f"{ov.name}: {p}" for p in check_pools(objs, tomllib.loads(text))]
+        problems += [f"{ov.name}: {p}" for p in check_secret_modes(objs, tomllib.loads(text))]
         configs.add(text)
         print(f"{ov.name}: {len(objs)} objects valid against Kubernetes {a.k8s_version}")
     for text in configs:

@@ -124,21 +124,28 @@ enum OpsCommand {
 
 #[derive(Subcommand)]
 enum CertsCommand {
-    /// Write a new cluster CA: DIR/ca.pem (trusted by every node and gateway) and
-    /// DIR/ca.key (keep it off the nodes). Refuses to replace an existing CA.
+    /// Write a new cluster CA: CA_DIR/ca.pem (trusted by every node and gateway) and
+    /// CA_DIR/ca.key (mode 0600; keep it off the nodes). CA_DIR is created 0700.
+    /// Refuses to replace an existing CA.
     Init {
-        /// Where to write the CA.
+        /// Where to write the CA (a directory of its own, never a node's cert_dir).
         #[arg(long)]
-        dir: PathBuf,
+        ca_dir: PathBuf,
     },
     /// Sign a certificate and key for every identity of a deployment file (the
-    /// gateway, every prefill and decode node) with DIR/ca.key, written as
-    /// DIR/<stem>.pem and DIR/<stem>.key (the names `[node_links] cert_dir` uses).
+    /// gateway, every prefill and decode node) with CA_DIR/ca.key, written as
+    /// DIR/<stem>.pem and DIR/<stem>.key (mode 0600; the names `[node_links]
+    /// cert_dir` uses), with a copy of CA_DIR/ca.pem as DIR/ca.pem. DIR must not be
+    /// CA_DIR: it is what the nodes are given.
     Issue {
         /// The deployment file.
         #[arg(long)]
         config: PathBuf,
-        /// The directory holding the CA; the certificates are written here.
+        /// The directory holding the CA (`init --ca-dir`).
+        #[arg(long)]
+        ca_dir: PathBuf,
+        /// Where the node files are written (created 0700): the deployment file's
+        /// `[node_links] cert_dir`.
         #[arg(long)]
         dir: PathBuf,
         /// Validity of the certificates, in days.
@@ -256,17 +263,22 @@ fn run() -> Result<()> {
 fn certs(c: CertsCommand) -> Result<()> {
     use tessera_ops::certs;
     match c {
-        CertsCommand::Init { dir } => {
-            let (cert, key) = certs::init(&dir)?;
+        CertsCommand::Init { ca_dir } => {
+            let (cert, key) = certs::init(&ca_dir)?;
             println!("tessera ops certs: CA certificate {}", cert.display());
             println!(
                 "tessera ops certs: CA key {} (owner-only; keep it off the nodes)",
                 key.display()
             );
         }
-        CertsCommand::Issue { config, dir, days } => {
+        CertsCommand::Issue {
+            config,
+            ca_dir,
+            dir,
+            days,
+        } => {
             let cfg = tessera_config::DeploymentConfig::load(&config)?;
-            for i in certs::issue(&cfg, &dir, days)? {
+            for i in certs::issue(&cfg, &ca_dir, &dir, days)? {
                 println!(
                     "tessera ops certs: {} ({}): {} {}",
                     i.identity,

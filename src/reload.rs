@@ -199,7 +199,13 @@ pub(crate) fn ops_reload(a: ReloadArgs) -> Result<()> {
         std::env::var("TESSERA_ADMIN_TOKEN"),
         &a.admin_token_file,
     ) {
-        (Some(t), _, _) => t.clone(),
+        (Some(t), _, _) => {
+            crate::serve::warn_secret_flag(
+                "--admin-token",
+                "--admin-token-file FILE or TESSERA_ADMIN_TOKEN",
+            );
+            t.clone()
+        }
         (None, Ok(t), _) => t,
         (None, Err(_), Some(p)) => std::fs::read_to_string(p)
             .with_context(|| format!("reading the admin token file {}", p.display()))?,

@@ -9,6 +9,7 @@ use clap::Args;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tessera_config::secret_files::{create_private_dir, create_secret_file};
 use tessera_config::{check_pool_fits, Role};
 use tessera_gateway::catalog::{CatalogEntry, Dated};
 use tessera_gateway::{
@@ -73,14 +74,18 @@ pub(crate) struct ServeArgs {
     /// Allow plain HTTP on a non-loopback address.
     #[arg(long)]
     allow_insecure_http: bool,
-    /// Admin API token, at least 32 bytes (else TESSERA_ADMIN_TOKEN, else
-    /// --admin-token-file, else DATA_DIR/admin-token, created on first start).
+    /// Admin API token, at least 32 bytes with 16 distinct (else TESSERA_ADMIN_TOKEN,
+    /// else --admin-token-file, else DATA_DIR/admin-token, created 0600 on first
+    /// start). On the command line every local user can read it (ps): prefer the
+    /// file or the environment (a warning says so).
     #[arg(long)]
     admin_token: Option<String>,
-    /// File holding the admin token (at least 32 bytes; must exist).
+    /// File holding the admin token (at least 32 bytes with 16 distinct; must exist).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
-    /// Token that reads /metrics and nothing else (at least 32 bytes).
+    /// Token that reads /metrics and nothing else (at least 32 bytes with 16
+    /// distinct; surrounding whitespace is ignored). Prefer TESSERA_METRICS_TOKEN to
+    /// the flag, which every local user can read (ps).
     #[arg(long, env = "TESSERA_METRICS_TOKEN", hide_env_values = true)]
     metrics_token: Option<String>,
     /// Serve the admin API and /metrics on this address instead of --listen (then
@@ -191,16 +196,51 @@ fn parse_model_arg(v: &str) -> Result<ModelArg, String> {
     })
 }
 
-/// The admin token and where it came from: `--admin-token`, `TESSERA_ADMIN_TOKEN`,
-/// `--admin-token-file`, or DATA_DIR/admin-token (created with a fresh token when
-/// absent). Refuses an empty or short token, naming its source. Returns (token,
-/// whether the file was just created).
+/// Warns (stderr) that `flag` put a secret on the command line, where every local
+/// user can read it (`ps`, `/proc/PID/cmdline`), and names the alternatives.
+pub(crate) fn warn_secret_flag(flag: &str, instead: &str) {
+    eprintln!(
+        "tessera: warning: {flag} puts a secret on the command line, where every local \
+         user can read it (ps, /proc/PID/cmdline); use {instead} instead"
+    );
+}
+
+/// Whether `--flag` was given on the command line itself (not through its
+/// environment variable).
+fn on_command_line(flag: &str) -> bool {
+    let eq = format!("{flag}=");
+    std::env::args_os().any(|a| {
+        let a = a.to_string_lossy();
+        a == flag || a.starts_with(&eq)
+    })
+}
+
+/// A fresh admin token: `tadm_` and 48 random hex digits, drawn again in the rare
+/// case it has too few distinct bytes for [`check_token`].
+fn new_admin_token() -> String {
+    loop {
+        let t = format!("tadm_{}", tessera_tenancy::random_hex(24));
+        if check_token("admin token", &t).is_ok() {
+            return t;
+        }
+    }
+}
+
+/// The admin token and where it came from: `--admin-token` (with a warning: it is
+/// visible in `ps`), `TESSERA_ADMIN_TOKEN`, `--admin-token-file`, or
+/// DATA_DIR/admin-token (created `0600` with `O_EXCL`, its directory `0700`, holding a
+/// fresh token, when absent). Refuses an empty, short or repetitive token, naming its
+/// source. Returns (token, whether the file was just created).
 fn admin_token(a: &ServeArgs) -> Result<(String, bool)> {
     let checked = |t: String, source: String| -> Result<(String, bool)> {
         check_token(&format!("admin token from {source}"), &t)?;
         Ok((t.trim().to_string(), false))
     };
     if let Some(t) = &a.admin_token {
+        warn_secret_flag(
+            "--admin-token",
+            "--admin-token-file FILE or TESSERA_ADMIN_TOKEN",
+        );
         return checked(t.clone(), "--admin-token".into());
     }
     if let Some(t) = std::env::var_os("TESSERA_ADMIN_TOKEN") {
@@ -219,14 +259,10 @@ fn admin_token(a: &ServeArgs) -> Result<(String, bool)> {
     if let Ok(t) = std::fs::read_to_string(&p) {
         return checked(t, format!("file {}", p.display()));
     }
-    std::fs::create_dir_all(dir)?;
-    let t = format!("tadm_{}", tessera_tenancy::random_hex(24));
-    std::fs::write(&p, format!("{t}\n")).with_context(|| format!("writing {}", p.display()))?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600))?;
-    }
+    create_private_dir(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let t = new_admin_token();
+    create_secret_file(&p, format!("{t}\n").as_bytes())
+        .with_context(|| format!("creating {}", p.display()))?;
     Ok((t, true))
 }
 
@@ -251,11 +287,16 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
 async fn serve(a: ServeArgs) -> Result<()> {
     // Tokens first: a bad one fails at once, before the model loads.
     let (admin, admin_new) = admin_token(&a)?;
-    if let Some(t) = &a.metrics_token {
-        check_token(
-            "metrics token from --metrics-token / TESSERA_METRICS_TOKEN",
-            t,
-        )?;
+    // Trimmed like the admin token: `--metrics-token " T "` must match `Bearer T`.
+    let metrics_token = a.metrics_token.as_deref().map(str::trim);
+    if let Some(t) = metrics_token {
+        let source = if on_command_line("--metrics-token") {
+            warn_secret_flag("--metrics-token", "TESSERA_METRICS_TOKEN");
+            "--metrics-token"
+        } else {
+            "TESSERA_METRICS_TOKEN"
+        };
+        check_token(&format!("metrics token from {source}"), t)?;
     }
     device_check(&a)?;
     let remote = match &a.config {
@@ -321,7 +362,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         },
         ("off", _, _) => TlsMode::Off,
         ("self-signed", _, _) => {
-            std::fs::create_dir_all(data_dir)?;
+            create_private_dir(data_dir)?;
             TlsMode::SelfSigned(Some(data_dir.join("tls-cert.pem")))
         }
         (other, _, _) => anyhow::bail!("--tls must be `off` or `self-signed`. Given: {other}"),
@@ -335,7 +376,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         allow_insecure_http: a.allow_insecure_http,
         max_body_bytes: a.max_body_bytes,
         admin_token: Some(admin),
-        metrics_token: a.metrics_token.clone(),
+        metrics_token: metrics_token.map(str::to_string),
         default_limits,
         conn: ConnLimits {
             header_read: secs(a.header_timeout_secs),

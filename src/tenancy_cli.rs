@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
 use std::path::PathBuf;
+use tessera_config::secret_files::{create_private_dir, create_secret_file};
 use tessera_tenancy::store::{parse_time, rfc3339};
 use tessera_tenancy::{
     AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling, Scopes, Store,
@@ -35,9 +36,10 @@ impl StoreArgs {
         let url = match &self.store {
             Some(u) => u.clone(),
             None => {
-                std::fs::create_dir_all(&self.data_dir)
+                // The store holds key hashes and every tenant's usage: owner only,
+                // from the directory's creation on (and an existing one tightened).
+                create_private_dir(&self.data_dir)
                     .with_context(|| format!("creating {}", self.data_dir.display()))?;
-                // The store holds key hashes and every tenant's usage: owner only.
                 #[cfg(unix)]
                 {
                     use std::os::unix::fs::PermissionsExt;
@@ -50,9 +52,38 @@ impl StoreArgs {
                 format!("sqlite://{}", self.data_dir.join("tessera.db").display())
             }
         };
+        precreate_sqlite(&url)?;
         Store::connect(&url)
             .await
             .with_context(|| format!("opening store {url}"))
+    }
+}
+
+/// Creates a SQLite store's file `0600` (`O_EXCL`) before SQLite opens it, when it
+/// does not exist yet: SQLite would create it with the umask's mode (0644), and gives
+/// its `-wal` and `-shm` files the database file's mode. Other URLs, in-memory
+/// databases and existing files are left alone; a missing directory is SQLite's
+/// error to report.
+fn precreate_sqlite(url: &str) -> Result<()> {
+    let Some(rest) = url.strip_prefix("sqlite://") else {
+        return Ok(());
+    };
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    if path.is_empty() || path == ":memory:" || query.contains("mode=memory") {
+        return Ok(());
+    }
+    let path = std::path::Path::new(path);
+    if !path
+        .parent()
+        .is_none_or(|d| d.as_os_str().is_empty() || d.is_dir())
+    {
+        return Ok(());
+    }
+    match create_secret_file(path, b"") {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            Err(e).with_context(|| format!("creating the store file {}", path.display()))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -96,11 +96,8 @@ fn two_model_config(dir: &Path, tiny: &Path, ports: [u16; 4], swap_decode: bool)
     };
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
-    if !certs.join("ca.pem").exists() {
-        ops(&["certs", "init", "--dir", certs.to_str().unwrap()]);
-    }
-    let (p, c) = (path.to_str().unwrap(), certs.to_str().unwrap());
-    ops(&["certs", "issue", "--config", p, "--dir", c]);
+    init_ca(&certs);
+    issue_certs(&path, &certs);
     path
 }
 

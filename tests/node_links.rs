@@ -487,15 +487,8 @@ async fn attacks_on_node_ports_are_refused_while_a_tenant_is_served() {
     .await;
     // A client certificate from another CA (same identity names).
     let other = dep.dir.path().join("other-ca");
-    ops(&["certs", "init", "--dir", other.to_str().unwrap()]);
-    ops(&[
-        "certs",
-        "issue",
-        "--config",
-        dep.config.to_str().unwrap(),
-        "--dir",
-        other.to_str().unwrap(),
-    ]);
+    init_ca(&other);
+    issue_certs(&dep.config, &other);
     let foreign = client(&ca, Some(&identity(&other, "gateway")));
     assert_tls_refused(
         d,
@@ -817,7 +810,7 @@ async fn a_gateway_refuses_a_node_with_another_identity_or_from_another_ca() {
     let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
     let certs = dir.path().join("certs");
     let other = dir.path().join("other-ca");
-    ops(&["certs", "init", "--dir", other.to_str().unwrap()]);
+    init_ca(&other);
     issue_certs(&config, &other);
     for (what, (cert, key)) in [
         (

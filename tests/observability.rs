@@ -566,7 +566,7 @@ async fn node_metrics_endpoint_exports_node_families_and_quarantined_pages() {
         p,
         &[d],
         (CONTEXT, CONTEXT),
-        Some("heartbeat_ms = 1000\ndead_after_ms = 600000\n"),
+        Some("heartbeat_ms = 1000\ndead_after_ms = 600000\nmax_dead_after_ms = 600000\n"),
     );
     let metrics = ["--metrics-listen", "127.0.0.1:0"];
     let (_decode, lines) = node(dir.path(), &config, "decode", d, &metrics, &[]).await;

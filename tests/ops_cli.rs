@@ -76,24 +76,24 @@ nodes = ["127.0.0.1:9201"]
     p
 }
 
-#[test]
-fn repository_example_passes() {
-    gguf();
-    // Its node-link certificates, issued as its comments say (into a temporary
-    // directory, which a copy of the example names).
-    let certs = tempfile::tempdir().unwrap();
-    let dir = certs.path().to_str().unwrap();
+/// The repository example with its node-link files issued as the README says: the CA
+/// in `ROOT/node-ca`, the node files in `ROOT/node-certs`, and a copy of the example
+/// naming them, `ROOT/tessera.toml` (returned with the node files' directory).
+fn issued_example(root: &Path) -> (PathBuf, PathBuf) {
+    let (ca, certs) = (root.join("node-ca"), root.join("node-certs"));
     let example = repo().join("ops/deploy/tessera.toml");
     for args in [
-        vec!["ops", "certs", "init", "--dir", dir],
+        vec!["ops", "certs", "init", "--ca-dir", ca.to_str().unwrap()],
         vec![
             "ops",
             "certs",
             "issue",
             "--config",
             example.to_str().unwrap(),
+            "--ca-dir",
+            ca.to_str().unwrap(),
             "--dir",
-            dir,
+            certs.to_str().unwrap(),
         ],
     ] {
         let out = std::process::Command::new(BIN)
@@ -107,6 +107,7 @@ fn repository_example_passes() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    let dir = certs.display();
     let text = std::fs::read_to_string(&example)
         .unwrap()
         .replace(
@@ -114,8 +115,20 @@ fn repository_example_passes() {
             &format!("\"{dir}/ca.pem\""),
         )
         .replace("\".tessera/node-certs\"", &format!("\"{dir}\""));
-    let copy = certs.path().join("tessera.toml");
+    let copy = root.join("tessera.toml");
     std::fs::write(&copy, text).unwrap();
+    (copy, certs)
+}
+
+#[test]
+fn repository_example_passes() {
+    gguf();
+    let root = tempfile::tempdir().unwrap();
+    let (copy, certs) = issued_example(root.path());
+    // The README's layout: the node files hold the CA certificate, not its key.
+    assert!(certs.join("ca.pem").exists());
+    assert!(!certs.join("ca.key").exists());
+    assert!(root.path().join("node-ca/ca.key").exists());
     let r = check(&copy, &[]);
     assert!(r.ok, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
     // The context window came from the GGUF: the example sets no `context`.
@@ -258,4 +271,182 @@ fn missing_deployment_file_fails() {
         "{}",
         r.stdout
     );
+}
+
+/// Runs `tessera ARGS` (from the repository root, with a good admin token and a
+/// fresh data directory) expecting it to refuse to start; returns its stderr. A
+/// process still running after 60 s started: the test fails.
+fn refusal(args: &[&str], data: &Path) -> String {
+    let mut child = std::process::Command::new(BIN)
+        .args(args)
+        .current_dir(repo())
+        .env(
+            "TESSERA_ADMIN_TOKEN",
+            "tadm_0123456789abcdef0123456789abcdef",
+        )
+        .env("TESSERA_DATA_DIR", data)
+        .env_remove("TESSERA_STORE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("`tessera {args:?}` started instead of refusing");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn chmod(p: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// Issue 32: a world-readable node key, a world-writable key directory, `ca.key`
+/// among the node files (the old README layout) and liveness timings out of bounds
+/// (`heartbeat_ms = 1`, `dead_after_ms` of an hour) were all accepted. Now
+/// `check-config`, `tessera node` and `tessera serve --config` refuse each, naming
+/// the file or field and the fix.
+#[test]
+fn exposed_secrets_and_liveness_out_of_bounds_are_refused_everywhere() {
+    gguf();
+    let root = tempfile::tempdir().unwrap();
+    let (copy, certs) = issued_example(root.path());
+    let data = root.path().join("data");
+    let cfg = copy.to_str().unwrap();
+    let node = ["node", "--role", "decode", "--config", cfg];
+    let serve = ["serve", "--listen", "127.0.0.1:0", "--config", cfg];
+    assert!(check(&copy, &[]).ok);
+    let (decode_key, gateway_key) = (
+        certs.join("decode-127.0.0.1-9201.key"),
+        certs.join("gateway.key"),
+    );
+    // Keys that others (or the group) can read.
+    chmod(&decode_key, 0o644);
+    chmod(&gateway_key, 0o640);
+    let r = check(&copy, &[]);
+    assert!(!r.ok);
+    for key in [&decode_key, &gateway_key] {
+        let fix = format!("run `chmod 600 {}`", key.display());
+        assert!(r.stdout.contains(&fix), "{}", r.stdout);
+    }
+    assert!(
+        r.stdout.contains("verdict: FAIL (2 violations)"),
+        "{}",
+        r.stdout
+    );
+    let err = refusal(&node, &data);
+    let fix = format!("chmod 600 {}", decode_key.display());
+    assert!(err.contains(&fix), "{err}");
+    let err = refusal(&serve, &data);
+    let fix = format!("chmod 600 {}", gateway_key.display());
+    assert!(err.contains(&fix), "{err}");
+    chmod(&decode_key, 0o600);
+    chmod(&gateway_key, 0o600);
+    // A key directory anyone can write.
+    chmod(&certs, 0o777);
+    let r = check(&copy, &["--json"]);
+    assert!(!r.ok);
+    let v: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(v["violations"].as_array().unwrap().len(), 1, "{v:#}");
+    assert_eq!(v["violations"][0]["label"], "exposed_cert_dir");
+    let fix = format!("chmod 700 {}", certs.display());
+    assert!(
+        v["violations"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&fix),
+        "{v:#}"
+    );
+    assert!(refusal(&node, &data).contains(&fix));
+    assert!(refusal(&serve, &data).contains(&fix));
+    chmod(&certs, 0o700);
+    // The CA key among the node files.
+    std::fs::copy(root.path().join("node-ca/ca.key"), certs.join("ca.key")).unwrap();
+    let r = check(&copy, &[]);
+    assert!(!r.ok);
+    assert!(
+        r.stdout.contains("[exposed_cert_dir]") && r.stdout.contains("ca.key"),
+        "{}",
+        r.stdout
+    );
+    for err in [refusal(&node, &data), refusal(&serve, &data)] {
+        assert!(err.contains("ca.key") && err.contains("--ca-dir"), "{err}");
+    }
+    std::fs::remove_file(certs.join("ca.key")).unwrap();
+    assert!(check(&copy, &[]).ok);
+    // Liveness out of bounds.
+    let text = std::fs::read_to_string(&copy).unwrap().replacen(
+        "\n[[models]]",
+        "heartbeat_ms = 1\ndead_after_ms = 3600000\n\n[[models]]",
+        1,
+    );
+    std::fs::write(&copy, text).unwrap();
+    let r = check(&copy, &[]);
+    assert!(!r.ok);
+    for needle in [
+        "[heartbeat_too_short] [node_links] heartbeat_ms = 1 is below min_heartbeat_ms = 50",
+        "[dead_after_too_long] [node_links] dead_after_ms = 3600000 is above max_dead_after_ms = 60000",
+    ] {
+        assert!(r.stdout.contains(needle), "{}", r.stdout);
+    }
+    for err in [refusal(&node, &data), refusal(&serve, &data)] {
+        assert!(
+            err.contains("min_heartbeat_ms = 50") && err.contains("max_dead_after_ms = 60000"),
+            "{err}"
+        );
+    }
+    // Nothing served: the refused gateway created no store.
+    assert!(!data.join("tessera.db").exists());
+}
+
+/// `tessera ops certs` creates every secret with its final mode, under umask 022:
+/// the CA and node directories 0700, `ca.key` and the node keys 0600 (certificates
+/// 0644), and `issue` refuses to write node files into the CA's directory.
+#[test]
+fn certs_are_created_owner_only_and_apart_from_the_ca_key() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().unwrap();
+    let (ca, certs) = (root.path().join("a/ca"), root.path().join("b/certs"));
+    let example = repo().join("ops/deploy/tessera.toml");
+    let sh = |args: &str| {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("umask 022; exec \"$0\" ops certs {args}"))
+            .arg(BIN)
+            .output()
+            .unwrap()
+    };
+    let out = sh(&format!("init --ca-dir {}", ca.display()));
+    assert!(out.status.success(), "{out:?}");
+    let issue = |dir: &Path| {
+        sh(&format!(
+            "issue --config {} --ca-dir {} --dir {}",
+            example.display(),
+            ca.display(),
+            dir.display()
+        ))
+    };
+    let out = issue(&certs);
+    assert!(out.status.success(), "{out:?}");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&ca), 0o700);
+    assert_eq!(mode(&root.path().join("b")), 0o700);
+    assert_eq!(mode(&certs), 0o700);
+    assert_eq!(mode(&ca.join("ca.key")), 0o600);
+    assert_eq!(mode(&ca.join("ca.pem")), 0o644);
+    assert_eq!(mode(&certs.join("gateway.key")), 0o600);
+    assert_eq!(mode(&certs.join("decode-127.0.0.1-9201.key")), 0o600);
+    assert_eq!(mode(&certs.join("gateway.pem")), 0o644);
+    let out = issue(&ca);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("apart from --ca-dir"), "{err}");
+    assert!(!ca.join("gateway.key").exists());
 }

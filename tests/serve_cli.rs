@@ -26,12 +26,27 @@ fn cli(data: &std::path::Path, args: &[&str]) -> (bool, Value, String) {
 
 /// Starts `tessera serve` and reads its banner up to the end of the curl command.
 async fn serve(data: &std::path::Path) -> (tokio::process::Child, Vec<String>) {
-    let mut child = tokio::process::Command::new(BIN)
+    let cmd = tokio::process::Command::new(BIN);
+    serve_with(cmd, data, &[], Stdio::inherit()).await
+}
+
+/// [`serve`] from `cmd` (the binary, or a shell that runs it), with `extra` arguments
+/// and stderr to `stderr`.
+async fn serve_with(
+    mut cmd: tokio::process::Command,
+    data: &std::path::Path,
+    extra: &[&str],
+    stderr: Stdio,
+) -> (tokio::process::Child, Vec<String>) {
+    let mut child = cmd
         .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data)
+        .args(extra)
         .env_remove("TESSERA_STORE")
         .env_remove("TESSERA_ADMIN_TOKEN")
+        .env_remove("TESSERA_METRICS_TOKEN")
         .stdout(Stdio::piped())
+        .stderr(stderr)
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -325,12 +340,117 @@ fn serve_refuses_empty_or_short_admin_tokens_naming_the_source() {
     );
     let err = serve_refusal(
         d,
-        &["--admin-token", &"a".repeat(40), "--metrics-token", "m"],
+        &["--admin-token", GOOD_TOKEN, "--metrics-token", "m"],
         None,
     );
     assert!(err.contains("metrics token"), "{err}");
     // Nothing was created or served: no store file.
     assert!(!d.join("tessera.db").exists());
+}
+
+/// A token of 16 distinct bytes and more than 32 bytes.
+const GOOD_TOKEN: &str = "tadm_0123456789abcdef0123456789abcdef";
+
+/// Issue 32: a 32-byte admin token of one repeated character, from a file anyone can
+/// write (0666), was accepted; so was a repetitive metrics token. Both are refused
+/// now, naming their source; `--admin-token` and `--metrics-token` on the command
+/// line (visible in `ps`) print a warning naming the alternatives.
+#[test]
+fn serve_refuses_repetitive_tokens_and_warns_about_tokens_in_ps() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let file = d.join("weak-token");
+    std::fs::write(&file, format!("{}\n", "x".repeat(32))).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
+    let err = serve_refusal(d, &["--admin-token-file", file.to_str().unwrap()], None);
+    assert!(
+        err.contains(&format!("admin token from file {}", file.display()))
+            && err.contains("has 1 distinct bytes; it must have at least 16"),
+        "{err}"
+    );
+    let pattern = "abcdefgh".repeat(5);
+    let err = serve_refusal(d, &[], Some(&pattern));
+    assert!(
+        err.contains("TESSERA_ADMIN_TOKEN") && err.contains("has 8 distinct bytes"),
+        "{err}"
+    );
+    let err = serve_refusal(
+        d,
+        &[
+            "--admin-token",
+            GOOD_TOKEN,
+            "--metrics-token",
+            &"m".repeat(40),
+        ],
+        None,
+    );
+    assert!(
+        err.contains("warning: --admin-token puts a secret on the command line")
+            && err.contains("--admin-token-file FILE or TESSERA_ADMIN_TOKEN"),
+        "{err}"
+    );
+    assert!(
+        err.contains("warning: --metrics-token puts a secret on the command line"),
+        "{err}"
+    );
+    assert!(
+        err.contains("metrics token from --metrics-token has 1 distinct bytes"),
+        "{err}"
+    );
+    assert!(!d.join("tessera.db").exists());
+}
+
+/// Issue 32: under umask 022 the store was created 0644 (its -wal and -shm files
+/// too), and a `--metrics-token` with surrounding spaces passed the length check but
+/// never matched. Now the data directory is 0700 and the admin token file, the store
+/// and its -wal/-shm files 0600 from their creation, and the metrics token is
+/// trimmed like the admin token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_creates_its_secrets_owner_only_and_trims_the_metrics_token() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("a/data");
+    let err_file = dir.path().join("stderr");
+    let mut sh = tokio::process::Command::new("sh");
+    sh.args(["-c", "umask 022; exec \"$0\" \"$@\"", BIN]);
+    let metrics = format!("  {GOOD_TOKEN}  ");
+    let (mut child, banner) = serve_with(
+        sh,
+        &data,
+        &["--metrics-token", &metrics],
+        Stdio::from(std::fs::File::create(&err_file).unwrap()),
+    )
+    .await;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&data), 0o700);
+    assert_eq!(mode(&dir.path().join("a")), 0o700);
+    assert_eq!(mode(&data.join("admin-token")), 0o600);
+    assert_eq!(mode(&data.join("tessera.db")), 0o600);
+    for side in ["tessera.db-wal", "tessera.db-shm"] {
+        let p = data.join(side);
+        if p.exists() {
+            assert_eq!(mode(&p), 0o600, "{side}");
+        }
+    }
+    let base = banner
+        .iter()
+        .find_map(|l| l.strip_prefix("tessera: listening on "))
+        .unwrap()
+        .trim()
+        .to_string();
+    let resp = reqwest::Client::new()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(GOOD_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{base}");
+    let err = std::fs::read_to_string(&err_file).unwrap();
+    assert!(err.contains("warning: --metrics-token"), "{err}");
+    child.kill().await.unwrap();
 }
 
 /// CPU seconds (user + system) the process has used, from /proc.

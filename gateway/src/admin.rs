@@ -1,7 +1,9 @@
 //! Admin API (`/admin/v1/...`), behind `Authorization: Bearer <admin token>`
 //! compared in constant time. Disabled (404) when no admin token is configured.
-//! Tokens shorter than [`MIN_TOKEN_BYTES`] are refused at start ([`check_token`]),
-//! and a missing or empty `Authorization` header never matches anything.
+//! Tokens shorter than [`MIN_TOKEN_BYTES`] or with fewer than
+//! [`MIN_TOKEN_DISTINCT_BYTES`] distinct bytes are refused at start ([`check_token`]);
+//! tokens are compared without surrounding whitespace, and a missing or empty
+//! `Authorization` header never matches anything.
 //!
 //! - `GET  /admin/v1/tenants`, `POST /admin/v1/tenants` `{name, limits?, create_key?}`
 //!   (missing limit fields take the configured default limits)
@@ -60,27 +62,59 @@ use tessera_tenancy::{
 /// Shortest accepted admin or metrics token, in bytes.
 pub const MIN_TOKEN_BYTES: usize = 32;
 
+/// Fewest distinct bytes an admin or metrics token may have: a token of one repeated
+/// character (or a short pattern) is guessable whatever its length. A random hex
+/// token of 32 bytes or more has 16 with overwhelming probability.
+pub const MIN_TOKEN_DISTINCT_BYTES: usize = 16;
+
 /// An admin or metrics token that cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "refusing to start: the {what} is {len} bytes; it must be at least {MIN_TOKEN_BYTES} \
-     (an empty or short token would let anyone in; generate one with `openssl rand -hex 32`)"
-)]
-pub struct TokenError {
-    /// Which token (`admin token`, or where it came from).
-    pub what: String,
-    /// Its length in bytes (after trimming whitespace).
-    pub len: usize,
+pub enum TokenError {
+    /// Shorter than [`MIN_TOKEN_BYTES`] (after trimming whitespace).
+    #[error(
+        "refusing to start: the {what} is {len} bytes; it must be at least {MIN_TOKEN_BYTES} \
+         (an empty or short token would let anyone in; generate one with `openssl rand -hex 32`)"
+    )]
+    Short {
+        /// Which token (`admin token`, or where it came from).
+        what: String,
+        /// Its length in bytes (after trimming whitespace).
+        len: usize,
+    },
+    /// Fewer than [`MIN_TOKEN_DISTINCT_BYTES`] distinct bytes.
+    #[error(
+        "refusing to start: the {what} has {distinct} distinct bytes; it must have at least \
+         {MIN_TOKEN_DISTINCT_BYTES} (a repeated or patterned token is guessable; generate one \
+         with `openssl rand -hex 32`)"
+    )]
+    Repetitive {
+        /// Which token (`admin token`, or where it came from).
+        what: String,
+        /// How many distinct bytes it has (after trimming whitespace).
+        distinct: usize,
+    },
 }
 
-/// Checks that token `t` (named `what` in the error) is at least
-/// [`MIN_TOKEN_BYTES`] bytes after trimming surrounding whitespace.
+/// Checks that token `t` (named `what` in the error), without surrounding
+/// whitespace, is at least [`MIN_TOKEN_BYTES`] bytes with at least
+/// [`MIN_TOKEN_DISTINCT_BYTES`] distinct ones.
 pub fn check_token(what: &str, t: &str) -> Result<(), TokenError> {
-    let len = t.trim().len();
-    if len < MIN_TOKEN_BYTES {
-        return Err(TokenError {
+    let t = t.trim();
+    if t.len() < MIN_TOKEN_BYTES {
+        return Err(TokenError::Short {
             what: what.into(),
-            len,
+            len: t.len(),
+        });
+    }
+    let mut seen = [false; 256];
+    for b in t.bytes() {
+        seen[usize::from(b)] = true;
+    }
+    let distinct = seen.iter().filter(|s| **s).count();
+    if distinct < MIN_TOKEN_DISTINCT_BYTES {
+        return Err(TokenError::Repetitive {
+            what: what.into(),
+            distinct,
         });
     }
     Ok(())

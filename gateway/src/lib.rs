@@ -57,7 +57,7 @@ mod state;
 mod usage_api;
 mod workers_ai;
 
-pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES};
+pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES, MIN_TOKEN_DISTINCT_BYTES};
 pub use error::{ApiError, ErrorKind};
 pub use server::Server;
 pub use state::{

@@ -127,7 +127,8 @@ pub struct GatewayConfig {
     /// Bearer token of the admin API (at least [`crate::admin::MIN_TOKEN_BYTES`]
     /// bytes, else [`Server::bind`](crate::Server::bind) refuses); `None` disables the admin API.
     pub admin_token: Option<String>,
-    /// Bearer token that reads `/metrics` and nothing else (same length rule).
+    /// Bearer token that reads `/metrics` and nothing else (same rules). Both tokens
+    /// are used without surrounding whitespace.
     pub metrics_token: Option<String>,
     /// Limits of tenants created through the admin API without (all) limits.
     pub default_limits: Limits,
@@ -308,8 +309,10 @@ impl AppState {
             model: first.model.clone(),
             catalog,
             limiter,
-            admin_token: cfg.admin_token.clone(),
-            metrics_token: cfg.metrics_token.clone(),
+            // Compared without surrounding whitespace, as `check_token` measured them
+            // (a token with a trailing newline or spaces must still match).
+            admin_token: cfg.admin_token.as_deref().map(|t| t.trim().to_string()),
+            metrics_token: cfg.metrics_token.as_deref().map(|t| t.trim().to_string()),
             default_limits: cfg.default_limits,
             max_body_bytes: cfg.max_body_bytes,
             deadlines: cfg.deadlines,

@@ -1,17 +1,22 @@
 //! `tessera ops certs init|issue`: the cluster CA of the node links and a certificate
 //! for every identity a deployment file lists (rcgen, ECDSA P-256).
 //!
-//! - `init --dir DIR` writes `DIR/ca.pem` (the CA certificate every node and gateway
-//!   trusts) and `DIR/ca.key` (its private key, mode 0600: keep it off the nodes).
-//!   It refuses to overwrite an existing CA.
-//! - `issue --config FILE --dir DIR` signs, with `DIR/ca.key`, one certificate and
-//!   key per [`LinkIdentity`] of the file (the gateway, then every prefill and decode
-//!   node) and writes them as `DIR/<stem>.pem` and `DIR/<stem>.key` (mode 0600), the
-//!   names `[node_links] cert_dir` is read with ([`LinkIdentity::file_stem`]). Each
-//!   certificate carries its identity's name ([`LinkIdentity::name`]) as DNS subject
-//!   alternative name and common name, and allows TLS server and client
-//!   authentication.
+//! - `init --ca-dir CA_DIR` writes `CA_DIR/ca.pem` (the CA certificate every node and
+//!   gateway trusts) and `CA_DIR/ca.key` (its private key: keep it off the nodes). It
+//!   refuses to overwrite an existing CA.
+//! - `issue --config FILE --ca-dir CA_DIR --dir DIR` signs, with `CA_DIR/ca.key`, one
+//!   certificate and key per [`LinkIdentity`] of the file (the gateway, then every
+//!   prefill and decode node) and writes them as `DIR/<stem>.pem` and
+//!   `DIR/<stem>.key`, the names `[node_links] cert_dir` is read with
+//!   ([`LinkIdentity::file_stem`]), plus a copy of the CA certificate as
+//!   `DIR/ca.pem`: DIR is what the nodes are given (`[node_links] ca = "DIR/ca.pem"`,
+//!   `cert_dir = "DIR"`), and it never holds `ca.key`. Each certificate carries its
+//!   identity's name ([`LinkIdentity::name`]) as DNS subject alternative name and
+//!   common name, and allows TLS server and client authentication.
 //!
+//! Secrets are created with their final modes ([`tessera_config::secret_files`]):
+//! missing directories `0700`, keys `0600` (`ca.key` with `O_EXCL`; an identity's key
+//! through a fresh file renamed into place, never written through what is there).
 //! Re-issuing replaces an identity's key and certificate; the CA stays.
 
 use rcgen::{
@@ -19,13 +24,18 @@ use rcgen::{
     KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
 use std::path::{Path, PathBuf};
+use tessera_config::secret_files::{
+    check_key_dir_mode, create_private_dir, create_secret_file, replace_file, SECRET_FILE_MODE,
+};
 use tessera_config::{DeploymentConfig, LinkIdentity};
 use time::{Duration, OffsetDateTime};
 
-/// The CA's file names inside the certificate directory.
+/// The CA certificate's file name, in the CA directory and in the node files'.
 pub const CA_CERT: &str = "ca.pem";
-/// See [`CA_CERT`].
-pub const CA_KEY: &str = "ca.key";
+/// The CA key's file name, in the CA directory only.
+pub const CA_KEY: &str = tessera_config::node_links::CA_KEY_FILE;
+/// Mode of certificates (public).
+const CERT_MODE: u32 = 0o644;
 /// Default validity of issued certificates, days.
 pub const DEFAULT_DAYS: u32 = 365;
 /// Validity of the CA, days.
@@ -48,6 +58,10 @@ pub enum CertsError {
     /// The CA key or an identity could not be used.
     #[error("{0}")]
     Invalid(String),
+    /// The directories would expose a secret: the node files' directory is the CA's,
+    /// holds a `ca.key`, or group or others can write it.
+    #[error("{0}")]
+    Exposed(String),
     /// The deployment file could not be loaded.
     #[error(transparent)]
     Config(#[from] tessera_config::ConfigError),
@@ -63,17 +77,18 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CertsError + '_ {
     }
 }
 
-/// Writes `text` to `path`; with `secret`, readable by the owner only.
+/// Writes `text` to `path` through a fresh file renamed into place: with `secret`
+/// mode `0600` from its creation, else `0644`.
 fn write(path: &Path, text: &str, secret: bool) -> Result<(), CertsError> {
-    std::fs::write(path, text).map_err(io(path))?;
-    #[cfg(unix)]
-    if secret {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io(path))?;
-    }
-    #[cfg(not(unix))]
-    let _ = secret;
-    Ok(())
+    let mode = if secret { SECRET_FILE_MODE } else { CERT_MODE };
+    replace_file(path, text.as_bytes(), mode).map_err(io(path))
+}
+
+/// Creates `dir` (`0700`) when missing; an existing one must not be writable by
+/// group or others.
+fn key_dir(dir: &Path) -> Result<(), CertsError> {
+    create_private_dir(dir).map_err(io(dir))?;
+    check_key_dir_mode(dir).map_err(CertsError::Exposed)
 }
 
 /// The CA's parameters. Deterministic, so `issue` can rebuild the issuer from the
@@ -100,15 +115,16 @@ fn validity(p: &mut CertificateParams, days: u32) {
     p.not_after = now + Duration::days(i64::from(days));
 }
 
-/// `init`: writes a fresh CA into `dir` (created if needed). Returns the paths of
-/// the certificate and the key.
+/// `init`: writes a fresh CA into `ca_dir` (created `0700` if needed; the key
+/// `0600`, `O_EXCL`). Returns the paths of the certificate and the key.
 ///
-/// Errors: a CA is already there, or a file cannot be written.
-pub fn init(dir: &Path) -> Result<(PathBuf, PathBuf), CertsError> {
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let (cert_path, key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
+/// Errors: a CA is already there, `ca_dir` is writable by group or others, or a
+/// file cannot be written.
+pub fn init(ca_dir: &Path) -> Result<(PathBuf, PathBuf), CertsError> {
+    key_dir(ca_dir)?;
+    let (cert_path, key_path) = (ca_dir.join(CA_CERT), ca_dir.join(CA_KEY));
     for p in [&cert_path, &key_path] {
-        if p.exists() {
+        if std::fs::symlink_metadata(p).is_ok() {
             return Err(CertsError::CaExists(p.clone()));
         }
     }
@@ -116,7 +132,13 @@ pub fn init(dir: &Path) -> Result<(PathBuf, PathBuf), CertsError> {
     let mut params = ca_params();
     validity(&mut params, CA_DAYS);
     let cert = params.self_signed(&key)?;
-    write(&key_path, &key.serialize_pem(), true)?;
+    create_secret_file(&key_path, key.serialize_pem().as_bytes()).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AlreadyExists {
+            CertsError::CaExists(key_path.clone())
+        } else {
+            io(&key_path)(e)
+        }
+    })?;
     write(&cert_path, &cert.pem(), false)?;
     Ok((cert_path, key_path))
 }
@@ -135,16 +157,45 @@ pub struct Issued {
 }
 
 /// `issue`: signs a certificate for every identity of `config` with the CA in
-/// `dir`, valid for `days`, and writes them into `dir`.
+/// `ca_dir`, valid for `days`, and writes them and a copy of the CA certificate into
+/// `dir` (created `0700` if needed), the directory the nodes are given.
 ///
-/// Errors: the CA key is missing or unreadable, an identity has no name (a bad
-/// node address), a file cannot be written.
-pub fn issue(config: &DeploymentConfig, dir: &Path, days: u32) -> Result<Vec<Issued>, CertsError> {
-    let key_path = dir.join(CA_KEY);
+/// Errors: `dir` is `ca_dir`, holds a `ca.key` or is writable by group or others
+/// ([`CertsError::Exposed`]); the CA key is missing or unreadable; an identity has
+/// no name (a bad node address); a file cannot be written.
+pub fn issue(
+    config: &DeploymentConfig,
+    ca_dir: &Path,
+    dir: &Path,
+    days: u32,
+) -> Result<Vec<Issued>, CertsError> {
+    let key_path = ca_dir.join(CA_KEY);
     let pem = std::fs::read_to_string(&key_path).map_err(io(&key_path))?;
     let ca_key = KeyPair::from_pem(&pem)
         .map_err(|e| CertsError::Invalid(format!("{}: not a CA key: {e}", key_path.display())))?;
+    key_dir(dir)?;
+    let same = match (ca_dir.canonicalize(), dir.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if same || std::fs::symlink_metadata(dir.join(CA_KEY)).is_ok() {
+        return Err(CertsError::Exposed(format!(
+            "{}: the node files' directory {}; every node is given it, and whoever holds \
+             the CA key can issue any identity: give --dir a directory apart from \
+             --ca-dir {} (and move any ca.key out of it)",
+            dir.display(),
+            if same {
+                "is the CA's directory"
+            } else {
+                "holds ca.key"
+            },
+            ca_dir.display()
+        )));
+    }
     let ca = ca_params().self_signed(&ca_key)?;
+    let ca_pem_path = ca_dir.join(CA_CERT);
+    let ca_pem = std::fs::read_to_string(&ca_pem_path).map_err(io(&ca_pem_path))?;
+    write(&dir.join(CA_CERT), &ca_pem, false)?;
     let mut out = Vec::new();
     for identity in config.link_identities() {
         let name = identity
@@ -222,12 +273,19 @@ nodes = ["127.0.0.1:9201", "[::1]:9202"]
         }
     }
 
+    /// A CA in `root/ca` and the node files issued into `root/certs`.
+    fn ca_and_certs(root: &Path) -> (PathBuf, PathBuf, Vec<Issued>) {
+        let (ca, certs) = (root.join("ca"), root.join("certs"));
+        init(&ca).unwrap();
+        let issued = issue(&config(), &ca, &certs, 30).unwrap();
+        (ca, certs, issued)
+    }
+
     #[test]
     fn issued_files_load_and_check_for_every_identity() {
-        let dir = tempfile::tempdir().unwrap();
-        init(dir.path()).unwrap();
-        let cfg = config();
-        let issued = issue(&cfg, dir.path(), 30).unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let (ca_dir, certs, issued) = ca_and_certs(root.path());
+        let dir = certs.as_path();
         let stems: Vec<String> = issued
             .iter()
             .map(|i| i.cert.file_name().unwrap().to_string_lossy().into_owned())
@@ -241,25 +299,26 @@ nodes = ["127.0.0.1:9201", "[::1]:9202"]
                 "decode-ip6-0-0-0-0-0-0-0-1-9202.pem"
             ]
         );
-        let links = links(dir.path());
+        let links = links(dir);
         for i in &issued {
             let c = links.load(&i.identity).unwrap();
             assert_eq!(c.name, i.name);
             assert_eq!(c.chain.len(), 1);
         }
+        // The nodes' directory holds the CA certificate, never its key.
+        assert_eq!(
+            std::fs::read(dir.join(CA_CERT)).unwrap(),
+            std::fs::read(ca_dir.join(CA_CERT)).unwrap()
+        );
+        assert!(!dir.join(CA_KEY).exists());
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(&issued[0].key)
-                .unwrap()
-                .permissions()
-                .mode();
-            assert_eq!(mode & 0o777, 0o600);
-            let mode = std::fs::metadata(dir.path().join(CA_KEY))
-                .unwrap()
-                .permissions()
-                .mode();
-            assert_eq!(mode & 0o777, 0o600);
+            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&issued[0].key), 0o600);
+            assert_eq!(mode(&ca_dir.join(CA_KEY)), 0o600);
+            assert_eq!(mode(&ca_dir), 0o700);
+            assert_eq!(mode(dir), 0o700);
         }
     }
 
@@ -270,15 +329,95 @@ nodes = ["127.0.0.1:9201", "[::1]:9202"]
         assert!(matches!(init(dir.path()), Err(CertsError::CaExists(_))));
     }
 
+    /// Node files are never written into the CA's directory, nor next to a `ca.key`.
+    #[test]
+    fn issue_keeps_the_ca_key_out_of_the_node_files() {
+        let root = tempfile::tempdir().unwrap();
+        let ca = root.path().join("ca");
+        init(&ca).unwrap();
+        let e = issue(&config(), &ca, &ca, 30).unwrap_err();
+        assert!(matches!(e, CertsError::Exposed(_)), "{e:?}");
+        assert!(e.to_string().contains("apart from --ca-dir"), "{e}");
+        assert!(!ca.join("gateway.key").exists());
+        let certs = root.path().join("certs");
+        std::fs::create_dir(&certs).unwrap();
+        std::fs::copy(ca.join(CA_KEY), certs.join(CA_KEY)).unwrap();
+        let e = issue(&config(), &ca, &certs, 30).unwrap_err();
+        assert!(e.to_string().contains("holds ca.key"), "{e}");
+    }
+
+    /// A symlink planted where a key will be written is replaced, not written through
+    /// (the old code followed it: the key landed wherever the link pointed), and a
+    /// planted `ca.key` stops `init`.
+    #[cfg(unix)]
+    #[test]
+    fn keys_are_never_written_through_a_planted_symlink() {
+        let root = tempfile::tempdir().unwrap();
+        let (ca, certs) = (root.path().join("ca"), root.path().join("certs"));
+        create_private_dir(&certs).unwrap();
+        let stolen = root.path().join("stolen.key");
+        std::os::unix::fs::symlink(&stolen, certs.join("gateway.key")).unwrap();
+        init(&ca).unwrap();
+        issue(&config(), &ca, &certs, 30).unwrap();
+        assert!(!stolen.exists(), "the key was written through the symlink");
+        let meta = std::fs::symlink_metadata(certs.join("gateway.key")).unwrap();
+        assert!(meta.file_type().is_file());
+        let other = root.path().join("other-ca");
+        create_private_dir(&other).unwrap();
+        std::os::unix::fs::symlink(&stolen, other.join(CA_KEY)).unwrap();
+        assert!(matches!(init(&other), Err(CertsError::CaExists(_))));
+        assert!(!stolen.exists());
+    }
+
+    /// A key that group or others can read, a node directory they can write, and a
+    /// `ca.key` among the node files: each refused by [`NodeLinksConfig::load`] (what
+    /// a node runs at start and `check-config` for every identity), naming the fix.
+    #[cfg(unix)]
+    #[test]
+    fn exposed_node_files_are_refused_with_the_fix() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let (ca_dir, certs, issued) = ca_and_certs(root.path());
+        let links = links(&certs);
+        let gw = &issued[0];
+        let chmod = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        chmod(&gw.key, 0o644);
+        let e = links.load(&gw.identity).unwrap_err();
+        assert!(matches!(e, LinkFileError::Exposed { .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .contains(&format!("run `chmod 600 {}`", gw.key.display())),
+            "{e}"
+        );
+        // Group-readable passes only where the file allows it (Kubernetes fsGroup).
+        chmod(&gw.key, 0o440);
+        assert!(links.load(&gw.identity).is_err());
+        let k8s = NodeLinksConfig {
+            allow_group_readable_keys: true,
+            ..links.clone()
+        };
+        k8s.load(&gw.identity).unwrap();
+        chmod(&gw.key, 0o444);
+        assert!(k8s.load(&gw.identity).is_err());
+        chmod(&gw.key, 0o600);
+        links.load(&gw.identity).unwrap();
+        chmod(&certs, 0o777);
+        let e = links.load(&gw.identity).unwrap_err();
+        assert!(e.to_string().contains("chmod 700"), "{e}");
+        chmod(&certs, 0o700);
+        std::fs::copy(ca_dir.join(CA_KEY), certs.join(CA_KEY)).unwrap();
+        let e = links.load(&gw.identity).unwrap_err();
+        assert_eq!(e.path(), Some(certs.join(CA_KEY).as_path()));
+    }
+
     #[test]
     fn a_certificate_of_another_identity_or_ca_or_key_is_refused() {
-        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        init(a.path()).unwrap();
-        init(b.path()).unwrap();
-        let cfg = config();
-        let ia = issue(&cfg, a.path(), 30).unwrap();
-        issue(&cfg, b.path(), 30).unwrap();
-        let links = links(a.path());
+        let (ra, rb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (_, a, ia) = ca_and_certs(ra.path());
+        let (_, b, _) = ca_and_certs(rb.path());
+        let links = links(&a);
         let expect_invalid = |e: LinkFileError, needle: &str| {
             assert!(matches!(e, LinkFileError::Invalid { .. }), "{e:?}");
             assert!(e.to_string().contains(needle), "{e}");
@@ -292,8 +431,8 @@ nodes = ["127.0.0.1:9201", "[::1]:9202"]
         );
         // A certificate from the other CA.
         let decode = &ia[2];
-        std::fs::copy(b.path().join("decode-127.0.0.1-9201.pem"), &decode.cert).unwrap();
-        std::fs::copy(b.path().join("decode-127.0.0.1-9201.key"), &decode.key).unwrap();
+        std::fs::copy(b.join("decode-127.0.0.1-9201.pem"), &decode.cert).unwrap();
+        std::fs::copy(b.join("decode-127.0.0.1-9201.key"), &decode.key).unwrap();
         expect_invalid(links.load(&decode.identity).unwrap_err(), "from the CA");
         // The right certificate with another identity's key.
         let v6 = &ia[3];

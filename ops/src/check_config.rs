@@ -165,7 +165,8 @@ impl Report {
 
     /// The report as JSON: `file`, `ok`, `violations` (`label`, `message`), and when the
     /// file parsed, `gateway`, `node_links` (`mutual_tls`, `ca`, `cert_dir`,
-    /// `heartbeat_ms`, `dead_after_ms`), `models` (`id`, `path`, `context` or null, and the
+    /// `heartbeat_ms`, `dead_after_ms`, `min_heartbeat_ms`, `max_dead_after_ms`,
+    /// `allow_group_readable_keys`), `models` (`id`, `path`, `context` or null, and the
     /// catalog fields `description`, `tags`, `aliases`, `deprecated`, `sunset`), `pools`
     /// (`name`, `role`, `page_size`, `kv_pool_tokens`, `usable_tokens`, `nodes`,
     /// `models` or null) and `fits` (`model`, `pool`, `role`, `context`,
@@ -197,6 +198,9 @@ impl Report {
                 "cert_dir": config.links().cert_dir.map(|p| p.display().to_string()),
                 "heartbeat_ms": config.links().heartbeat_ms,
                 "dead_after_ms": config.links().dead_after_ms,
+                "min_heartbeat_ms": config.links().min_heartbeat_ms,
+                "max_dead_after_ms": config.links().max_dead_after_ms,
+                "allow_group_readable_keys": config.links().allow_group_readable_keys,
             },
             "models": verdict.models.iter().map(|m| {
                 let e = config.model(&m.id);
@@ -414,12 +418,13 @@ nodes = ["127.0.0.1:9201", "127.0.0.1:9202"]
         // It names mutual TLS files; issued (as its comments say), it passes.
         let links = config.links();
         assert!(links.tls_files().is_some(), "the example uses mutual TLS");
-        let certs = tempfile::tempdir().unwrap();
-        crate::certs::init(certs.path()).unwrap();
-        crate::certs::issue(&config, certs.path(), 1).unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let (ca, certs) = (root.path().join("ca"), root.path().join("certs"));
+        crate::certs::init(&ca).unwrap();
+        crate::certs::issue(&config, &ca, &certs, 1).unwrap();
         config.node_links = Some(tessera_config::NodeLinksConfig {
-            ca: Some(certs.path().join(crate::certs::CA_CERT)),
-            cert_dir: Some(certs.path().to_path_buf()),
+            ca: Some(certs.join(crate::certs::CA_CERT)),
+            cert_dir: Some(certs.clone()),
             ..links
         });
         let verdict = config.check_offline();

@@ -110,22 +110,37 @@ nodes = [{decode}]
     let path = dir.join("tessera.toml");
     std::fs::write(&path, text).unwrap();
     if tls.is_some() {
-        if !certs.join("ca.pem").exists() {
-            ops(&["certs", "init", "--dir", certs.to_str().unwrap()]);
-        }
+        init_ca(&certs);
         issue_certs(&path, &certs);
     }
     path
 }
 
+/// The CA directory of the node files in `certs`: its sibling `<certs>-ca` (the CA
+/// key is never among the node files).
+pub fn ca_dir_of(certs: &Path) -> PathBuf {
+    let name = certs.file_name().unwrap().to_string_lossy();
+    certs.with_file_name(format!("{name}-ca"))
+}
+
+/// `tessera ops certs init` into [`ca_dir_of`] `certs`, unless a CA is there.
+pub fn init_ca(certs: &Path) {
+    let ca = ca_dir_of(certs);
+    if !ca.join("ca.pem").exists() {
+        ops(&["certs", "init", "--ca-dir", ca.to_str().unwrap()]);
+    }
+}
+
 /// `tessera ops certs issue`: certificates for every node the file at `config` lists,
-/// signed by the CA in `certs`.
+/// signed by the CA of `certs` ([`ca_dir_of`]) and written into `certs`.
 pub fn issue_certs(config: &Path, certs: &Path) {
     ops(&[
         "certs",
         "issue",
         "--config",
         config.to_str().unwrap(),
+        "--ca-dir",
+        ca_dir_of(certs).to_str().unwrap(),
         "--dir",
         certs.to_str().unwrap(),
     ]);

@@ -32,6 +32,8 @@
 //!   its model's context window.
 //! - [`node_links`]: the optional `[node_links]` section (mutual TLS files, liveness
 //!   timings), link identities and their certificate checks.
+//! - [`secret_files`]: secret files and directories created with their final modes
+//!   (`0600` with `O_EXCL`, `0700`), and the mode checks of keys and key directories.
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use serde::{Deserialize, Serialize};
@@ -42,6 +44,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub mod node_links;
+pub mod secret_files;
 pub use node_links::{
     is_loopback_address, LinkCredentials, LinkFileError, LinkIdentity, NodeLinksConfig,
 };
@@ -652,6 +655,36 @@ pub enum Violation {
         /// `dead_after_ms`.
         dead_after_ms: u64,
     },
+    /// `heartbeat_ms` below `min_heartbeat_ms`.
+    #[error(
+        "[node_links] heartbeat_ms = {heartbeat_ms} is below min_heartbeat_ms = {min}: pings \
+         that often only load every link; raise heartbeat_ms (or, deliberately, lower \
+         min_heartbeat_ms)"
+    )]
+    HeartbeatTooShort {
+        /// `heartbeat_ms`.
+        heartbeat_ms: u64,
+        /// `min_heartbeat_ms`.
+        min: u64,
+    },
+    /// `dead_after_ms` above `max_dead_after_ms`.
+    #[error(
+        "[node_links] dead_after_ms = {dead_after_ms} is above max_dead_after_ms = {max}: a \
+         dead or stalled node would hold its requests that long; lower dead_after_ms (or, \
+         deliberately, raise max_dead_after_ms)"
+    )]
+    DeadAfterTooLong {
+        /// `dead_after_ms`.
+        dead_after_ms: u64,
+        /// `max_dead_after_ms`.
+        max: u64,
+    },
+    /// `cert_dir` holds the CA key, or group or others can write it.
+    #[error("node links: [node_links] cert_dir: {reason}")]
+    ExposedCertDir {
+        /// What is wrong, with the path and the fix.
+        reason: String,
+    },
     /// Node links without TLS but a node off loopback: its nodes would refuse to start.
     #[error(
         "node `{address}` is not on loopback but [node_links] configures no mutual TLS \
@@ -694,6 +727,9 @@ impl Violation {
             Violation::PoolTooSmall(_) => "pool_too_small",
             Violation::NodeLinksIncomplete { .. } => "node_links_incomplete",
             Violation::BadLiveness { .. } => "bad_liveness",
+            Violation::HeartbeatTooShort { .. } => "heartbeat_too_short",
+            Violation::DeadAfterTooLong { .. } => "dead_after_too_long",
+            Violation::ExposedCertDir { .. } => "exposed_cert_dir",
             Violation::InsecureNodeLinks { .. } => "insecure_node_links",
             Violation::NodeLinkFile { .. } => "node_link_file",
         }
@@ -1047,8 +1083,9 @@ impl DeploymentConfig {
             .collect()
     }
 
-    /// `[node_links]` structure: both TLS fields or neither, sane timings, and
-    /// without TLS every node on loopback.
+    /// `[node_links]` structure: both TLS fields or neither, sane timings within
+    /// `min_heartbeat_ms` and `max_dead_after_ms`, and without TLS every node on
+    /// loopback.
     fn node_link_violations(&self) -> Vec<Violation> {
         let links = self.links();
         let mut out = Vec::new();
@@ -1069,6 +1106,18 @@ impl DeploymentConfig {
                 dead_after_ms: links.dead_after_ms,
             });
         }
+        if links.heartbeat_ms < links.min_heartbeat_ms {
+            out.push(Violation::HeartbeatTooShort {
+                heartbeat_ms: links.heartbeat_ms,
+                min: links.min_heartbeat_ms,
+            });
+        }
+        if links.dead_after_ms > links.max_dead_after_ms {
+            out.push(Violation::DeadAfterTooLong {
+                dead_after_ms: links.dead_after_ms,
+                max: links.max_dead_after_ms,
+            });
+        }
         if links.ca.is_none() && links.cert_dir.is_none() {
             for id in self.link_identities() {
                 if let LinkIdentity::Node { address, .. } = id {
@@ -1081,7 +1130,8 @@ impl DeploymentConfig {
         out
     }
 
-    /// With mutual TLS configured: every identity's certificate and key
+    /// With mutual TLS configured: `cert_dir` itself ([`NodeLinksConfig::check_cert_dir`],
+    /// one violation) and every identity's certificate and key
     /// ([`NodeLinksConfig::load`]); one violation per identity whose files fail.
     pub fn node_link_file_violations(&self) -> Vec<Violation> {
         self.link_file_violations(None)
@@ -1093,17 +1143,29 @@ impl DeploymentConfig {
         if links.tls_files().is_none() {
             return Vec::new();
         }
-        self.link_identities()
-            .into_iter()
-            .filter(|id| only.is_none_or(|me| me == id))
-            // A bad address is already a violation of its own.
-            .filter(|id| id.name().is_ok())
-            .filter_map(|id| {
-                links.load(&id).err().map(|e| Violation::NodeLinkFile {
-                    identity: id.to_string(),
-                    reason: e.to_string(),
-                })
-            })
+        let dir = links
+            .check_cert_dir()
+            .err()
+            .map(|e| Violation::ExposedCertDir {
+                reason: e.to_string(),
+            });
+        dir.into_iter()
+            .chain(
+                self.link_identities()
+                    .into_iter()
+                    .filter(|id| only.is_none_or(|me| me == id))
+                    // A bad address is already a violation of its own.
+                    .filter(|id| id.name().is_ok())
+                    .filter_map(|id| {
+                        links
+                            .load_files(&id)
+                            .err()
+                            .map(|e| Violation::NodeLinkFile {
+                                identity: id.to_string(),
+                                reason: e.to_string(),
+                            })
+                    }),
+            )
             .collect()
     }
 
@@ -1793,6 +1855,35 @@ nodes = ["10.0.0.2:9201"]
             labels(&cfg.structural_violations()),
             ["node_links_incomplete", "bad_liveness"]
         );
+        // A heartbeat of 1 ms and a dead-after of an hour: refused, naming the
+        // field, the bound and the fix; the bounds themselves are configurable.
+        let tls = "[node_links]\nca = \"c/ca.pem\"\ncert_dir = \"c\"\n";
+        let cfg = parse(&format!("{tls}heartbeat_ms = 1\ndead_after_ms = 3600000\n"));
+        let v = cfg.structural_violations();
+        assert_eq!(labels(&v), ["heartbeat_too_short", "dead_after_too_long"]);
+        let (short, long) = (v[0].to_string(), v[1].to_string());
+        assert!(
+            short.contains("heartbeat_ms = 1 is below min_heartbeat_ms = 50")
+                && short.contains("raise heartbeat_ms"),
+            "{short}"
+        );
+        assert!(
+            long.contains("dead_after_ms = 3600000 is above max_dead_after_ms = 60000")
+                && long.contains("lower dead_after_ms"),
+            "{long}"
+        );
+        let cfg = parse(&format!("{tls}heartbeat_ms = 49\ndead_after_ms = 60001\n"));
+        assert_eq!(
+            labels(&cfg.structural_violations()),
+            ["heartbeat_too_short", "dead_after_too_long"]
+        );
+        let cfg = parse(&format!("{tls}heartbeat_ms = 50\ndead_after_ms = 60000\n"));
+        assert_eq!(cfg.structural_violations(), vec![]);
+        let cfg = parse(&format!(
+            "{tls}heartbeat_ms = 10\ndead_after_ms = 600000\nmin_heartbeat_ms = 10\n\
+             max_dead_after_ms = 600000\n"
+        ));
+        assert_eq!(cfg.structural_violations(), vec![]);
         let e = DeploymentConfig::parse(
             &format!("{base}[node_links]\nkey = 1\n"),
             Path::new("t.toml"),

@@ -7,7 +7,16 @@
 //! cert_dir = "certs"           # one certificate and key per identity, named below
 //! # heartbeat_ms = 1000        # a link sends a Ping after this long without a frame
 //! # dead_after_ms = 5000       # a link with no frame for this long is dead
+//! # min_heartbeat_ms = 50      # heartbeat_ms below this is refused
+//! # max_dead_after_ms = 60000  # dead_after_ms above this is refused
+//! # allow_group_readable_keys = false  # true only for Kubernetes fsGroup Secret mounts
 //! ```
+//!
+//! Secrets. `cert_dir` is what every node is given, so it must not hold the CA's
+//! key (`ca.key`: whoever has it can issue any identity; `tessera ops certs init
+//! --ca-dir` keeps it in a directory of its own). Group and others must not be able
+//! to read a private key in it (`chmod 600`) nor write the directory (`chmod 700`);
+//! [`NodeLinksConfig::load`] refuses otherwise, naming the file and the fix.
 //!
 //! Identities. Every gateway and every node listed in a `prefill` or `decode` pool has
 //! one ([`LinkIdentity`]); its certificate carries the identity's name
@@ -40,6 +49,12 @@ use std::sync::Arc;
 pub const DEFAULT_HEARTBEAT_MS: u64 = 1000;
 /// Default `dead_after_ms`.
 pub const DEFAULT_DEAD_AFTER_MS: u64 = 5000;
+/// Default `min_heartbeat_ms`: a shorter heartbeat only loads the links.
+pub const DEFAULT_MIN_HEARTBEAT_MS: u64 = 50;
+/// Default `max_dead_after_ms`: a dead node holds its requests at most this long.
+pub const DEFAULT_MAX_DEAD_AFTER_MS: u64 = 60_000;
+/// The CA key's file name, which must not be in `cert_dir`.
+pub const CA_KEY_FILE: &str = "ca.key";
 /// The last label of every identity name.
 pub const IDENTITY_DOMAIN: &str = "tessera";
 
@@ -49,6 +64,14 @@ fn default_heartbeat_ms() -> u64 {
 
 fn default_dead_after_ms() -> u64 {
     DEFAULT_DEAD_AFTER_MS
+}
+
+fn default_min_heartbeat_ms() -> u64 {
+    DEFAULT_MIN_HEARTBEAT_MS
+}
+
+fn default_max_dead_after_ms() -> u64 {
+    DEFAULT_MAX_DEAD_AFTER_MS
 }
 
 /// `[node_links]` (optional; absent: no TLS files and the default liveness timings).
@@ -72,6 +95,17 @@ pub struct NodeLinksConfig {
     /// `heartbeat_ms`.
     #[serde(default = "default_dead_after_ms")]
     pub dead_after_ms: u64,
+    /// Smallest accepted `heartbeat_ms` (default [`DEFAULT_MIN_HEARTBEAT_MS`]).
+    #[serde(default = "default_min_heartbeat_ms")]
+    pub min_heartbeat_ms: u64,
+    /// Largest accepted `dead_after_ms` (default [`DEFAULT_MAX_DEAD_AFTER_MS`]).
+    #[serde(default = "default_max_dead_after_ms")]
+    pub max_dead_after_ms: u64,
+    /// Accept private keys that their group can read (mode `0440`/`0640`): only for
+    /// Kubernetes Secret volumes with `fsGroup`, which make every file readable by
+    /// the pod's own group. Others may never read a key.
+    #[serde(default)]
+    pub allow_group_readable_keys: bool,
 }
 
 impl Default for NodeLinksConfig {
@@ -81,6 +115,9 @@ impl Default for NodeLinksConfig {
             cert_dir: None,
             heartbeat_ms: DEFAULT_HEARTBEAT_MS,
             dead_after_ms: DEFAULT_DEAD_AFTER_MS,
+            min_heartbeat_ms: DEFAULT_MIN_HEARTBEAT_MS,
+            max_dead_after_ms: DEFAULT_MAX_DEAD_AFTER_MS,
+            allow_group_readable_keys: false,
         }
     }
 }
@@ -244,6 +281,15 @@ pub enum LinkFileError {
         /// What the check found.
         reason: String,
     },
+    /// A secret is exposed: a private key group or others can read, a key directory
+    /// they can write, or the CA key inside `cert_dir`.
+    #[error("{path}: {reason}", path = path.display())]
+    Exposed {
+        /// The file or directory.
+        path: PathBuf,
+        /// What is wrong and the fix.
+        reason: String,
+    },
 }
 
 impl LinkFileError {
@@ -252,7 +298,8 @@ impl LinkFileError {
         match self {
             LinkFileError::Read { path, .. }
             | LinkFileError::Parse { path, .. }
-            | LinkFileError::Invalid { path, .. } => Some(path),
+            | LinkFileError::Invalid { path, .. }
+            | LinkFileError::Exposed { path, .. } => Some(path),
             _ => None,
         }
     }
@@ -295,22 +342,63 @@ impl NodeLinksConfig {
         ))
     }
 
-    /// Reads `id`'s certificate and key and the CA, and checks them: the chain
-    /// leads to the CA, the end-entity certificate carries `id`'s name, is valid now
-    /// for TLS server and client authentication, and its public key is the key's.
+    /// Checks `cert_dir` itself: it holds no `ca.key` (every node is given this
+    /// directory) and group and others cannot write it (a sticky directory passes).
+    /// A missing directory passes here; reading its files reports it.
+    ///
+    /// Errors: [`LinkFileError::Exposed`] naming the path and the fix.
+    pub fn check_cert_dir(&self) -> Result<(), LinkFileError> {
+        let (_, dir) = self.tls_files().ok_or(LinkFileError::NotConfigured)?;
+        let ca_key = dir.join(CA_KEY_FILE);
+        if std::fs::symlink_metadata(&ca_key).is_ok() {
+            return Err(LinkFileError::Exposed {
+                path: ca_key,
+                reason: "the CA's private key is in [node_links] cert_dir, which every node \
+                         is given: whoever holds it can issue any identity. Keep it off the \
+                         nodes, apart from the certificates (`tessera ops certs init --ca-dir \
+                         DIR`, `tessera ops certs issue --ca-dir DIR --dir CERT_DIR`), and \
+                         remove it here"
+                    .into(),
+            });
+        }
+        if !dir.is_dir() {
+            return Ok(());
+        }
+        crate::secret_files::check_key_dir_mode(dir).map_err(|reason| LinkFileError::Exposed {
+            path: dir.into(),
+            reason,
+        })
+    }
+
+    /// Reads `id`'s certificate and key and the CA, and checks them: `cert_dir`
+    /// passes [`Self::check_cert_dir`], the key is its owner's alone (`0600`, or
+    /// group-readable with `allow_group_readable_keys`), the chain leads to the CA,
+    /// the end-entity certificate carries `id`'s name, is valid now for TLS server
+    /// and client authentication, and its public key is the key's.
     ///
     /// Errors: [`LinkFileError`] naming the file and what is wrong with it.
     pub fn load(&self, id: &LinkIdentity) -> Result<LinkCredentials, LinkFileError> {
+        self.check_cert_dir()?;
+        self.load_files(id)
+    }
+
+    /// [`Self::load`] without the `cert_dir` check (done once for all identities).
+    pub(crate) fn load_files(&self, id: &LinkIdentity) -> Result<LinkCredentials, LinkFileError> {
         let (ca_path, _) = self.tls_files().ok_or(LinkFileError::NotConfigured)?;
         let name = id.name()?;
         let (cert_path, key_path) = self.files_of(id)?;
         let ca = certs_pem(ca_path)?;
         let chain = certs_pem(&cert_path)?;
-        let key =
-            PrivateKeyDer::from_pem_slice(&read(&key_path)?).map_err(|e| LinkFileError::Parse {
+        let key_bytes = read(&key_path)?;
+        crate::secret_files::check_private_key_mode(&key_path, self.allow_group_readable_keys)
+            .map_err(|reason| LinkFileError::Exposed {
                 path: key_path.clone(),
-                reason: format!("not a PEM private key: {e}"),
+                reason,
             })?;
+        let key = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|e| LinkFileError::Parse {
+            path: key_path.clone(),
+            reason: format!("not a PEM private key: {e}"),
+        })?;
         let invalid = |path: &Path, reason: String| LinkFileError::Invalid {
             path: path.into(),
             reason,
@@ -449,6 +537,38 @@ mod tests {
             cfg.load(&LinkIdentity::Gateway).unwrap_err(),
             LinkFileError::NotConfigured
         );
+    }
+
+    /// `cert_dir` holding `ca.key`, or writable by group or others, is refused
+    /// before any file is read, naming the path and the fix.
+    #[cfg(unix)]
+    #[test]
+    fn a_cert_dir_with_the_ca_key_or_open_to_writers_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("certs");
+        crate::secret_files::create_private_dir(&dir).unwrap();
+        let cfg = NodeLinksConfig {
+            ca: Some(dir.join("ca.pem")),
+            cert_dir: Some(dir.clone()),
+            ..NodeLinksConfig::default()
+        };
+        cfg.check_cert_dir().unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = cfg.load(&LinkIdentity::Gateway).unwrap_err();
+        assert!(matches!(e, LinkFileError::Exposed { .. }), "{e:?}");
+        assert_eq!(e.path(), Some(dir.as_path()));
+        assert!(
+            e.to_string()
+                .contains(&format!("run `chmod 700 {}`", dir.display())),
+            "{e}"
+        );
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let ca_key = dir.join(CA_KEY_FILE);
+        crate::secret_files::create_secret_file(&ca_key, b"k").unwrap();
+        let e = cfg.load(&LinkIdentity::Gateway).unwrap_err();
+        assert_eq!(e.path(), Some(ca_key.as_path()));
+        assert!(e.to_string().contains("--ca-dir"), "{e}");
     }
 
     #[test]
