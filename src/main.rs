@@ -8,6 +8,7 @@ mod generate;
 mod model_fetch;
 mod node;
 mod reload;
+mod secret_flags;
 mod serve;
 mod tenancy_cli;
 

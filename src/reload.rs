@@ -178,10 +178,12 @@ pub(crate) struct ReloadArgs {
     /// address (`http://` or `https://`, certificates checked against the system's roots).
     #[arg(long, default_value = "http://127.0.0.1:8787")]
     url: String,
-    /// The admin token (else TESSERA_ADMIN_TOKEN, else --admin-token-file).
+    /// The admin token (else TESSERA_ADMIN_TOKEN, else --admin-token-file). Visible
+    /// in `ps`: prefer the file or the environment.
     #[arg(long)]
     admin_token: Option<String>,
-    /// File holding the admin token (e.g. the gateway's DATA_DIR/admin-token).
+    /// File holding the admin token [default: .tessera/admin-token, the token
+    /// `tessera serve` creates in its default data directory, when it exists].
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
     /// Seconds to wait for the gateway's answer (it connects to every added node
@@ -189,6 +191,10 @@ pub(crate) struct ReloadArgs {
     #[arg(long, default_value_t = 60)]
     timeout_secs: u64,
 }
+
+/// Where `tessera serve` keeps the admin token it creates, under its default data
+/// directory (relative to the working directory).
+const DEFAULT_TOKEN_FILE: &str = ".tessera/admin-token";
 
 /// `tessera ops reload`: asks a running gateway (`POST /admin/v1/reload`, admin
 /// token) to re-read its deployment file and apply its node membership. Prints what
@@ -200,7 +206,7 @@ pub(crate) fn ops_reload(a: ReloadArgs) -> Result<()> {
         &a.admin_token_file,
     ) {
         (Some(t), _, _) => {
-            crate::serve::warn_secret_flag(
+            crate::secret_flags::warn_secret_flag(
                 "--admin-token",
                 "--admin-token-file FILE or TESSERA_ADMIN_TOKEN",
             );
@@ -209,9 +215,13 @@ pub(crate) fn ops_reload(a: ReloadArgs) -> Result<()> {
         (None, Ok(t), _) => t,
         (None, Err(_), Some(p)) => std::fs::read_to_string(p)
             .with_context(|| format!("reading the admin token file {}", p.display()))?,
-        (None, Err(_), None) => {
-            bail!("no admin token: give --admin-token, TESSERA_ADMIN_TOKEN or --admin-token-file")
-        }
+        (None, Err(_), None) => match std::fs::read_to_string(DEFAULT_TOKEN_FILE) {
+            Ok(t) => t,
+            Err(e) => bail!(
+                "no admin token: give --admin-token-file FILE or TESSERA_ADMIN_TOKEN \
+                 (reading the default {DEFAULT_TOKEN_FILE}: {e})"
+            ),
+        },
     };
     let url = format!("{}/admin/v1/reload", a.url.trim_end_matches('/'));
     let rt = tokio::runtime::Builder::new_current_thread()

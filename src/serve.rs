@@ -3,13 +3,14 @@
 //! both with a ready-to-paste curl command.
 
 use crate::generate::model_path;
+use crate::secret_flags::{on_command_line, warn_secret_flag};
 use crate::tenancy_cli::{DefaultLimitArgs, StoreArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tessera_config::secret_files::{create_private_dir, create_secret_file};
+use tessera_config::secret_files::{check_token_file_mode, create_private_dir, create_secret_file};
 use tessera_config::{check_pool_fits, Role};
 use tessera_gateway::catalog::{CatalogEntry, Dated};
 use tessera_gateway::{
@@ -74,16 +75,16 @@ pub(crate) struct ServeArgs {
     /// Allow plain HTTP on a non-loopback address.
     #[arg(long)]
     allow_insecure_http: bool,
-    /// Admin API token, at least 32 bytes with 16 distinct (else TESSERA_ADMIN_TOKEN,
+    /// Admin API token, at least 32 bytes with 10 distinct (else TESSERA_ADMIN_TOKEN,
     /// else --admin-token-file, else DATA_DIR/admin-token, created 0600 on first
     /// start). On the command line every local user can read it (ps): prefer the
     /// file or the environment (a warning says so).
     #[arg(long)]
     admin_token: Option<String>,
-    /// File holding the admin token (at least 32 bytes with 16 distinct; must exist).
+    /// File holding the admin token (at least 32 bytes with 10 distinct; must exist).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
-    /// Token that reads /metrics and nothing else (at least 32 bytes with 16
+    /// Token that reads /metrics and nothing else (at least 32 bytes with 10
     /// distinct; surrounding whitespace is ignored). Prefer TESSERA_METRICS_TOKEN to
     /// the flag, which every local user can read (ps).
     #[arg(long, env = "TESSERA_METRICS_TOKEN", hide_env_values = true)]
@@ -196,25 +197,6 @@ fn parse_model_arg(v: &str) -> Result<ModelArg, String> {
     })
 }
 
-/// Warns (stderr) that `flag` put a secret on the command line, where every local
-/// user can read it (`ps`, `/proc/PID/cmdline`), and names the alternatives.
-pub(crate) fn warn_secret_flag(flag: &str, instead: &str) {
-    eprintln!(
-        "tessera: warning: {flag} puts a secret on the command line, where every local \
-         user can read it (ps, /proc/PID/cmdline); use {instead} instead"
-    );
-}
-
-/// Whether `--flag` was given on the command line itself (not through its
-/// environment variable).
-fn on_command_line(flag: &str) -> bool {
-    let eq = format!("{flag}=");
-    std::env::args_os().any(|a| {
-        let a = a.to_string_lossy();
-        a == flag || a.starts_with(&eq)
-    })
-}
-
 /// A fresh admin token: `tadm_` and 48 random hex digits, drawn again in the rare
 /// case it has too few distinct bytes for [`check_token`].
 fn new_admin_token() -> String {
@@ -224,6 +206,21 @@ fn new_admin_token() -> String {
             return t;
         }
     }
+}
+
+/// Refuses an admin token file that group or others can write; warns when others
+/// can read it.
+fn token_file_mode(p: &Path) -> Result<()> {
+    let others_read = check_token_file_mode(p)
+        .map_err(|e| anyhow::anyhow!("refusing to start: {}: {e}", p.display()))?;
+    if others_read {
+        eprintln!(
+            "warning: the admin token file {} is readable by every local user; run `chmod 600 {}`",
+            p.display(),
+            p.display()
+        );
+    }
+    Ok(())
 }
 
 /// The admin token and where it came from: `--admin-token` (with a warning: it is
@@ -252,11 +249,13 @@ fn admin_token(a: &ServeArgs) -> Result<(String, bool)> {
     if let Some(p) = &a.admin_token_file {
         let t = std::fs::read_to_string(p)
             .with_context(|| format!("reading the admin token file {}", p.display()))?;
+        token_file_mode(p)?;
         return checked(t, format!("file {}", p.display()));
     }
     let dir = &a.store.data_dir;
     let p = dir.join("admin-token");
     if let Ok(t) = std::fs::read_to_string(&p) {
+        token_file_mode(&p)?;
         return checked(t, format!("file {}", p.display()));
     }
     create_private_dir(dir).with_context(|| format!("creating {}", dir.display()))?;

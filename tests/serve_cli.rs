@@ -348,12 +348,13 @@ fn serve_refuses_empty_or_short_admin_tokens_naming_the_source() {
     assert!(!d.join("tessera.db").exists());
 }
 
-/// A token of 16 distinct bytes and more than 32 bytes.
+/// A token of 16 distinct bytes and more than 32 bytes (at least 10 are needed).
 const GOOD_TOKEN: &str = "tadm_0123456789abcdef0123456789abcdef";
 
 /// Issue 32: a 32-byte admin token of one repeated character, from a file anyone can
 /// write (0666), was accepted; so was a repetitive metrics token. Both are refused
-/// now, naming their source; `--admin-token` and `--metrics-token` on the command
+/// now, naming their source (a token file others can write is refused for that
+/// first; one others can read gets a warning); `--admin-token` and `--metrics-token` on the command
 /// line (visible in `ps`) print a warning naming the alternatives.
 #[test]
 fn serve_refuses_repetitive_tokens_and_warns_about_tokens_in_ps() {
@@ -367,8 +368,22 @@ fn serve_refuses_repetitive_tokens_and_warns_about_tokens_in_ps() {
     }
     let err = serve_refusal(d, &["--admin-token-file", file.to_str().unwrap()], None);
     assert!(
+        err.contains(&file.display().to_string())
+            && err.contains("writable by group or others (mode 0666)"),
+        "{err}"
+    );
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let err = serve_refusal(d, &["--admin-token-file", file.to_str().unwrap()], None);
+    assert!(
         err.contains(&format!("admin token from file {}", file.display()))
-            && err.contains("has 1 distinct bytes; it must have at least 16"),
+            && err.contains("has 1 distinct bytes; it must have at least 10"),
+        "{err}"
+    );
+    assert!(
+        err.contains("is readable by every local user; run `chmod 600"),
         "{err}"
     );
     let pattern = "abcdefgh".repeat(5);

@@ -137,6 +137,28 @@ pub fn check_private_key_mode(path: &Path, group_read: bool) -> Result<(), Strin
     Ok(())
 }
 
+/// Checks a file holding a bearer token (an admin or metrics token): group or others
+/// that can write it could replace the token, so that is refused. Returns whether
+/// others can read it (the caller warns: a Kubernetes Secret volume's default mode
+/// is `0644`, so a readable token is common and not refused).
+///
+/// Errors: the reason, naming the mode and the `chmod` that fixes it (the caller adds
+/// the path), or the OS error of `stat`.
+pub fn check_token_file_mode(path: &Path) -> Result<bool, String> {
+    let Some(mode) = mode_of(path).map_err(|e| e.to_string())? else {
+        return Ok(false);
+    };
+    if mode & 0o022 != 0 {
+        return Err(format!(
+            "token file is writable by group or others (mode {:04o}): they could replace \
+             the token; run `chmod 600 {}`",
+            mode & 0o777,
+            path.display()
+        ));
+    }
+    Ok(mode & 0o004 != 0)
+}
+
 /// Checks that group and others cannot write directory `dir` (they could swap the
 /// keys and certificates in it). A sticky directory (`chmod +t`, as Kubernetes
 /// mounts Secret volumes) passes: there no one can rename or remove another user's
@@ -203,6 +225,29 @@ mod tests {
         assert_eq!(std::fs::read(&key).unwrap(), b"new");
         let names: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
         assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    #[test]
+    fn token_files_others_can_write_are_refused_and_readable_ones_reported() {
+        let root = tempfile::tempdir().unwrap();
+        let t = root.path().join("admin-token");
+        std::fs::write(&t, "t").unwrap();
+        for (m, want) in [
+            (0o600, Ok(false)),
+            (0o400, Ok(false)),
+            (0o640, Ok(false)),
+            (0o644, Ok(true)),
+            (0o620, Err(())),
+            (0o602, Err(())),
+            (0o666, Err(())),
+        ] {
+            std::fs::set_permissions(&t, std::fs::Permissions::from_mode(m)).unwrap();
+            let r = check_token_file_mode(&t);
+            assert_eq!(r.clone().map_err(|_| ()), want, "{m:o}: {r:?}");
+            if let Err(e) = r {
+                assert!(e.contains(&format!("chmod 600 {}", t.display())), "{e}");
+            }
+        }
     }
 
     #[test]
