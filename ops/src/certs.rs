@@ -25,7 +25,8 @@ use rcgen::{
 };
 use std::path::{Path, PathBuf};
 use tessera_config::secret_files::{
-    check_key_dir_mode, create_private_dir, create_secret_file, replace_file, SECRET_FILE_MODE,
+    check_key_dir_mode, check_private_key_mode, create_private_dir, create_secret_file,
+    replace_file, SECRET_FILE_MODE,
 };
 use tessera_config::{DeploymentConfig, LinkIdentity};
 use time::{Duration, OffsetDateTime};
@@ -171,13 +172,31 @@ pub fn issue(
 ) -> Result<Vec<Issued>, CertsError> {
     let key_path = ca_dir.join(CA_KEY);
     let pem = std::fs::read_to_string(&key_path).map_err(io(&key_path))?;
+    // A CA key others could read may already have issued identities elsewhere.
+    check_private_key_mode(&key_path, false).map_err(|reason| {
+        CertsError::Exposed(format!(
+            "{}: {reason} (and if others may have read it, start over with a new CA)",
+            key_path.display()
+        ))
+    })?;
     let ca_key = KeyPair::from_pem(&pem)
         .map_err(|e| CertsError::Invalid(format!("{}: not a CA key: {e}", key_path.display())))?;
     key_dir(dir)?;
-    let same = match (ca_dir.canonicalize(), dir.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
+    // The CA's directory is the node files' or lies inside it (DIR/ca/ca.key would
+    // travel with DIR to every node).
+    let (same, inside) = match (ca_dir.canonicalize(), dir.canonicalize()) {
+        (Ok(a), Ok(b)) => (a == b, a != b && a.starts_with(&b)),
+        _ => (false, false),
     };
+    if inside {
+        return Err(CertsError::Exposed(format!(
+            "{}: the CA's directory {} lies inside the node files' directory; every node \
+             is given it, and whoever holds the CA key can issue any identity: move the CA \
+             apart from --dir",
+            dir.display(),
+            ca_dir.display()
+        )));
+    }
     if same || std::fs::symlink_metadata(dir.join(CA_KEY)).is_ok() {
         return Err(CertsError::Exposed(format!(
             "{}: the node files' directory {}; every node is given it, and whoever holds \
@@ -344,6 +363,31 @@ nodes = ["127.0.0.1:9201", "[::1]:9202"]
         std::fs::copy(ca.join(CA_KEY), certs.join(CA_KEY)).unwrap();
         let e = issue(&config(), &ca, &certs, 30).unwrap_err();
         assert!(e.to_string().contains("holds ca.key"), "{e}");
+        // Issue 32 review: a CA directory inside the node files' one was accepted.
+        let nested = root.path().join("nodes");
+        std::fs::create_dir(&nested).unwrap();
+        init(&nested.join("ca")).unwrap();
+        let e = issue(&config(), &nested.join("ca"), &nested, 30).unwrap_err();
+        assert!(e.to_string().contains("lies inside the node files"), "{e}");
+        assert!(!nested.join("gateway.key").exists());
+    }
+
+    /// Issue 32 review: `issue` signed with a `ca.key` every local user could read.
+    #[cfg(unix)]
+    #[test]
+    fn issue_refuses_a_ca_key_others_can_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let (ca, certs) = (root.path().join("ca"), root.path().join("certs"));
+        init(&ca).unwrap();
+        let key = ca.join(CA_KEY);
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = issue(&config(), &ca, &certs, 30).unwrap_err();
+        assert!(matches!(e, CertsError::Exposed(_)), "{e:?}");
+        assert!(e.to_string().contains("chmod 600"), "{e}");
+        assert!(!certs.join("gateway.key").exists());
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        issue(&config(), &ca, &certs, 30).unwrap();
     }
 
     /// A symlink planted where a key will be written is replaced, not written through
