@@ -630,6 +630,22 @@ mod tests {
     }
 
     #[test]
+    fn every_batch_refusal_reason_exists_at_zero() {
+        for kind in [
+            ErrorKind::RateLimited,
+            ErrorKind::Unavailable,
+            ErrorKind::NotFound,
+            ErrorKind::BadRequest,
+        ] {
+            let reason = reason_of(&ApiError::new(kind, "x"));
+            assert!(
+                crate::metrics::REFUSAL_REASONS.contains(&reason),
+                "{reason} is missing from REFUSAL_REASONS"
+            );
+        }
+    }
+
+    #[test]
     fn queue_request_values() {
         assert!(!queued(&"/x".parse().unwrap()).unwrap());
         assert!(queued_in("queueRequest=true").unwrap());

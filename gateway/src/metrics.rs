@@ -230,6 +230,10 @@ pub const REFUSAL_REASONS: &[&str] = &[
     // Request shape.
     "path_too_long",
     "batch_invalid",
+    // Async batch status and result reads (gateway/src/batch.rs `reason_of`).
+    "batch_limit",
+    "batch_not_found",
+    "batch_unavailable",
 ];
 
 /// The `phase` label of `tessera_aborts_total`.
@@ -373,137 +377,137 @@ impl Metrics {
         let r = &mut self.registry;
         r.register(
             "tessera_requests",
-            "Inference requests that wrote a usage row, by model, API, HTTP status, Workers AI code and tenant (top N, else other).",
+            "Inference requests that wrote a usage row, by model, API, HTTP status, Workers AI code and tenant (top N, else other)",
             self.requests.clone(),
         );
         r.register(
             "tessera_tokens",
-            "Prompt (input) and generated (output) tokens charged, by model and tenant (top N, else other).",
+            "Prompt (input) and generated (output) tokens charged, by model and tenant (top N, else other)",
             self.tokens.clone(),
         );
         r.register(
             "tessera_request_duration_seconds",
-            "Request duration in the gateway, arrival to usage row.",
+            "Request duration in the gateway, arrival to usage row",
             self.duration.clone(),
         );
         r.register(
             "tessera_ttft_seconds",
-            "Time to first token (arrival to first token).",
+            "Time to first token (arrival to first token)",
             self.ttft.clone(),
         );
         r.register(
             "tessera_tpot_seconds",
-            "Mean time per output token after the first (engine).",
+            "Mean time per output token after the first (engine)",
             self.tpot.clone(),
         );
         r.register(
             "tessera_aborts",
-            "Requests aborted, by phase (prefill: before the first token, decode: after) and reason.",
+            "Requests aborted, by phase (prefill: before the first token, decode: after) and reason",
             self.aborts.clone(),
         );
         r.register(
             "tessera_abort_ack_seconds",
-            "Time from an abort to the release confirmed by every node (I6).",
+            "Time from an abort to the release confirmed by every node (I6)",
             self.abort_ack.clone(),
         );
         r.register(
             "tessera_refused",
-            "Requests refused before admission (no usage row), by reason.",
+            "Requests refused before admission (no usage row), by reason",
             self.refused.clone(),
         );
         r.register(
             "tessera_rate_limited",
-            "Requests refused by a per-tenant limit or quota, by limit.",
+            "Requests refused by a per-tenant limit or quota, by limit",
             self.rate_limited.clone(),
         );
         r.register(
             "tessera_auth_failures",
-            "Requests refused by authentication or authorization, by reason.",
+            "Requests refused by authentication or authorization, by reason",
             self.auth_failures.clone(),
         );
         r.register(
             "tessera_serve_errors",
-            "Admitted requests that serving failed, by error kind (integrity: a KV tag or checksum mismatch; any is an incident).",
+            "Admitted requests that serving failed, by error kind (integrity: a KV tag or checksum mismatch; any is an incident)",
             self.serve_errors.clone(),
         );
         r.register(
             "tessera_connection_timeouts",
-            "Connections closed by a timeout, by phase (header, tls, idle).",
+            "Connections closed by a timeout, by phase (header, tls, idle)",
             self.conn_timeouts.clone(),
         );
         r.register(
             "tessera_connections",
-            "Connections accepted.",
+            "Connections accepted",
             self.connections_total.clone(),
         );
         r.register(
             "tessera_accept_errors",
-            "Failed accepts (the accept loop backs off on resource errors).",
+            "Failed accepts (the accept loop backs off on resource errors)",
             self.accept_errors.clone(),
         );
         r.register(
             "tessera_usage_rows_pruned",
-            "Ledger rows deleted by the retention prune.",
+            "Ledger rows deleted by the retention prune",
             self.pruned_rows.clone(),
         );
         r.register(
             "tessera_release_wait_timeouts",
-            "Requests whose nodes did not confirm release (abort or end acknowledged by every node) within the bound.",
+            "Requests whose nodes did not confirm release (abort or end acknowledged by every node) within the bound",
             self.release_timeouts.clone(),
         );
         r.register(
             "tessera_batch_items",
-            "Async batch items (queueRequest=true) by outcome: queued, succeeded, failed.",
+            "Async batch items (queueRequest=true) by outcome: queued, succeeded, failed",
             self.batch_items.clone(),
         );
         r.register(
             "tessera_config_reloads",
-            "Re-reads of the deployment file (SIGHUP, POST /admin/v1/reload) by outcome: applied, refused (the old membership kept serving).",
+            "Re-reads of the deployment file (SIGHUP, POST /admin/v1/reload) by outcome: applied, refused (the old membership kept serving)",
             self.config_reloads.clone(),
         );
         r.register(
             "tessera_limits_backend_up",
-            "1 when the limits store answers (always with in-memory limits; with --limits redis://..., a PING at scrape time), else 0.",
+            "1 when the limits store answers (always with in-memory limits; with --limits redis://..., a PING at scrape time), else 0",
             self.limits_up.clone(),
         );
         r.register(
             "tessera_limits_backend_errors",
-            "Calls to the shared limits store (Redis) that failed or timed out.",
+            "Calls to the shared limits store (Redis) that failed or timed out",
             self.limits_errors.clone(),
         );
         r.register(
             "tessera_limits_fallbacks",
-            "Requests admitted under this gateway's own limits because the shared store failed (--limits-on-failure open).",
+            "Requests admitted under this gateway's own limits because the shared store failed (--limits-on-failure open)",
             self.limits_fallbacks.clone(),
         );
         r.register(
             "tessera_inflight_requests",
-            "Admitted requests not yet finished.",
+            "Admitted requests not yet finished",
             self.inflight.clone(),
         );
         r.register(
             "tessera_connections_open",
-            "Client connections open now.",
+            "Client connections open now",
             self.connections_open.clone(),
         );
         r.register(
             "tessera_kv_free_pages",
-            "Free KV pages (every engine of this process, or none for remote nodes).",
+            "Free KV pages (every engine of this process, or none for remote nodes)",
             self.kv_free_pages.clone(),
         );
         r.register(
             "tessera_kv_capacity_pages",
-            "KV pool size in pages (every engine of this process).",
+            "KV pool size in pages (every engine of this process)",
             self.kv_capacity_pages.clone(),
         );
         r.register(
             "tessera_engine_running",
-            "Sequences in the running batch (remote nodes: requests outstanding on decode nodes).",
+            "Sequences in the running batch (remote nodes: requests outstanding on decode nodes)",
             self.engine_running.clone(),
         );
         r.register(
             "tessera_engine_waiting",
-            "Sequences waiting for pages or a batch slot.",
+            "Sequences waiting for pages or a batch slot",
             self.engine_waiting.clone(),
         );
         self
@@ -723,6 +727,23 @@ impl Metrics {
 mod tests {
     use super::*;
     use tessera_tenancy::{AuthError, LimitKind};
+
+    /// prometheus-client appends a period to every help text: one of ours that ends
+    /// in a period read `..` in every scrape (issue 32 review).
+    #[test]
+    fn help_lines_end_in_one_period() {
+        let m = Metrics::new(&["m"], 20);
+        let text = m.render_with(
+            EngineStats::default(),
+            0,
+            Some(&tessera_serving::NodeMetrics::new()),
+        );
+        let help: Vec<&str> = text.lines().filter(|l| l.starts_with("# HELP")).collect();
+        assert!(help.len() > 10, "{text}");
+        for l in help {
+            assert!(l.ends_with('.') && !l.ends_with(".."), "{l}");
+        }
+    }
 
     #[test]
     fn the_top_n_tenants_get_labels_and_the_rest_are_other() {

@@ -168,52 +168,52 @@ impl NodeMetrics {
         let r = &mut m.registry;
         r.register(
             "tessera_kv_pages",
-            "KV pages by state (free, reserved: held for a transfer or an export, in_use: held by running sequences, cached: held by the prefix cache, evictable unless reused, quarantined: a decode reservation whose coordinator is gone or whose lease ran out, never read, held until its writer is known quiet).",
+            "KV pages by state (free, reserved: held for a transfer or an export, in_use: held by running sequences, cached: held by the prefix cache, evictable unless reused, quarantined: a decode reservation whose coordinator is gone or whose lease ran out, never read, held until its writer is known quiet)",
             m.kv_pages.clone(),
         );
         r.register(
             "tessera_queue_depth",
-            "Requests waiting on the node (for a batch slot, or for pages).",
+            "Requests waiting on the node (for a batch slot, or for pages)",
             m.queue_depth.clone(),
         );
         r.register(
             "tessera_kv_tag_mismatches",
-            "KV page tag checks that failed (I3), by reader: attention, transfer_source (export), transfer_sink (commit check). Any is an incident.",
+            "KV page tag checks that failed (I3), by reader: attention, transfer_source (export), transfer_sink (commit check). Any is an incident",
             m.tag_mismatches.clone(),
         );
         r.register(
             "tessera_kv_commits_rejected",
-            "KV transfer commits the decode node refused (I4), by reason.",
+            "KV transfer commits the decode node refused (I4), by reason",
             m.commits_rejected.clone(),
         );
         r.register(
             "tessera_kv_late_writes_dropped",
-            "Page writes dropped, never applied: late writes to a reservation that ended or was quarantined, and refused writes (from a node that is not the request's writer, or to pages not awaiting one).",
+            "Page writes dropped, never applied: late writes to a reservation that ended or was quarantined, and refused writes (from a node that is not the request's writer, or to pages not awaiting one)",
             m.late_writes_dropped.clone(),
         );
         r.register(
             "tessera_node_link_violations",
-            "Protocol violations by a peer, by reason, counted where they were refused (node and role: a decode node for its prefill peers; node=gateway, role=coordinator for the nodes a gateway dials): a message, stream event, write or commit about a request not routed to that link (not_routed), a message the peer's role does not send (wrong_sender), a frame kind the peer may not send (frame_kind), a write into pages not awaiting one (refused_write), a malformed page (malformed_page). Each cuts that peer's link.",
+            "Protocol violations by a peer, by reason, counted where they were refused (node and role: a decode node for its prefill peers; node=gateway, role=coordinator for the nodes a gateway dials): a message, stream event, write or commit about a request not routed to that link (not_routed), a message the peer's role does not send (wrong_sender), a frame kind the peer may not send (frame_kind), a write into pages not awaiting one (refused_write), a malformed page (malformed_page). Each cuts that peer's link",
             m.link_violations.clone(),
         );
         r.register(
             "tessera_node_frames_rejected",
-            "Node-link frames refused at the link (a header over the cap, a page payload that is not one page, a malformed header, a frame the peer may not send, a budget spent, a protocol violation); each closes its connection.",
+            "Node-link frames refused at the link (a header over the cap, a page payload that is not one page, a malformed header, a frame the peer may not send, a budget spent, a protocol violation); each closes its connection",
             m.frames_rejected.clone(),
         );
         r.register(
             "tessera_node_peers_refused",
-            "Node-link peers refused before their first frame was served (a failed TLS handshake, a Hello whose role the certificate does not carry; on a gateway, a node that failed its identity or model check).",
+            "Node-link peers refused before their first frame was served (a failed TLS handshake, a Hello whose role the certificate does not carry; on a gateway, a node that failed its identity or model check)",
             m.peers_refused.clone(),
         );
         r.register(
             "tessera_kv_transfer_bytes",
-            "KV page bytes a prefill node put into decode nodes.",
+            "KV page bytes a prefill node put into decode nodes",
             m.transfer_bytes.clone(),
         );
         r.register(
             "tessera_kv_transfer_seconds",
-            "Time to put and flush one request's KV pages (prefill node, transfer worker).",
+            "Time to put and flush one request's KV pages (prefill node, transfer worker)",
             m.transfer_seconds.clone(),
         );
         m

@@ -89,7 +89,9 @@ pub fn init(format: LogFormat, service: &str) -> Result<TelemetryGuard, String> 
             .unwrap_or_else(|_| EnvFilter::new("warn,tessera::request=info"))
     };
     let logs = match format {
+        // Colours only on a terminal: escape codes in a log file or journal are noise.
         LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_writer(std::io::stderr)
             .with_filter(filter())
             .boxed(),
