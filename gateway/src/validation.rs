@@ -7,7 +7,7 @@ use crate::catalog::{Catalog, CatalogEntry};
 use crate::error::{type_name, ApiError, ErrorKind};
 use crate::tools::{self, history_text, Tools};
 use serde_json::{Map, Value};
-use tessera_model::chat::ChatMessage;
+use tessera_model::chat::{ChatError, ChatMessage};
 use tessera_model::detok::{MAX_STOPS, MAX_STOP_BYTES};
 use tessera_model::grammar::ResponseFormat;
 use tessera_model::sampling::{
@@ -151,7 +151,18 @@ fn opt_bool(o: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
 fn opt_f32(o: &Map<String, Value>, k: &str) -> Result<Option<f32>, ApiError> {
     match present(o, k) {
         None => Ok(None),
-        Some(Value::Number(n)) => Ok(n.as_f64().map(|f| f as f32)),
+        Some(Value::Number(n)) => {
+            let f = n.as_f64().unwrap_or(f64::NAN);
+            let narrow = f as f32;
+            // A value f32 cannot hold would be checked (and echoed) as 0 or inf.
+            if (narrow == 0.0 && f != 0.0) || narrow.is_infinite() {
+                return Err(ApiError::field(
+                    k,
+                    format!("`{k}` must be 0 or between 1e-38 and 3e38 in magnitude. Given: {n}"),
+                ));
+            }
+            Ok(Some(narrow))
+        }
         Some(v) => Err(ApiError::field(
             k,
             format!("`{k}` must be a number. Given: {}", type_name(v)),
@@ -397,12 +408,13 @@ fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
         None => return Ok(vec![]),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
-            if a.len() > MAX_STOPS {
+            // Empty strings are ignored, so they do not count toward the cap.
+            let counted = a.iter().filter(|s| s.as_str() != Some("")).count();
+            if counted > MAX_STOPS {
                 return Err(ApiError::field(
                     "stop",
                     format!(
-                        "`stop` must be a string or an array of at most {MAX_STOPS} strings. Given: {} strings",
-                        a.len()
+                        "`stop` must be a string or an array of at most {MAX_STOPS} non-empty strings. Given: {counted} strings",
                     ),
                 ));
             }
@@ -732,6 +744,9 @@ pub fn validate(
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
     // control tokens, as llama.cpp's server and vLLM parse completions prompts.
     let tools = p.tools;
+    // Tokens the prompt may take: a prompt known to be longer is refused before it
+    // is tokenized to the end (a megabyte costs seconds of tokenizer time).
+    let room = limits.context.saturating_sub(p.max_tokens);
     let shown = |m: Vec<ChatMessage>| match &tools {
         Some(t) => t.show(m),
         None => m,
@@ -743,16 +758,30 @@ pub fn validate(
                 "`tools` need a chat request: `messages`, or a `prompt` without `raw`",
             ))
         }
-        Input::Prompt { text, chat: false } => model.tokenizer.encode(text, true).map_err(|e| {
-            ApiError::new(
-                ErrorKind::BadRequest,
-                format!("cannot tokenize the prompt: {e}"),
-            )
-        })?,
-        Input::Prompt { text, chat: true } => {
-            encode_chat(model, &shown(vec![ChatMessage::new("user", text.clone())]))?
+        Input::Prompt { text, chat: false } => {
+            let at_least = model.tokenizer.min_tokens(text.len());
+            if at_least > room {
+                return Err(over_context(at_least, p.max_tokens, limits.context));
+            }
+            model.tokenizer.encode(text, true).map_err(|e| {
+                ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("cannot tokenize the prompt: {e}"),
+                )
+            })?
         }
-        Input::Messages(m) => encode_chat(model, &shown(m.clone()))?,
+        Input::Prompt { text, chat: true } => encode_chat(
+            model,
+            &shown(vec![ChatMessage::new("user", text.clone())]),
+            room,
+            (p.max_tokens, limits.context),
+        )?,
+        Input::Messages(m) => encode_chat(
+            model,
+            &shown(m.clone()),
+            room,
+            (p.max_tokens, limits.context),
+        )?,
     };
     if prompt.is_empty() {
         return Err(ApiError::field(
@@ -846,11 +875,33 @@ fn max_prompt_logprob_tokens(top: usize) -> usize {
     MAX_PROMPT_LOGPROBS_BYTES / prompt_logprobs_wire_bytes(1, top) + 1
 }
 
-fn encode_chat(model: &LoadedModel, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+/// Renders and tokenizes a chat, stopping early when it is known to exceed `room`
+/// tokens (`max_tokens` and `context` name the numbers in that refusal).
+fn encode_chat(
+    model: &LoadedModel,
+    messages: &[ChatMessage],
+    room: usize,
+    (max_tokens, context): (usize, usize),
+) -> Result<Vec<u32>, ApiError> {
     model
         .chat
-        .encode(&model.tokenizer, messages, true)
-        .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))
+        .encode_within(&model.tokenizer, messages, true, room)
+        .map_err(|e| match e {
+            ChatError::OverLimit { at_least, .. } => over_context(at_least, max_tokens, context),
+            e => ApiError::new(ErrorKind::BadRequest, e.to_string()),
+        })
+}
+
+/// The context-window refusal of a prompt known to be at least `at_least` tokens
+/// (the early check: it was not tokenized to the end).
+fn over_context(at_least: usize, max_tokens: usize, context: usize) -> ApiError {
+    ApiError::new(
+        ErrorKind::ContextOverflow,
+        format!(
+            "prompt (at least {at_least} tokens) + max_tokens ({max_tokens}) exceeds the \
+             model's context window of {context} tokens"
+        ),
+    )
 }
 
 #[cfg(test)]
@@ -913,6 +964,23 @@ mod tests {
         );
         let huge = workers_ai("m", &obj(json!({"prompt": "x", "max_tokens": 1e30}))).unwrap();
         assert_eq!(huge.max_tokens, usize::MAX);
+    }
+
+    /// Issue 32 review: `top_p: 1e-300` was refused as "Given: 0" (its f32 cast), and
+    /// empty stop strings, which are ignored, counted toward the cap of four.
+    #[test]
+    fn messages_echo_the_value_given_and_empty_stops_are_free() {
+        let e = workers_ai("m", &obj(json!({"prompt": "x", "top_p": 1e-300}))).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_p"));
+        assert!(e.message.ends_with("Given: 1e-300"), "{}", e.message);
+        let e = workers_ai("m", &obj(json!({"prompt": "x", "temperature": 1e39}))).unwrap_err();
+        assert!(e.message.contains("Given: 1e+39"), "{}", e.message);
+        let stops = json!(["", "a", "", "b", "c", "", "d", ""]);
+        let p = workers_ai("m", &obj(json!({"prompt": "x", "stop": stops}))).unwrap();
+        assert_eq!(p.stop, ["a", "b", "c", "d"]);
+        let five = json!(["a", "b", "c", "d", "e", ""]);
+        let e = workers_ai("m", &obj(json!({"prompt": "x", "stop": five}))).unwrap_err();
+        assert!(e.message.ends_with("Given: 5 strings"), "{}", e.message);
     }
 
     #[test]

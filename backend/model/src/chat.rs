@@ -54,6 +54,15 @@ pub enum ChatError {
     /// The rendered prompt could not be tokenized.
     #[error("cannot tokenize the prompt: {0}")]
     Tokenize(String),
+    /// The prompt is at least `at_least` tokens, over the caller's `limit`
+    /// ([`ChatTemplate::encode_within`]); it was not tokenized to the end.
+    #[error("the prompt is at least {at_least} tokens, over the limit of {limit}")]
+    OverLimit {
+        /// A lower bound on the prompt's length, in tokens.
+        at_least: usize,
+        /// The limit it was held to.
+        limit: usize,
+    },
 }
 
 impl ChatError {
@@ -65,6 +74,7 @@ impl ChatError {
             Self::Render(_) => "template_render",
             Self::EmptyMessages => "empty_messages",
             Self::Tokenize(_) => "tokenize",
+            Self::OverLimit { .. } => "over_limit",
         }
     }
 }
@@ -190,6 +200,24 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, ChatError> {
+        self.encode_within(tokenizer, messages, add_generation_prompt, usize::MAX)
+    }
+
+    /// [`Self::encode`], stopping with [`ChatError::OverLimit`] as soon as the
+    /// prompt is known to exceed `limit` tokens without tokenizing it all (a result
+    /// may still be longer than `limit`: the caller checks). Before each piece is
+    /// tokenized, the
+    /// tokens so far plus the piece's and the rest's lower bound
+    /// ([`Tokenizer::min_tokens`](crate::tokenizer::Tokenizer::min_tokens)) are
+    /// checked, so a megabyte far over the context window costs no tokenizer time,
+    /// and tokenizer work is bounded by `limit` times the longest token.
+    pub fn encode_within(
+        &self,
+        tokenizer: &crate::tokenizer::Tokenizer,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        limit: usize,
+    ) -> Result<Vec<u32>, ChatError> {
         let nonce: u64 = rand::random();
         let marker = |i: usize| format!("\u{F8F0}{nonce:016x}:{i}\u{F8F1}");
         let masked: Vec<ChatMessage> = messages
@@ -203,22 +231,35 @@ impl ChatTemplate {
                 .encode(t, special)
                 .map_err(|e| ChatError::Tokenize(e.to_string()))
         };
-        let mut ids = Vec::new();
-        let mut rest = text.as_str();
+        // Split first (cheap), tokenize after: the pieces' byte total bounds the
+        // prompt's length from below before any tokenizer time is spent.
         // Markers appear in the rendered text in some order (templates may reorder
         // or drop messages); find whichever comes next.
+        let mut pieces: Vec<(&str, bool)> = Vec::new();
+        let mut rest = text.as_str();
         loop {
             let next = (0..messages.len())
                 .filter_map(|i| rest.find(&marker(i)).map(|at| (at, i)))
                 .min();
             let Some((at, i)) = next else {
-                ids.extend(tok(rest, true)?);
-                return Ok(ids);
+                pieces.push((rest, true));
+                break;
             };
-            ids.extend(tok(&rest[..at], true)?);
-            ids.extend(tok(&messages[i].content, false)?);
+            pieces.push((&rest[..at], true));
+            pieces.push((&messages[i].content, false));
             rest = &rest[at + marker(i).len()..];
         }
+        let mut left: usize = pieces.iter().map(|(p, _)| p.len()).sum();
+        let mut ids = Vec::new();
+        for (piece, special) in pieces {
+            let at_least = ids.len().saturating_add(tokenizer.min_tokens(left));
+            if at_least > limit {
+                return Err(ChatError::OverLimit { at_least, limit });
+            }
+            left -= piece.len();
+            ids.extend(tok(piece, special)?);
+        }
+        Ok(ids)
     }
 
     /// The BOS token text given to the template.
@@ -405,6 +446,41 @@ mod tests {
         );
         assert_eq!(t.bos_token(), "<|im_start|>");
         assert_eq!(t.eos_token(), "<|im_end|>");
+    }
+
+    /// Issue 32 review: a 1 MB prompt took seconds of tokenizer time before the
+    /// context refusal. `encode_within` stops before tokenizing what is known to be
+    /// over the limit, and otherwise gives exactly `encode`'s tokens.
+    #[test]
+    fn encode_within_refuses_early_and_agrees_below_the_limit() {
+        let (Some(content), Some(tok)) = (test_content(), test_tokenizer()) else {
+            return;
+        };
+        let t = ChatTemplate::from_gguf(content).unwrap();
+        let msgs = [
+            ChatMessage::new("system", "Answer briefly."),
+            ChatMessage::new(
+                "user",
+                "Name three primes, and a word: supercalifragilistic.",
+            ),
+        ];
+        let full = t.encode(tok, &msgs, true).unwrap();
+        assert_eq!(t.encode_within(tok, &msgs, true, full.len()).unwrap(), full);
+        // The bound is a true lower bound: never above the real length.
+        let rendered = t.render(&msgs, true).unwrap();
+        assert!(tok.min_tokens(rendered.len()) <= full.len());
+        let big = [ChatMessage::new("user", "x".repeat(1 << 20))];
+        let e = t.encode_within(tok, &big, true, 8192).unwrap_err();
+        match e {
+            ChatError::OverLimit { at_least, limit } => {
+                assert_eq!(limit, 8192);
+                assert!(at_least > 8192 && at_least <= (1 << 20), "{at_least}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The bound holds on real text of that kind too.
+        let x = "x".repeat(1 << 16);
+        assert!(tok.encode(&x, false).unwrap().len() >= tok.min_tokens(x.len()));
     }
 
     #[test]

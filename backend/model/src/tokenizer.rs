@@ -120,6 +120,8 @@ pub struct Tokenizer {
     bytes: Vec<Vec<u8>>,
     /// Whether each token is a control token (skipped by `decode(.., true)`).
     control: Vec<bool>,
+    /// The longest token's byte length (at least 1): no token covers more input.
+    max_token_bytes: usize,
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
@@ -359,7 +361,8 @@ impl Tokenizer {
                     out
                 }
             })
-            .collect();
+            .collect::<Vec<Vec<u8>>>();
+        let max_token_bytes = bytes.iter().map(Vec::len).max().unwrap_or(1).max(1);
         let control = types.iter().map(|&ty| ty == TYPE_CONTROL).collect();
 
         let add_bos = match content.metadata.get(KEY_ADD_BOS) {
@@ -377,6 +380,7 @@ impl Tokenizer {
             without_special,
             bytes,
             control,
+            max_token_bytes,
             bos: get_token_id(content, KEY_BOS, tokens.len())?,
             eos: get_token_id(content, KEY_EOS, tokens.len())?,
             add_bos,
@@ -401,6 +405,20 @@ impl Tokenizer {
                 message: e.to_string(),
             })?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The fewest tokens `text_bytes` bytes of text can encode to, computed without
+    /// tokenizing: each token covers at most [`Self::max_token_bytes`] bytes of the
+    /// input (byte-level BPE splits the text into contiguous pieces, one per token,
+    /// and control-token text counts as its own bytes). The gateway uses it to
+    /// refuse a prompt far over the context window before spending seconds on it.
+    pub fn min_tokens(&self, text_bytes: usize) -> usize {
+        text_bytes.div_ceil(self.max_token_bytes)
+    }
+
+    /// The longest token, in bytes (control tokens by their text).
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     /// Decodes ids to text; invalid UTF-8 becomes U+FFFD and unknown ids are ignored.
