@@ -75,16 +75,16 @@ pub(crate) struct ServeArgs {
     /// Allow plain HTTP on a non-loopback address.
     #[arg(long)]
     allow_insecure_http: bool,
-    /// Admin API token, at least 32 bytes with 10 distinct (else TESSERA_ADMIN_TOKEN,
+    /// Admin API token, at least 32 bytes with 16 distinct (else TESSERA_ADMIN_TOKEN,
     /// else --admin-token-file, else DATA_DIR/admin-token, created 0600 on first
     /// start). On the command line every local user can read it (ps): prefer the
     /// file or the environment (a warning says so).
     #[arg(long)]
     admin_token: Option<String>,
-    /// File holding the admin token (at least 32 bytes with 10 distinct; must exist).
+    /// File holding the admin token (at least 32 bytes with 16 distinct; must exist).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
-    /// Token that reads /metrics and nothing else (at least 32 bytes with 10
+    /// Token that reads /metrics and nothing else (at least 32 bytes with 16
     /// distinct; surrounding whitespace is ignored). Prefer TESSERA_METRICS_TOKEN to
     /// the flag, which every local user can read (ps).
     #[arg(long, env = "TESSERA_METRICS_TOKEN", hide_env_values = true)]
@@ -502,7 +502,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
             shutdown.await;
             eprintln!("tessera: shutting down (draining running requests)");
         })
-        .await
+        .await?;
+    Ok(())
 }
 
 /// The catalog entry of a deployment file's model: the GGUF's metadata and the

@@ -130,7 +130,7 @@ pub(crate) async fn handle(
     let tenant_id = principal.tenant.id.clone();
     let parsed = match read_body_in_time(&state, &parts.headers, body).await {
         // A body of up to the size limit: parsed on the CPU pool.
-        Ok(b) => request::parse_body(&state, Lane::Batch, b).await,
+        Ok(b) => request::parse_body(&state, Lane::Batch, &tenant_id, b).await,
         Err(e) => Err(e),
     };
     let mut o = match parsed {
@@ -375,7 +375,7 @@ async fn submit(
     );
     let checked = state
         .cpu
-        .run(Lane::Batch, move || {
+        .run(Lane::Batch, &tenant.id, move || {
             let served = st.served(&m).ok_or_else(|| validation::no_such_model(&m))?;
             let limits = served.engine.limits();
             items(&m, &requests, &|p| {

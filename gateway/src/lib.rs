@@ -59,8 +59,8 @@ mod workers_ai;
 
 pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES, MIN_TOKEN_DISTINCT_BYTES};
 pub use error::{ApiError, ErrorKind};
-pub use server::Server;
+pub use server::{Server, StartError};
 pub use state::{
     AppState, ConnLimits, Deadlines, GatewayConfig, Reload, ServedModel, UsageConfig, MAX_ID_BYTES,
 };
-pub use tls::TlsMode;
+pub use tls::{TlsError, TlsMode};

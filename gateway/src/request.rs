@@ -92,22 +92,23 @@ pub(crate) async fn admit(
         .map_err(|l| Stop::refused(state, l.kind.label(), limit_error(&l)))
 }
 
-/// Parses a JSON object body on the CPU pool's `lane`.
+/// Parses a JSON object body on the CPU pool's `lane`, in `tenant_id`'s share.
 ///
 /// Errors: not JSON, or not an object (400).
 pub(crate) async fn parse_body(
     state: &AppState,
     lane: Lane,
+    tenant_id: &str,
     body: axum::body::Bytes,
 ) -> Result<serde_json::Map<String, Value>, ApiError> {
     state
         .cpu
-        .run(lane, move || validation::parse_object(&body))
+        .run(lane, tenant_id, move || validation::parse_object(&body))
         .await
 }
 
 /// Stage 2: [`validation::validate`] of `parsed` against the served model
-/// `model_id` (catalog id), on the CPU pool's `lane`.
+/// `model_id` (catalog id), on the CPU pool's `lane`, in `tenant_id`'s share.
 ///
 /// Errors: as [`validation::validate`] (400 naming the field, 404 for a model not
 /// served here).
@@ -116,13 +117,14 @@ pub(crate) async fn validate(
     lane: Lane,
     parsed: ParsedRequest,
     model_id: &str,
+    tenant_id: &str,
     tenant: TenantContext,
 ) -> Result<Validated, ApiError> {
     let st = state.clone();
     let id = model_id.to_string();
     state
         .cpu
-        .run(lane, move || {
+        .run(lane, tenant_id, move || {
             let served = st
                 .served(&id)
                 .ok_or_else(|| validation::no_such_model(&id))?;

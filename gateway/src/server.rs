@@ -121,7 +121,7 @@ async fn generate_in_span(
     let in_path = path_model.clone();
     let (body_model, parsed) = state
         .cpu
-        .run(Lane::Request, move || {
+        .run(Lane::Request, &tenant.id, move || {
             let mut body_model = None;
             let parsed = validation::parse_object(&bytes).and_then(|o| {
                 if let Some(m) = o.get("model").and_then(|m| m.as_str()) {
@@ -177,17 +177,20 @@ async fn generate_in_span(
             .await;
     };
     let tc = request::tenant_context(tenant);
-    let v: Validated = match request::validate(&state, Lane::Request, parsed, &entry.id, tc).await {
-        Ok(v) => v,
-        Err(e) => return ctx.fail(&state, e).await,
-    };
+    let v: Validated =
+        match request::validate(&state, Lane::Request, parsed, &entry.id, &tenant.id, tc).await {
+            Ok(v) => v,
+            Err(e) => return ctx.fail(&state, e).await,
+        };
     ctx.model = v.model.id.clone();
     span.record("model", ctx.model.as_str());
     if state.log_request_text {
         let (tok, prompt) = (served.model.tokenizer.clone(), v.request.prompt.clone());
         let text = state
             .cpu
-            .run(Lane::Request, move || tok.decode(&prompt, false))
+            .run(Lane::Request, &tenant.id, move || {
+                tok.decode(&prompt, false)
+            })
             .await;
         ctx.prompt_text = Some(text);
     }
@@ -540,6 +543,30 @@ impl std::fmt::Debug for Server {
     }
 }
 
+/// Why [`Server::bind`] could not start serving.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// An admin or metrics token that cannot be used.
+    #[error(transparent)]
+    Token(#[from] crate::admin::TokenError),
+    /// The TLS certificate or key.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    /// Plain HTTP on a non-loopback address without `allow_insecure_http`.
+    #[error(
+        "refusing to serve plain HTTP on non-loopback address {0} (use --tls or --allow-insecure-http)"
+    )]
+    PlainHttp(SocketAddr),
+    /// A listener could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
 impl Server {
     /// Checks the tokens (at least [`crate::admin::MIN_TOKEN_BYTES`] bytes each),
     /// binds the listeners (and loads or makes the TLS certificate).
@@ -547,7 +574,7 @@ impl Server {
     /// # Errors
     /// A short or empty admin or metrics token, plain HTTP on a non-loopback
     /// address without `allow_insecure_http`, a bind or TLS failure.
-    pub async fn bind(cfg: &GatewayConfig, state: Arc<AppState>) -> anyhow::Result<Self> {
+    pub async fn bind(cfg: &GatewayConfig, state: Arc<AppState>) -> Result<Self, StartError> {
         for (what, t) in [
             ("admin token", &cfg.admin_token),
             ("metrics token", &cfg.metrics_token),
@@ -559,17 +586,20 @@ impl Server {
         let tls = crate::tls::acceptor(&cfg.tls)?;
         for addr in std::iter::once(cfg.listen).chain(cfg.admin_listen) {
             if tls.is_none() && !addr.ip().is_loopback() && !cfg.allow_insecure_http {
-                anyhow::bail!(
-                    "refusing to serve plain HTTP on non-loopback address {addr} (use --tls or --allow-insecure-http)"
-                );
+                return Err(StartError::PlainHttp(addr));
             }
         }
-        let listener = TcpListener::bind(cfg.listen).await?;
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { addr, source })
+        };
+        let listener = bind(cfg.listen).await?;
         let (router, admin) = match cfg.admin_listen {
             None => (router(state.clone()), None),
             Some(a) => (
                 public_router(state.clone()),
-                Some((TcpListener::bind(a).await?, admin_router(state.clone()))),
+                Some((bind(a).await?, admin_router(state.clone()))),
             ),
         };
         Ok(Self {
@@ -611,7 +641,7 @@ impl Server {
     pub async fn run_until(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), StartError> {
         let state = self.state.clone();
         let (stop, stopped) = watch::channel(false);
         let mut tasks = vec![tokio::spawn(crate::live::watch(
@@ -662,7 +692,7 @@ impl Server {
     }
 
     /// Serves forever.
-    pub async fn run(self) -> anyhow::Result<()> {
+    pub async fn run(self) -> Result<(), StartError> {
         self.run_until(std::future::pending()).await
     }
 }

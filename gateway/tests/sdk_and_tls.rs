@@ -271,6 +271,10 @@ async fn tls_self_signed_handshake_and_request() {
         err.to_string().contains("refusing to serve plain HTTP"),
         "{err}"
     );
+    assert!(
+        matches!(err, tessera_gateway::StartError::PlainHttp(a) if a == public.listen),
+        "{err:?}"
+    );
     let allowed = GatewayConfig {
         allow_insecure_http: true,
         ..public

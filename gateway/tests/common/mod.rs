@@ -39,7 +39,7 @@ pub struct TestServer {
     /// Send to shut the server down (drain, then abort).
     pub shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     /// The server task.
-    pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    pub task: tokio::task::JoinHandle<Result<(), tessera_gateway::StartError>>,
 }
 
 pub async fn start() -> TestServer {
