@@ -348,7 +348,7 @@ fn serve_refuses_empty_or_short_admin_tokens_naming_the_source() {
     assert!(!d.join("tessera.db").exists());
 }
 
-/// A token of 16 distinct bytes and more than 32 bytes (at least 10 are needed).
+/// A token of 16 distinct bytes and more than 32 bytes.
 const GOOD_TOKEN: &str = "tadm_0123456789abcdef0123456789abcdef";
 
 /// Issue 32: a 32-byte admin token of one repeated character, from a file anyone can
@@ -379,7 +379,7 @@ fn serve_refuses_repetitive_tokens_and_warns_about_tokens_in_ps() {
     let err = serve_refusal(d, &["--admin-token-file", file.to_str().unwrap()], None);
     assert!(
         err.contains(&format!("admin token from file {}", file.display()))
-            && err.contains("has 1 distinct bytes; it must have at least 10"),
+            && err.contains("has 1 distinct bytes; it must have at least 16"),
         "{err}"
     );
     assert!(
