@@ -450,3 +450,43 @@ fn certs_are_created_owner_only_and_apart_from_the_ca_key() {
     assert!(err.contains("apart from --ca-dir"), "{err}");
     assert!(!ca.join("gateway.key").exists());
 }
+
+/// Issue 32 review: `ops reload` had no default token source. Without a flag or
+/// `TESSERA_ADMIN_TOKEN` it reads `.tessera/admin-token` (what `tessera serve` creates
+/// in its default data directory), and says so when that file is missing.
+#[test]
+fn ops_reload_reads_the_default_admin_token_file() {
+    let dir = tempfile::tempdir().unwrap();
+    // Port 1 on loopback: nothing listens, so a token that was read fails at the POST.
+    let run = || {
+        std::process::Command::new(BIN)
+            .args([
+                "ops",
+                "reload",
+                "--url",
+                "http://127.0.0.1:1",
+                "--timeout-secs",
+                "5",
+            ])
+            .current_dir(dir.path())
+            .env_remove("TESSERA_ADMIN_TOKEN")
+            .output()
+            .unwrap()
+    };
+    let out = run();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("no admin token") && err.contains(".tessera/admin-token"),
+        "{err}"
+    );
+    std::fs::create_dir(dir.path().join(".tessera")).unwrap();
+    std::fs::write(dir.path().join(".tessera/admin-token"), "tadm_x\n").unwrap();
+    let out = run();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        !err.contains("no admin token") && err.contains("POST http://127.0.0.1:1/admin/v1/reload"),
+        "{err}"
+    );
+}
