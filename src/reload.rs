@@ -182,8 +182,8 @@ pub(crate) struct ReloadArgs {
     /// in `ps`: prefer the file or the environment.
     #[arg(long)]
     admin_token: Option<String>,
-    /// File holding the admin token [default: .tessera/admin-token, the token
-    /// `tessera serve` creates in its default data directory, when it exists].
+    /// File holding the admin token [default: DATA_DIR/admin-token, the token
+    /// `tessera serve` creates, with DATA_DIR from TESSERA_DATA_DIR, else .tessera].
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
     /// Seconds to wait for the gateway's answer (it connects to every added node
@@ -192,9 +192,14 @@ pub(crate) struct ReloadArgs {
     timeout_secs: u64,
 }
 
-/// Where `tessera serve` keeps the admin token it creates, under its default data
-/// directory (relative to the working directory).
-const DEFAULT_TOKEN_FILE: &str = ".tessera/admin-token";
+/// Where `tessera serve` keeps the admin token it creates: `admin-token` in its
+/// data directory (`TESSERA_DATA_DIR`, else `.tessera` in the working directory).
+fn default_token_file() -> PathBuf {
+    std::env::var_os("TESSERA_DATA_DIR")
+        .filter(|d| !d.is_empty())
+        .map_or_else(|| PathBuf::from(".tessera"), PathBuf::from)
+        .join("admin-token")
+}
 
 /// `tessera ops reload`: asks a running gateway (`POST /admin/v1/reload`, admin
 /// token) to re-read its deployment file and apply its node membership. Prints what
@@ -215,13 +220,17 @@ pub(crate) fn ops_reload(a: ReloadArgs) -> Result<()> {
         (None, Ok(t), _) => t,
         (None, Err(_), Some(p)) => std::fs::read_to_string(p)
             .with_context(|| format!("reading the admin token file {}", p.display()))?,
-        (None, Err(_), None) => match std::fs::read_to_string(DEFAULT_TOKEN_FILE) {
-            Ok(t) => t,
-            Err(e) => bail!(
-                "no admin token: give --admin-token-file FILE or TESSERA_ADMIN_TOKEN \
-                 (reading the default {DEFAULT_TOKEN_FILE}: {e})"
-            ),
-        },
+        (None, Err(_), None) => {
+            let p = default_token_file();
+            match std::fs::read_to_string(&p) {
+                Ok(t) => t,
+                Err(e) => bail!(
+                    "no admin token: give --admin-token-file FILE or TESSERA_ADMIN_TOKEN \
+                     (reading the default {}: {e})",
+                    p.display()
+                ),
+            }
+        }
     };
     let url = format!("{}/admin/v1/reload", a.url.trim_end_matches('/'));
     let rt = tokio::runtime::Builder::new_current_thread()

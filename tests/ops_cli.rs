@@ -452,27 +452,24 @@ fn certs_are_created_owner_only_and_apart_from_the_ca_key() {
 }
 
 /// Issue 32 review: `ops reload` had no default token source. Without a flag or
-/// `TESSERA_ADMIN_TOKEN` it reads `.tessera/admin-token` (what `tessera serve` creates
-/// in its default data directory), and says so when that file is missing.
+/// `TESSERA_ADMIN_TOKEN` it reads DATA_DIR/admin-token (what `tessera serve` creates;
+/// DATA_DIR from `TESSERA_DATA_DIR`, else `.tessera`), and names it when missing.
 #[test]
 fn ops_reload_reads_the_default_admin_token_file() {
     let dir = tempfile::tempdir().unwrap();
     // Port 1 on loopback: nothing listens, so a token that was read fails at the POST.
-    let run = || {
-        std::process::Command::new(BIN)
-            .args([
-                "ops",
-                "reload",
-                "--url",
-                "http://127.0.0.1:1",
-                "--timeout-secs",
-                "5",
-            ])
+    let run_in = |data_dir: Option<&Path>| {
+        let mut c = std::process::Command::new(BIN);
+        c.args(["ops", "reload", "--url", "http://127.0.0.1:1"])
             .current_dir(dir.path())
             .env_remove("TESSERA_ADMIN_TOKEN")
-            .output()
-            .unwrap()
+            .env_remove("TESSERA_DATA_DIR");
+        if let Some(d) = data_dir {
+            c.env("TESSERA_DATA_DIR", d);
+        }
+        c.output().unwrap()
     };
+    let run = || run_in(None);
     let out = run();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -487,6 +484,14 @@ fn ops_reload_reads_the_default_admin_token_file() {
     assert!(!out.status.success());
     assert!(
         !err.contains("no admin token") && err.contains("POST http://127.0.0.1:1/admin/v1/reload"),
+        "{err}"
+    );
+    // With TESSERA_DATA_DIR (as `tessera serve` was given it), the token is read there.
+    let data = dir.path().join("data");
+    let out = run_in(Some(&data));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no admin token") && err.contains(&format!("{}/admin-token", data.display())),
         "{err}"
     );
 }

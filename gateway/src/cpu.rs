@@ -168,11 +168,12 @@ mod tests {
         let pool = Arc::new(CpuPool::new(4));
         let running = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
+        // A tenant each, so that only the lane (not a tenant's share) bounds them.
         let jobs: Vec<_> = (0..8)
-            .map(|_| {
+            .map(|i| {
                 let (pool, running, most) = (pool.clone(), running.clone(), most.clone());
                 tokio::spawn(async move {
-                    pool.run(Lane::Batch, "t", move || {
+                    pool.run(Lane::Batch, &format!("t{i}"), move || {
                         let now = running.fetch_add(1, Ordering::SeqCst) + 1;
                         most.fetch_max(now, Ordering::SeqCst);
                         std::thread::sleep(std::time::Duration::from_millis(20));
@@ -186,10 +187,7 @@ mod tests {
             j.await.unwrap();
         }
         let most = most.load(Ordering::SeqCst);
-        assert!(
-            (1..=2).contains(&most),
-            "half of 4 in the batch lane: {most}"
-        );
+        assert!(most <= 2, "half of 4 in the batch lane: {most}");
         assert_eq!(pool.run(Lane::Request, "t", || 7).await, 7);
         assert_eq!(pool.tenants_tracked(), 0);
     }

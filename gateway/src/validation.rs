@@ -154,11 +154,14 @@ fn opt_f32(o: &Map<String, Value>, k: &str) -> Result<Option<f32>, ApiError> {
         Some(Value::Number(n)) => {
             let f = n.as_f64().unwrap_or(f64::NAN);
             let narrow = f as f32;
-            // A value f32 cannot hold would be checked (and echoed) as 0 or inf.
-            if (narrow == 0.0 && f != 0.0) || narrow.is_infinite() {
+            // A value f32 cannot hold (or only as a subnormal) would be checked,
+            // and echoed, as something else.
+            if f != 0.0 && !narrow.is_normal() {
                 return Err(ApiError::field(
                     k,
-                    format!("`{k}` must be 0 or between 1e-38 and 3e38 in magnitude. Given: {n}"),
+                    format!(
+                        "`{k}` must be 0 or between 1.2e-38 and 3.4e38 in magnitude. Given: {n}"
+                    ),
                 ));
             }
             Ok(Some(narrow))
@@ -744,9 +747,18 @@ pub fn validate(
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
     // control tokens, as llama.cpp's server and vLLM parse completions prompts.
     let tools = p.tools;
-    // Tokens the prompt may take: a prompt known to be longer is refused before it
-    // is tokenized to the end (a megabyte costs seconds of tokenizer time).
-    let room = limits.context.saturating_sub(p.max_tokens);
+    // Tokens the prompt may take: a long prompt known to be longer is refused
+    // before it is tokenized to the end (a megabyte costs seconds of tokenizer
+    // time); a short one is tokenized, so its refusal gives the exact count.
+    let input_bytes = match &p.input {
+        Input::Prompt { text, .. } => text.len(),
+        Input::Messages(m) => m.iter().map(|m| m.content.len()).sum(),
+    };
+    let room = if input_bytes > EARLY_REFUSAL_BYTES {
+        limits.context.saturating_sub(p.max_tokens)
+    } else {
+        usize::MAX
+    };
     let shown = |m: Vec<ChatMessage>| match &tools {
         Some(t) => t.show(m),
         None => m,
@@ -892,6 +904,11 @@ fn encode_chat(
         })
 }
 
+/// Prompts longer than this (bytes of text) are checked against the context window
+/// before tokenizing ([`Tokenizer::min_tokens`](tessera_model::tokenizer::Tokenizer::min_tokens));
+/// shorter ones tokenize in milliseconds.
+const EARLY_REFUSAL_BYTES: usize = 64 << 10;
+
 /// The context-window refusal of a prompt known to be at least `at_least` tokens
 /// (the early check: it was not tokenized to the end).
 fn over_context(at_least: usize, max_tokens: usize, context: usize) -> ApiError {
@@ -975,6 +992,10 @@ mod tests {
         assert!(e.message.ends_with("Given: 1e-300"), "{}", e.message);
         let e = workers_ai("m", &obj(json!({"prompt": "x", "temperature": 1e39}))).unwrap_err();
         assert!(e.message.contains("Given: 1e+39"), "{}", e.message);
+        let e = workers_ai("m", &obj(json!({"prompt": "x", "top_p": 1e-40}))).unwrap_err();
+        assert!(e.message.ends_with("Given: 1e-40"), "{}", e.message);
+        let p = workers_ai("m", &obj(json!({"prompt": "x", "temperature": 0.0}))).unwrap();
+        assert_eq!(p.sampling.temperature, 0.0);
         let stops = json!(["", "a", "", "b", "c", "", "d", ""]);
         let p = workers_ai("m", &obj(json!({"prompt": "x", "stop": stops}))).unwrap();
         assert_eq!(p.stop, ["a", "b", "c", "d"]);

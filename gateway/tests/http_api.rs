@@ -510,6 +510,31 @@ async fn over_long_prompt_is_rejected_before_the_engine() {
         "{msg}"
     );
     assert!(msg.contains(" tokens)"), "{msg}");
+    // Issue 32 review: a prompt of ~900 KB was tokenized to the end (seconds of CPU)
+    // before this refusal. Now it is refused from its length, on both API shapes,
+    // with a lower bound on its tokens.
+    let huge = "lorem ipsum dolor sit amet, ".repeat(32_000);
+    for (url, body) in [
+        (
+            s.run_url(&s.tenant.id),
+            json!({"prompt": huge, "raw": true, "max_tokens": 10}),
+        ),
+        (
+            format!("{}/v1/chat/completions", s.base),
+            json!({"model": MODEL, "messages": [{"role": "user", "content": huge}], "max_tokens": 10}),
+        ),
+    ] {
+        let (st, _, v) = s.post(&url, Some(&s.key), &body).await;
+        assert_eq!(st, 400, "{v}");
+        let msg = v["errors"][0]["message"]
+            .as_str()
+            .or(v["error"]["message"].as_str())
+            .unwrap();
+        assert!(
+            msg.starts_with("prompt (at least ") && msg.contains("context window of 8192 tokens"),
+            "{msg}"
+        );
+    }
     // Short prompt, max_tokens at the context window.
     let (st, _, v) = s
         .post(&format!("{}/v1/chat/completions", s.base), Some(&s.key), &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8192}))

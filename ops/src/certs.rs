@@ -161,8 +161,9 @@ pub struct Issued {
 /// `ca_dir`, valid for `days`, and writes them and a copy of the CA certificate into
 /// `dir` (created `0700` if needed), the directory the nodes are given.
 ///
-/// Errors: `dir` is `ca_dir`, holds a `ca.key` or is writable by group or others
-/// ([`CertsError::Exposed`]); the CA key is missing or unreadable; an identity has
+/// Errors: `dir` is `ca_dir`, holds it, holds a `ca.key` or is writable by group or
+/// others, or the CA key is open to group or others ([`CertsError::Exposed`]); the
+/// CA key is missing or unreadable; an identity has
 /// no name (a bad node address); a file cannot be written.
 pub fn issue(
     config: &DeploymentConfig,
@@ -181,7 +182,6 @@ pub fn issue(
     })?;
     let ca_key = KeyPair::from_pem(&pem)
         .map_err(|e| CertsError::Invalid(format!("{}: not a CA key: {e}", key_path.display())))?;
-    key_dir(dir)?;
     // The CA's directory is the node files' or lies inside it (DIR/ca/ca.key would
     // travel with DIR to every node).
     let (same, inside) = match (ca_dir.canonicalize(), dir.canonicalize()) {
@@ -211,6 +211,8 @@ pub fn issue(
             ca_dir.display()
         )));
     }
+    // Created (0700) only once the layout passed: a refusal leaves nothing behind.
+    key_dir(dir)?;
     let ca = ca_params().self_signed(&ca_key)?;
     let ca_pem_path = ca_dir.join(CA_CERT);
     let ca_pem = std::fs::read_to_string(&ca_pem_path).map_err(io(&ca_pem_path))?;
@@ -385,7 +387,10 @@ nodes = ["127.0.0.1:9201", "[::1]:9202"]
         let e = issue(&config(), &ca, &certs, 30).unwrap_err();
         assert!(matches!(e, CertsError::Exposed(_)), "{e:?}");
         assert!(e.to_string().contains("chmod 600"), "{e}");
-        assert!(!certs.join("gateway.key").exists());
+        assert!(
+            !certs.exists(),
+            "a refused issue leaves no directory behind"
+        );
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
         issue(&config(), &ca, &certs, 30).unwrap();
     }
