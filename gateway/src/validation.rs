@@ -14,6 +14,7 @@ use tessera_model::sampling::{
     prompt_logprobs_wire_bytes, SamplingError, SamplingParams, MAX_PROMPT_LOGPROBS_BYTES,
     MAX_TOP_K, MAX_TOP_LOGPROBS,
 };
+use tessera_model::tokenizer::TokenizerError;
 use tessera_model::LoadedModel;
 use tessera_serving::admission::AdmissionLimits;
 use tessera_serving::admission::{GenerateRequest, OutputOptions, Rejection};
@@ -771,16 +772,16 @@ pub fn validate(
             ))
         }
         Input::Prompt { text, chat: false } => {
-            let at_least = model.tokenizer.min_tokens(text.len());
-            if at_least > room {
-                return Err(over_context(at_least, p.max_tokens, limits.context));
-            }
-            model.tokenizer.encode(text, true).map_err(|e| {
+            let cannot = |e: TokenizerError| {
                 ApiError::new(
                     ErrorKind::BadRequest,
                     format!("cannot tokenize the prompt: {e}"),
                 )
-            })?
+            };
+            if let Some(at_least) = model.tokenizer.exceeds(text, true, room).map_err(cannot)? {
+                return Err(over_context(at_least, p.max_tokens, limits.context));
+            }
+            model.tokenizer.encode(text, true).map_err(cannot)?
         }
         Input::Prompt { text, chat: true } => encode_chat(
             model,

@@ -206,11 +206,13 @@ impl ChatTemplate {
     /// [`Self::encode`], stopping with [`ChatError::OverLimit`] as soon as the
     /// prompt is known to exceed `limit` tokens without tokenizing it all (a result
     /// may still be longer than `limit`: the caller checks). Before each piece is
-    /// tokenized, the
-    /// tokens so far plus the piece's and the rest's lower bound
+    /// tokenized, the tokens so far plus the lower bound of the piece and the rest
     /// ([`Tokenizer::min_tokens`](crate::tokenizer::Tokenizer::min_tokens)) are
-    /// checked, so a megabyte far over the context window costs no tokenizer time,
-    /// and tokenizer work is bounded by `limit` times the longest token.
+    /// checked, then a long piece's prefix
+    /// ([`Tokenizer::exceeds`](crate::tokenizer::Tokenizer::exceeds)): a megabyte
+    /// far over the context window costs no tokenizer time, and one just over it
+    /// costs a prefix of about `limit` times
+    /// [`PREFIX_BYTES_PER_TOKEN`](crate::tokenizer::PREFIX_BYTES_PER_TOKEN) bytes.
     pub fn encode_within(
         &self,
         tokenizer: &crate::tokenizer::Tokenizer,
@@ -257,6 +259,17 @@ impl ChatTemplate {
                 return Err(ChatError::OverLimit { at_least, limit });
             }
             left -= piece.len();
+            // A long piece: a prefix of it may already show the prompt too long.
+            let room = limit - ids.len();
+            if let Some(n) = tokenizer
+                .exceeds(piece, special, room)
+                .map_err(|e| ChatError::Tokenize(e.to_string()))?
+            {
+                return Err(ChatError::OverLimit {
+                    at_least: ids.len() + n,
+                    limit,
+                });
+            }
             ids.extend(tok(piece, special)?);
         }
         Ok(ids)

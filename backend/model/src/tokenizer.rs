@@ -122,6 +122,9 @@ pub struct Tokenizer {
     control: Vec<bool>,
     /// The longest token's byte length (at least 1): no token covers more input.
     max_token_bytes: usize,
+    /// No control or user-defined token contains a space, so none can span a
+    /// [`safe_cut`] (see [`Tokenizer::exceeds`]).
+    cuts_are_safe: bool,
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
@@ -237,6 +240,26 @@ fn char_to_byte_table() -> std::collections::HashMap<char, u8> {
         }
     }
     table
+}
+
+/// Bytes of prefix [`Tokenizer::exceeds`] tokenizes per allowed token: ordinary
+/// text averages 3 to 5 bytes a token, so a prefix this long usually holds more
+/// tokens than allowed when the whole text does.
+pub const PREFIX_BYTES_PER_TOKEN: usize = 6;
+
+/// How far past `near` [`safe_cut`] looks for a cut before giving up, in bytes.
+const CUT_SEARCH_BYTES: usize = 4096;
+
+/// The first index at or after `near` (within [`CUT_SEARCH_BYTES`]) where `text`
+/// has a space between two ASCII letters: `text[..i]` ends with the letter and
+/// `text[i..]` starts with the space (a char boundary: all three are ASCII).
+fn safe_cut(text: &str, near: usize) -> Option<usize> {
+    let b = text.as_bytes();
+    let end = near
+        .saturating_add(CUT_SEARCH_BYTES)
+        .min(b.len().saturating_sub(1));
+    (near.max(1)..end)
+        .find(|&i| b[i] == b' ' && b[i - 1].is_ascii_alphabetic() && b[i + 1].is_ascii_alphabetic())
 }
 
 impl Tokenizer {
@@ -363,6 +386,10 @@ impl Tokenizer {
             })
             .collect::<Vec<Vec<u8>>>();
         let max_token_bytes = bytes.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let cuts_are_safe = !tokens
+            .iter()
+            .zip(&types)
+            .any(|(t, &ty)| (ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED) && t.contains(' '));
         let control = types.iter().map(|&ty| ty == TYPE_CONTROL).collect();
 
         let add_bos = match content.metadata.get(KEY_ADD_BOS) {
@@ -381,6 +408,7 @@ impl Tokenizer {
             bytes,
             control,
             max_token_bytes,
+            cuts_are_safe,
             bos: get_token_id(content, KEY_BOS, tokens.len())?,
             eos: get_token_id(content, KEY_EOS, tokens.len())?,
             add_bos,
@@ -414,6 +442,43 @@ impl Tokenizer {
     /// refuse a prompt far over the context window before spending seconds on it.
     pub fn min_tokens(&self, text_bytes: usize) -> usize {
         text_bytes.div_ceil(self.max_token_bytes)
+    }
+
+    /// Whether `text` is known to encode to more than `limit` tokens, found
+    /// without tokenizing all of it: `Some(n)` with `n > limit` a lower bound, or
+    /// `None` when it may fit (the caller tokenizes it and checks).
+    ///
+    /// First the byte bound ([`Self::min_tokens`]); then, for a text over
+    /// [`PREFIX_BYTES_PER_TOKEN`] bytes per allowed token, only a prefix is
+    /// tokenized, cut where the prefix's tokens are exactly the first tokens of the
+    /// whole text: at a space between two ASCII letters. No pre-token of the GPT-2
+    /// split (`smollm` and `gpt-2` here; Radford et al. 2019, the regex in
+    /// `tokenizers`' `ByteLevel`) crosses such a space, and digit splitting does not
+    /// either, so BPE merges nothing across it; no control or user-defined token
+    /// contains a space, or the prefix check is skipped.
+    ///
+    /// Errors: the tokenizer failed on the prefix.
+    pub fn exceeds(
+        &self,
+        text: &str,
+        parse_special: bool,
+        limit: usize,
+    ) -> Result<Option<usize>, TokenizerError> {
+        let at_least = self.min_tokens(text.len());
+        if at_least > limit {
+            return Ok(Some(at_least));
+        }
+        let prefix_bytes = limit
+            .saturating_add(1)
+            .saturating_mul(PREFIX_BYTES_PER_TOKEN);
+        if !self.cuts_are_safe || text.len() <= prefix_bytes {
+            return Ok(None);
+        }
+        let Some(cut) = safe_cut(text, prefix_bytes) else {
+            return Ok(None);
+        };
+        let n = self.encode(&text[..cut], parse_special)?.len();
+        Ok((n > limit).then_some(n))
     }
 
     /// The longest token, in bytes (control tokens by their text).
@@ -709,5 +774,100 @@ pub(crate) mod tests {
             );
             assert_eq!(tok.decode(&ids, false), case.text);
         }
+    }
+}
+
+/// The cut rule of [`Tokenizer::exceeds`], checked on the real tokenizer: at every
+/// [`safe_cut`], the prefix's tokens are exactly the whole text's first tokens.
+#[cfg(test)]
+mod cut_tests {
+    use super::tests::test_tokenizer;
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Text pieces that stress the GPT-2 split: words, runs of spaces, newlines,
+    /// digits, punctuation, contractions, non-ASCII letters, emoji, control-token
+    /// text.
+    const PIECES: &[&str] = &[
+        "the",
+        "cat",
+        "Hello",
+        "x",
+        "ab",
+        " ",
+        "  ",
+        "   ",
+        "\n",
+        "\n\n",
+        "\t",
+        "123",
+        "4",
+        "2024",
+        ",",
+        ".",
+        "!?",
+        "'s",
+        "'ll",
+        "don't",
+        "(",
+        ")",
+        "-",
+        "--",
+        "é",
+        "naïve",
+        "Straße",
+        "日本語",
+        "👋",
+        "<|im_start|>",
+        "<|im_end|>",
+        "user",
+        "a b",
+        "::",
+        "\"",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+        #[test]
+        fn a_safe_cut_never_changes_the_tokens_before_it(
+            picks in proptest::collection::vec(0..PIECES.len(), 8..120),
+            near in 0usize..400,
+            special in any::<bool>(),
+        ) {
+            let Some(tok) = test_tokenizer() else { return Ok(()); };
+            prop_assume!(tok.cuts_are_safe);
+            let text: String = picks.iter().map(|&i| PIECES[i]).collect::<Vec<_>>().join("");
+            let Some(cut) = safe_cut(&text, near.min(text.len())) else { return Ok(()); };
+            let whole = tok.encode(&text, special).unwrap();
+            let prefix = tok.encode(&text[..cut], special).unwrap();
+            prop_assert!(prefix.len() <= whole.len());
+            prop_assert_eq!(&whole[..prefix.len()], &prefix[..], "cut {} of {:?}", cut, text);
+        }
+    }
+
+    #[test]
+    fn a_long_text_is_known_too_long_from_a_prefix() {
+        let Some(tok) = test_tokenizer() else {
+            return;
+        };
+        assert!(tok.cuts_are_safe, "SmolLM2's control tokens hold no space");
+        // About 4.6 bytes a token: 100 KB is ~20k tokens, under the byte bound's
+        // reach for a limit of 8192, but its prefix shows it.
+        let text = "the quick brown fox jumps over a lazy dog ".repeat(2500);
+        assert!(tok.min_tokens(text.len()) <= 8192);
+        let n = tok
+            .exceeds(&text, true, 8192)
+            .unwrap()
+            .expect("known too long");
+        assert!(
+            n > 8192 && n <= tok.encode(&text, true).unwrap().len(),
+            "{n}"
+        );
+        // One that fits is not refused.
+        let short = "the quick brown fox ".repeat(100);
+        assert_eq!(tok.exceeds(&short, true, 8192).unwrap(), None);
+        assert_eq!(safe_cut("ab", 0), None);
+        assert_eq!(safe_cut("a b", 0), Some(1));
+        assert_eq!(safe_cut("a  b", 0), None, "two spaces: the split differs");
     }
 }
