@@ -386,10 +386,14 @@ impl Tokenizer {
             })
             .collect::<Vec<Vec<u8>>>();
         let max_token_bytes = bytes.iter().map(Vec::len).max().unwrap_or(1).max(1);
-        let cuts_are_safe = !tokens
-            .iter()
-            .zip(&types)
-            .any(|(t, &ty)| (ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED) && t.contains(' '));
+        // The cut rule is proven for the GPT-2 split only (a new pre-tokenizer must
+        // be added here deliberately, with the proptest run on its files).
+        let gpt2_split = matches!(pre, "smollm" | "gpt-2");
+        let cuts_are_safe = gpt2_split
+            && !tokens
+                .iter()
+                .zip(&types)
+                .any(|(t, &ty)| (ty == TYPE_CONTROL || ty == TYPE_USER_DEFINED) && t.contains(' '));
         let control = types.iter().map(|&ty| ty == TYPE_CONTROL).collect();
 
         let add_bos = match content.metadata.get(KEY_ADD_BOS) {
