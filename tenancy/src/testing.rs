@@ -39,6 +39,14 @@ fn pg_bin() -> PathBuf {
 }
 
 fn run(as_postgres: bool, bin: &Path, args: &[&str]) {
+    if let Err(e) = try_run(as_postgres, bin, args) {
+        panic!("{e}");
+    }
+}
+
+/// Runs `bin` with `args` (as `postgres` when asked); the error names the command
+/// and its stderr.
+fn try_run(as_postgres: bool, bin: &Path, args: &[&str]) -> Result<(), String> {
     let mut c = if as_postgres {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(bin);
@@ -47,12 +55,24 @@ fn run(as_postgres: bool, bin: &Path, args: &[&str]) {
         Command::new(bin)
     };
     let out = c.args(args).output().unwrap();
-    assert!(
-        out.status.success(),
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(format!(
         "{} {args:?}: {}",
         bin.display(),
         String::from_utf8_lossy(&out.stderr)
-    );
+    ))
+}
+
+/// A free loopback port now (another process may take it before it is used:
+/// the caller retries).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 impl PgServer {
@@ -92,11 +112,6 @@ impl PgServer {
                 .unwrap();
             assert!(st.success());
         }
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let data = dir.path().join("data");
         let data_s = data.to_str().unwrap();
         run(
@@ -114,25 +129,41 @@ impl PgServer {
                 "--no-sync",
             ],
         );
-        let opts = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
-            dir.path().display()
-        );
         let log = dir.path().join("log");
-        run(
-            as_postgres,
-            &bin.join("pg_ctl"),
-            &[
-                "-D",
-                data_s,
-                "-o",
-                &opts,
-                "-l",
-                log.to_str().unwrap(),
-                "-w",
-                "start",
-            ],
-        );
+        // The port was free when picked, but a parallel test may take it first (a
+        // full-suite run once failed here with "could not start server"): retry on
+        // another port, and on the last failure show the server's own log.
+        let mut attempt = 0;
+        let port = loop {
+            attempt += 1;
+            let port = free_port();
+            let opts = format!(
+                "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+                dir.path().display()
+            );
+            let started = try_run(
+                as_postgres,
+                &bin.join("pg_ctl"),
+                &[
+                    "-D",
+                    data_s,
+                    "-o",
+                    &opts,
+                    "-l",
+                    log.to_str().unwrap(),
+                    "-w",
+                    "start",
+                ],
+            );
+            match started {
+                Ok(()) => break port,
+                Err(e) if attempt >= 3 => panic!(
+                    "{e}\nserver log:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                ),
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        };
         Self {
             url: format!("postgres://tessera@127.0.0.1:{port}/postgres"),
             dir,
