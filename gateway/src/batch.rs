@@ -30,7 +30,7 @@
 use crate::cpu::Lane;
 use crate::driver::{BatchCharge, Charge};
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::http::{authenticate, envelope, read_body_in_time, Shape};
+use crate::http::{authenticate, envelope, limit_error, read_body_in_time, Shape};
 use crate::request::{self, Stop};
 use crate::state::{AppState, Ctx, Job, Progress};
 use crate::validation::{self, ParsedRequest, Validated};
@@ -128,6 +128,14 @@ pub(crate) async fn handle(
         Err((reason, e)) => return ctx.refuse(&state, reason, e),
     };
     let tenant_id = principal.tenant.id.clone();
+    // A large body is a submission (a poll is a few dozen bytes): when the tenant
+    // could not be admitted now, refuse it before reading and parsing it, so that
+    // a flood of megabyte batches past the allowance costs next to nothing.
+    if declared_len(&parts.headers).is_some_and(|n| n > PRECHECK_BYTES) {
+        if let Err(l) = state.limiter.precheck(&tenant_id, principal.tenant.limits) {
+            return ctx.refuse(&state, l.kind.label(), limit_error(&l));
+        }
+    }
     let parsed = match read_body_in_time(&state, &parts.headers, body).await {
         // A body of up to the size limit: parsed on the CPU pool.
         Ok(b) => request::parse_body(&state, Lane::Batch, &tenant_id, b).await,
@@ -178,6 +186,20 @@ pub(crate) async fn handle(
             ctx.refuse(&state, reason, e)
         }
     }
+}
+
+/// Bodies declared longer than this (`content-length`, bytes) are submissions whose
+/// tenant is checked ([`tessera_tenancy::Limiter::precheck`]) before the body is read.
+const PRECHECK_BYTES: u64 = 64 << 10;
+
+/// The body length a request declares in `content-length`, if any.
+fn declared_len(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
 }
 
 /// The refusal reason (metrics label) of a batch error.

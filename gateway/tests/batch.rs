@@ -311,6 +311,59 @@ async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
     assert_eq!(done["responses"][0]["success"], true, "{done}");
 }
 
+/// Issue 32 review: a tenant past its allowance still had each 1 MB batch read and
+/// parsed before the 429 (a flood cost the gateway a core). A large submission is
+/// now refused from the limiter's state before its body is read: a malformed 200 KB
+/// body gets the 429, not the 400 parsing it would give; a small body (a poll, or
+/// anything under the threshold) is still read and answered on its merits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_tenants_large_submission_is_refused_before_its_body_is_read() {
+    let s = start().await;
+    let limits = Limits {
+        requests_per_minute: 1,
+        ..Limits::default()
+    };
+    let (t, key) = s.tenant_with_key("spent", limits).await;
+    let url = batch_url(&s, &t.id);
+    let (st, _, v) = s
+        .post(
+            &s.run_url(&t.id),
+            Some(&key),
+            &json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(st, 200, "{v}");
+    let send = |body: String| {
+        s.client
+            .post(&url)
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let junk = format!("{{\"requests\": [{}", "x".repeat(200 << 10));
+    let resp = send(junk).await.unwrap();
+    assert_eq!(resp.status(), 429);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["errors"][0]["code"], 3040, "{v}");
+    let resp = send("{\"requests\": [".into()).await.unwrap();
+    assert_eq!(resp.status(), 400, "a small body is parsed");
+    // A tenant with its minute left is not refused by the check: its large
+    // malformed body is read and gets the 400.
+    let (t2, key2) = s.tenant_with_key("fresh", limits).await;
+    let resp = s
+        .client
+        .post(batch_url(&s, &t2.id))
+        .bearer_auth(&key2)
+        .header("content-type", "application/json")
+        .body(format!("{{\"requests\": [{}", "x".repeat(200 << 10)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert_eq!(s.state.metrics.refused_count("requests_per_minute"), 1);
+}
+
 /// Every item's tokens (prompt + `max_tokens`) are reserved against the daily quota
 /// at submission: a batch whose items together exceed it is refused 429 (the
 /// quota's code) with no row and nothing left reserved, even when each item alone

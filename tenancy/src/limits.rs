@@ -500,6 +500,34 @@ impl Limiter {
         }
     }
 
+    /// Whether tenant `id` could be admitted for one request now, without taking
+    /// anything: its concurrency and requests/minute, in this process's memory.
+    /// The gateway asks before reading an async batch's body, so that a tenant
+    /// whose minute is spent is refused without its megabyte being read and parsed
+    /// ([`Limiter::admit_many`] still decides, and takes). With Redis the shared
+    /// counters are not read (a round trip that admission makes anyway): always Ok.
+    ///
+    /// Errors: the limit that would refuse, as [`Limiter::admit`] gives it.
+    pub fn precheck(&self, id: &str, limits: Limits) -> Result<(), LimitError> {
+        if self.shared.is_some() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let t = self.tenant(id, limits, now);
+        let mut st = t.lock();
+        st.update(limits, now);
+        if limits.max_concurrent > 0 && st.inflight >= limits.max_concurrent {
+            return Err(concurrency_error(st.inflight, limits.max_concurrent));
+        }
+        let cap = limits.requests_per_minute;
+        if cap > 0 {
+            if let Err(wait) = st.requests.check(cap, 1, now) {
+                return Err(requests_error(1, cap, wait));
+            }
+        }
+        Ok(())
+    }
+
     fn admit_at(
         &self,
         id: &str,
