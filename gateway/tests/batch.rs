@@ -149,6 +149,24 @@ async fn a_batch_answers_as_its_items_alone_and_bills_each_once() {
 }
 
 /// A POST with `key`; returns status, `retry-after`, `x-should-retry` and the body.
+/// A tenant allowed 1 request a minute.
+const ONE_A_MINUTE: Limits = Limits {
+    requests_per_minute: 1,
+    ..Limits::UNLIMITED
+};
+
+/// One small Workers AI request of tenant `tenant` with `key`: (status, body).
+async fn run_hi(s: &TestServer, tenant: &str, key: &str) -> (u16, Value) {
+    let (st, _, v) = s
+        .post(
+            &s.run_url(tenant),
+            Some(key),
+            &json!({"prompt": "Hi", "max_tokens": 2}),
+        )
+        .await;
+    (st, v)
+}
+
 async fn post_with_headers(
     s: &TestServer,
     url: &str,
@@ -194,13 +212,7 @@ async fn a_batch_holds_one_concurrency_slot_while_its_items_run() {
         .collect();
     let id = submit(&s, &t.id, &key, Value::Array(items)).await;
     assert_eq!(s.state.limiter.inflight(&t.id), 1, "one slot for the batch");
-    let (st, _, v) = s
-        .post(
-            &s.run_url(&t.id),
-            Some(&key),
-            &json!({"prompt": "Hi", "max_tokens": 2}),
-        )
-        .await;
+    let (st, v) = run_hi(&s, &t.id, &key).await;
     assert_eq!(st, 429, "the batch holds the only slot: {v}");
     assert!(s.state.metrics.refused_count("max_concurrent") > 0);
     let done = wait_done(&s, &t.id, &key, &id).await;
@@ -213,13 +225,7 @@ async fn a_batch_holds_one_concurrency_slot_while_its_items_run() {
     assert_eq!(s.state.limiter.inflight(&t.id), 0, "the slot came back");
     let rows = s.store().usage_rows(Some(&t.id)).await.unwrap();
     assert_eq!(rows.len(), 4, "one row per item, none for the refusal");
-    let (st, _, v) = s
-        .post(
-            &s.run_url(&t.id),
-            Some(&key),
-            &json!({"prompt": "Hi", "max_tokens": 2}),
-        )
-        .await;
+    let (st, v) = run_hi(&s, &t.id, &key).await;
     assert_eq!(st, 200, "{v}");
 }
 
@@ -231,10 +237,7 @@ async fn a_batch_holds_one_concurrency_slot_while_its_items_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
     let s = start().await;
-    let limits = Limits {
-        requests_per_minute: 1,
-        ..Limits::default()
-    };
+    let limits = ONE_A_MINUTE;
     let (t, key) = s.tenant_with_key("one-a-minute", limits).await;
     let url = batch_url(&s, &t.id);
     let bad_last = json!({"requests": [
@@ -256,13 +259,7 @@ async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
     assert_eq!(s.state.metrics.refused_count("requests_per_minute"), 1);
     // All or nothing: the refused batch took nothing, so the minute's one request
     // is still there for a request...
-    let (st, _, v) = s
-        .post(
-            &s.run_url(&t.id),
-            Some(&key),
-            &json!({"prompt": "Hi", "max_tokens": 2}),
-        )
-        .await;
+    let (st, v) = run_hi(&s, &t.id, &key).await;
     assert_eq!(st, 200, "{v}");
     // ...which spent it: a batch of one item now waits for the next minute, and is
     // refused exactly as a request is.
@@ -299,13 +296,7 @@ async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
         json!([{"prompt": "Hi", "max_tokens": 2}]),
     )
     .await;
-    let (st, _, v) = s
-        .post(
-            &s.run_url(&t2.id),
-            Some(&key2),
-            &json!({"prompt": "Hi", "max_tokens": 2}),
-        )
-        .await;
+    let (st, v) = run_hi(&s, &t2.id, &key2).await;
     assert_eq!(st, 429, "the batch took the minute's request: {v}");
     let done = wait_done(&s, &t2.id, &key2, &id).await;
     assert_eq!(done["responses"][0]["success"], true, "{done}");
@@ -319,19 +310,10 @@ async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spent_tenants_large_submission_is_refused_before_its_body_is_read() {
     let s = start().await;
-    let limits = Limits {
-        requests_per_minute: 1,
-        ..Limits::default()
-    };
+    let limits = ONE_A_MINUTE;
     let (t, key) = s.tenant_with_key("spent", limits).await;
     let url = batch_url(&s, &t.id);
-    let (st, _, v) = s
-        .post(
-            &s.run_url(&t.id),
-            Some(&key),
-            &json!({"prompt": "Hi", "max_tokens": 2}),
-        )
-        .await;
+    let (st, v) = run_hi(&s, &t.id, &key).await;
     assert_eq!(st, 200, "{v}");
     let send = |body: String| {
         s.client
