@@ -456,7 +456,7 @@ fn catalog_model<'a>(
 ) -> Result<&'a crate::catalog::CatalogEntry, ApiError> {
     s.catalog
         .get(name.trim_start_matches('/'))
-        .ok_or_else(|| crate::validation::no_such_model(name.trim_start_matches('/')))
+        .ok_or_else(|| crate::model_check::no_such_model(name.trim_start_matches('/')))
 }
 
 async fn list_models(State(s): State<Arc<AppState>>) -> Reply {

@@ -31,9 +31,10 @@ use crate::cpu::Lane;
 use crate::driver::{BatchCharge, Charge};
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{authenticate, envelope, limit_error, read_body_in_time, Shape};
+use crate::model_check::{self, Validated};
 use crate::request::{self, Stop};
 use crate::state::{AppState, Ctx, Job, Progress};
-use crate::validation::{self, ParsedRequest, Validated};
+use crate::validation::{self, ParsedRequest};
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -129,10 +130,13 @@ pub(crate) async fn handle(
     };
     let tenant_id = principal.tenant.id.clone();
     // A large body is a submission (a poll is a few dozen bytes): when the tenant
-    // could not be admitted now, refuse it before reading and parsing it, so that
-    // a flood of megabyte batches past the allowance costs next to nothing.
+    // could not be admitted now, refuse it without parsing it, so that a flood of
+    // megabyte batches past the allowance costs little. The body is still read
+    // (bounded, and cheap beside parsing): answering first closes the connection
+    // under a client still sending, which then sees a reset instead of the 429.
     if declared_len(&parts.headers).is_some_and(|n| n > PRECHECK_BYTES) {
         if let Err(l) = state.limiter.precheck(&tenant_id, principal.tenant.limits) {
+            let _ = read_body_in_time(&state, &parts.headers, body).await;
             return ctx.refuse(&state, l.kind.label(), limit_error(&l));
         }
     }
@@ -152,7 +156,7 @@ pub(crate) async fn handle(
             return ctx.refuse(&state, "batch_invalid", crate::models_api::removed(e))
         }
         crate::catalog::Lookup::Unknown => {
-            return ctx.refuse(&state, "batch_invalid", validation::no_such_model(&model))
+            return ctx.refuse(&state, "batch_invalid", model_check::no_such_model(&model))
         }
     };
     if let Err(e) = crate::models_api::check_access(&state, &tenant_id, entry, &model).await {
@@ -189,7 +193,8 @@ pub(crate) async fn handle(
 }
 
 /// Bodies declared longer than this (`content-length`, bytes) are submissions whose
-/// tenant is checked ([`tessera_tenancy::Limiter::precheck`]) before the body is read.
+/// tenant is checked ([`tessera_tenancy::Limiter::precheck`]) before the body is
+/// parsed.
 const PRECHECK_BYTES: u64 = 64 << 10;
 
 /// The body length a request declares in `content-length`, if any.
@@ -398,10 +403,12 @@ async fn submit(
     let checked = state
         .cpu
         .run(Lane::Batch, &tenant.id, move || {
-            let served = st.served(&m).ok_or_else(|| validation::no_such_model(&m))?;
+            let served = st
+                .served(&m)
+                .ok_or_else(|| model_check::no_such_model(&m))?;
             let limits = served.engine.limits();
             items(&m, &requests, &|p| {
-                validation::validate(p, &st.catalog, &served.model, limits, &tc)
+                model_check::validate(p, &st.catalog, &served.model, limits, &tc)
             })
         })
         .instrument(tracing::info_span!(target: tessera_serving::telemetry::TARGET, "validation"))
@@ -598,7 +605,7 @@ async fn run_item(
                     .await
                     .map_err(|(reason, e)| Stop::refused(state, reason, e))?;
             let Some(served) = state.served(model) else {
-                let e = validation::no_such_model(model);
+                let e = model_check::no_such_model(model);
                 return Err(Stop::failed(state, &ctx, e).await);
             };
             let started = request::start(

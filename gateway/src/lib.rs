@@ -36,6 +36,7 @@
 pub mod catalog;
 pub mod error;
 pub mod metrics;
+pub mod model_check;
 pub mod server;
 pub mod tls;
 pub mod tools;

@@ -137,7 +137,7 @@ pub(crate) async fn check_access(
         return Ok(());
     }
     if state.private_models_as_404 {
-        return Err(crate::validation::no_such_model(asked));
+        return Err(crate::model_check::no_such_model(asked));
     }
     let mut err = ApiError::new(
         ErrorKind::ModelNotAllowed,
@@ -200,7 +200,7 @@ async fn one(
         },
         Lookup::Removed(e) => removed(e).into_response_as(Flavor::OpenAi, &ctx.rid),
         Lookup::Unknown => {
-            crate::validation::no_such_model(id).into_response_as(Flavor::OpenAi, &ctx.rid)
+            crate::model_check::no_such_model(id).into_response_as(Flavor::OpenAi, &ctx.rid)
         }
     }
 }

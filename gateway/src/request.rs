@@ -15,9 +15,10 @@ use crate::cpu::Lane;
 use crate::driver::{self, Charge, Held, Msg};
 use crate::error::{ApiError, ErrorKind};
 use crate::http::{limit_error, Shape};
+use crate::model_check::{self, TenantContext, Validated};
 use crate::openai::{Collected, Formatter, LogprobsView};
 use crate::state::{AppState, Ctx, ServedModel};
-use crate::validation::{self, ParsedRequest, TenantContext, Validated};
+use crate::validation::{self, ParsedRequest};
 use serde_json::Value;
 use std::sync::Arc;
 use tessera_serving::Priority;
@@ -107,10 +108,10 @@ pub(crate) async fn parse_body(
         .await
 }
 
-/// Stage 2: [`validation::validate`] of `parsed` against the served model
+/// Stage 2: [`model_check::validate`] of `parsed` against the served model
 /// `model_id` (catalog id), on the CPU pool's `lane`, in `tenant_id`'s share.
 ///
-/// Errors: as [`validation::validate`] (400 naming the field, 404 for a model not
+/// Errors: as [`model_check::validate`] (400 naming the field, 404 for a model not
 /// served here).
 pub(crate) async fn validate(
     state: &Arc<AppState>,
@@ -127,8 +128,8 @@ pub(crate) async fn validate(
         .run(lane, tenant_id, move || {
             let served = st
                 .served(&id)
-                .ok_or_else(|| validation::no_such_model(&id))?;
-            validation::validate(
+                .ok_or_else(|| model_check::no_such_model(&id))?;
+            model_check::validate(
                 parsed,
                 &st.catalog,
                 &served.model,

@@ -10,11 +10,12 @@ use crate::cpu::Lane;
 use crate::driver::{Charge, Msg};
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{authenticate, read_body_in_time, Shape};
+use crate::model_check::{self, Validated};
 use crate::models_api::with_lifecycle;
 use crate::openai::Formatter;
 use crate::request;
 use crate::state::{ConnLimits, Ctx};
-use crate::validation::{self, Validated};
+use crate::validation;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -157,7 +158,7 @@ async fn generate_in_span(
     let routed = parsed.and_then(|p| match state.catalog.lookup(&p.model, now_secs()) {
         Lookup::Served(e) => Ok((p, e)),
         Lookup::Removed(e) => Err(crate::models_api::removed(e)),
-        Lookup::Unknown => Err(validation::no_such_model(&p.model)),
+        Lookup::Unknown => Err(model_check::no_such_model(&p.model)),
     });
     let (parsed, entry) = match routed {
         Ok(x) => x,
@@ -173,7 +174,7 @@ async fn generate_in_span(
     }
     let Some(served) = state.served(&entry.id) else {
         return ctx
-            .fail(&state, validation::no_such_model(&parsed.model))
+            .fail(&state, model_check::no_such_model(&parsed.model))
             .await;
     };
     let tc = request::tenant_context(tenant);

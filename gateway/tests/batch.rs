@@ -304,11 +304,11 @@ async fn a_batch_takes_a_request_per_item_before_its_items_are_validated() {
 
 /// Issue 32 review: a tenant past its allowance still had each 1 MB batch read and
 /// parsed before the 429 (a flood cost the gateway a core). A large submission is
-/// now refused from the limiter's state before its body is read: a malformed 200 KB
+/// now refused from the limiter's state before its body is parsed: a malformed 200 KB
 /// body gets the 429, not the 400 parsing it would give; a small body (a poll, or
 /// anything under the threshold) is still read and answered on its merits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_spent_tenants_large_submission_is_refused_before_its_body_is_read() {
+async fn a_spent_tenants_large_submission_is_refused_before_its_body_is_parsed() {
     let s = start().await;
     let limits = ONE_A_MINUTE;
     let (t, key) = s.tenant_with_key("spent", limits).await;

@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value};
 use std::sync::OnceLock;
 use std::time::Duration;
 use tessera_gateway::catalog::Catalog;
-use tessera_gateway::validation;
+use tessera_gateway::{model_check, validation};
 use tessera_gateway::{Deadlines, GatewayConfig};
 use tessera_model::LoadedModel;
 use tessera_serving::admission::AdmissionLimits;
@@ -239,12 +239,12 @@ fn validation_never_panics_and_names_the_field() {
                 _ => validation::openai_completion(&o),
             });
             let r = r.and_then(|p| {
-                validation::validate(
+                model_check::validate(
                     p,
                     &catalog,
                     model(),
                     limits,
-                    &validation::TenantContext::plain(7),
+                    &model_check::TenantContext::plain(7),
                 )
             });
             if let Err(e) = r {

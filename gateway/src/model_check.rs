@@ -1,0 +1,281 @@
+//! Stage 2 of a request: a [`ParsedRequest`] checked against the model that serves
+//! it, giving a [`Validated`] request (model resolved, chat rendered, prompt
+//! tokenized, I1 checked against the model's limits, output options bounded).
+//! Later phases accept only a [`Validated`], so nothing unchecked reaches the
+//! engine. Pure: nothing is allocated, nothing reaches the engine here.
+
+use crate::catalog::{Catalog, CatalogEntry};
+use crate::error::{ApiError, ErrorKind};
+use crate::tools::Tools;
+use crate::validation::{Input, ParsedRequest};
+use tessera_model::chat::{ChatError, ChatMessage};
+use tessera_model::sampling::{prompt_logprobs_wire_bytes, MAX_PROMPT_LOGPROBS_BYTES};
+use tessera_model::tokenizer::TokenizerError;
+use tessera_model::LoadedModel;
+use tessera_serving::admission::AdmissionLimits;
+use tessera_serving::admission::{GenerateRequest, OutputOptions, Rejection};
+use tessera_serving::Priority;
+
+/// What validation takes from the caller's tenant record: server-side values only,
+/// never anything from the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TenantContext {
+    /// The id the engine tags KV pages with.
+    pub engine_id: u64,
+    /// Fair-share weight (>= 1).
+    pub weight: u32,
+    /// Highest class the tenant's requests may run in.
+    pub max_priority: Priority,
+    /// The tenant's prefix-cache namespace (derived from the account and its salt).
+    pub cache_namespace: Option<[u8; 32]>,
+}
+
+impl TenantContext {
+    /// A tenant of engine id `engine_id` with weight 1, interactive allowed and no
+    /// prefix cache.
+    pub fn plain(engine_id: u64) -> Self {
+        Self {
+            engine_id,
+            weight: 1,
+            max_priority: Priority::Interactive,
+            cache_namespace: None,
+        }
+    }
+}
+
+/// A request ready for the engine: I1 checked against the model's limits.
+#[derive(Clone, Debug)]
+pub struct Validated {
+    /// Catalog entry.
+    pub model: CatalogEntry,
+    /// The engine request (token ids).
+    pub request: GenerateRequest,
+    /// Stream as server-sent events.
+    pub stream: bool,
+    /// OpenAI `stream_options.include_usage`.
+    pub include_usage: bool,
+    /// Completions `echo`: the prompt text to send back before the completion.
+    pub echo: Option<String>,
+    /// The request's tools: its output is scanned for calls.
+    pub tools: Option<Tools>,
+}
+
+/// The 404 for a model id the catalog does not have (Workers AI code 5007).
+pub fn no_such_model(id: &str) -> ApiError {
+    let mut e = ApiError::new(ErrorKind::NoSuchModel, format!("No such model {id}"));
+    e.param = Some("model".into());
+    e
+}
+
+/// Maps an engine admission rejection to the client error.
+pub fn rejection(r: &Rejection) -> ApiError {
+    match r {
+        Rejection::ContextOverflow { .. } | Rejection::PoolTooSmall { .. } => {
+            ApiError::new(ErrorKind::ContextOverflow, r.to_string())
+        }
+        Rejection::Sampling(e) => ApiError::field(e.field(), e.to_string()),
+        Rejection::Stop(_) => ApiError::field("stop", r.to_string()),
+        Rejection::ZeroMaxTokens => ApiError::field("max_tokens", r.to_string()),
+        Rejection::EmptyPrompt => ApiError::field("prompt", r.to_string()),
+        Rejection::BadToken { .. } => ApiError::new(ErrorKind::BadRequest, r.to_string()),
+        Rejection::Unavailable(_) => {
+            let mut e = ApiError::new(ErrorKind::Unavailable, r.to_string());
+            e.retryable = true;
+            e
+        }
+    }
+}
+
+/// Resolves the model, renders and tokenizes the input, and runs the I1 checks
+/// against `limits` (pure: nothing is allocated, nothing reaches the engine). The
+/// request runs in the class it asked for, or the tenant's ceiling if it asked for
+/// none or for a higher one; weight and cache namespace come from `tenant` alone.
+pub fn validate(
+    p: ParsedRequest,
+    catalog: &Catalog,
+    model: &LoadedModel,
+    limits: AdmissionLimits,
+    tenant: &TenantContext,
+) -> Result<Validated, ApiError> {
+    let entry = catalog
+        .get(&p.model)
+        .cloned()
+        .ok_or_else(|| no_such_model(&p.model))?;
+    // Chat input: control tokens only where the template put them (message
+    // contents are plain text, so they cannot open new turns). A raw prompt is the
+    // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
+    // control tokens, as llama.cpp's server and vLLM parse completions prompts.
+    let tools = p.tools;
+    // Tokens the prompt may take: a long prompt known to be longer is refused
+    // before it is tokenized to the end (a megabyte costs seconds of tokenizer
+    // time); a short one is tokenized, so its refusal gives the exact count.
+    let input_bytes = match &p.input {
+        Input::Prompt { text, .. } => text.len(),
+        Input::Messages(m) => m.iter().map(|m| m.content.len()).sum(),
+    };
+    let room = if input_bytes > EARLY_REFUSAL_BYTES {
+        limits.context.saturating_sub(p.max_tokens)
+    } else {
+        usize::MAX
+    };
+    let shown = |m: Vec<ChatMessage>| match &tools {
+        Some(t) => t.show(m),
+        None => m,
+    };
+    let prompt = match &p.input {
+        Input::Prompt { chat: false, .. } if tools.is_some() => {
+            return Err(ApiError::field(
+                "tools",
+                "`tools` need a chat request: `messages`, or a `prompt` without `raw`",
+            ))
+        }
+        Input::Prompt { text, chat: false } => {
+            let cannot = |e: TokenizerError| {
+                ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("cannot tokenize the prompt: {e}"),
+                )
+            };
+            if let Some(at_least) = model.tokenizer.exceeds(text, true, room).map_err(cannot)? {
+                return Err(over_context(at_least, p.max_tokens, limits.context));
+            }
+            model.tokenizer.encode(text, true).map_err(cannot)?
+        }
+        Input::Prompt { text, chat: true } => encode_chat(
+            model,
+            &shown(vec![ChatMessage::new("user", text.clone())]),
+            room,
+            (p.max_tokens, limits.context),
+        )?,
+        Input::Messages(m) => encode_chat(
+            model,
+            &shown(m.clone()),
+            room,
+            (p.max_tokens, limits.context),
+        )?,
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::field(
+            "prompt",
+            "prompt is empty after tokenization",
+        ));
+    }
+    if prompt.len().saturating_add(p.max_tokens) > limits.context {
+        return Err(rejection(&Rejection::ContextOverflow {
+            prompt: prompt.len(),
+            max_tokens: p.max_tokens,
+            context: limits.context,
+        }));
+    }
+    let priority = p
+        .priority
+        .unwrap_or(tenant.max_priority)
+        .max(tenant.max_priority);
+    let echo = match (&p.input, p.echo) {
+        (Input::Prompt { text, .. }, true) => Some(text.clone()),
+        _ => None,
+    };
+    // `required` or a named function: the call is the output's grammar.
+    let (format, format_field) = match (tools.as_ref().and_then(Tools::format), p.format) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::field(
+                "response_format",
+                "`response_format` cannot be combined with `tool_choice` \"required\" or a \
+                 named function: the output is then the call, shaped by the function's \
+                 `parameters`",
+            ))
+        }
+        (Some(f), None) => (Some(f), "tools"),
+        (None, f) => (f, "response_format"),
+    };
+    if let Some(f) = &format {
+        // Compiled here so a schema that cannot be enforced is a 400 before anything
+        // is queued; the engine compiles its own copy.
+        model
+            .tokenizer
+            .grammar()
+            .and_then(|g| g.compile(f))
+            .map_err(|e| ApiError::field(format_field, format!("`{format_field}`: {e}")))?;
+    }
+    let output = OutputOptions {
+        logprobs: p.logprobs,
+        prompt_logprobs: p.logprobs.filter(|_| echo.is_some()),
+        format,
+    };
+    if let Some(k) = output.prompt_logprobs {
+        // One entry per prompt position after the first, in one control frame.
+        let positions = prompt.len().saturating_sub(1);
+        if prompt_logprobs_wire_bytes(positions, k as usize) > MAX_PROMPT_LOGPROBS_BYTES {
+            return Err(ApiError::field(
+                "logprobs",
+                format!(
+                    "`echo` with `logprobs: {k}` is limited to {} prompt tokens; this prompt \
+                     has {}. Ask for fewer alternatives or send a shorter prompt",
+                    max_prompt_logprob_tokens(k as usize),
+                    prompt.len()
+                ),
+            ));
+        }
+    }
+    let request = GenerateRequest {
+        tenant: tenant.engine_id,
+        priority,
+        weight: tenant.weight.max(1),
+        cache_namespace: tenant.cache_namespace,
+        prompt,
+        max_tokens: p.max_tokens,
+        sampling: p.sampling,
+        stop: p.stop,
+        ignore_eos: false,
+        output,
+    };
+    limits.admit(request.clone()).map_err(|r| rejection(&r))?;
+    Ok(Validated {
+        model: entry,
+        request,
+        stream: p.stream,
+        include_usage: p.include_usage,
+        echo,
+        tools,
+    })
+}
+
+/// The longest prompt (tokens) whose `echo` log probabilities with `top`
+/// alternatives fit [`MAX_PROMPT_LOGPROBS_BYTES`].
+fn max_prompt_logprob_tokens(top: usize) -> usize {
+    MAX_PROMPT_LOGPROBS_BYTES / prompt_logprobs_wire_bytes(1, top) + 1
+}
+
+/// Renders and tokenizes a chat, stopping early when it is known to exceed `room`
+/// tokens (`max_tokens` and `context` name the numbers in that refusal).
+fn encode_chat(
+    model: &LoadedModel,
+    messages: &[ChatMessage],
+    room: usize,
+    (max_tokens, context): (usize, usize),
+) -> Result<Vec<u32>, ApiError> {
+    model
+        .chat
+        .encode_within(&model.tokenizer, messages, true, room)
+        .map_err(|e| match e {
+            ChatError::OverLimit { at_least, .. } => over_context(at_least, max_tokens, context),
+            e => ApiError::new(ErrorKind::BadRequest, e.to_string()),
+        })
+}
+
+/// Prompts longer than this (bytes of text) are checked against the context window
+/// before tokenizing ([`Tokenizer::min_tokens`](tessera_model::tokenizer::Tokenizer::min_tokens));
+/// shorter ones tokenize in milliseconds.
+const EARLY_REFUSAL_BYTES: usize = 64 << 10;
+
+/// The context-window refusal of a prompt known to be at least `at_least` tokens
+/// (the early check: it was not tokenized to the end).
+fn over_context(at_least: usize, max_tokens: usize, context: usize) -> ApiError {
+    ApiError::new(
+        ErrorKind::ContextOverflow,
+        format!(
+            "prompt (at least {at_least} tokens) + max_tokens ({max_tokens}) exceeds the \
+             model's context window of {context} tokens"
+        ),
+    )
+}
