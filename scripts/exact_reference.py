@@ -43,21 +43,37 @@ def load(path, dtype=np.float64):
         a = dequantize(x.data, x.tensor_type).astype(dtype)
         return a.reshape([int(d) for d in reversed(x.shape)])
 
+    arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+    if arch not in ("llama", "qwen2", "gemma3"):
+        sys.exit(f"unsupported architecture {arch}")
+    m = lambda k, default=None: meta(f"{arch}.{k}", default)
+    d = int(m("embedding_length"))
+    heads = int(m("attention.head_count"))
     cfg = dict(
-        layers=int(meta("llama.block_count")),
-        heads=int(meta("llama.attention.head_count")),
-        kv_heads=int(meta("llama.attention.head_count_kv")),
-        eps=float(meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        base=float(meta("llama.rope.freq_base", 10000.0)),
+        arch=arch,
+        layers=int(m("block_count")),
+        heads=heads,
+        kv_heads=int(m("attention.head_count_kv", heads)),
+        head_dim=int(m("attention.key_length", d // heads)),
+        eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
+        base=float(m("rope.freq_base", 10000.0)),
+        # Gemma 3: 5 of every 6 layers attend to the last `window` tokens with
+        # RoPE base 10000 (llama.cpp set_swa_pattern(6), rope_freq_base_train_swa).
+        window=int(m("attention.sliding_window")) if arch == "gemma3" else None,
     )
     emb = w("token_embd.weight")
     out = w("output.weight") if "output.weight" in t else emb
+    names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+             "ffn_gate", "ffn_up", "ffn_down"]
+    if arch == "gemma3":
+        names += ["attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"]
     layers = []
     for i in range(cfg["layers"]):
-        p = lambda s: w(f"blk.{i}.{s}.weight")
-        layers.append({k: p(k) for k in ("attn_norm", "attn_q", "attn_k", "attn_v",
-                                        "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
-                                        "ffn_down")})
+        L = {k: w(f"blk.{i}.{k}.weight") for k in names}
+        if arch == "qwen2":
+            for k in ("attn_q", "attn_k", "attn_v"):
+                L[k + ".bias"] = w(f"blk.{i}.{k}.bias")
+        layers.append(L)
     return cfg, emb, out, w("output_norm.weight"), layers
 
 
@@ -75,31 +91,53 @@ def forward(model, tokens, act=None, qkv=None, probs=None):
     cfg, emb, out, out_norm, layers = model
     dt = emb.dtype
     n, d = len(tokens), emb.shape[1]
-    nh, nkv = cfg["heads"], cfg["kv_heads"]
-    hd = d // nh
+    nh, nkv, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    gemma = cfg["arch"] == "gemma3"
     x = emb[tokens]
+    if gemma:
+        x = x * dt.type(np.sqrt(d))
     pos = np.arange(n)[:, None]
-    inv = cfg["base"] ** (-2.0 * np.arange(hd // 2) / hd)
-    cos, sin = np.cos(pos * inv).astype(dt), np.sin(pos * inv).astype(dt)
+
+    def tables(base):
+        inv = base ** (-2.0 * np.arange(hd // 2) / hd)
+        return np.cos(pos * inv).astype(dt), np.sin(pos * inv).astype(dt)
+
+    glob = tables(cfg["base"])
+    local = tables(10000.0) if gemma else glob
     sqrt_hd = dt.type(np.sqrt(hd))
 
     def norm(v, g):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + cfg["eps"]) * g
 
-    def rope(v):  # [n, heads, hd], GGML "normal" mode: adjacent pairs
-        a, b = v[..., 0::2], v[..., 1::2]
-        c, s = cos[:, None, :], sin[:, None, :]
+    def rope(v, cs):  # [n, heads, hd]
+        c, s = cs[0][:, None, :], cs[1][:, None, :]
         r = np.empty_like(v)
-        r[..., 0::2] = a * c - b * s
-        r[..., 1::2] = a * s + b * c
+        if cfg["arch"] == "llama":  # GGML "normal" mode: adjacent pairs
+            a, b = v[..., 0::2], v[..., 1::2]
+            r[..., 0::2] = a * c - b * s
+            r[..., 1::2] = a * s + b * c
+        else:  # NEOX mode: (i, i + hd/2) pairs
+            a, b = v[..., : hd // 2], v[..., hd // 2:]
+            r[..., : hd // 2] = a * c - b * s
+            r[..., hd // 2:] = a * s + b * c
         return r
 
-    mask = np.triu(np.full((n, n), -np.inf, dtype=dt), 1)
-    for L in layers:
+    causal = np.triu(np.full((n, n), -np.inf, dtype=dt), 1)
+    windowed = causal.copy()
+    if cfg["window"]:
+        # Key j is visible from query i when i - window < j <= i.
+        windowed[np.tril(np.ones((n, n), dtype=bool), -cfg["window"])] = -np.inf
+    for li, L in enumerate(layers):
+        is_local = gemma and li % 6 < 5
+        cs, mask = (local, windowed) if is_local else (glob, causal)
         h = act(norm(x, L["attn_norm"]))
-        q = rope((h @ L["attn_q"].T).reshape(n, nh, hd))
-        k = rope((h @ L["attn_k"].T).reshape(n, nkv, hd))
-        v = (h @ L["attn_v"].T).reshape(n, nkv, hd)
+        q, k, v = h @ L["attn_q"].T, h @ L["attn_k"].T, h @ L["attn_v"].T
+        if "attn_q.bias" in L:
+            q, k, v = q + L["attn_q.bias"], k + L["attn_k.bias"], v + L["attn_v.bias"]
+        q, k, v = q.reshape(n, nh, hd), k.reshape(n, nkv, hd), v.reshape(n, nkv, hd)
+        if gemma:
+            q, k = norm(q, L["attn_q_norm"]), norm(k, L["attn_k_norm"])
+        q, k = rope(q, cs), rope(k, cs)
         if qkv:
             q, k, v = qkv(q, k, v)
         g = nh // nkv
@@ -111,10 +149,17 @@ def forward(model, tokens, act=None, qkv=None, probs=None):
                 att[:, hh] = (probs(s, v[:, hh // g]) @ v[:, hh // g]) / s.sum(-1, keepdims=True)
             else:
                 att[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, hh // g]
-        x = x + act(att.reshape(n, d)) @ L["attn_output"].T
+        a = act(att.reshape(n, nh * hd)) @ L["attn_output"].T
+        x = x + (norm(a, L["post_attention_norm"]) if gemma else a)
         h = act(norm(x, L["ffn_norm"]))
         gate, up = h @ L["ffn_gate"].T, h @ L["ffn_up"].T
-        x = x + act(gate / (1 + np.exp(-gate)) * up) @ L["ffn_down"].T
+        if gemma:  # GELU, tanh approximation
+            c = dt.type(np.sqrt(2.0 / np.pi))
+            gate = 0.5 * gate * (1.0 + np.tanh(c * (gate + 0.044715 * gate ** 3)))
+        else:  # SiLU
+            gate = gate / (1 + np.exp(-gate))
+        f = act(gate * up) @ L["ffn_down"].T
+        x = x + (norm(f, L["post_ffw_norm"]) if gemma else f)
     logits = act(norm(x, out_norm)) @ out.T
     assert logits.dtype == dt, (logits.dtype, dt)
     return logits

@@ -34,10 +34,28 @@ RAW_PROMPTS = [
     ("raw_once_upon", "Once upon a time, in a small village"),
 ]
 
-CHAT_TEMPLATE = (
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"
-)
+# Per architecture: the vocabulary size, the chat turn the model's own template
+# renders for one user message (None: a base model, raw prompts only), and the
+# end-of-turn token.
+FAMILIES = {
+    "llama": dict(
+        vocab=49152,
+        chat=(
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+            "<|im_end|>\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"
+        ),
+        eos=2,  # <|im_end|>
+    ),
+    "qwen2": dict(
+        vocab=151936,
+        chat=(
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+            "assistant.<|im_end|>\n<|im_start|>user\n{msg}<|im_end|>\n<|im_start|>assistant\n"
+        ),
+        eos=151645,  # <|im_end|>
+    ),
+    "gemma3": dict(vocab=262144, chat=None, eos=1),  # base model: no template
+}
 
 CHAT_PROMPTS = [
     ("chat_capital_france", "What is the capital of France?"),
@@ -45,7 +63,6 @@ CHAT_PROMPTS = [
     ("chat_primary_colors", "List three primary colors."),
 ]
 
-EOS_ID = 2  # <|im_end|>
 
 
 def sha256_file(path):
@@ -66,8 +83,8 @@ def top2(logits):
     return i1, float(logits[i1]), i2, float(logits[i2])
 
 
-def run_case(llm, name, chat, text, n_out):
-    prompt_ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+def run_case(llm, name, chat, text, n_out, add_bos, eos_id):
+    prompt_ids = llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
     llm.reset()
     llm.eval(prompt_ids)
     output_ids, records, eos_positions = [], [], []
@@ -77,7 +94,7 @@ def run_case(llm, name, chat, text, n_out):
         i1, l1, i2, l2 = top2(logits)
         output_ids.append(i1)
         records.append([i1, l1, i2, l2])
-        if i1 == EOS_ID:
+        if i1 == eos_id:
             eos_positions.append(step)
         llm.eval([i1])
     output_text = llm.detokenize(output_ids, special=True).decode("utf-8", errors="replace")
@@ -135,14 +152,20 @@ def main():
         seed=1234,
         verbose=False,
     )
-    assert llm.n_vocab() == 49152, llm.n_vocab()
+    arch = llm.metadata["general.architecture"]
+    fam = FAMILIES[arch]
+    assert llm.n_vocab() == fam["vocab"], llm.n_vocab()
+    # The file's own flag (Gemma: true), as Tessera's tokenizer applies it.
+    add_bos = llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
 
     cases = []
     for name, text in RAW_PROMPTS:
-        cases.append(run_case(llm, name, False, text, args.n_out))
-    for name, msg in CHAT_PROMPTS:
-        case = run_case(llm, name, True, CHAT_TEMPLATE.format(msg=msg), args.n_out)
-        assert case["prompt_ids"][0] == 1, "special tokens were not parsed"
+        cases.append(run_case(llm, name, False, text, args.n_out, add_bos, fam["eos"]))
+    for name, msg in CHAT_PROMPTS if fam["chat"] else []:
+        text = fam["chat"].format(msg=msg)
+        case = run_case(llm, name, True, text, args.n_out, add_bos, fam["eos"])
+        assert case["prompt_ids"][0] == llm.tokenize(b"<|im_start|>", add_bos=False, special=True)[0], \
+            "special tokens were not parsed"
         cases.append(case)
 
     for c in cases:
@@ -171,14 +194,14 @@ def main():
             "n_threads": args.threads,
             "kv_cache_type": "f16 (llama.cpp default)",
             "flash_attn": False,
-            "add_bos": False,
+            "add_bos": add_bos,
             "special": True,
             "decoding": "manual greedy argmax over raw logits (lowest id wins ties); "
             "prompt evaluated as one batch, then one token per step; "
             "never stops at EOS",
             "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         },
-        "eos_id": EOS_ID,
+        "eos_id": fam["eos"],
         "n_out": args.n_out,
         "cases": cases,
     }

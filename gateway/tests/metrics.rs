@@ -107,7 +107,13 @@ async fn every_counter_moves_by_exactly_what_the_requests_explain() {
             },
         )
         .await;
-    let page_bytes = s.state.model.llama.config().kv_layout(16).page_bytes() as f64;
+    let page_bytes = s
+        .state
+        .model
+        .transformer
+        .config()
+        .kv_layout(16)
+        .page_bytes() as f64;
 
     let before = scrape(&s).await;
     // Two successful requests of alpha, one of beta (beyond the top 1: `other`).

@@ -2,10 +2,13 @@
 //! of record: `tessera bench` is). Prefill of a `CTX`-token prompt in 512-token
 //! chunks with the default model's shape (9 heads, 3 KV heads, head_dim 64), then
 //! decode rows at that context:
-//! `cargo run --release -p tessera-kernels --example attention_speed -- 6000 [LAYERS]`.
+//! `cargo run --release -p tessera-kernels --example attention_speed -- 6000 [LAYERS] [WINDOW]`.
 //! The pages hold `LAYERS` layers (default 30, the model's: consecutive pages of
 //! one layer's head block are 288 KiB apart, as in the server) and the kernel reads
-//! the middle one; `1` packs them 9.4 KiB apart.
+//! the middle one; `1` packs them 9.4 KiB apart. `WINDOW` (default none) runs
+//! sliding-window attention (`AttnJob::window`, e.g. 512 as Gemma 3's local
+//! layers): the figures should then be those of `WINDOW` keys per row, however
+//! long the context (the MAC and GB/s counts are of the keys attended).
 //! With `TESSERA_THREADS=1` the figures are also given per CPU second of the
 //! calling thread, which other processes on a shared machine do not inflate.
 
@@ -32,6 +35,7 @@ fn main() {
     let layers: usize = std::env::args()
         .nth(2)
         .map_or(30, |a| a.parse().expect("LAYERS"));
+    let window: Option<usize> = std::env::args().nth(3).map(|a| a.parse().expect("WINDOW"));
     let layer = layers / 2;
     let layout = KvLayout {
         layers,
@@ -83,12 +87,16 @@ fn main() {
         for c0 in (0..ctx).step_by(512) {
             let m = (ctx - c0).min(512);
             let n_keys: Vec<usize> = (c0 + 1..=c0 + m).collect();
-            pairs += n_keys.iter().sum::<usize>();
+            pairs += n_keys
+                .iter()
+                .map(|&k| k.min(window.unwrap_or(k)))
+                .sum::<usize>();
             let mut jobs = [AttnJob {
                 q: &q[..m * row],
                 n_keys: &n_keys,
                 table: &table,
                 out: &mut out[..m * row],
+                window,
             }];
             assert!(paged_attention_jobs(pool, 9, &mut jobs)[0].is_ok());
         }
@@ -104,6 +112,8 @@ fn main() {
         macs / best_cpu / 1e9
     );
     let n_keys = [ctx];
+    // Pages the decode row reads: those holding its (windowed) keys.
+    let read_pages = pages - ctx.saturating_sub(window.unwrap_or(ctx)) / 16;
     let (t0, c0) = (Instant::now(), cpu_s());
     let reps = 300;
     for _ in 0..reps {
@@ -112,6 +122,7 @@ fn main() {
             n_keys: &n_keys,
             table: &table,
             out: &mut out[..row],
+            window,
         }];
         assert!(paged_attention_jobs(pool, 9, &mut jobs)[0].is_ok());
     }
@@ -120,7 +131,7 @@ fn main() {
     println!(
         "decode at {ctx}: {:.1} us per layer, {:.1} GB/s of KV; {:.1} us per CPU",
         s * 1e6,
-        (pages * layout.kv_heads * layout.head_block_bytes()) as f64 / s / 1e9,
+        (read_pages * layout.kv_heads * layout.head_block_bytes()) as f64 / s / 1e9,
         cpu * 1e6
     );
 }

@@ -36,7 +36,8 @@ pub fn paged_attention(
 /// chunk), on the calling thread: `q` and `out` are `[m, n_heads * head_dim]`,
 /// query `i` attends to keys `0..n_keys[i]`. Each query's arithmetic is exactly
 /// that of a single-query call, so results do not depend on how queries are
-/// grouped (and equal [`paged_attention_jobs`] bit for bit).
+/// grouped (and equal [`paged_attention_jobs`] bit for bit). All keys, no
+/// sliding window (for one: [`paged_attention_jobs`] with [`AttnJob::window`]).
 pub fn paged_attention_block(
     q: &[f32],
     n_keys: &[usize],
@@ -55,6 +56,7 @@ pub fn paged_attention_block(
         n_keys,
         table: kv.table,
         out,
+        window: None,
     }];
     crate::flash::run(pool, n_heads, &mut jobs, crate::flash::Exec::Serial)
         .pop()
@@ -65,11 +67,15 @@ pub fn paged_attention_block(
 /// (work is split by job, query block, KV head and, when there is little of it,
 /// by 512-key chunk). Returns one result per job: a job whose pages fail the tag
 /// check (I3) gets [`IntegrityError`], zero output, and no page of it is read; the
-/// other jobs are unaffected. Each row's result is the same bits as
-/// [`paged_attention`] for that row alone.
+/// other jobs are unaffected. The pages checked are those the job reads: every
+/// page holding a key some row attends to, which with a sliding window
+/// ([`AttnJob::window`]) leaves out the pages below the windows. Each row's
+/// result is the same bits as the row alone in a job of its own (without a
+/// window, as [`paged_attention`]).
 ///
 /// Panics on inconsistent shapes (`q`/`out` not `[m, n_heads * head_dim]`,
-/// `n_heads` not a multiple of `kv_heads`, a table shorter than the keys).
+/// `n_heads` not a multiple of `kv_heads`, a table shorter than the keys) and on
+/// a window of 0 keys.
 pub fn paged_attention_jobs(
     pool: PoolKv,
     n_heads: usize,
@@ -255,7 +261,7 @@ mod tests {
             .iter()
             .map(|nk| queries(&mut rng, nk.len(), row, 2.0))
             .collect();
-        let run = |exec: crate::flash::Exec| -> Vec<Vec<f32>> {
+        let run = |exec: crate::flash::Exec, window: Option<usize>| -> Vec<Vec<f32>> {
             let mut outs: Vec<Vec<f32>> = qs.iter().map(|q| vec![0f32; q.len()]).collect();
             let mut jobs: Vec<AttnJob> = outs
                 .iter_mut()
@@ -266,20 +272,41 @@ mod tests {
                     n_keys: nk,
                     table: &f.table,
                     out,
+                    window,
                 })
                 .collect();
             let res = crate::flash::run(f.pool(1), n_heads, &mut jobs, exec);
             assert!(res.iter().all(|r| r.is_ok()));
             outs
         };
-        let serial = run(crate::flash::Exec::Serial);
-        for exec in [
-            crate::flash::Exec::Parallel,
-            crate::flash::Exec::ParallelSplit,
+        let serial = run(crate::flash::Exec::Serial, None);
+        // Windows: one key, starting mid-page, a whole page, across the 512-key
+        // chunk line (so the prefill rows' windows start in different chunks,
+        // some in chunk 0 and some in 1), one chunk, and more than every row.
+        for window in [
+            None,
+            Some(1),
+            Some(7),
+            Some(16),
+            Some(100),
+            Some(512),
+            Some(611),
+            Some(1000),
         ] {
-            let got = run(exec);
-            for (a, b) in got.iter().zip(&serial) {
-                assert_eq!(bits(a), bits(b), "{exec:?}");
+            let serial_w = run(crate::flash::Exec::Serial, window);
+            if window.is_none() || window >= Some(1000) {
+                for (a, b) in serial_w.iter().zip(&serial) {
+                    assert_eq!(bits(a), bits(b), "window {window:?} covers every key");
+                }
+            }
+            for exec in [
+                crate::flash::Exec::Parallel,
+                crate::flash::Exec::ParallelSplit,
+            ] {
+                let got = run(exec, window);
+                for (a, b) in got.iter().zip(&serial_w) {
+                    assert_eq!(bits(a), bits(b), "{exec:?}, window {window:?}");
+                }
             }
         }
         // A row computed inside a prefill chunk equals the same row as a decode job.
@@ -423,12 +450,14 @@ mod tests {
                 n_keys: &[50],
                 table: &bad,
                 out: &mut o1,
+                window: None,
             },
             AttnJob {
                 q: &q[row..],
                 n_keys: &[50],
                 table: &f.table,
                 out: &mut o2,
+                window: None,
             },
         ];
         let res = paged_attention_jobs(f.pool(0), n_heads, &mut jobs);
@@ -436,5 +465,285 @@ mod tests {
         assert!(res[1].is_ok());
         assert!(o1.iter().all(|v| *v == 0.0));
         assert_eq!(bits(&o2), bits(&alone));
+    }
+
+    /// Runs one job on the calling thread (so `FORCE_PORTABLE` applies):
+    /// its result and output.
+    fn run_serial(
+        pool: PoolKv,
+        n_heads: usize,
+        q: &[f32],
+        n_keys: &[usize],
+        table: &[BlockRef],
+        window: Option<usize>,
+    ) -> (Result<(), IntegrityError>, Vec<f32>) {
+        let mut out = vec![7f32; q.len()];
+        let mut jobs = [AttnJob {
+            q,
+            n_keys,
+            table,
+            out: &mut out,
+            window,
+        }];
+        let res = crate::flash::run(pool, n_heads, &mut jobs, crate::flash::Exec::Serial);
+        (res.into_iter().next().expect("one job"), out)
+    }
+
+    /// Exact (f64) attention of query rows `q` (`[keys.len(), n_heads * hd]`),
+    /// row `i` over keys `keys[i]` of the sequence whose block table is `table`,
+    /// from the values stored in `data`.
+    fn exact(
+        pool: PoolKv,
+        n_heads: usize,
+        table: &[BlockRef],
+        q: &[f32],
+        keys: &[std::ops::Range<usize>],
+    ) -> Vec<f64> {
+        let l = pool.layout;
+        let (hd, ps, pb) = (l.head_dim, l.page_size, l.page_bytes());
+        let group = n_heads / l.kv_heads;
+        let row = n_heads * hd;
+        let read = |t: usize, g: usize, v: bool| {
+            let p = table[t / ps].page as usize;
+            l.read_token(&pool.data[p * pb..(p + 1) * pb], pool.layer, g, t % ps, v)
+        };
+        let mut out = vec![0f64; keys.len() * row];
+        for (i, ks) in keys.iter().enumerate() {
+            for g in 0..l.kv_heads {
+                let kv: Vec<(Vec<f32>, Vec<f32>)> = ks
+                    .clone()
+                    .map(|t| (read(t, g, false), read(t, g, true)))
+                    .collect();
+                for h in g * group..(g + 1) * group {
+                    let qh = &q[i * row + h * hd..i * row + (h + 1) * hd];
+                    let sc: Vec<f64> = kv
+                        .iter()
+                        .map(|(k, _)| {
+                            qh.iter()
+                                .zip(k)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    let o = &mut out[i * row + h * hd..i * row + (h + 1) * hd];
+                    for (et, (_, v)) in e.iter().zip(&kv) {
+                        for (od, vd) in o.iter_mut().zip(v) {
+                            *od += et / z * *vd as f64;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_window_attends_to_exactly_the_last_keys_of_each_row() {
+        // One job of rows with different key counts (a prefill block beside
+        // scattered rows); windows of one key, starting mid-page, of one page,
+        // across pages and chunks, and wider than every row.
+        let (layout, n_heads) = (smollm_layout(16), 9);
+        let row = n_heads * 64;
+        let f = fixture(layout, 70, 1100, 0xFF, 20);
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        let n_keys = [1, 5, 16, 17, 300, 700, 1100, 1099, 1098];
+        let q = queries(&mut rng, n_keys.len(), row, 1.5);
+        for window in [1, 7, 16, 20, 512, 513, 5000] {
+            let (res, out) = run_serial(f.pool(1), n_heads, &q, &n_keys, &f.table, Some(window));
+            res.unwrap();
+            let keys: Vec<_> = n_keys
+                .iter()
+                .map(|&nk| nk.saturating_sub(window)..nk)
+                .collect();
+            let want = exact(f.pool(1), n_heads, &f.table, &q, &keys);
+            for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+                // Quantized queries, keys, values and probabilities: within 1%
+                // of the value range (stale 0xFF slots would give NaN).
+                assert!(
+                    (*g as f64 - w).abs() < 0.01,
+                    "window {window}, row {}, value {}: {g} vs {w}",
+                    i / row,
+                    i % row
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_gives_the_same_bits_with_a_window_alone_or_in_a_block() {
+        // The portable, AVX2 and AVX-512 kernels (CI runs this with
+        // TESSERA_ISA=avx2 and =scalar too) on windows that start mid-page, at
+        // page and chunk lines, of one key, and wider than the keys; rows in
+        // one job (more than a 16-row tile, with windows starting in different
+        // pages, groups and chunks), each equal to the row in a job of its own.
+        let layouts = [
+            (16, 64, 3, 9),
+            (8, 64, 3, 9),
+            (12, 64, 1, 2),
+            (4, 64, 1, 3),
+            (8, 128, 2, 4),
+            (16, 128, 1, 2),
+        ];
+        for (page_size, head_dim, kv_heads, n_heads) in layouts {
+            let layout = KvLayout {
+                layers: 2,
+                page_size,
+                kv_heads,
+                head_dim,
+            };
+            let row = n_heads * head_dim;
+            let f = fixture(layout, 1200 / page_size + 1, 1200, 0xFF, 22);
+            let mut rng = ChaCha8Rng::seed_from_u64(23);
+            let mut n_keys = vec![1, 5, 16, 63, 64, 65, 256, 257, 700, 1200];
+            n_keys.extend(1000..1020);
+            let q = queries(&mut rng, n_keys.len(), row, 4.0);
+            let run = |portable: bool, window: Option<usize>, nk: &[usize], q: &[f32]| {
+                crate::flash::FORCE_PORTABLE.with(|c| c.set(portable));
+                let (res, out) = run_serial(f.pool(1), n_heads, q, nk, &f.table, window);
+                crate::flash::FORCE_PORTABLE.with(|c| c.set(false));
+                res.unwrap();
+                out
+            };
+            let none = run(false, None, &n_keys, &q);
+            for window in [1, 3, 4, 16, 17, 100, 511, 512, 513, 1199, 1200, 5000] {
+                let w = Some(window);
+                let got = run(false, w, &n_keys, &q);
+                let at = format!("page {page_size}, head_dim {head_dim}, window {window}");
+                assert_eq!(bits(&got), bits(&run(true, w, &n_keys, &q)), "{at}");
+                if window >= 1200 {
+                    assert_eq!(bits(&got), bits(&none), "{at}: covers every key");
+                } else {
+                    assert_ne!(bits(&got), bits(&none), "{at}: the window is ignored");
+                }
+                for (i, nk) in n_keys.iter().enumerate().step_by(3) {
+                    let qi = &q[i * row..(i + 1) * row];
+                    let alone = run(false, w, &[*nk], qi);
+                    assert_eq!(
+                        bits(&got[i * row..(i + 1) * row]),
+                        bits(&alone),
+                        "{at}, row {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn only_pages_inside_some_row_window_are_tag_checked_and_read() {
+        // Rows at 300 and 1900 keys with window 100 read blocks 12..19 and
+        // 112..119 (16-key pages; the first window starts mid-page 12, at key
+        // 200). Blocks below and between the windows point outside the pool,
+        // where a read panics and a tag check fails: the job neither reads nor
+        // checks them, and its result is that of the intact table.
+        let (layout, n_heads) = (smollm_layout(16), 3);
+        let row = n_heads * 64;
+        let f = fixture(layout, 120, 1900, 0, 24);
+        let mut rng = ChaCha8Rng::seed_from_u64(25);
+        let n_keys = [300, 1900];
+        let q = queries(&mut rng, 2, row, 2.0);
+        let (res, intact) = run_serial(f.pool(0), n_heads, &q, &n_keys, &f.table, Some(100));
+        res.unwrap();
+        let mut holes = f.table.clone();
+        for (b, e) in holes.iter_mut().enumerate() {
+            if !(12..19).contains(&b) && !(112..119).contains(&b) {
+                e.page = 1_000_000 + b as u32;
+            }
+        }
+        let (res, got) = run_serial(f.pool(0), n_heads, &q, &n_keys, &holes, Some(100));
+        res.unwrap();
+        assert_eq!(bits(&got), bits(&intact));
+        // Without the window the same table fails at block 0.
+        let (res, got) = run_serial(f.pool(0), n_heads, &q, &n_keys, &holes, None);
+        assert_eq!(res.unwrap_err().logical_block, 0);
+        assert!(got.iter().all(|v| *v == 0.0));
+        // A bad tag on a page inside a window fails the job before any read:
+        // the page holding the first window's start, and the last page.
+        for block in [12, 118] {
+            let mut bad = holes.clone();
+            bad[block].tag.epoch += 1;
+            let (res, got) = run_serial(f.pool(0), n_heads, &q, &n_keys, &bad, Some(100));
+            let e = res.unwrap_err();
+            assert_eq!((e.logical_block, e.page), (block as u32, bad[block].page));
+            assert!(got.iter().all(|v| *v == 0.0), "block {block}");
+        }
+        // Window 92 starts at key 208, on block 13: block 12 is no longer read.
+        let mut bad = holes.clone();
+        bad[12].tag.epoch += 1;
+        let (res, _) = run_serial(f.pool(0), n_heads, &q, &n_keys, &bad, Some(92));
+        res.unwrap();
+        let (res, _) = run_serial(f.pool(0), n_heads, &q, &n_keys, &bad, Some(93));
+        assert_eq!(res.unwrap_err().logical_block, 12);
+    }
+
+    #[test]
+    fn a_window_at_a_32k_context_reads_only_its_own_pages() {
+        // 2048 logical blocks (32,768 keys), of which the pool holds only the
+        // 33 that window 520 reaches (from key 32,248, mid-block 2015): every
+        // other entry names a page outside the pool, so the job must not touch
+        // them, nor iterate the keys below the window to mask them.
+        let (layout, n_heads) = (smollm_layout(16), 9);
+        let row = n_heads * 64;
+        let f = fixture(layout, 33, 33 * 16, 0, 26);
+        let (blocks, base) = (2048, 2048 - 33);
+        let mut tags = f.tags.clone();
+        let table: Vec<BlockRef> = (0..blocks)
+            .map(|b| {
+                if b < base {
+                    return BlockRef {
+                        page: 1_000_000 + b as u32,
+                        tag: tag(5, b as u32),
+                    };
+                }
+                let page = f.table[b - base].page;
+                tags[page as usize] = tag(5, b as u32);
+                BlockRef {
+                    page,
+                    tag: tag(5, b as u32),
+                }
+            })
+            .collect();
+        let pool = PoolKv {
+            layout: &f.layout,
+            data: &f.data,
+            tags: &tags,
+            layer: 1,
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(27);
+        // A decode row and a 4-row prefill block at the end of the context.
+        let n_keys = [32765, 32766, 32767, 32768];
+        let q = queries(&mut rng, 4, row, 1.5);
+        let (res, serial) = run_serial(pool, n_heads, &q, &n_keys, &table, Some(520));
+        res.unwrap();
+        let keys: Vec<_> = n_keys.iter().map(|&nk| nk - 520..nk).collect();
+        let want = exact(pool, n_heads, &table, &q, &keys);
+        for (g, w) in serial.iter().zip(&want) {
+            assert!((*g as f64 - w).abs() < 0.01, "{g} vs {w}");
+        }
+        for exec in [
+            crate::flash::Exec::Parallel,
+            crate::flash::Exec::ParallelSplit,
+        ] {
+            let mut out = vec![0f32; q.len()];
+            let mut jobs = [AttnJob {
+                q: &q,
+                n_keys: &n_keys,
+                table: &table,
+                out: &mut out,
+                window: Some(520),
+            }];
+            assert!(crate::flash::run(pool, n_heads, &mut jobs, exec)[0].is_ok());
+            assert_eq!(bits(&out), bits(&serial), "{exec:?}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "window must be at least 1")]
+    fn a_window_of_zero_keys_is_refused() {
+        let f = fixture(smollm_layout(16), 1, 4, 0, 28);
+        let _ = run_serial(f.pool(0), 3, &[0.0; 192], &[4], &f.table, Some(0));
     }
 }

@@ -17,8 +17,9 @@
 //!    into `dq`, so scores are in base 2.
 //! 2. Keys are visited in chunks of [`CHUNK_KEYS`] (page-aligned), each from a
 //!    fresh state `(m, l, o) = (-inf, 0, 0)`; within a chunk, in groups of
-//!    [`GROUP_PAGES`] pages (aligned to the chunk start), over the slots below
-//!    the row's key count: `s_j = (sum qi . ki_j) * (dq * dk_j)`,
+//!    [`GROUP_PAGES`] pages (aligned to the chunk start), over the slots of the
+//!    row's keys `lo..nk` (`lo` 0, or the start of its sliding window, see
+//!    `AttnJob::window`): `s_j = (sum qi . ki_j) * (dq * dk_j)`,
 //!    `m' = max(m, max s_j)`, `a = 2^(m - m')`, `p_j = 2^(s_j - m')`,
 //!    `l = l a + sum p_j`, `o = o a`, then per page, with `w_j = p_j * dv_j`
 //!    quantized to 16 bits, `u_j = round(65535 w_j / max w)`:
@@ -26,14 +27,21 @@
 //!    the high and low bytes of `u`, `vpdpbusd` on AVX-512, `vpmaddwd` on AVX2).
 //! 3. Chunk states are merged in key order; `out = o / l`.
 //!
+//! Chunks and groups that hold none of a row's keys are skipped for that row:
+//! the same bits as visiting them (a chunk without keys is the empty state,
+//! which the merge skips; a group without keys leaves the state as it is), so
+//! a window costs what its keys do, however long the context below it.
+//!
 //! Chunks exist so that a long context read by few rows (batch-1 decode) can be
 //! split across threads without changing a bit: tasks compute chunk states, a
 //! second pass merges them in the same order a single task would.
 
 use crate::isa::{isa, Isa};
 use crate::page::{
-    q_max, quantize_sym_i16, verify_tags, AttnJob, BlockRef, IntegrityError, KvLayout, PoolKv,
+    q_max, quantize_sym_i16, verify_tags_in, window_start, AttnJob, BlockRef, IntegrityError,
+    KvLayout, PoolKv,
 };
+use std::ops::Range;
 
 /// Keys per chunk (rounded down to whole pages, at least one page).
 pub(crate) const CHUNK_KEYS: usize = 512;
@@ -115,7 +123,9 @@ struct Rows {
     qq: Vec<i16>,
     /// Per row: query scale times `log2(e) / sqrt(hd)`.
     dq: Vec<f32>,
-    /// Per row: keys attended.
+    /// Per row: keys attended are `lo..nk` (`lo` 0 without a window).
+    lo: Vec<usize>,
+    /// Per row: end of the keys attended (the row's key count).
     nk: Vec<usize>,
 }
 
@@ -137,14 +147,63 @@ impl State {
     }
 }
 
+/// Query tokens `t0..t1` of job `job` x KV head `g`: the rows of one
+/// `Kernel::chunk` call.
 #[derive(Clone, Copy, Debug)]
 struct Unit {
     job: usize,
     g: usize,
     t0: usize,
     t1: usize,
-    chunks: usize,
+    /// Chunks `c0..c1` hold every key of the rows (those below are skipped).
+    c0: usize,
+    c1: usize,
+    /// Work estimate: keys attended summed over the rows, plus 16 per row.
     cost: usize,
+}
+
+impl Unit {
+    fn chunks(&self) -> Range<usize> {
+        self.c0..self.c1
+    }
+}
+
+/// The chunks (of `chunk_pages` pages) that hold a key of rows `rows` of `job`,
+/// and the cost estimate the schedule orders units by: the keys the rows attend
+/// to, plus 16 per row (their queries, outputs and merges). Chunks below every
+/// row's window are left out, so a window of 512 keys at a 32k context costs
+/// what 512 keys do.
+fn block_plan(
+    job: &AttnJob,
+    rows: Range<usize>,
+    ps: usize,
+    chunk_pages: usize,
+) -> (Range<usize>, usize) {
+    let keys = || rows.clone().map(|t| job.keys(t));
+    let first = keys().map(|k| k.start).min().unwrap_or(0);
+    let end = keys().map(|k| k.end).max().unwrap_or(0);
+    let cost = keys().map(|k| k.len()).sum::<usize>() + 16 * rows.len();
+    let c1 = end.div_ceil(ps).div_ceil(chunk_pages);
+    ((first / ps / chunk_pages).min(c1)..c1, cost)
+}
+
+/// The logical blocks that hold a key some row of `job` attends to, as sorted,
+/// disjoint ranges: the pages the job verifies and reads (see `AttnJob`).
+fn read_blocks(job: &AttnJob, ps: usize) -> Vec<Range<usize>> {
+    let mut spans: Vec<Range<usize>> = (0..job.n_keys.len())
+        .map(|i| job.keys(i))
+        .filter(|k| !k.is_empty())
+        .map(|k| k.start / ps..k.end.div_ceil(ps))
+        .collect();
+    spans.sort_unstable_by_key(|r| r.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(1);
+    for r in spans {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
 }
 
 /// Base pointer of a job's output, shared by units that write disjoint cells.
@@ -182,6 +241,10 @@ pub(crate) fn run(
         let m = job.n_keys.len();
         assert_eq!(job.q.len(), m * row, "query shape");
         assert_eq!(job.out.len(), m * row, "output shape");
+        assert!(
+            job.window != Some(0),
+            "attention window must be at least 1 key"
+        );
         let max_keys = job.n_keys.iter().copied().max().unwrap_or(0);
         let n_pages = max_keys.div_ceil(ps);
         assert!(
@@ -192,7 +255,12 @@ pub(crate) fn run(
             pool.data.len() >= pool.tags.len() * geo.page_bytes,
             "pool data shorter than its pages"
         );
-        if let Err(e) = verify_tags(pool.tags, &job.table[..n_pages]) {
+        // I3: every page a row reads, and only those (see `AttnJob`): the
+        // kernels below read no page outside these blocks.
+        let verified = read_blocks(job, ps)
+            .into_iter()
+            .try_for_each(|blocks| verify_tags_in(pool.tags, job.table, blocks));
+        if let Err(e) = verified {
             job.out.fill(0.0);
             results.push(Err(e));
             continue;
@@ -200,15 +268,15 @@ pub(crate) fn run(
         results.push(Ok(()));
         for t0 in (0..m).step_by(QUERY_BLOCK) {
             let t1 = (t0 + QUERY_BLOCK).min(m);
-            let keys = job.n_keys[t0..t1].iter().copied().max().unwrap_or(0);
-            let cost = job.n_keys[t0..t1].iter().sum::<usize>() + 16 * (t1 - t0);
+            let (chunks, cost) = block_plan(job, t0..t1, ps, geo.chunk_pages);
             for g in 0..kvh {
                 units.push(Unit {
                     job: ji,
                     g,
                     t0,
                     t1,
-                    chunks: keys.div_ceil(ps).div_ceil(geo.chunk_pages),
+                    c0: chunks.start,
+                    c1: chunks.end,
                     cost,
                 });
             }
@@ -230,6 +298,7 @@ pub(crate) fn run(
         let mut rows = Rows {
             qq: vec![0; r * hd],
             dq: vec![0.0; r],
+            lo: vec![0; r],
             nk: vec![0; r],
         };
         let scale = std::f32::consts::LOG2_E / (hd as f32).sqrt();
@@ -240,6 +309,7 @@ pub(crate) fn run(
             let qq = &mut rows.qq[i * hd..(i + 1) * hd];
             rows.dq[i] = quantize_query(q, qmax, qq) * scale;
             rows.nk[i] = job.n_keys[t];
+            rows.lo[i] = window_start(job.n_keys[t], job.window);
         }
         rows
     };
@@ -269,7 +339,7 @@ pub(crate) fn run(
     let whole = |u: &Unit| {
         let rows = rows_of(u);
         let mut total = State::empty(rows.nk.len(), hd);
-        for c in 0..u.chunks {
+        for c in u.chunks() {
             merge(&mut total, &chunk(u, &rows, c), hd);
         }
         finish(u, &total);
@@ -278,7 +348,7 @@ pub(crate) fn run(
     let threads = crate::pool::global().threads();
     let split = match exec {
         Exec::Serial => false,
-        Exec::Parallel => units.len() < 2 * threads && units.iter().any(|u| u.chunks > 1),
+        Exec::Parallel => units.len() < 2 * threads && units.iter().any(|u| u.chunks().len() > 1),
         Exec::ParallelSplit => true,
     };
     match exec {
@@ -291,9 +361,9 @@ pub(crate) fn run(
             let per_unit = (4 * threads).div_ceil(units.len()).max(1);
             let mut tasks: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
             for (ui, u) in units.iter().enumerate() {
-                let step = u.chunks.div_ceil(per_unit).max(1);
-                for c0 in (0..u.chunks).step_by(step) {
-                    tasks.push((ui, c0..(c0 + step).min(u.chunks)));
+                let step = u.chunks().len().div_ceil(per_unit).max(1);
+                for c0 in u.chunks().step_by(step) {
+                    tasks.push((ui, c0..(c0 + step).min(u.c1)));
                 }
             }
             let states: Vec<std::sync::Mutex<Vec<State>>> = tasks
@@ -484,6 +554,30 @@ fn own_keys(nk: usize, b: usize, ps: usize) -> usize {
     nk.saturating_sub(b * ps).min(ps)
 }
 
+/// Slots `j0..j1` of page `b` that hold keys of a row attending keys `lo..nk`
+/// (`j0 >= j1` when none do).
+#[inline(always)]
+fn own_slots(lo: usize, nk: usize, b: usize, ps: usize) -> (usize, usize) {
+    (lo.saturating_sub(b * ps).min(ps), own_keys(nk, b, ps))
+}
+
+/// The pages of chunk `pages` that a row (or tile of rows) attending keys from
+/// `lo` to below `nk` visits, as `(first group start, end)`: the page groups
+/// (aligned to the chunk start) from the one holding key `lo` up to the page of
+/// key `nk - 1`; `None` when the chunk holds none of those keys. For one row
+/// (keys `lo..nk`), every page from `max(lo / ps, pages.start)` to `end` holds
+/// some of them, so only the first group can start with pages of none; a tile of
+/// rows far apart can leave gaps.
+#[inline(always)]
+fn row_pages(lo: usize, nk: usize, ps: usize, pages: &Range<usize>) -> Option<(usize, usize)> {
+    let end = nk.div_ceil(ps).min(pages.end);
+    let first = (lo / ps).max(pages.start);
+    (lo < nk && first < end).then(|| {
+        let b0 = pages.start + (first - pages.start) / GROUP_PAGES * GROUP_PAGES;
+        (b0, end)
+    })
+}
+
 /// `sum a_i b_i` of 4 products (of bytes, or of a 16-bit pair and zeros), with
 /// wrapping arithmetic so that the loops around it vectorize; exact where the
 /// true sum fits `i32`, as every caller's does.
@@ -536,22 +630,24 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
         // Pairs of 16-bit query values, one `i32` per pair.
         let qq = rows.qq[i * hd..].as_ptr().cast::<i32>();
         let dq = _mm256_set1_ps(rows.dq[i]);
+        let (lo, nk) = (rows.lo[i], rows.nk[i]);
         let mut m = f32::NEG_INFINITY;
         let mut lv = [_mm256_setzero_ps(); 2];
         let o = &mut st.o[i * hd..(i + 1) * hd];
-        let mut b0 = pages.start;
-        while b0 < pages.end && own_keys(rows.nk[i], b0, ps) > 0 {
-            let b1 = (b0 + GROUP_PAGES).min(pages.end);
+        let (mut b0, end) = row_pages(lo, nk, ps, &pages).unwrap_or((0, 0));
+        while b0 < end {
+            let b1 = (b0 + GROUP_PAGES).min(end);
             let mut s = [[neg_inf; 2]; GROUP_PAGES];
             let mut dv = [[_mm256_setzero_ps(); 2]; GROUP_PAGES];
             let mut at = [0usize; GROUP_PAGES];
-            let mut own = [0usize; GROUP_PAGES];
+            // Per page: the row's slots j0..j1 (empty: a page before its window).
+            let mut own = [(0usize, 0usize); GROUP_PAGES];
             let mut mp = f32::NEG_INFINITY;
             for b in b0..b1 {
                 let g = b - b0;
-                own[g] = own_keys(rows.nk[i], b, ps);
-                if own[g] == 0 {
-                    break;
+                own[g] = own_slots(lo, nk, b, ps);
+                if own[g].0 >= own[g].1 {
+                    continue;
                 }
                 at[g] = src.at(b);
                 let hb = src.data[at[g]..at[g] + geo.head_bytes].as_ptr();
@@ -580,9 +676,14 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
                         )
                     };
                     let x = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dq, dk));
-                    let valid = _mm256_cmpgt_epi32(
-                        _mm256_set1_epi32(own[g] as i32 - 8 * h as i32),
-                        lane_ids,
+                    // Lanes of slots j0 <= 8 h + lane < j1.
+                    let (j0, j1) = (
+                        own[g].0 as i32 - 8 * h as i32,
+                        own[g].1 as i32 - 8 * h as i32,
+                    );
+                    let valid = _mm256_and_si256(
+                        _mm256_cmpgt_epi32(_mm256_set1_epi32(j1), lane_ids),
+                        _mm256_cmpgt_epi32(lane_ids, _mm256_set1_epi32(j0 - 1)),
                     );
                     s[g][h] = _mm256_blendv_ps(neg_inf, x, _mm256_castsi256_ps(valid));
                     dv[g][h] = _mm256_and_ps(v, _mm256_castsi256_ps(valid));
@@ -604,8 +705,9 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
             }
             let mut psum = [_mm256_setzero_ps(); 2];
             for g in 0..b1 - b0 {
-                if own[g] == 0 {
-                    break;
+                let (j0, j1) = own[g];
+                if j0 >= j1 {
+                    continue;
                 }
                 let mut w = [_mm256_setzero_ps(); 2];
                 let mut wmax = 0f32;
@@ -638,22 +740,23 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
                 };
                 let uh = split(&|x| _mm256_srli_epi32::<8>(x));
                 let ul = split(&|x| _mm256_and_si256(x, byte));
-                let nq = own[g].div_ceil(4);
+                let nq = j1.div_ceil(4);
                 let vp = src.data
                     [at[g] + geo.v_off..at[g] + geo.v_off + hd * geo.ps.next_multiple_of(4)]
                     .as_ptr();
                 let sc4 = _mm_set1_ps(sc);
                 for d4 in 0..hd / 4 {
                     // Dimensions 4*d4..4*d4+4: lanes are (dimension, slot pair).
-                    let (mut hi, mut lo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                    for j in 0..nq {
+                    let (mut hi, mut lw) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    // From the quad of slot j0: earlier slots' weights are 0.
+                    for j in j0 / 4..nq {
                         // SAFETY: quad j < slots4 / 4 holds hd * 4 V bytes.
                         let v = unsafe { _mm_loadu_si128(vp.add(j * hd * 4 + d4 * 16).cast()) };
                         let v = _mm256_cvtepi8_epi16(v);
                         hi = _mm256_add_epi32(hi, _mm256_madd_epi16(v, uh[j]));
-                        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(v, ul[j]));
+                        lw = _mm256_add_epi32(lw, _mm256_madd_epi16(v, ul[j]));
                     }
-                    let acc = _mm256_add_epi32(_mm256_slli_epi32::<8>(hi), lo);
+                    let acc = _mm256_add_epi32(_mm256_slli_epi32::<8>(hi), lw);
                     let t = _mm256_hadd_epi32(acc, acc);
                     let sums = _mm_unpacklo_epi64(
                         _mm256_castsi256_si128(t),
@@ -700,34 +803,32 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
     let (mut lv, mut psum) = (vec![0f32; lanes], vec![0f32; lanes]);
     for i in 0..rows.nk.len() {
         let qq = &rows.qq[i * hd..(i + 1) * hd];
+        let (lo, nk) = (rows.lo[i], rows.nk[i]);
         let mut m = f32::NEG_INFINITY;
         lv.fill(0.0);
         let o = &mut st.o[i * hd..(i + 1) * hd];
-        let mut b0 = pages.start;
-        while b0 < pages.end {
-            let b1 = (b0 + GROUP_PAGES).min(pages.end);
-            if own_keys(rows.nk[i], b0, ps) == 0 {
-                break;
-            }
+        let (mut b0, end) = row_pages(lo, nk, ps, &pages).unwrap_or((0, 0));
+        while b0 < end {
+            let b1 = (b0 + GROUP_PAGES).min(end);
             let mut mp = f32::NEG_INFINITY;
             for b in b0..b1 {
-                let own = own_keys(rows.nk[i], b, ps);
-                if own == 0 {
-                    break;
+                let (j0, j1) = own_slots(lo, nk, b, ps);
+                if j0 >= j1 {
+                    continue;
                 }
                 let at = src.at(b);
                 let hb = &src.data[at..at + geo.head_bytes];
-                isum[..own].fill(0);
+                isum[j0..j1].fill(0);
                 for (pair, q) in qq.chunks_exact(2).enumerate() {
-                    let k = &hb[pair * ps * 4..pair * ps * 4 + own * 4];
-                    for (a, k) in isum.iter_mut().zip(k.chunks_exact(4)) {
+                    let k = &hb[pair * ps * 4 + j0 * 4..pair * ps * 4 + j1 * 4];
+                    for (a, k) in isum[j0..j1].iter_mut().zip(k.chunks_exact(4)) {
                         let k0 = i16::from_le_bytes([k[0], k[1]]) as i32;
                         let k1 = i16::from_le_bytes([k[2], k[3]]) as i32;
                         *a = a.wrapping_add(dot4([k0, k1, 0, 0], [q[0] as i32, q[1] as i32, 0, 0]));
                     }
                 }
                 let g = (b - b0) * p4;
-                for j in 0..own {
+                for j in j0..j1 {
                     let x = isum[j] as f32;
                     s[g + j] = x * (rows.dq[i] * f32_at(hb, geo.k_scale + j * 4));
                     dv[g + j] = f32_at(hb, geo.v_scale + j * 4);
@@ -740,13 +841,13 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
             psum.fill(0.0);
             o.iter_mut().for_each(|x| *x *= alpha);
             for b in b0..b1 {
-                let (own, g) = (own_keys(rows.nk[i], b, ps), (b - b0) * p4);
-                if own == 0 {
-                    break;
+                let ((j0, j1), g) = (own_slots(lo, nk, b, ps), (b - b0) * p4);
+                if j0 >= j1 {
+                    continue;
                 }
                 // Probabilities times V scales, as 16-bit fractions of the page's maximum.
                 let mut wmax = 0f32;
-                for j in g..g + own {
+                for j in g + j0..g + j1 {
                     let p = exp2(s[j] - m_new);
                     psum[j - g] += p;
                     s[j] = p * dv[j];
@@ -757,12 +858,14 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
                 }
                 let (sc, inv) = (wmax / W_MAX, W_MAX / wmax);
                 u[g..g + p4].fill(0);
-                for j in g..g + own {
+                for j in g + j0..g + j1 {
                     u[j] = ((s[j] * inv).round_ties_even() as i32).min(W_MAX as i32);
                 }
                 acc.fill(0);
                 let at = src.at(b) + geo.v_off;
-                for quad in 0..own.div_ceil(4) {
+                // Quads from the one of slot j0: the weights of the slots
+                // before it are 0 (integer sums: the same either way).
+                for quad in j0 / 4..j1.div_ceil(4) {
                     let w = &u[g + quad * 4..g + quad * 4 + 4];
                     let v = &src.data[at + quad * hd * 4..at + (quad + 1) * hd * 4];
                     for (a, v) in acc.iter_mut().zip(v.chunks_exact(4)) {
@@ -957,7 +1060,11 @@ mod avx512 {
         let lanes: __mmask16 = ((1u32 << ps) - 1) as u16;
         let qq: [*const i32; T] =
             std::array::from_fn(|t| rows.qq[(i0 + t) * hd..].as_ptr().cast::<i32>());
+        let lo: [usize; T] = std::array::from_fn(|t| rows.lo[i0 + t]);
         let nk: [usize; T] = std::array::from_fn(|t| rows.nk[i0 + t]);
+        let (lo_min, lo_max) = (lo.iter().copied().min(), lo.iter().copied().max());
+        let (lo_min, lo_max) = (lo_min.unwrap_or(0), lo_max.unwrap_or(0));
+        let nk_min = nk.iter().copied().min().unwrap_or(0);
         let nk_max = nk.iter().copied().max().unwrap_or(0);
         let dq: [__m512; T] = std::array::from_fn(|t| _mm512_set1_ps(rows.dq[i0 + t]));
         let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
@@ -965,34 +1072,57 @@ mod avx512 {
         let mut m = [f32::NEG_INFINITY; T];
         let mut lv = [_mm512_setzero_ps(); T];
         let mut o = [[_mm512_setzero_ps(); NC]; T];
-        let mut b0 = pages.start;
-        while b0 < pages.end {
-            let b1 = (b0 + GP).min(pages.end);
-            // Plain loops, not `from_fn` closures: a closure does not inherit
-            // the target features, so it was not inlined (a call per entry).
-            let mut own = [[0usize; GP]; T];
-            for (t, ot) in own.iter_mut().enumerate() {
-                for (gi, o) in ot.iter_mut().enumerate().take(b1 - b0) {
-                    *o = own_keys(nk[t], b0 + gi, ps);
-                }
-            }
-            // Pages of the group that some row of the tile reads.
-            let npg = (0..GP)
-                .take_while(|&gi| (0..T).any(|t| own[t][gi] > 0))
-                .count();
-            if npg == 0 {
-                break;
-            }
+        // The groups from the first holding a key of some row of the tile.
+        let (mut b0, end) = row_pages(lo_min, nk_max, ps, &pages).unwrap_or((0, 0));
+        while b0 < end {
+            let b1 = (b0 + GP).min(end);
+            let npg = b1 - b0;
+            // Per row and page: the mask of the row's slots (0: none, a page
+            // outside its keys). Plain loops, not `from_fn` closures: a closure
+            // does not inherit the target features, so it was not inlined (a
+            // call per entry).
             let mut valid = [[0 as __mmask16; GP]; T];
-            for (vt, ot) in valid.iter_mut().zip(&own) {
-                for (v, &o) in vt.iter_mut().zip(ot) {
-                    *v = ((1u32 << o) - 1) as u16;
+            let mut span = [[(0usize, 0usize); GP]; T];
+            let mut has = [false; T];
+            // Pages of the group that some row of the tile reads (only these
+            // are tag-checked; without a window they are a prefix).
+            let mut read = [false; GP];
+            if b0 * ps >= lo_max && b1 * ps <= nk_min {
+                // Every page whole for every row (most groups): the values
+                // below, without their per-entry arithmetic.
+                for t in 0..T {
+                    for gi in 0..npg {
+                        span[t][gi] = (0, ps);
+                        valid[t][gi] = lanes;
+                    }
+                    has[t] = true;
                 }
+                read[..npg].fill(true);
+            } else {
+                for t in 0..T {
+                    for gi in 0..npg {
+                        let (j0, j1) = own_slots(lo[t], nk[t], b0 + gi, ps);
+                        if j0 < j1 {
+                            span[t][gi] = (j0, j1);
+                            valid[t][gi] = (((1u32 << j1) - 1) & !((1u32 << j0) - 1)) as u16;
+                            has[t] = true;
+                            read[gi] = true;
+                        }
+                    }
+                }
+            }
+            if !read.contains(&true) {
+                // A gap between the windows of rows far apart.
+                b0 = b1;
+                continue;
             }
             let mut hb = [std::ptr::null::<u8>(); GP];
             let mut s = [[neg_inf; GP]; T];
             let mut dv = [_mm512_setzero_ps(); GP];
             for gi in 0..npg {
+                if !read[gi] {
+                    continue;
+                }
                 // SAFETY: `Src::at` checked that the head block [at, at + head_bytes)
                 // is inside the pool; every load below stays inside it (masked to
                 // `ps` slots, V quads below slots4 / 4).
@@ -1008,8 +1138,15 @@ mod avx512 {
                 // The next page's K, one line per load here, so it is in L1
                 // when its turn comes (the head blocks of consecutive pages are
                 // a page stride apart: the hardware prefetchers restart).
+                // Only a page some row reads (the next group's first page is
+                // looked up once per group).
                 let nb = b0 + gi + 1;
-                let mut np = if nb < pages.end && nb * ps < nk_max {
+                let next = if gi + 1 < npg {
+                    read[gi + 1]
+                } else {
+                    nb < end && some_row_reads(&lo, &nk, nb, ps)
+                };
+                let mut np = if next {
                     src.data.as_ptr().wrapping_add(src.at(nb))
                 } else {
                     std::ptr::null()
@@ -1054,6 +1191,8 @@ mod avx512 {
                     .iter()
                     .fold(s[t][0], |a, &b| _mm512_max_ps(a, b))
             });
+            // (Pages no row reads hold -inf scores and zero V scales: their
+            // probabilities and weights below are 0, as for masked slots.)
             let mp = reduce_max_rows(mx);
             let m_new: [f32; T] = std::array::from_fn(|t| m[t].max(mp[t]));
             // alpha = 2^(m - m') for every row in one evaluation (lane t).
@@ -1093,7 +1232,7 @@ mod avx512 {
                     _mm512_storeu_ps(inv.as_mut_ptr(), _mm512_div_ps(_mm512_set1_ps(W_MAX), wmv));
                 }
                 for t in 0..T {
-                    if own[t][gi] == 0 || wmax[t].is_nan() || wmax[t] <= 0.0 {
+                    if valid[t][gi] == 0 || wmax[t].is_nan() || wmax[t] <= 0.0 {
                         continue;
                     }
                     sc[t][gi] = scale[t];
@@ -1111,8 +1250,9 @@ mod avx512 {
                     };
                 }
             }
+            // A row without keys in the group keeps its state.
             for t in 0..T {
-                if own[t][0] > 0 {
+                if has[t] {
                     lv[t] = _mm512_fmadd_ps(lv[t], _mm512_set1_ps(alpha[t]), psum[t]);
                     m[t] = m_new[t];
                 }
@@ -1120,7 +1260,7 @@ mod avx512 {
             // Values: 4 slots per vpdpbusd lane, 16 dimensions per register; each
             // page's integer sums scaled by its own weight scale.
             for t in 0..T {
-                if own[t][0] > 0 {
+                if has[t] {
                     let a = _mm512_set1_ps(alpha[t]);
                     o[t] = o[t].map(|x| _mm512_mul_ps(x, a));
                 }
@@ -1132,11 +1272,16 @@ mod avx512 {
             macro_rules! pv {
                 ($r:expr, $t0:expr, $gi:expr, $v0:expr) => {{
                     let rows: [usize; $r] = std::array::from_fn(|k| $t0 + k);
+                    // A plain loop: a closure returning the pair was not inlined.
+                    let mut sp = [(0usize, 0usize); $r];
+                    for (k, s) in sp.iter_mut().enumerate() {
+                        *s = span[$t0 + k][$gi];
+                    }
                     let out = pv_rows::<$r, NC>(
                         $v0,
                         hd,
                         rows.map(|t| &u[t][$gi]),
-                        rows.map(|t| own[t][$gi]),
+                        sp,
                         rows.map(|t| sc[t][$gi]),
                         rows.map(|t| o[t]),
                     );
@@ -1147,6 +1292,9 @@ mod avx512 {
                 }};
             }
             for gi in 0..npg {
+                if !read[gi] {
+                    continue;
+                }
                 let v0 = hb[gi].wrapping_add(geo.v_off);
                 let mut t0 = 0;
                 while t0 < T {
@@ -1172,11 +1320,26 @@ mod avx512 {
         T
     }
 
+    /// Whether some row of a tile (keys `lo[t]..nk[t]`) has keys in page `b`.
+    #[inline(always)]
+    fn some_row_reads<const T: usize>(
+        lo: &[usize; T],
+        nk: &[usize; T],
+        b: usize,
+        ps: usize,
+    ) -> bool {
+        (0..T).any(|t| {
+            let (j0, j1) = own_slots(lo[t], nk[t], b, ps);
+            j0 < j1
+        })
+    }
+
     /// `o[r] + sc[r] * sum_j (256 hi_j + lo_j) v_j` for `R` rows over the V block
-    /// at `v0` (the page's `hd * 16` bytes, 4 slots per 32-bit lane); a row with
-    /// no keys in the page (`own` 0) is returned unchanged. The quads visited are
-    /// those of the row with most keys; a row's weights beyond its keys are 0, so
-    /// its integer sums do not depend on its mates.
+    /// at `v0` (the page's `hd * 16` bytes, 4 slots per 32-bit lane); row `r`'s
+    /// keys are slots `span[r].0..span[r].1`, and a row with none in the page is
+    /// returned unchanged. The quads visited are those of the union of the rows'
+    /// slots; a row's weights outside its keys are 0, so its integer sums do not
+    /// depend on its mates.
     ///
     /// # Safety
     /// `v0` must point at the V bytes of a head block inside the pool.
@@ -1187,20 +1350,27 @@ mod avx512 {
         v0: *const u8,
         hd: usize,
         u: [&[u8; 32]; R],
-        own: [usize; R],
+        span: [(usize, usize); R],
         sc: [f32; R],
         mut o: [[__m512; NC]; R],
     ) -> [[__m512; NC]; R] {
-        let quads = own.iter().max().copied().unwrap_or(0).div_ceil(4);
-        if quads == 0 {
+        // Plain loops: closures do not inherit the target features (see `tile`).
+        let (mut q0, mut q1) = (usize::MAX, 0);
+        for &(j0, j1) in &span {
+            if j0 < j1 {
+                q0 = q0.min(j0 / 4);
+                q1 = q1.max(j1.div_ceil(4));
+            }
+        }
+        if q1 == 0 {
             return o;
         }
         let mut acc = [[_mm512_setzero_si512(); NC]; R];
         let mut acl = [[_mm512_setzero_si512(); NC]; R];
-        let mut vp = v0;
-        for quad in 0..quads {
-            // SAFETY: quads <= ceil(page_size / 4), the quads of hd * 4 bytes
-            // the caller's V block holds (`own` is at most the page size).
+        let mut vp = v0.wrapping_add(q0 * hd * 4);
+        for quad in q0..q1 {
+            // SAFETY: q1 <= ceil(page_size / 4), the quads of hd * 4 bytes
+            // the caller's V block holds (a span ends at most at the page size).
             let v: [__m512i; NC] =
                 std::array::from_fn(|c| unsafe { _mm512_loadu_si512(vp.add(c * 64).cast()) });
             for r in 0..R {
@@ -1221,7 +1391,7 @@ mod avx512 {
             vp = vp.wrapping_add(hd * 4);
         }
         for r in 0..R {
-            if own[r] == 0 {
+            if span[r].0 >= span[r].1 {
                 continue;
             }
             let s = _mm512_set1_ps(sc[r]);
@@ -1231,5 +1401,59 @@ mod avx512 {
             }
         }
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job<'a>(n_keys: &'a [usize], window: Option<usize>, out: &'a mut [f32]) -> AttnJob<'a> {
+        AttnJob {
+            q: &[],
+            n_keys,
+            table: &[],
+            out,
+            window,
+        }
+    }
+
+    #[test]
+    fn a_window_at_a_32k_context_plans_and_costs_like_its_keys() {
+        // 16-key pages, 32 pages per chunk: a decode row at 32,768 keys.
+        let mut out = [];
+        let nk = [32768];
+        let (chunks, cost) = block_plan(&job(&nk, None, &mut out), 0..1, 16, 32);
+        assert_eq!((chunks, cost), (0..64, 32768 + 16));
+        let (chunks, cost) = block_plan(&job(&nk, Some(512), &mut out), 0..1, 16, 32);
+        assert_eq!((chunks, cost), (63..64, 512 + 16));
+        // Window 520 starts in chunk 62; a window covering every key is `None`.
+        let (chunks, cost) = block_plan(&job(&nk, Some(520), &mut out), 0..1, 16, 32);
+        assert_eq!((chunks, cost), (62..64, 520 + 16));
+        let wide = block_plan(&job(&nk, Some(40000), &mut out), 0..1, 16, 32);
+        assert_eq!(wide, block_plan(&job(&nk, None, &mut out), 0..1, 16, 32));
+        // A prefill block: each row's own window, short rows counted in full.
+        let nk = [3, 1000, 1001, 1002];
+        let (chunks, cost) = block_plan(&job(&nk, Some(100), &mut out), 1..4, 16, 32);
+        assert_eq!((chunks, cost), (1..2, 300 + 48));
+        let (chunks, cost) = block_plan(&job(&nk, Some(100), &mut out), 0..4, 16, 32);
+        assert_eq!((chunks, cost), (0..2, 303 + 64));
+    }
+
+    #[test]
+    fn the_blocks_read_are_the_union_of_the_rows_windows() {
+        let mut out = [];
+        // Rows at 300 and 1900 keys, window 100: keys 200..300 and 1800..1900.
+        let j = job(&[1900, 300], Some(100), &mut out);
+        assert_eq!(read_blocks(&j, 16), vec![12..19, 112..119]);
+        // Consecutive prefill rows: one range; windows that touch merge.
+        let nk: Vec<usize> = (33..=64).collect();
+        assert_eq!(read_blocks(&job(&nk, Some(16), &mut out), 16), vec![1..4]);
+        assert_eq!(
+            read_blocks(&job(&[32, 48], Some(16), &mut out), 16),
+            vec![1..3]
+        );
+        assert_eq!(read_blocks(&job(&nk, None, &mut out), 16), vec![0..4]);
+        assert_eq!(read_blocks(&job(&[1], Some(1), &mut out), 16), vec![0..1]);
     }
 }

@@ -3,9 +3,9 @@
 //! - [`quant`]: GGML block formats (`Q4_0`, `Q4_1`, `Q8_0`) and 8-bit activation quantization.
 //! - [`dot`]: 4-/8-bit dot products, runtime-dispatched (AVX-512 VNNI, AVX2+FMA, scalar).
 //! - [`matmul`]: batch-invariant quantized matmul, threaded over output features.
-//! - [`attention`]: paged attention (16-bit K and 8-bit V pages, tiled online softmax) that
-//!   verifies each KV page's tag before reading it.
-//! - [`ops`]: RMSNorm, RoPE, SwiGLU.
+//! - [`attention`]: paged attention (16-bit K and 8-bit V pages, tiled online softmax,
+//!   optional sliding window) that verifies each KV page's tag before reading it.
+//! - [`ops`]: RMSNorm, RoPE (GGML normal and NEOX modes), SwiGLU, GeGLU (tanh GELU).
 //! - [`pool`]: the fork-join thread pool the kernels run on.
 //! - `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled kernels, cuBLAS,
 //!   the device KV pool with its tag array).

@@ -1,4 +1,5 @@
-//! Elementwise and normalization ops of the llama forward pass.
+//! Elementwise and normalization ops of the transformer forward pass (llama,
+//! and the NEOX RoPE and GeGLU of qwen2 and gemma).
 
 /// RMSNorm (Zhang & Sennrich 2019): `out = x / sqrt(mean(x^2) + eps) * w`, per row.
 /// `x` and `out` are `[n, w.len()]`.
@@ -52,6 +53,37 @@ impl Rope {
             }
         }
     }
+
+    /// Rotates the pairs `(x[i], x[i + head_dim / 2])` of every head in `x`
+    /// (`[n_heads * head_dim]`) by `pos * inv_freq[i]`: GGML's NEOX RoPE mode
+    /// (`GGML_ROPE_TYPE_NEOX`, the rotate-half form of Hugging Face's models),
+    /// which qwen2 and gemma3 GGUF files expect (their Q/K rows are not permuted).
+    pub fn apply_neox(&self, x: &mut [f32], pos: usize) {
+        let half = self.head_dim / 2;
+        let sc: Vec<(f32, f32)> = self
+            .inv_freq
+            .iter()
+            .map(|&f| (pos as f32 * f).sin_cos())
+            .collect();
+        for head in x.chunks_exact_mut(self.head_dim) {
+            let (lo, hi) = head.split_at_mut(half);
+            for ((a, b), &(s, c)) in lo.iter_mut().zip(hi.iter_mut()).zip(&sc) {
+                let (x0, x1) = (*a, *b);
+                *a = x0 * c - x1 * s;
+                *b = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/// GeGLU over rows of a stacked gate/up projection: for each row `r` of
+/// `gate_up` (`[n, 2 * ffn]`: gate then up), `out[r] = gelu_tanh(gate) * up`
+/// (`out`: `[n, ffn]`), the MLP of Gemma (Shazeer 2020, "GLU Variants Improve
+/// Transformer"; llama.cpp's `LLM_FFN_GELU` with `LLM_FFN_PAR`). Rows run in
+/// parallel on the global pool; each row's values are exactly those of
+/// [`geglu`].
+pub fn gelu_tanh_rows(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
+    glu_rows(gate_up, ffn, out, geglu);
 }
 
 /// SwiGLU over rows of a stacked gate/up projection: for each row `r` of
@@ -59,6 +91,18 @@ impl Rope {
 /// (`out`: `[n, ffn]`). Rows run in parallel on the global pool; each row's
 /// values are exactly those of [`swiglu`].
 pub fn swiglu_rows(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
+    glu_rows(gate_up, ffn, out, swiglu);
+}
+
+/// `out[r] = gate(r)`, then `gate_fn(out[r], up(r))`, for each row `r` of a
+/// stacked gate/up projection (`gate_up` `[n, 2 * ffn]`, `out` `[n, ffn]`), in
+/// parallel on the global pool.
+fn glu_rows<F: Fn(&mut [f32], &[f32]) + Sync>(
+    gate_up: &[f32],
+    ffn: usize,
+    out: &mut [f32],
+    gate_fn: F,
+) {
     let n = out.len() / ffn.max(1);
     assert_eq!(gate_up.len(), 2 * n * ffn, "gate/up shape");
     assert_eq!(out.len(), n * ffn, "output shape");
@@ -71,7 +115,7 @@ pub fn swiglu_rows(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
             let g = unsafe { std::slice::from_raw_parts_mut(base.at(r * ffn), ffn) };
             let gu = &gate_up[2 * r * ffn..2 * (r + 1) * ffn];
             g.copy_from_slice(&gu[..ffn]);
-            swiglu(g, &gu[ffn..]);
+            gate_fn(g, &gu[ffn..]);
         }
     };
     match n.div_ceil(per) {
@@ -99,6 +143,23 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
     }
+}
+
+/// GeGLU gate: `gate[i] = gelu_tanh(gate[i]) * up[i]` ([`gelu_tanh`]).
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
+/// GELU in its tanh approximation (Hendrycks & Gimpel 2016):
+/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, Hugging Face's
+/// `gelu_pytorch_tanh` (Gemma's `hidden_activation`) and GGML's `ggml_gelu`
+/// formula (`GELU_COEF_A`, `SQRT_2_OVER_PI`), in `f32`.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
 }
 
 #[cfg(test)]
@@ -140,6 +201,103 @@ mod tests {
             let mut g = gu[2 * r * ffn..(2 * r + 1) * ffn].to_vec();
             swiglu(&mut g, &gu[(2 * r + 1) * ffn..2 * (r + 1) * ffn]);
             assert_eq!(&out[r * ffn..(r + 1) * ffn], &g[..]);
+        }
+    }
+
+    #[test]
+    fn neox_rope_rotates_half_pairs() {
+        let r = Rope::new(8, 10000.0);
+        let x0: Vec<f32> = (0..16).map(|i| i as f32 * 0.25 - 2.0).collect();
+        let mut x = x0.clone();
+        r.apply_neox(&mut x, 0);
+        assert_eq!(x, x0);
+        r.apply_neox(&mut x, 5);
+        for head in 0..2 {
+            for i in 0..4 {
+                let (a, b) = (x0[head * 8 + i], x0[head * 8 + i + 4]);
+                let (s, c) = (5.0 * r.inv_freq()[i]).sin_cos();
+                assert!((x[head * 8 + i] - (a * c - b * s)).abs() < 1e-5);
+                assert!((x[head * 8 + i + 4] - (a * s + b * c)).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn neox_rope_is_normal_rope_on_the_interleaved_head() {
+        // NEOX pair (i, i + half) is normal-mode pair (2i, 2i + 1) after the
+        // interleave llama's GGUF conversion applies to Q/K: same angles.
+        let (hd, half) = (16, 8);
+        let r = Rope::new(hd, 1e6);
+        let x0: Vec<f32> = (0..2 * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let inter = |x: &[f32]| -> Vec<f32> {
+            x.chunks_exact(hd)
+                .flat_map(|h| (0..half).flat_map(move |i| [h[i], h[i + half]]))
+                .collect()
+        };
+        for pos in [0, 1, 7, 4095] {
+            let mut neox = x0.clone();
+            r.apply_neox(&mut neox, pos);
+            let mut normal = inter(&x0);
+            r.apply(&mut normal, pos);
+            assert_eq!(inter(&neox), normal, "pos {pos}");
+        }
+    }
+
+    #[test]
+    fn gelu_tanh_matches_the_formula_and_known_values() {
+        let f = |x: f64| {
+            0.5 * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+        };
+        for i in -400..=400 {
+            let x = i as f32 * 0.025;
+            let (got, want) = (gelu_tanh(x) as f64, f(x as f64));
+            assert!(
+                (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{x}: {got} vs {want}"
+            );
+        }
+        // GELU(1) is 0.841345 in the erf form; the tanh form gives 0.841192.
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-6);
+        assert!((gelu_tanh(-1.0) + 0.158_808).abs() < 1e-6);
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        // Saturation: x for large x, -0 for very negative x, no NaN.
+        assert_eq!(gelu_tanh(30.0), 30.0);
+        assert_eq!(gelu_tanh(-30.0), 0.0);
+    }
+
+    #[test]
+    fn gelu_tanh_rows_equal_row_by_row_geglu() {
+        let (n, ffn) = (37, 24);
+        let gu: Vec<f32> = (0..2 * n * ffn)
+            .map(|i| (i % 23) as f32 * 0.3 - 3.0)
+            .collect();
+        let mut out = vec![0f32; n * ffn];
+        gelu_tanh_rows(&gu, ffn, &mut out);
+        for r in 0..n {
+            let mut g = gu[2 * r * ffn..(2 * r + 1) * ffn].to_vec();
+            geglu(&mut g, &gu[(2 * r + 1) * ffn..2 * (r + 1) * ffn]);
+            assert_eq!(&out[r * ffn..(r + 1) * ffn], &g[..]);
+        }
+    }
+
+    #[test]
+    fn gelu_tanh_rows_match_the_formula() {
+        let gu = [-3.0f32, 0.0, 1.0, 2.0, 0.5, 1.0, -1.0, 3.0];
+        let mut out = [0f32; 4];
+        gelu_tanh_rows(&gu, 2, &mut out);
+        let gelu = |x: f64| {
+            0.5 * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+        };
+        let want = [
+            gelu(-3.0) * 1.0,
+            gelu(0.0) * 2.0,
+            -gelu(0.5),
+            gelu(1.0) * 3.0,
+        ];
+        for (o, w) in out.iter().zip(want) {
+            assert!((*o as f64 - w).abs() < 1e-6, "{o} vs {w}");
         }
     }
 

@@ -300,10 +300,22 @@ pub fn integrity_checks() -> bool {
 
 /// Checks every block-table entry against the pool's tags.
 pub fn verify_tags(tags: &[PageTag], table: &[BlockRef]) -> Result<(), IntegrityError> {
+    verify_tags_in(tags, table, 0..table.len())
+}
+
+/// [`verify_tags`] for the entries of logical blocks `blocks` only (each entry's
+/// tag must name its own logical block, as there); the first mismatch in block
+/// order is the error. Panics if `blocks` is outside `table`.
+pub(crate) fn verify_tags_in(
+    tags: &[PageTag],
+    table: &[BlockRef],
+    blocks: std::ops::Range<usize>,
+) -> Result<(), IntegrityError> {
     if !integrity_checks() {
         return Ok(());
     }
-    for (i, e) in table.iter().enumerate() {
+    for i in blocks {
+        let e = &table[i];
         let found = tags.get(e.page as usize).copied().unwrap_or_default();
         if found != e.tag || e.tag.logical_block as usize != i {
             return Err(IntegrityError {
@@ -347,16 +359,51 @@ pub struct PoolKv<'a> {
 }
 
 /// `m` query rows of one sequence (a prefill chunk, or one decode token).
+///
+/// Pages read and tag-checked (I3): exactly the logical blocks that hold a key
+/// some row attends to (the union of the rows' [`AttnJob::keys`] ranges, in
+/// pages). Without a window that is every block below `max(n_keys)`; with one,
+/// blocks wholly below every row's window (and any between the windows of rows
+/// far apart) are neither checked nor read, so a bad tag there does not fail the
+/// job: the sequence's result does not depend on them.
 #[derive(Debug)]
 pub struct AttnJob<'a> {
     /// Queries `[m, n_heads * head_dim]`, RoPE applied.
     pub q: &'a [f32],
-    /// Row `i` attends to keys `0..n_keys[i]` (`[m]`, each >= 1).
+    /// Row `i` attends to keys `0..n_keys[i]` (`[m]`, each >= 1), or to the last
+    /// `window` of them (see [`Self::window`]).
     pub n_keys: &'a [usize],
-    /// The sequence's block table (must cover `max(n_keys)` keys).
+    /// The sequence's block table, indexed by logical block (must cover
+    /// `max(n_keys)` keys, including the blocks below a window).
     pub table: &'a [BlockRef],
     /// Output `[m, n_heads * head_dim]`; all zero when the job fails.
     pub out: &'a mut [f32],
+    /// Sliding-window attention: with `Some(w)` (`w >= 1`), row `i` attends to
+    /// keys `n_keys[i].saturating_sub(w)..n_keys[i]`, its last `w` keys including
+    /// its own: llama.cpp's `LLAMA_SWA_TYPE_STANDARD` mask (a key at position
+    /// `p0` is hidden from a query at `p1` when `p1 - p0 >= w`), the local layers
+    /// of Gemma 2 and 3 (`w` = the GGUF's `sliding_window`, 512 for Gemma 3).
+    /// `None`: all keys `0..n_keys[i]`. A window of at least every row's key
+    /// count gives the same bits as `None`. The work, and the scheduler's cost
+    /// estimate, follow the keys attended: a row at 32k keys with window 512
+    /// costs about what a 512-key row does.
+    pub window: Option<usize>,
+}
+
+impl AttnJob<'_> {
+    /// Keys row `i` attends to: `n_keys[i] - window..n_keys[i]` (from 0 when the
+    /// window is `None` or covers them all).
+    pub fn keys(&self, i: usize) -> std::ops::Range<usize> {
+        let nk = self.n_keys[i];
+        window_start(nk, self.window)..nk
+    }
+}
+
+/// First key a row with `nk` keys attends to under `window` (see
+/// [`AttnJob::window`]).
+#[inline]
+pub(crate) fn window_start(nk: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| nk.saturating_sub(w))
 }
 
 #[cfg(test)]

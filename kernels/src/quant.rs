@@ -143,6 +143,42 @@ pub fn quantize_block_q4_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Bytes of one GGML `Q5_0` block: `d: f16, qh: [u8; 4], qs: [u8; 16]`.
+pub const Q5_0_BLOCK_BYTES: usize = 22;
+
+/// Rewrites GGML `Q5_0` blocks as `Q8_0` blocks holding the same weights exactly.
+///
+/// `Q5_0` (llama.cpp `ggml-common.h` `block_q5_0`, dequantized as in
+/// `ggml-quants.c` `dequantize_row_q5_0`): `w = d * (q - 16)` with the 5-bit `q`
+/// of weight `j < 16` being `qs[j] & 0xF` plus bit `j` of the little-endian `qh`
+/// as bit 4, and of weight `j + 16` `qs[j] >> 4` plus bit `j + 16`. `q - 16` is in
+/// `-16..16`, an `i8`, and `d` is kept, so the `Q8_0` block (`d`, `q - 16`) has
+/// the same value for every weight: no requantization error.
+///
+/// Panics unless `bytes` is whole blocks.
+pub fn q5_0_as_q8_0(bytes: &[u8]) -> Vec<u8> {
+    assert!(
+        bytes.len().is_multiple_of(Q5_0_BLOCK_BYTES),
+        "Q5_0 data is not whole blocks"
+    );
+    let mut out = Vec::with_capacity(bytes.len() / Q5_0_BLOCK_BYTES * 34);
+    for b in bytes.chunks_exact(Q5_0_BLOCK_BYTES) {
+        out.extend_from_slice(&b[..2]);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let qs = &b[6..];
+        for j in 0..QK {
+            let low = if j < 16 {
+                qs[j] & 0x0F
+            } else {
+                qs[j - 16] >> 4
+            };
+            let q = low | ((((qh >> j) & 1) as u8) << 4);
+            out.push((q as i8 - 16) as u8);
+        }
+    }
+    out
+}
+
 /// Quantizes a row-major `f32` matrix (`x.len()` a multiple of 32; blocks run along
 /// each row) into GGUF blocks of `format` (`Q8_0` or `Q4_0`): `x.len() / 32 *
 /// format.block_bytes()` bytes, the layout a GGUF tensor of that type stores.
@@ -413,6 +449,38 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn q5_0_as_q8_0_keeps_every_weight_exactly() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let blocks = 64;
+        let mut q5 = Vec::new();
+        let mut want = Vec::new();
+        for _ in 0..blocks {
+            let d = f16::from_f32(rng.random_range(-0.05..0.05));
+            let q: Vec<u8> = (0..QK).map(|_| rng.random_range(0..32u8)).collect();
+            let mut qh = 0u32;
+            let mut qs = [0u8; 16];
+            for j in 0..16 {
+                qs[j] = (q[j] & 0xF) | ((q[j + 16] & 0xF) << 4);
+            }
+            for (j, &v) in q.iter().enumerate() {
+                qh |= u32::from(v >> 4) << j;
+            }
+            q5.extend_from_slice(&d.to_le_bytes());
+            q5.extend_from_slice(&qh.to_le_bytes());
+            q5.extend_from_slice(&qs);
+            want.extend(q.iter().map(|&v| d.to_f32() * (f32::from(v) - 16.0)));
+        }
+        let q8 = q5_0_as_q8_0(&q5);
+        assert_eq!(q8.len(), blocks * QFormat::Q8_0.block_bytes());
+        let mut got = vec![0f32; QK];
+        for (b, w) in q8.chunks_exact(34).zip(want.chunks_exact(QK)) {
+            dequantize_block(QFormat::Q8_0, b, &mut got);
+            assert_eq!(got, w);
         }
     }
 }

@@ -95,6 +95,7 @@ fn gpu_attention_matches_the_reference_table() {
                 layer: LAYER,
                 n_heads: c.n_heads,
                 check_tags,
+                window: None,
             })
             .unwrap();
             let got = dev.download(&out, q.len()).unwrap();
@@ -118,6 +119,46 @@ fn gpu_attention_matches_the_reference_table() {
             }
         }
     }
+}
+
+#[test]
+fn gpu_attention_refuses_a_sliding_window_and_leaves_the_output_alone() {
+    // The device kernel attends to every key; a window (Gemma's local layers)
+    // must be refused, not silently ignored.
+    let Some(dev) = device() else { return };
+    let c = &cases()[0];
+    let f = Fixture::new(c);
+    let kv = upload_pool(&dev, &f);
+    let row = c.n_heads * c.layout.head_dim;
+    let rows: Vec<StepRow> = (0..c.seqs.len())
+        .map(|s| StepRow {
+            slot: s as u32,
+            pos: c.seqs[s].keys as u32 - 1,
+        })
+        .collect();
+    let seqs = step_seqs(&f);
+    let mut tables = StepTables::new(&dev, 0).unwrap();
+    tables.set(&dev, &rows, &seqs).unwrap();
+    let qd = dev.upload(&vec![0.5f32; rows.len() * row]).unwrap();
+    let mut out = dev.upload(&vec![7f32; rows.len() * row]).unwrap();
+    let e = dev
+        .paged_attention(AttentionLaunch {
+            q: &qd,
+            q_stride: row,
+            out: &mut out,
+            out_stride: row,
+            kv: &kv,
+            tables: &tables,
+            layer: LAYER,
+            n_heads: c.n_heads,
+            check_tags: true,
+            window: Some(512),
+        })
+        .unwrap_err();
+    assert_eq!(e.label(), "shape");
+    assert!(e.to_string().contains("sliding-window"), "{e}");
+    let got = dev.download(&out, rows.len() * row).unwrap();
+    assert!(got.iter().all(|v| *v == 7.0));
 }
 
 #[test]

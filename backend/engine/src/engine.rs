@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use tessera_model::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
 use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
 use tessera_model::kv::{KvManager, PagePool, ReserveError, SeqId};
-use tessera_model::llama::{BatchRow, Llama};
 use tessera_model::sampling::{token_logprobs, Logprobs, Sampler, TokenLogprobs};
 use tessera_model::tokenizer::Tokenizer;
+use tessera_model::transformer::{BatchRow, Transformer};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 pub use prometheus_client::metrics::counter::Counter;
@@ -268,7 +268,7 @@ pub struct FirstToken {
 
 /// The engine: one owner of the model's KV pool and the running batch.
 pub struct Engine {
-    pub(crate) model: Arc<Llama>,
+    pub(crate) model: Arc<Transformer>,
     pub(crate) tokenizer: Arc<Tokenizer>,
     pub(crate) cfg: EngineConfig,
     pub(crate) kv: KvManager,
@@ -291,13 +291,13 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// The fingerprint of the engine's model ([`Llama::fingerprint`], 32 bytes).
+    /// The fingerprint of the engine's model ([`Transformer::fingerprint`], 32 bytes).
     pub fn model_fingerprint(&self) -> [u8; 32] {
         self.model_fp
     }
 
     /// Builds an engine with a pool of `cfg.kv_pool_tokens / cfg.page_size` pages.
-    pub fn new(model: Arc<Llama>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Self {
+    pub fn new(model: Arc<Transformer>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Self {
         let layout = model.config().kv_layout(cfg.page_size);
         let pool = PagePool::new(layout, cfg.kv_pool_tokens / cfg.page_size, cfg.kv_scrub);
         let mut stop_ids: Vec<u32> = [

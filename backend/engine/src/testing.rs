@@ -5,11 +5,14 @@ use crate::{Engine, EngineConfig, Event, GenerateRequest};
 use tessera_model::LoadedModel;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-pub use tessera_model::testing::{chat_prompt, greedy_with_logits, load, model_path};
+pub use tessera_model::testing::{
+    chat_prompt, family_prompts, greedy_with_logits, load, load_family, model_path, raw_prompt,
+    FAMILY_MODEL_FILES,
+};
 
 /// An engine over `m` with `cfg`.
 pub fn engine(m: &LoadedModel, cfg: EngineConfig) -> Engine {
-    Engine::new(m.llama.clone(), m.tokenizer.clone(), cfg)
+    Engine::new(m.transformer.clone(), m.tokenizer.clone(), cfg)
 }
 
 /// An engine whose steps hold at most `max_batch_tokens` tokens (small budgets make

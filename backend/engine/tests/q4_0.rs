@@ -43,7 +43,7 @@ fn q4_0_copy(dir: &std::path::Path) -> std::path::PathBuf {
 /// Next-token logits after `prompt`.
 fn logits(m: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
     let (mut kv, rows) = direct_kv(m, prompt, prompt.len());
-    let out = m.llama.forward(&rows, &mut kv);
+    let out = m.transformer.forward(&rows, &mut kv);
     out.logits.into_iter().next().unwrap().1
 }
 
@@ -64,8 +64,8 @@ fn a_q4_0_model_loads_runs_batch_invariant_and_agrees_with_its_q4_1_source() {
     // embedding (the LM head) is the same.
     let cfg = q41.config();
     let head = cfg.vocab * cfg.hidden / 32 * 34;
-    let layer_blocks = (q41.llama.weight_bytes() - head) / 20;
-    assert_eq!(q40.llama.weight_bytes(), head + layer_blocks * 18);
+    let layer_blocks = (q41.transformer.weight_bytes() - head) / 20;
+    assert_eq!(q40.transformer.weight_bytes(), head + layer_blocks * 18);
 
     // The same weights up to requantization: the source's greedy choice stays
     // among the copy's top 3 for every prompt.

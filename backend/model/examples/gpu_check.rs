@@ -7,7 +7,7 @@
 //!    default memory fraction (0.9 of free memory) would give, and a
 //!    device-to-device copy's bandwidth (bytes read + written).
 //! 2. `greedy`: for each prompt of `backend/model/tests/data/greedy_reference.json`, 32
-//!    greedy tokens on the CPU (`Llama::forward`) and on the GPU (`CudaLlama`);
+//!    greedy tokens on the CPU (`Transformer::forward`) and on the GPU (`CudaLlama`);
 //!    equal, or the first divergence at a near-tie: the CPU's margin between its
 //!    token and the GPU's under [`NEAR_TIE`] (and the GPU's the other way too).
 //! 3. `tag_mismatch`: four sequences decode one step; then the same step with a
@@ -28,9 +28,9 @@ use tessera_kernels::cuda::{pool_pages, CudaDevice};
 use tessera_kernels::PageTag;
 use tessera_model::cuda::{CudaLlama, CudaOptions, PoolSize};
 use tessera_model::kv::{KvManager, PagePool, SeqId};
-use tessera_model::llama::BatchRow;
 use tessera_model::sampling::argmax;
 use tessera_model::testing::{greedy_with_logits, model_path};
+use tessera_model::transformer::BatchRow;
 use tessera_model::LoadedModel;
 
 /// Largest top-2 margin (logit units) at which the CPU and the GPU may choose

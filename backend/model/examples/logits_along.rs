@@ -3,14 +3,14 @@
 //! for `scripts/exact_reference.py --compare` (numerics against an exact float64
 //! forward pass).
 //!
-//! `cargo run --release -p tessera-model --example logits_along -- [EXACT_JSON] [MODEL]`
+//! `cargo run --release -p tessera-model --example logits_along -- [EXACT_JSON] [MODEL] [GREEDY_JSON]`
 //!
 //! Per generated position: the case name, the step, our argmax and our logits at
 //! the ids of interest (llama.cpp's top 2 and, given EXACT_JSON, the exact top 8).
 
 use serde_json::{json, Value};
 use tessera_model::kv::{KvManager, PagePool, SeqId};
-use tessera_model::llama::BatchRow;
+use tessera_model::transformer::BatchRow;
 use tessera_model::LoadedModel;
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -35,10 +35,14 @@ fn main() -> anyhow::Result<()> {
         .into()
     });
     let m = LoadedModel::load(std::path::Path::new(&model))?;
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/greedy_reference.json"
-    ))?)?;
+    let reference = args.next().unwrap_or_else(|| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/greedy_reference.json"
+        )
+        .into()
+    });
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(reference)?)?;
     for (ci, c) in reference["cases"]
         .as_array()
         .expect("cases")
@@ -65,7 +69,7 @@ fn main() -> anyhow::Result<()> {
                 want_logits: pos >= first && pos < first + output.len(),
             })
             .collect();
-        let out = m.llama.forward(&rows, &mut kv);
+        let out = m.transformer.forward(&rows, &mut kv);
         anyhow::ensure!(out.failed.is_empty(), "integrity failure");
         for (row, logits) in out.logits {
             let step = row - first;

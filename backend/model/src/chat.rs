@@ -39,8 +39,12 @@ impl ChatMessage {
 /// Errors loading or rendering a chat template.
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
-    /// The GGUF has no `tokenizer.chat_template` string.
-    #[error("GGUF metadata key `{KEY_CHAT_TEMPLATE}` is missing or not a string")]
+    /// The model has no chat template (its GGUF has no `tokenizer.chat_template`
+    /// string, e.g. a base model): only raw prompts can be served.
+    #[error(
+        "this model has no chat template (GGUF `{KEY_CHAT_TEMPLATE}`): it is a base model; \
+         send a raw prompt (`prompt` on Workers AI runs, /v1/completions on the OpenAI shape)"
+    )]
     MissingTemplate,
     /// The template does not parse.
     #[error("chat template does not parse: {0}")]
@@ -94,7 +98,9 @@ fn describe(err: &minijinja::Error) -> String {
 
 /// A compiled chat template plus the BOS/EOS token texts it may refer to.
 pub struct ChatTemplate {
-    env: Environment<'static>,
+    /// `None`: the model has no template; rendering fails with
+    /// [`ChatError::MissingTemplate`].
+    env: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
 }
@@ -127,11 +133,19 @@ fn token_text(content: &Content, id_key: &str) -> String {
 impl ChatTemplate {
     /// Loads `tokenizer.chat_template` from GGUF metadata; `bos_token` and
     /// `eos_token` are the texts of the tokens named by
-    /// `tokenizer.ggml.bos_token_id` / `eos_token_id` (empty when absent).
+    /// `tokenizer.ggml.bos_token_id` / `eos_token_id` (empty when absent). A file
+    /// without the key (a base model) gives a template that refuses every render
+    /// with [`ChatError::MissingTemplate`].
     pub fn from_gguf(content: &Content) -> Result<Self, ChatError> {
         let source = match content.metadata.get(KEY_CHAT_TEMPLATE) {
             Some(GgufValue::String(s)) => s.clone(),
-            _ => return Err(ChatError::MissingTemplate),
+            _ => {
+                return Ok(Self {
+                    env: None,
+                    bos_token: token_text(content, crate::tokenizer::KEY_BOS),
+                    eos_token: token_text(content, crate::tokenizer::KEY_EOS),
+                })
+            }
         };
         Self::new(
             source,
@@ -155,10 +169,15 @@ impl ChatTemplate {
         env.add_template_owned(TEMPLATE_NAME, source.into())
             .map_err(|e| ChatError::Syntax(describe(&e)))?;
         Ok(Self {
-            env,
+            env: Some(env),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
+    }
+
+    /// Whether the model has a chat template (a base model has none).
+    pub fn has_template(&self) -> bool {
+        self.env.is_some()
     }
 
     /// Renders the prompt text for `messages`. With `add_generation_prompt`, the
@@ -172,8 +191,8 @@ impl ChatTemplate {
         if messages.is_empty() {
             return Err(ChatError::EmptyMessages);
         }
-        let tmpl = self
-            .env
+        let env = self.env.as_ref().ok_or(ChatError::MissingTemplate)?;
+        let tmpl = env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| ChatError::Syntax(describe(&e)))?;
         tmpl.render(minijinja::context! {
@@ -575,9 +594,17 @@ mod tests {
             tensor_infos: Default::default(),
             tensor_data_offset: 0,
         };
-        let err = ChatTemplate::from_gguf(&content).unwrap_err();
+        let t = ChatTemplate::from_gguf(&content).unwrap();
+        assert!(!t.has_template());
+        let err = t
+            .render(&[ChatMessage::new("user", "hi")], true)
+            .unwrap_err();
         assert!(matches!(err, ChatError::MissingTemplate));
-        assert!(err.to_string().contains(KEY_CHAT_TEMPLATE));
+        let text = err.to_string();
+        assert!(
+            text.contains(KEY_CHAT_TEMPLATE) && text.contains("raw prompt"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The llama forward pass on a CUDA device (feature `cuda`), over a KV pool in
 //! device memory whose pages carry tags the kernels check (DESIGN.md §5, §7).
 //!
-//! Same model and same contract as [`crate::llama::Llama::forward`]: rows of any
+//! Same model and same contract as [`crate::transformer::Transformer::forward`]: rows of any
 //! number of sequences in, logits (or greedy tokens) for the rows that want them
 //! out, and every sequence whose block table does not match the pool's tags (I3)
 //! reported as failed with no logits. The host [`KvManager`] keeps what it keeps on
@@ -25,7 +25,7 @@
 //! RMSNorm -> GEMM (gate, up) -> SwiGLU -> GEMM (down, accumulated).
 
 use crate::kv::{KvManager, SeqId};
-use crate::llama::{BatchRow, ForwardOutput, LlamaConfig, ModelError};
+use crate::transformer::{Arch, BatchRow, ForwardOutput, ModelConfig, ModelError};
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
@@ -128,7 +128,7 @@ struct Scratch {
 impl Scratch {
     fn new(
         dev: &CudaDevice,
-        cfg: &LlamaConfig,
+        cfg: &ModelConfig,
         rows: usize,
         logit_rows: usize,
     ) -> Result<Self, CudaError> {
@@ -167,7 +167,7 @@ pub struct GreedyOutput {
 /// A llama model on a CUDA device with its device KV pool.
 pub struct CudaLlama {
     dev: CudaDevice,
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     layers: Vec<Layer>,
     embed: CudaSlice<u16>,
     output: Option<CudaSlice<u16>>,
@@ -283,7 +283,12 @@ impl CudaLlama {
         dev: CudaDevice,
         opts: CudaOptions,
     ) -> Result<Self, CudaModelError> {
-        let cfg = LlamaConfig::from_gguf(content)?;
+        let cfg = ModelConfig::from_gguf(content)?;
+        if cfg.arch != Arch::Llama {
+            // The device forward pass has no biases, QK-norm, post-norms, GELU or
+            // sliding windows yet.
+            return Err(ModelError::CpuOnly(cfg.arch.name()).into());
+        }
         let (d, kvd, ffn) = (cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn);
         let mut layers = Vec::with_capacity(cfg.layers);
         let mut weight_bytes = 0;
@@ -361,7 +366,7 @@ impl CudaLlama {
     }
 
     /// Model hyperparameters.
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
@@ -397,7 +402,7 @@ impl CudaLlama {
         self.kv.write_tags(&self.dev, &[(page, tag)])
     }
 
-    /// One forward pass, as [`crate::llama::Llama::forward`]: logits for the rows
+    /// One forward pass, as [`crate::transformer::Transformer::forward`]: logits for the rows
     /// that want them, failed sequences reported (no logits).
     pub fn forward(
         &mut self,
@@ -548,6 +553,8 @@ impl CudaLlama {
                 layer: li,
                 n_heads: nh,
                 check_tags: check,
+                // Only llama runs here (see `load`): no sliding windows.
+                window: None,
             })?;
             dev.to_bf16(&sc.attn, n * d, &mut sc.h)?;
             dev.gemm_bf16(&l.wo, d, d, &sc.h, n, &mut sc.x, true)?;

@@ -1,7 +1,8 @@
 //! Streaming detokenization: whole UTF-8 characters out, stop strings held back.
 //!
-//! A byte-level BPE token can stand for part of a UTF-8 character (an emoji is
-//! often two or more tokens). [`IncrementalDecoder`] buffers token bytes and only
+//! A byte-level BPE token, or a SentencePiece byte-fallback token (`<0xNN>`),
+//! can stand for part of a UTF-8 character (an emoji is often two or more
+//! tokens). [`IncrementalDecoder`] buffers token bytes and only
 //! emits complete characters. [`StopMatcher`] sits after it: it holds back any
 //! tail of the stream that could still become a stop string, and cuts the
 //! stream at the first stop string, which is never emitted (nor is anything

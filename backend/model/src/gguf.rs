@@ -2,8 +2,8 @@
 //! chat template, read from the same file.
 
 use crate::chat::{ChatError, ChatTemplate};
-use crate::llama::{Llama, LlamaConfig, ModelError};
 use crate::tokenizer::{Tokenizer, TokenizerError};
+use crate::transformer::{ModelConfig, ModelError, Transformer};
 use candle_core::quantized::gguf_file::Content;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,7 +47,7 @@ pub enum LoadError {
 #[derive(Debug, Clone)]
 pub struct LoadedModel {
     /// Weights and forward pass.
-    pub llama: Arc<Llama>,
+    pub transformer: Arc<Transformer>,
     /// Tokenizer from the GGUF metadata.
     pub tokenizer: Arc<Tokenizer>,
     /// Chat template from the GGUF metadata.
@@ -108,7 +108,8 @@ impl ModelInfo {
 }
 
 impl LoadedModel {
-    /// Loads a llama-architecture GGUF file.
+    /// Loads a GGUF file of one of the supported architectures
+    /// ([`crate::transformer::Arch`]).
     pub fn load(path: &Path) -> Result<Self, LoadError> {
         let mut f = std::fs::File::open(path).map_err(|source| LoadError::Open {
             path: path.into(),
@@ -120,11 +121,11 @@ impl LoadedModel {
         })?;
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let chat = ChatTemplate::from_gguf(&content)?;
-        let llama = Llama::load(&content, &mut f)?;
-        let info = ModelInfo::from_gguf(&content, llama.config().context);
+        let transformer = Transformer::load(&content, &mut f)?;
+        let info = ModelInfo::from_gguf(&content, transformer.config().context);
         Ok(Self {
             info,
-            llama: Arc::new(llama),
+            transformer: Arc::new(transformer),
             tokenizer: Arc::new(tokenizer),
             chat: Arc::new(chat),
             path: path.into(),
@@ -132,7 +133,7 @@ impl LoadedModel {
     }
 
     /// Hyperparameters.
-    pub fn config(&self) -> &LlamaConfig {
-        self.llama.config()
+    pub fn config(&self) -> &ModelConfig {
+        self.transformer.config()
     }
 }

@@ -15,7 +15,7 @@
 //! source's file order, so the same input gives the same bytes (and sha256) on every
 //! machine. Files are written to `<dst>.<pid>.partial` and renamed into place.
 
-use crate::llama::ModelError;
+use crate::transformer::ModelError;
 use candle_core::quantized::gguf_file::{self, Content, Value};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
 use candle_core::Device;
@@ -236,7 +236,7 @@ pub fn sha256_of(path: &Path) -> Result<(String, u64), WriteError> {
 pub fn requantize(src: &Path, dst: &Path, format: QFormat) -> Result<Written, WriteError> {
     let (_, ftype) = ggml_type(format)?;
     let (content, mut f) = read_content(src)?;
-    crate::llama::LlamaConfig::from_gguf(&content)?;
+    crate::transformer::ModelConfig::from_gguf(&content)?;
     let gguf = |source| WriteError::Gguf {
         path: src.into(),
         source,

@@ -16,10 +16,10 @@ pub mod gguf;
 pub mod gguf_write;
 pub mod grammar;
 pub mod kv;
-pub mod llama;
 pub mod sampling;
 #[cfg(feature = "test-util")]
 pub mod testing;
 pub mod tokenizer;
+pub mod transformer;
 
 pub use gguf::{LoadedModel, DEFAULT_MODEL_ID};

@@ -3,8 +3,8 @@
 
 use crate::chat::ChatMessage;
 use crate::kv::{KvManager, PagePool, SeqId};
-use crate::llama::BatchRow;
 use crate::sampling::argmax;
+use crate::transformer::BatchRow;
 use crate::LoadedModel;
 use std::path::PathBuf;
 
@@ -24,6 +24,35 @@ pub fn model_path() -> PathBuf {
         p.display()
     );
     p
+}
+
+/// File names in `models/` of the other families' models (`tessera model fetch
+/// --model gemma-3-270m --model qwen2.5-coder-0.5b-instruct`, which `scripts/test`
+/// runs).
+pub const FAMILY_MODEL_FILES: [&str; 2] = [
+    "gemma-3-270m-q4_k_m.gguf",
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+];
+
+/// Path of model file `file` in `models/` (see [`FAMILY_MODEL_FILES`]).
+///
+/// Panics when the file is missing: model tests fail, they never skip.
+pub fn family_model_path(file: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
+    assert!(
+        p.exists(),
+        "model file {} missing: run `cargo run --release -- model fetch --model gemma-3-270m \
+         --model qwen2.5-coder-0.5b-instruct`",
+        p.display()
+    );
+    p
+}
+
+/// Loads model file `file` from `models/` (see [`family_model_path`]).
+pub fn load_family(file: &str) -> LoadedModel {
+    LoadedModel::load(&family_model_path(file)).expect("load model")
 }
 
 /// Loads the real model.
@@ -71,7 +100,7 @@ pub fn greedy_with_logits(m: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32
     let seq = SeqId(1);
     let (mut out, mut all) = (Vec::new(), Vec::new());
     for step in 0..n {
-        let fwd = m.llama.forward(&rows, &mut kv);
+        let fwd = m.transformer.forward(&rows, &mut kv);
         assert!(fwd.failed.is_empty());
         let logits = fwd.logits.into_iter().next().unwrap().1;
         let tok = argmax(&logits);
@@ -87,4 +116,31 @@ pub fn greedy_with_logits(m: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32
     kv.release(seq);
     assert_eq!(kv.pool().free_pages(), kv.pool().capacity());
     (out, all)
+}
+
+/// Token ids of a raw (un-templated) prompt: the tokenizer's own BOS rule, no
+/// special-token parsing.
+pub fn raw_prompt(m: &LoadedModel, text: &str) -> Vec<u32> {
+    m.tokenizer.encode_with_bos_eos(text, false).unwrap()
+}
+
+/// Raw prompts for the per-family invariance tests: short ones of different
+/// lengths and one of about 700 tokens, past Gemma 3's 512-token sliding window,
+/// so local layers read only part of its pages.
+pub fn family_prompts() -> Vec<String> {
+    let mut prompts: Vec<String> = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village",
+        "Photosynthesis is the process by which",
+    ]
+    .map(String::from)
+    .to_vec();
+    let paragraph = "The river ran past the mill, under the stone bridge and into the \
+                     wide green valley where the farmers kept their sheep. ";
+    prompts.push(format!(
+        "{}In one word, the river ran",
+        paragraph.repeat(28)
+    ));
+    prompts
 }

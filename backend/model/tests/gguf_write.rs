@@ -84,8 +84,8 @@ fn requantized_variants_are_deterministic_and_answer() {
         assert_eq!(m.info.quantization, format!("{want:?}"));
         assert!(m.info.chat_template && m.info.context == 8192);
         assert_ne!(
-            m.llama.fingerprint(),
-            base.llama.fingerprint(),
+            m.transformer.fingerprint(),
+            base.transformer.fingerprint(),
             "another file of the same shape has another fingerprint"
         );
         // The same model, slightly rounded: the first step's logits point the same
@@ -117,7 +117,7 @@ fn a_random_llama_has_the_shape_asked_for() {
         (2048, 4, 128, 2, 1, 384, 4096)
     );
     let base = load();
-    assert_ne!(m.llama.fingerprint(), base.llama.fingerprint());
+    assert_ne!(m.transformer.fingerprint(), base.transformer.fingerprint());
     // 2048 x 128 embeddings, 4 blocks of (2 x 128 x 128 + 2 x 64 x 128 + 3 x 384 x
     // 128 + 2 x 128), the output norm.
     assert_eq!(m.info.parameters, 1_049_728);

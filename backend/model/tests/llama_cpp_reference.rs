@@ -27,21 +27,14 @@ const MAX_MARGIN: f64 = 0.25;
 /// or tokenizer moves them by several units.
 const LOGIT_TOL: f32 = 1.5;
 
-fn reference() -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/greedy_reference.json"
-    );
+fn data(file: &str) -> Value {
+    let path = format!("{}/tests/data/{file}", env!("CARGO_MANIFEST_DIR"));
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 /// Per case name: the exact (float64) argmax at each of llama.cpp's output positions.
-fn exact_argmax() -> std::collections::HashMap<String, Vec<u32>> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/exact_reference.json"
-    );
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+fn exact_argmax(file: &str) -> std::collections::HashMap<String, Vec<u32>> {
+    let v = data(file);
     v["cases"]
         .as_array()
         .unwrap()
@@ -64,25 +57,59 @@ fn ids(v: &Value) -> Vec<u32> {
 
 #[test]
 fn greedy_tokens_match_llama_cpp_within_near_ties() {
-    let m = load();
-    let r = reference();
-    let exact = exact_argmax();
+    check(
+        &load(),
+        "greedy_reference.json",
+        "exact_reference.json",
+        5,
+        LOGIT_TOL,
+    );
+}
+
+#[test]
+fn gemma3_greedy_tokens_match_llama_cpp_within_near_ties() {
+    check(
+        &load_family(FAMILY_MODEL_FILES[0]),
+        "greedy_reference_gemma3.json",
+        "exact_reference_gemma3.json",
+        3,
+        LOGIT_TOL,
+    );
+}
+
+#[test]
+fn qwen2_greedy_tokens_match_llama_cpp_within_near_ties() {
+    check(
+        &load_family(FAMILY_MODEL_FILES[1]),
+        "greedy_reference_qwen2.json",
+        "exact_reference_qwen2.json",
+        5,
+        LOGIT_TOL,
+    );
+}
+
+/// Greedy decoding of every case of `greedy` (llama.cpp's path) against it and
+/// the exact reference `exact` along it (see the module docs).
+fn check(m: &tessera_model::LoadedModel, greedy: &str, exact: &str, min_cases: usize, tol: f32) {
+    let r = data(greedy);
+    let exact = exact_argmax(exact);
     let cases = r["cases"].as_array().unwrap();
-    assert!(cases.len() >= 5);
+    assert!(cases.len() >= min_cases);
     let (mut report, mut failures) = (Vec::new(), Vec::new());
     for c in cases {
         let name = c["name"].as_str().unwrap();
         let chat = c["chat"].as_bool().unwrap();
+        // llama.cpp's `add_special`: the BOS/EOS the file asks for (Gemma: BOS).
         let prompt = m
             .tokenizer
-            .encode(c["text"].as_str().unwrap(), chat)
+            .encode_with_bos_eos(c["text"].as_str().unwrap(), chat)
             .unwrap();
         assert_eq!(prompt, ids(&c["prompt_ids"]), "{name}: prompt tokenization");
         let want = ids(&c["output_ids"]);
         let top2 = c["top2"].as_array().unwrap();
         let exact = &exact[name];
         assert_eq!(exact.len(), want.len(), "{name}: exact reference length");
-        let (got, logits) = greedy_with_logits(&m, &prompt, want.len());
+        let (got, logits) = greedy_with_logits(m, &prompt, want.len());
         let mut max_diff = 0f32;
         let mut diverged = None;
         for i in 0..want.len() {
@@ -107,7 +134,7 @@ fn greedy_tokens_match_llama_cpp_within_near_ties() {
                 break;
             }
         }
-        if max_diff >= LOGIT_TOL {
+        if max_diff >= tol {
             failures.push(format!(
                 "{name}: top logit differs from llama.cpp by {max_diff}"
             ));

@@ -92,7 +92,7 @@ fn main() {
     let half = t_975(ratios.len() - 1) * sd / n.sqrt();
     // The checksums' share, measured directly: every prompt page is checksummed
     // twice (prefill over the source bytes, decode over the landed bytes).
-    let layout = model.llama.config().kv_layout(16);
+    let layout = model.transformer.config().kv_layout(16);
     let page = vec![0x5au8; layout.page_bytes()];
     let samples = 2000;
     let t = Instant::now();

@@ -295,7 +295,11 @@ impl PdCluster {
         assert!(!prefill.is_empty() && !decode.is_empty());
         let (coord_tx, coord_rx) = mpsc::channel();
         let engine = |(model, cfg): &(LoadedModel, EngineConfig)| {
-            Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg.clone())
+            Engine::new(
+                model.transformer.clone(),
+                model.tokenizer.clone(),
+                cfg.clone(),
+            )
         };
         let mut decode_parts = Vec::new();
         let mut prefill_parts = Vec::new();

@@ -69,7 +69,7 @@ impl EngineHandle {
         metrics: Arc<NodeMetrics>,
         prefix: &str,
     ) -> Self {
-        let mut engine = Engine::new(model.llama.clone(), model.tokenizer.clone(), cfg);
+        let mut engine = Engine::new(model.transformer.clone(), model.tokenizer.clone(), cfg);
         let limits = engine.limits();
         let handles = metrics.node(&format!("{prefix}colocated-0"), "colocated");
         engine.set_metrics(handles.engine_metrics());

@@ -98,7 +98,7 @@ struct Inner {
     /// of these links, and replaced when the node re-reads its file
     /// ([`NodeLinks::reload_peers`]).
     prefill: Arc<RwLock<HashMap<String, String>>>,
-    /// The fingerprint (64 hex digits, [`tessera_model::llama::Llama::fingerprint`])
+    /// The fingerprint (64 hex digits, [`tessera_model::transformer::Transformer::fingerprint`])
     /// of the model this process's links serve ([`NodeLinks::for_model`]): said in
     /// `Hello` and `Welcome`, and a peer that says another one is refused.
     model: Option<String>,
@@ -199,7 +199,7 @@ impl NodeLinks {
     }
 
     /// The same links for a process (or, at a gateway, a cluster) serving the model
-    /// with `fingerprint` ([`tessera_model::llama::Llama::fingerprint`], 32 bytes):
+    /// with `fingerprint` ([`tessera_model::transformer::Transformer::fingerprint`], 32 bytes):
     /// its links say so in `Hello` and `Welcome` and refuse a peer that names
     /// another model.
     pub fn for_model(self, fingerprint: [u8; 32]) -> Self {

@@ -389,7 +389,7 @@ pub fn run_node_process(
         None => None,
     };
     let mut engine = Engine::new(
-        model.llama.clone(),
+        model.transformer.clone(),
         model.tokenizer.clone(),
         opts.engine.clone(),
     );
@@ -416,7 +416,7 @@ pub fn run_node_process(
     let links = opts
         .links
         .clone()
-        .with_context(model.llama.config().context);
+        .with_context(model.transformer.config().context);
     let counters = Arc::new(PdCounters::default());
     metrics.watch_links(&opts.listen, role_label, counters.clone());
     let shared = Arc::new(Shared::with_metrics(handles.clone()));

@@ -431,7 +431,7 @@ impl RemoteCluster {
     /// (shared by every model of a process; series `node="gateway"`,
     /// `role="coordinator"`).
     pub fn connect_in(model: &LoadedModel, nodes: RemoteNodes, metrics: Arc<NodeMetrics>) -> Self {
-        let cfg = model.llama.config();
+        let cfg = model.transformer.config();
         let (tx, rx) = mpsc::channel();
         let submitter_tx = tx.clone();
         let link = |addr: &String| Arc::new(NodeLink::new(addr));
@@ -452,7 +452,7 @@ impl RemoteCluster {
                 .links
                 .clone()
                 .with_context(cfg.context)
-                .for_model(model.llama.fingerprint()),
+                .for_model(model.transformer.fingerprint()),
             counters: counters.clone(),
             violations: metrics.gateway_violations(),
             metrics,

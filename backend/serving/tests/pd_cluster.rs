@@ -136,6 +136,39 @@ fn concurrent_requests_through_prefill_and_decode_equal_their_solo_outputs() {
     );
 }
 
+/// PD invariance per model family: every request (one longer than Gemma 3's
+/// sliding window) streams the same tokens through prefill and decode nodes as
+/// alone on one engine; whole-context pages move for sliding-window models too.
+fn family_requests_through_prefill_and_decode_equal_their_solo_outputs(file: &str) {
+    let m = load_family(file);
+    let h = cluster(&m, 4096, 8192);
+    let reqs: Vec<GenerateRequest> = family_prompts()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = greedy(raw_prompt(&m, p), 8);
+            r.tenant = 1 + i as u64 % 2;
+            r
+        })
+        .collect();
+    let alone: Vec<Outcome> = reqs.iter().map(|r| solo(&m, r.clone())).collect();
+    let mut rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        assert_eq!(collect(rx), alone[i], "{file}: request {i}");
+    }
+    assert_pools_full(&h);
+}
+
+#[test]
+fn gemma3_requests_through_prefill_and_decode_equal_their_solo_outputs() {
+    family_requests_through_prefill_and_decode_equal_their_solo_outputs(FAMILY_MODEL_FILES[0]);
+}
+
+#[test]
+fn qwen2_requests_through_prefill_and_decode_equal_their_solo_outputs() {
+    family_requests_through_prefill_and_decode_equal_their_solo_outputs(FAMILY_MODEL_FILES[1]);
+}
+
 #[test]
 fn prompt_over_the_prefill_pool_but_under_the_context_window_is_refused_before_any_transfer() {
     let m = load();
@@ -686,7 +719,7 @@ fn a_write_aimed_at_another_requests_pages_is_refused_and_the_victim_is_untouche
         .counters()
         .link_violations
         .load(std::sync::atomic::Ordering::Relaxed);
-    let page_bytes = m.llama.config().kv_layout(16).page_bytes();
+    let page_bytes = m.transformer.config().kv_layout(16).page_bytes();
     c.deliver_write(
         0,
         tessera_transfer::inproc::PageLanding {
@@ -792,7 +825,7 @@ fn forged_writer_traffic_never_panics_the_decode_node_and_its_pool_recovers() {
     let c = h.cluster().unwrap();
     let req = greedy(chat_prompt(&m, "Hi"), 6);
     let alone = solo(&m, req.clone());
-    let page_bytes = m.llama.config().kv_layout(16).page_bytes();
+    let page_bytes = m.transformer.config().kv_layout(16).page_bytes();
     let mut runner = TestRunner::new(Config {
         cases: 24,
         ..Config::default()

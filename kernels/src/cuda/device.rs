@@ -261,10 +261,19 @@ impl CudaDevice {
     ///
     /// Errors: [`CudaError::Shape`] when `head_dim` is not a multiple of 32 up to
     /// 256, `n_heads` not a multiple of `kv_heads`, more than 32 query heads per KV
-    /// head, or `q`/`out` shorter than `rows * stride`.
+    /// head, `q`/`out` shorter than `rows * stride`, or a sliding window is asked
+    /// for ([`AttentionLaunch::window`]: the device kernel attends to every key
+    /// `0..=pos`; windows run on the CPU kernel only, for now).
     pub fn paged_attention(&self, a: AttentionLaunch) -> Result<(), CudaError> {
         let l = a.kv.layout;
         let rows = a.tables.rows;
+        shape(a.window.is_none(), || {
+            format!(
+                "sliding-window attention (window {:?}) is not supported by the CUDA \
+                 kernel yet; run models with local-attention layers on the CPU backend",
+                a.window
+            )
+        })?;
         shape(l.head_dim.is_multiple_of(32) && l.head_dim <= 256, || {
             format!(
                 "head_dim {} (must be a multiple of 32, at most 256)",
@@ -665,6 +674,10 @@ pub struct AttentionLaunch<'a> {
     pub n_heads: usize,
     /// Compare tags (off only to measure what the check costs).
     pub check_tags: bool,
+    /// Sliding window (keys `pos + 1 - w..=pos`, as `AttnJob::window` on the
+    /// CPU). Not supported by the device kernel yet: `Some` is refused with
+    /// [`CudaError::Shape`]; pass `None`.
+    pub window: Option<usize>,
 }
 
 /// The KV pool in device memory: `pages` pages of [`KvLayout`] bytes (the CPU

@@ -310,9 +310,23 @@ impl Fixture {
     /// the exact attention of each of its rows (`[rows, n_heads * head_dim]`,
     /// f64 softmax over the dequantized page values, scale `1/sqrt(head_dim)`).
     pub fn expected(&self, s: usize) -> Result<Vec<f64>, u32> {
+        self.expected_in_window(s, None)
+    }
+
+    /// [`Self::expected`] with a sliding window: row `i` attends to keys
+    /// `rows[i].saturating_sub(w)..rows[i]` (`AttnJob::window`). A planted fault
+    /// fails the sequence only when its block holds a key some row attends to
+    /// (the pages read are the pages checked).
+    pub fn expected_in_window(&self, s: usize, window: Option<usize>) -> Result<Vec<f64>, u32> {
+        let ps = self.case.layout.page_size;
+        let keys = |nk: usize| window.map_or(0, |w| nk.saturating_sub(w))..nk;
         match self.case.fault {
             Fault::ForeignPage { seq, block, .. } | Fault::StaleEpoch { seq, block }
-                if seq == s =>
+                if seq == s
+                    && self.case.seqs[s].rows.iter().any(|&nk| {
+                        let k = keys(nk);
+                        k.start / ps <= block && block < k.end.div_ceil(ps)
+                    }) =>
             {
                 return Err(block as u32);
             }
@@ -337,7 +351,7 @@ impl Fixture {
             for h in 0..nh {
                 let g = h / group;
                 let q = &self.q[s][i * row + h * hd..i * row + (h + 1) * hd];
-                let sc: Vec<f64> = (0..nk)
+                let sc: Vec<f64> = keys(nk)
                     .map(|t| {
                         let k = read(t, g, false);
                         q.iter()
@@ -351,7 +365,7 @@ impl Fixture {
                 let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
                 let z: f64 = e.iter().sum();
                 let o = &mut out[i * row + h * hd..i * row + (h + 1) * hd];
-                for (t, et) in e.iter().enumerate() {
+                for (t, et) in keys(nk).zip(&e) {
                     let v = read(t, g, true);
                     for (od, vd) in o.iter_mut().zip(&v) {
                         *od += et / z * *vd as f64;

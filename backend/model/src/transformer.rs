@@ -1,20 +1,32 @@
-//! Llama-architecture forward pass over the paged KV cache.
+//! The decoder-only transformer forward pass over the paged KV cache, for the
+//! architectures of [`Arch`]: one pass with per-architecture pieces.
 //!
 //! Weights come from a GGUF file (candle-core's GGUF reader; tensor names and
 //! metadata keys as written by llama.cpp's `convert_hf_to_gguf.py`). `Q4_0`,
 //! `Q4_1` and `Q8_0` matrices use our kernels directly (repacked at load into
-//! interleaved tiles); other quantized types are requantized to `Q8_0` at load and
-//! unquantized ones (`F32`, `F16`, `BF16`) kept in `f32`. The math follows llama.cpp's `llm_build_llama`: RMSNorm, Q/K/V,
-//! normal-mode RoPE, grouped-query attention, output projection, SwiGLU FFN,
-//! residuals, final RMSNorm and the LM head (tied to the embeddings when the file
-//! has no `output.weight`).
+//! interleaved tiles), `Q5_0` ones as the `Q8_0` blocks that hold them exactly;
+//! other quantized types are requantized to `Q8_0` at load and
+//! unquantized ones (`F32`, `F16`, `BF16`) kept in `f32`. The math follows
+//! llama.cpp's graph builders (`src/models/llama.cpp`, `qwen2.cpp`, `gemma3.cpp`):
+//!
+//! - `llama`: RMSNorm, Q/K/V, normal-mode RoPE, grouped-query attention, output
+//!   projection, SwiGLU FFN, residuals, final RMSNorm and the LM head (tied to the
+//!   embeddings when the file has no `output.weight`);
+//! - `qwen2`: the same with Q/K/V biases and NEOX-mode RoPE;
+//! - `gemma3`: embeddings scaled by `sqrt(hidden)`, NEOX RoPE, RMSNorm of each
+//!   query and key head (QK-norm), RMSNorm after attention and after the FFN
+//!   (before each residual add), a GELU-tanh gated FFN (GeGLU), and sliding-window
+//!   attention on five of every six layers (`il % 6 < 5`, window
+//!   `gemma3.attention.sliding_window`, RoPE base 10000) with full attention and
+//!   the file's RoPE base on the others. The converter stores Gemma's `(1 + w)`
+//!   norm weights with the 1 added, so every norm here is a plain RMSNorm.
 
 use crate::kv::{KvManager, SeqId};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 use std::io::{Read, Seek};
-use tessera_kernels::ops::{rms_norm, swiglu_rows, Rope};
+use tessera_kernels::ops::{gelu_tanh_rows, rms_norm, swiglu_rows, Rope};
 use tessera_kernels::quant::QFormat;
 use tessera_kernels::{
     paged_attention_jobs, Activations, AttnJob, IntegrityError, KvLayout, PoolKv, QMatrix,
@@ -29,9 +41,14 @@ pub enum ModelError {
     /// A required metadata key is missing or has the wrong type.
     #[error("GGUF metadata key `{0}` is missing or not a number")]
     Metadata(String),
-    /// The file is not a llama-architecture model.
-    #[error("unsupported architecture `{0}` (only `llama` is supported)")]
+    /// The file's `general.architecture` is not one this crate runs.
+    #[error("unsupported architecture `{0}` (supported: {supported})", supported = Arch::SUPPORTED)]
     Architecture(String),
+    /// The architecture has no GPU forward pass yet.
+    #[error(
+        "architecture `{0}` runs on the CPU only so far (the GPU forward pass supports llama)"
+    )]
+    CpuOnly(&'static str),
     /// A tensor is missing or has an unexpected shape.
     #[error("tensor `{name}`: {problem}")]
     Tensor {
@@ -45,29 +62,76 @@ pub enum ModelError {
     Matrix(#[from] tessera_kernels::matmul::MatrixError),
 }
 
-/// Hyperparameters read from `llama.*` GGUF metadata.
+/// Model architectures (GGUF `general.architecture`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// `llama` (Llama, SmolLM2, Mistral-style dense models).
+    Llama,
+    /// `qwen2` (Qwen2, Qwen2.5, Qwen2.5-Coder).
+    Qwen2,
+    /// `gemma3` (Gemma 3 text models).
+    Gemma3,
+}
+
+impl Arch {
+    /// The supported values of `general.architecture`, for error messages.
+    pub const SUPPORTED: &'static str = "llama, qwen2, gemma3";
+
+    /// Parses `general.architecture`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "llama" => Some(Self::Llama),
+            "qwen2" => Some(Self::Qwen2),
+            "gemma3" => Some(Self::Gemma3),
+            _ => None,
+        }
+    }
+
+    /// The GGUF name, also the prefix of its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Gemma3 => "gemma3",
+        }
+    }
+
+    /// Whether RoPE rotates `(x[i], x[i + d/2])` pairs (GGML's NEOX mode) rather
+    /// than adjacent pairs (llama files' Q/K rows are permuted for the latter).
+    pub fn neox_rope(self) -> bool {
+        !matches!(self, Self::Llama)
+    }
+}
+
+/// Hyperparameters read from `<arch>.*` GGUF metadata.
 #[derive(Debug, Clone, PartialEq)]
-pub struct LlamaConfig {
-    /// Transformer blocks (`llama.block_count`).
+pub struct ModelConfig {
+    /// Architecture (`general.architecture`).
+    pub arch: Arch,
+    /// Transformer blocks (`<arch>.block_count`).
     pub layers: usize,
-    /// Model width (`llama.embedding_length`).
+    /// Model width (`<arch>.embedding_length`).
     pub hidden: usize,
-    /// FFN width (`llama.feed_forward_length`).
+    /// FFN width (`<arch>.feed_forward_length`).
     pub ffn: usize,
-    /// Query heads (`llama.attention.head_count`).
+    /// Query heads (`<arch>.attention.head_count`).
     pub heads: usize,
-    /// KV heads (`llama.attention.head_count_kv`).
+    /// KV heads (`<arch>.attention.head_count_kv`).
     pub kv_heads: usize,
-    /// `hidden / heads`.
+    /// Width of one head (`<arch>.attention.key_length`, else `hidden / heads`).
     pub head_dim: usize,
     /// Vocabulary size (rows of the embedding matrix).
     pub vocab: usize,
-    /// Trained context window in tokens (`llama.context_length`).
+    /// Trained context window in tokens (`<arch>.context_length`).
     pub context: usize,
-    /// RoPE base (`llama.rope.freq_base`, default 10000).
+    /// RoPE base of full-attention layers (`<arch>.rope.freq_base`, default 10000).
     pub rope_base: f32,
-    /// RMSNorm epsilon (`llama.attention.layer_norm_rms_epsilon`).
+    /// RMSNorm epsilon (`<arch>.attention.layer_norm_rms_epsilon`).
     pub eps: f32,
+    /// Sliding-window attention: `(window in tokens, RoPE base)` of the local
+    /// layers (Gemma 3: `gemma3.attention.sliding_window`, base 10000); `None`
+    /// when every layer attends to the whole context.
+    pub sliding_window: Option<(usize, f32)>,
 }
 
 fn meta_u(c: &Content, key: &str) -> Result<usize, ModelError> {
@@ -83,20 +147,30 @@ fn meta_f(c: &Content, key: &str) -> Option<f32> {
     c.metadata.get(key).and_then(|v| v.to_f32().ok())
 }
 
-impl LlamaConfig {
+/// Gemma 3's layer pattern: five sliding-window layers, then one global
+/// (llama.cpp `hparams.set_swa_pattern(6)`).
+const GEMMA3_SWA_PATTERN: usize = 6;
+/// RoPE base of Gemma 3's sliding-window layers (llama.cpp
+/// `rope_freq_base_train_swa`).
+const GEMMA3_LOCAL_ROPE_BASE: f32 = 10_000.0;
+
+impl ModelConfig {
     /// Reads the config from GGUF metadata.
+    ///
+    /// Errors: [`ModelError::Architecture`] for an architecture outside [`Arch`],
+    /// [`ModelError::Metadata`] for a missing hyperparameter,
+    /// [`ModelError::Tensor`] without `token_embd.weight`.
     pub fn from_gguf(c: &Content) -> Result<Self, ModelError> {
-        let arch = c
+        let name = c
             .metadata
             .get("general.architecture")
             .and_then(|v| v.to_string().ok())
             .cloned()
             .unwrap_or_default();
-        if arch != "llama" {
-            return Err(ModelError::Architecture(arch));
-        }
-        let hidden = meta_u(c, "llama.embedding_length")?;
-        let heads = meta_u(c, "llama.attention.head_count")?;
+        let arch = Arch::from_name(&name).ok_or(ModelError::Architecture(name))?;
+        let key = |k: &str| format!("{}.{k}", arch.name());
+        let hidden = meta_u(c, &key("embedding_length"))?;
+        let heads = meta_u(c, &key("attention.head_count"))?;
         let vocab = c
             .tensor_infos
             .get("token_embd.weight")
@@ -105,18 +179,44 @@ impl LlamaConfig {
                 name: "token_embd.weight".into(),
                 problem: "missing".into(),
             })?;
+        let sliding_window = match arch {
+            Arch::Gemma3 => Some((
+                meta_u(c, &key("attention.sliding_window"))?,
+                GEMMA3_LOCAL_ROPE_BASE,
+            )),
+            _ => None,
+        };
         Ok(Self {
-            layers: meta_u(c, "llama.block_count")?,
+            arch,
+            layers: meta_u(c, &key("block_count"))?,
             hidden,
-            ffn: meta_u(c, "llama.feed_forward_length")?,
+            ffn: meta_u(c, &key("feed_forward_length"))?,
             heads,
-            kv_heads: meta_u(c, "llama.attention.head_count_kv").unwrap_or(heads),
-            head_dim: hidden / heads,
+            kv_heads: meta_u(c, &key("attention.head_count_kv")).unwrap_or(heads),
+            head_dim: meta_u(c, &key("attention.key_length")).unwrap_or(hidden / heads),
             vocab,
-            context: meta_u(c, "llama.context_length")?,
-            rope_base: meta_f(c, "llama.rope.freq_base").unwrap_or(10000.0),
-            eps: meta_f(c, "llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            context: meta_u(c, &key("context_length"))?,
+            rope_base: meta_f(c, &key("rope.freq_base")).unwrap_or(10000.0),
+            eps: meta_f(c, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
+            sliding_window,
         })
+    }
+
+    /// Width of all query heads together (`heads * head_dim`; Gemma 3's is not
+    /// `hidden`).
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Width of all KV heads together (`kv_heads * head_dim`).
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// The attention window of layer `layer` in tokens (`None`: the whole context).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let (window, _) = self.sliding_window?;
+        (layer % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1).then_some(window)
     }
 
     /// KV page shape for this model with `page_size` tokens per page.
@@ -133,24 +233,40 @@ impl LlamaConfig {
 #[derive(Debug)]
 struct Layer {
     attn_norm: Vec<f32>,
-    /// Q, K and V stacked: `[hidden + 2 * kv_dim, hidden]`.
+    /// Q, K and V stacked: `[q_dim + 2 * kv_dim, hidden]`.
     wqkv: QMatrix,
+    /// Q, K and V biases stacked, `[q_dim + 2 * kv_dim]` (qwen2).
+    qkv_bias: Option<Vec<f32>>,
+    /// RMSNorm weights of each query and key head, `[head_dim]` each (gemma3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// `[hidden, q_dim]`.
     wo: QMatrix,
+    /// RMSNorm of the attention output before its residual add (gemma3).
+    attn_post_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     /// Gate and up stacked: `[2 * ffn, hidden]`.
     gate_up: QMatrix,
     down: QMatrix,
+    /// RMSNorm of the FFN output before its residual add (gemma3).
+    ffn_post_norm: Option<Vec<f32>>,
+    /// Attention window in tokens (`None`: the whole context).
+    window: Option<usize>,
+    /// Index into [`Transformer::ropes`].
+    rope: usize,
 }
 
-/// Loaded llama weights.
+/// Loaded weights of one model.
 #[derive(Debug)]
-pub struct Llama {
-    cfg: LlamaConfig,
+pub struct Transformer {
+    cfg: ModelConfig,
     embed: QMatrix,
+    /// Multiplier of the embedding rows (`sqrt(hidden)` for gemma3, else 1).
+    embed_scale: f32,
     output: Option<QMatrix>,
     output_norm: Vec<f32>,
     layers: Vec<Layer>,
-    rope: Rope,
+    /// RoPE tables: `[0]` full-attention layers, `[1]` sliding-window layers.
+    ropes: Vec<Rope>,
     fingerprint: [u8; 32],
 }
 
@@ -207,6 +323,11 @@ fn read_matrix<R: Read + Seek>(
         GgmlDType::Q4_0 => QMatrix::from_gguf_bytes(QFormat::Q4_0, &t.data()?, rows, cols)?,
         GgmlDType::Q4_1 => QMatrix::from_gguf_bytes(QFormat::Q4_1, &t.data()?, rows, cols)?,
         GgmlDType::Q8_0 => QMatrix::from_gguf_bytes(QFormat::Q8_0, &t.data()?, rows, cols)?,
+        // Q5_0's 5-bit values and scale fit Q8_0 blocks exactly.
+        GgmlDType::Q5_0 => {
+            let q8 = tessera_kernels::quant::q5_0_as_q8_0(&t.data()?);
+            QMatrix::from_gguf_bytes(QFormat::Q8_0, &q8, rows, cols)?
+        }
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
             QMatrix::from_f32(dense()?, rows, cols)?
         }
@@ -240,28 +361,85 @@ fn weights_digest(m: &QMatrix, h: &mut impl sha2::Digest) {
     h.update(&bytes[bytes.len() - n..]);
 }
 
-impl Llama {
+impl Transformer {
     /// Loads weights described by `content` from `reader` (the same GGUF file).
+    ///
+    /// Errors: see [`ModelConfig::from_gguf`]; [`ModelError::Tensor`] for a
+    /// missing tensor or one of the wrong shape (vectors included).
     pub fn load<R: Read + Seek>(content: &Content, reader: &mut R) -> Result<Self, ModelError> {
-        let cfg = LlamaConfig::from_gguf(content)?;
-        let (d, kvd) = (cfg.hidden, cfg.kv_heads * cfg.head_dim);
-        let mut layers = Vec::with_capacity(cfg.layers);
+        let cfg = ModelConfig::from_gguf(content)?;
+        let (d, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let gemma = cfg.arch == Arch::Gemma3;
+        let mut vector = |name: String, len: usize| -> Result<Vec<f32>, ModelError> {
+            let v = read_vec(content, reader, &name)?;
+            if v.len() != len {
+                return Err(ModelError::Tensor {
+                    name,
+                    problem: format!("{} values, expected {len}", v.len()),
+                });
+            }
+            Ok(v)
+        };
+        let mut norms = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            let qkv_bias = match cfg.arch {
+                Arch::Qwen2 => {
+                    let mut b = vector(p("attn_q.bias"), qd)?;
+                    b.extend(vector(p("attn_k.bias"), kvd)?);
+                    b.extend(vector(p("attn_v.bias"), kvd)?);
+                    Some(b)
+                }
+                _ => None,
+            };
+            norms.push((
+                vector(p("attn_norm.weight"), d)?,
+                vector(p("ffn_norm.weight"), d)?,
+                qkv_bias,
+                if gemma {
+                    Some((
+                        vector(p("attn_q_norm.weight"), hd)?,
+                        vector(p("attn_k_norm.weight"), hd)?,
+                    ))
+                } else {
+                    None
+                },
+                if gemma {
+                    Some((
+                        vector(p("post_attention_norm.weight"), d)?,
+                        vector(p("post_ffw_norm.weight"), d)?,
+                    ))
+                } else {
+                    None
+                },
+            ));
+        }
+        let output_norm = vector("output_norm.weight".into(), d)?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for (i, (attn_norm, ffn_norm, qkv_bias, qk_norm, post)) in norms.into_iter().enumerate() {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let window = cfg.layer_window(i);
+            let (attn_post_norm, ffn_post_norm) = post.unzip();
             layers.push(Layer {
-                attn_norm: read_vec(content, reader, &p("attn_norm"))?,
+                attn_norm,
                 wqkv: QMatrix::concat_rows(vec![
-                    read_matrix(content, reader, &p("attn_q"), d, d)?,
+                    read_matrix(content, reader, &p("attn_q"), qd, d)?,
                     read_matrix(content, reader, &p("attn_k"), kvd, d)?,
                     read_matrix(content, reader, &p("attn_v"), kvd, d)?,
                 ])?,
-                wo: read_matrix(content, reader, &p("attn_output"), d, d)?,
-                ffn_norm: read_vec(content, reader, &p("ffn_norm"))?,
+                qkv_bias,
+                qk_norm,
+                wo: read_matrix(content, reader, &p("attn_output"), d, qd)?,
+                attn_post_norm,
+                ffn_norm,
                 gate_up: QMatrix::concat_rows(vec![
                     read_matrix(content, reader, &p("ffn_gate"), cfg.ffn, d)?,
                     read_matrix(content, reader, &p("ffn_up"), cfg.ffn, d)?,
                 ])?,
                 down: read_matrix(content, reader, &p("ffn_down"), d, cfg.ffn)?,
+                ffn_post_norm,
+                window,
+                rope: usize::from(window.is_some()),
             });
         }
         let embed = read_matrix(content, reader, "token_embd.weight", cfg.vocab, d)?;
@@ -270,15 +448,21 @@ impl Llama {
         } else {
             None
         };
-        let output_norm = read_vec(content, reader, "output_norm.weight")?;
         let fingerprint = {
             use sha2::{Digest, Sha256};
             let mut h = Sha256::new();
             h.update(format!("{cfg:?}"));
-            for v in output_norm
-                .iter()
-                .chain(layers.iter().flat_map(|l| &l.attn_norm))
-            {
+            let vectors = layers.iter().flat_map(|l| {
+                [Some(&l.attn_norm), Some(&l.ffn_norm), l.qkv_bias.as_ref()]
+                    .into_iter()
+                    .chain([l.attn_post_norm.as_ref(), l.ffn_post_norm.as_ref()])
+                    .chain([
+                        l.qk_norm.as_ref().map(|(q, _)| q),
+                        l.qk_norm.as_ref().map(|(_, k)| k),
+                    ])
+                    .flatten()
+            });
+            for v in std::iter::once(&output_norm).chain(vectors).flatten() {
                 h.update(v.to_le_bytes());
             }
             // Each matrix's format and the ends of its weights: two files of one
@@ -293,10 +477,15 @@ impl Llama {
             }
             h.finalize().into()
         };
+        let mut ropes = vec![Rope::new(hd, cfg.rope_base)];
+        if let Some((_, base)) = cfg.sliding_window {
+            ropes.push(Rope::new(hd, base));
+        }
         Ok(Self {
             output_norm,
-            rope: Rope::new(cfg.head_dim, cfg.rope_base),
+            ropes,
             fingerprint,
+            embed_scale: if gemma { (d as f32).sqrt() } else { 1.0 },
             cfg,
             embed,
             output,
@@ -305,7 +494,7 @@ impl Llama {
     }
 
     /// Model hyperparameters.
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
@@ -343,8 +532,8 @@ impl Llama {
     pub fn forward(&self, rows: &[BatchRow], kv: &mut KvManager) -> ForwardOutput {
         let cfg = &self.cfg;
         let n = rows.len();
-        let (d, hd, nh) = (cfg.hidden, cfg.head_dim, cfg.heads);
-        let kvd = cfg.kv_heads * hd;
+        let (d, nh) = (cfg.hidden, cfg.heads);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let layout = *kv.layout();
         let ps = layout.page_size;
         let mut failed: HashMap<SeqId, IntegrityError> = HashMap::new();
@@ -352,29 +541,53 @@ impl Llama {
         let mut x = vec![0f32; n * d];
         for (r, xr) in rows.iter().zip(x.chunks_exact_mut(d)) {
             self.embed.dequantize_row(r.token as usize, xr);
+            if self.embed_scale != 1.0 {
+                xr.iter_mut().for_each(|v| *v *= self.embed_scale);
+            }
         }
         let mut h = vec![0f32; n * d];
         let mut acts = Activations::default();
-        let qkv_dim = d + 2 * kvd;
+        let qkv_dim = qd + 2 * kvd;
         let mut qkv = vec![0f32; n * qkv_dim];
-        let (mut q, mut k, mut v) = (vec![0f32; n * d], vec![0f32; n * kvd], vec![0f32; n * kvd]);
-        let mut attn = vec![0f32; n * d];
+        let (mut q, mut k, mut v) = (vec![0f32; n * qd], vec![0f32; n * kvd], vec![0f32; n * kvd]);
+        let mut attn = vec![0f32; n * qd];
         let mut proj = vec![0f32; n * d];
         let mut gate_up = vec![0f32; n * 2 * cfg.ffn];
         let mut gate = vec![0f32; n * cfg.ffn];
+        let mut normed = Vec::new();
 
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
             l.wqkv.matmul(&acts, &mut qkv);
-            for (i, row) in qkv.chunks_exact(qkv_dim).enumerate() {
-                q[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
-                k[i * kvd..(i + 1) * kvd].copy_from_slice(&row[d..d + kvd]);
-                v[i * kvd..(i + 1) * kvd].copy_from_slice(&row[d + kvd..]);
+            if let Some(bias) = &l.qkv_bias {
+                for row in qkv.chunks_exact_mut(qkv_dim) {
+                    row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+                }
             }
+            for (i, row) in qkv.chunks_exact(qkv_dim).enumerate() {
+                q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                k[i * kvd..(i + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                v[i * kvd..(i + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+            }
+            if let Some((qn, kn)) = &l.qk_norm {
+                // Per head: every `head_dim` values are one RMSNorm row.
+                for (t, w) in [(&mut q, qn), (&mut k, kn)] {
+                    normed.resize(t.len(), 0.0);
+                    rms_norm(t, w, cfg.eps, &mut normed);
+                    std::mem::swap(t, &mut normed);
+                }
+            }
+            let rope = &self.ropes[l.rope];
             for (i, r) in rows.iter().enumerate() {
-                self.rope.apply(&mut q[i * d..(i + 1) * d], r.pos);
-                self.rope.apply(&mut k[i * kvd..(i + 1) * kvd], r.pos);
+                let (qr, kr) = (&mut q[i * qd..(i + 1) * qd], &mut k[i * kvd..(i + 1) * kvd]);
+                if cfg.arch.neox_rope() {
+                    rope.apply_neox(qr, r.pos);
+                    rope.apply_neox(kr, r.pos);
+                } else {
+                    rope.apply(qr, r.pos);
+                    rope.apply(kr, r.pos);
+                }
             }
 
             // Write this layer's K/V into each row's page, after checking its tag.
@@ -419,14 +632,15 @@ impl Llama {
             let mut rest = &mut attn[..];
             let mut at = 0;
             for &(start, len) in &runs {
-                let (_, tail) = std::mem::take(&mut rest).split_at_mut((start - at) * d);
-                let (out, tail) = tail.split_at_mut(len * d);
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut((start - at) * qd);
+                let (out, tail) = tail.split_at_mut(len * qd);
                 rest = tail;
                 at = start + len;
                 jobs.push(AttnJob {
-                    q: &q[start * d..(start + len) * d],
+                    q: &q[start * qd..(start + len) * qd],
                     n_keys: &n_keys[start..start + len],
                     table: kv.table(rows[start].seq).unwrap_or(&[]),
+                    window: l.window,
                     out,
                 });
             }
@@ -443,17 +657,32 @@ impl Llama {
                 }
             }
 
-            acts.set(&attn, n, d);
+            acts.set(&attn, n, qd);
             l.wo.matmul(&acts, &mut proj);
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            add_residual(
+                &mut x,
+                &mut proj,
+                l.attn_post_norm.as_deref(),
+                cfg.eps,
+                &mut h,
+            );
 
             rms_norm(&x, &l.ffn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
             l.gate_up.matmul(&acts, &mut gate_up);
-            swiglu_rows(&gate_up, cfg.ffn, &mut gate);
+            match cfg.arch {
+                Arch::Gemma3 => gelu_tanh_rows(&gate_up, cfg.ffn, &mut gate),
+                Arch::Llama | Arch::Qwen2 => swiglu_rows(&gate_up, cfg.ffn, &mut gate),
+            }
             acts.set(&gate, n, cfg.ffn);
             l.down.matmul(&acts, &mut proj);
-            x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
+            add_residual(
+                &mut x,
+                &mut proj,
+                l.ffn_post_norm.as_deref(),
+                cfg.eps,
+                &mut h,
+            );
         }
 
         let want: Vec<usize> = (0..n)
@@ -477,4 +706,23 @@ impl Llama {
         }
         ForwardOutput { logits, failed }
     }
+}
+
+/// `x += block_out`, with `block_out` RMSNormed by `post_norm` first where the
+/// architecture has one (gemma3); `scratch` is `block_out`'s size.
+fn add_residual(
+    x: &mut [f32],
+    block_out: &mut [f32],
+    post_norm: Option<&[f32]>,
+    eps: f32,
+    scratch: &mut [f32],
+) {
+    let out: &[f32] = match post_norm {
+        Some(w) => {
+            rms_norm(block_out, w, eps, scratch);
+            scratch
+        }
+        None => block_out,
+    };
+    x.iter_mut().zip(out).for_each(|(a, b)| *a += b);
 }
