@@ -16,7 +16,7 @@
 //!   only when asked; user-defined tokens (`token_type` 4) are always parsed,
 //!   as in llama.cpp.
 
-use super::{Bpe, TokenizerError, KEY_MERGES, KEY_PRE, TYPE_CONTROL, TYPE_USER_DEFINED};
+use super::metadata::{TokenizerError, KEY_MERGES, KEY_PRE, TYPE_CONTROL, TYPE_USER_DEFINED};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -24,6 +24,14 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+/// The byte-level BPE engine.
+pub(super) struct Bpe {
+    /// Parses control tokens in text as special tokens.
+    pub(super) with_special: tokenizers::Tokenizer,
+    /// Same tokenizer with special-token parsing off (control token text is plain text).
+    pub(super) without_special: tokenizers::Tokenizer,
+}
 
 /// The `tokenizer.ggml.pre` values [`build`] accepts, for error messages.
 pub(super) const SUPPORTED_PRE: &str = "\"smollm\", \"gpt-2\", \"qwen2\", \"llama-bpe\"";

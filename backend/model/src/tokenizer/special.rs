@@ -16,7 +16,7 @@
 //! differently. No such pair occurs in the vocabularies this crate is tested on
 //! (their special tokens are `<...>` names and runs of one whitespace character).
 
-use super::{TYPE_CONTROL, TYPE_USER_DEFINED};
+use super::metadata::{TYPE_CONTROL, TYPE_USER_DEFINED};
 use std::collections::{BTreeMap, HashMap};
 
 /// One piece of a partitioned text.
@@ -234,7 +234,7 @@ pub(super) fn llama_cpp_types(tokens: &[&str], types: &[i32]) -> Vec<i32> {
         .map(|(&t, &ty)| match t {
             "<|channel|>" | "<|message|>" | "<|start|>" | "<|constrain|>" => TYPE_USER_DEFINED,
             "<|end|>" if end_not_eog => TYPE_USER_DEFINED,
-            "</s>" if s_is_normal => super::TYPE_NORMAL,
+            "</s>" if s_is_normal => super::metadata::TYPE_NORMAL,
             _ if forced.contains(t) => TYPE_CONTROL,
             _ => ty,
         })
