@@ -84,23 +84,28 @@ async fn each_family_answers_its_direct_greedy_tokens_and_its_own_window() {
     }
 
     // Qwen: chat through the template in its file.
-    let msgs = [ChatMessage::new("user", "Write a Python function that adds two numbers.")];
+    let msgs = [ChatMessage::new(
+        "user",
+        "Write a Python function that adds two numbers.",
+    )];
     let ids = qwen.chat.encode(&qwen.tokenizer, &msgs, true).unwrap();
     let (want, _) = greedy_with_logits(&qwen, &ids, 12);
-    let body = json!({"messages": [{"role": "user", "content": msgs[0].content}], "max_tokens": 12});
+    let body =
+        json!({"messages": [{"role": "user", "content": msgs[0].content}], "max_tokens": 12});
     let (status, _, v) = s.post(&run_url(&s, QWEN), Some(&s.key), &body).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["result"]["response"], text_of(&qwen, &want));
     // The same through the OpenAI shape.
     let body = json!({"model": QWEN, "messages": [{"role": "user", "content": msgs[0].content}], "max_tokens": 12});
     let (status, _, v) = s
-        .post(&format!("{}/v1/chat/completions", s.base), Some(&s.key), &body)
+        .post(
+            &format!("{}/v1/chat/completions", s.base),
+            Some(&s.key),
+            &body,
+        )
         .await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(
-        v["choices"][0]["message"]["content"],
-        text_of(&qwen, &want)
-    );
+    assert_eq!(v["choices"][0]["message"]["content"], text_of(&qwen, &want));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -111,7 +116,10 @@ async fn chat_to_a_base_model_and_prompts_over_its_window_are_refused() {
     let (status, _, v) = s.post(&run_url(&s, GEMMA), Some(&s.key), &body).await;
     assert_eq!(status, 400, "{v}");
     let text = v.to_string();
-    assert!(text.contains("no chat template") && text.contains("raw prompt"), "{text}");
+    assert!(
+        text.contains("no chat template") && text.contains("raw prompt"),
+        "{text}"
+    );
     let (status, _, v) = s
         .post(
             &format!("{}/v1/chat/completions", s.base),
