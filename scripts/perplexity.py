@@ -91,7 +91,8 @@ def read_ids(path):
 def windows(n):
     """(convention, [(start, end, first scored nll index)]): nll index j of a
     window is token start+j+1 given tokens start..start+j."""
-    assert n >= 2 * CHUNK, f"{n} tokens: llama-perplexity -c {CHUNK} needs {2 * CHUNK}"
+    if n < 2 * CHUNK:  # llama-perplexity -c CHUNK needs 2 x CHUNK tokens
+        return [("window", [(0, n, 0)])]
     return [("window", [(0, n, 0)]),
             (f"chunks{CHUNK}", [(k * CHUNK, (k + 1) * CHUNK, CHUNK // 2)
                                 for k in range(n // CHUNK)])]
@@ -151,13 +152,16 @@ def mode_ids(args):
     llama_cpp, llm = load_llama(args)
     text = open(args.text, encoding="utf-8").read()
     ids = llama_tokenize(llm, text)
-    assert ids[0] != llm.token_bos(), "the vocab adds BOS: scoring would differ"
-    pieces = [llm.detokenize([i]).decode("utf-8") for i in ids]
+    # A vocabulary that adds BOS (Gemma) starts with it: its piece is empty, it is
+    # never scored, and Tessera adds it to the prompt text itself.
+    bos = ids[0] == llm.token_bos()
+    pieces = [""] * bos + [llm.detokenize([i]).decode("utf-8") for i in ids[bos:]]
     assert "".join(pieces) == text, "token texts do not concatenate to the text"
     doc = {"tokenizer": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), "
-                        "add_special=true (no BOS for this vocab), parse_special=false",
+                        f"add_special=true ({'BOS first' if bos else 'no BOS for this vocab'}), "
+                        "parse_special=false",
            "model": os.path.basename(args.model), "text": os.path.basename(args.text),
-           "ids": ids, "pieces": pieces}
+           "bos": bos, "ids": ids, "pieces": pieces}
     with open(args.ids, "w") as f:  # one field a line
         f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items())
                 + "\n}\n")
@@ -337,7 +341,9 @@ def mode_tessera(args):
         n = end - start
         lp = resp["choices"][0]["logprobs"]
         assert resp["usage"]["prompt_tokens"] == n, (resp["usage"], n)
-        assert lp["tokens"][:n] == pieces[start:end], "Tessera tokenized the text differently"
+        skip = 1 if start == 0 and pieces[0] == "" else 0  # BOS: its text is Tessera's
+        assert lp["tokens"][skip:n] == pieces[start + skip:end], \
+            "Tessera tokenized the text differently"
         assert lp["token_logprobs"][0] is None
         lps = lp["token_logprobs"][1:n]
         assert all(isinstance(v, float) and v > -9999.0 for v in lps)

@@ -210,7 +210,7 @@ async fn client_disconnects_through_nodes_leak_nothing() {
 
 /// A second gateway in front of the same nodes (a restarted gateway, or a fleet of
 /// gateways) gets its answers. Request ids must be unique across every coordinator
-/// that talks to a node (protocol.rs `ReqId`); each gateway numbering from 1 makes
+/// that talks to a node (the protocol's `ReqId`); each gateway numbering from 1 makes
 /// the second gateway's first request collide with the first one's tombstone on the
 /// nodes, and it hangs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -180,7 +180,8 @@ pub struct LoadtestArgs {
     #[arg(long, default_value_t = 0.0)]
     pub disconnect_share: f64,
     /// Context window of the model in tokens (default: from the server's
-    /// catalog, else 8192).
+    /// catalog, else 8192). With several models of different windows, normal
+    /// prompts fit the smallest and over-long prompts exceed the largest.
     #[arg(long)]
     pub context_window: Option<usize>,
     /// Per-request time limit in seconds.

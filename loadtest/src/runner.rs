@@ -395,22 +395,24 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
     if args.api == Api::WorkersAi && tenants.iter().any(|t| t.account_id.is_none()) {
         bail!("--api workers-ai needs tenants with account ids: give --admin-token or --keys-file (or use --api openai)");
     }
-    let context = match args.context_window {
-        Some(c) => c,
-        // The smallest window of the models (a prompt may go to any of them).
+    // Normal prompts fit the smallest window of the models (a prompt may go to any
+    // of them); over-long ones exceed the largest.
+    let (context, largest) = match args.context_window {
+        Some(c) => (c, c),
         None => {
-            let mut smallest: Option<usize> = None;
+            let mut windows = Vec::new();
             for m in &args.model {
-                let c = catalog_context(&http, &base, m, tenants[0].key.as_deref()).await;
-                smallest = match (smallest, c) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
+                if let Some(c) = catalog_context(&http, &base, m, tenants[0].key.as_deref()).await {
+                    windows.push(c);
+                }
             }
-            smallest.unwrap_or(DEFAULT_CONTEXT)
+            (
+                windows.iter().copied().min().unwrap_or(DEFAULT_CONTEXT),
+                windows.iter().copied().max().unwrap_or(DEFAULT_CONTEXT),
+            )
         }
     };
-    let w = Arc::new(Workload::new(&args, tenants.len(), context)?);
+    let w = Arc::new(Workload::for_windows(&args, tenants.len(), context, largest)?);
     let target = Target {
         label: args.label.clone(),
         base: base.clone(),

@@ -232,6 +232,22 @@ impl Workload {
     /// An unreadable or malformed `--prompts-file`; a shared prefix that does
     /// not fit the context window.
     pub fn new(args: &LoadtestArgs, tenants: usize, context_window: usize) -> Result<Self> {
+        Self::for_windows(args, tenants, context_window, context_window)
+    }
+
+    /// [`Self::new`] for models of different context windows (tokens): normal
+    /// prompts and shared prefixes fit the `smallest`, over-long prompts exceed
+    /// the `largest` (so every model must refuse them).
+    ///
+    /// # Errors
+    /// As [`Self::new`].
+    pub fn for_windows(
+        args: &LoadtestArgs,
+        tenants: usize,
+        smallest: usize,
+        largest: usize,
+    ) -> Result<Self> {
+        let context_window = smallest;
         let file = match &args.prompts_file {
             Some(p) => Some(read_prompts_file(p)?),
             None => None,
@@ -293,7 +309,7 @@ impl Workload {
         }
         for (t, tenant_canaries) in canaries.iter_mut().enumerate() {
             let c = fresh_canary(&mut rng);
-            let ctx = filler(&mut rng, context_window + 256);
+            let ctx = filler(&mut rng, largest.max(smallest) + 256);
             let text = render(args.mode, "", &ctx, &c, TASKS[0]);
             let id = prompts.len();
             over_long.push(id);
