@@ -4,13 +4,22 @@
 //! One tile's blocks are unpacked once and multiplied into `R` activation rows,
 //! which is what makes batched decode and prefill cheaper than `R` single-row
 //! calls. The lanes of a register are 16 output rows, so no horizontal sums are
-//! needed and every output is computed by the same sequence of operations:
+//! needed and every output is computed by the same sequence of operations, per
+//! activation block `b` (32 values; a K format's super-block is 8 of them):
 //!
-//! `acc = 0; for each block b: acc = fma(isum_b, d_w * d_x[b], acc)`, then for
-//! `Q4_1` also `acc = fma(m_w, s_x[b], acc)`, where `isum_b` is the block's exact
-//! integer dot product `sum(q_w * q_x)` (for `Q4_0` with `q_w - 8`, for `Q8_0` the
-//! signed values). The integer sums are exact in every path and the float steps
-//! are the same single-rounding operations, so the scalar, AVX2 and AVX-512
+//! - `Q4_0`, `Q5_0`, `Q8_0`: `acc = fma(isum_b, d_w * d_x[b], acc)`, where `isum_b`
+//!   is the block's exact integer dot product `sum((u - off) * q_x)` of the stored
+//!   unsigned values `u` (offset 8, 16, 128: see [`QFormat::int_offset`]);
+//! - `Q4_1`: the same with `off = 0`, then `acc = fma(m_w, s_x[b], acc)`;
+//! - `Q4_K`: as `Q4_1` with the sub-block's `d_w = d * sc_j` and `m_w = -(dmin *
+//!   m_j)` (products of an `f16` and a 6-bit integer: exact in `f32`), the second
+//!   step written `acc = fnmadd(dmin * m_j, s_x[b], acc)`;
+//! - `Q6_K`: `isum_b = sc_a * isum_a + sc_b * isum_b'` over the two halves of 16
+//!   (each with its own `i8` scale and offset `32 * sum16_x`), all exact in `i32`,
+//!   then `acc = fma(isum_b, d * d_x[b], acc)`.
+//!
+//! The integer sums are exact in every path and the float steps are the same
+//! single-rounding operations in the same order, so the scalar, AVX2 and AVX-512
 //! kernels agree bit for bit, and a row's result never depends on `R`, on its
 //! batch mates or on the instruction set (batch invariance, DESIGN.md §7).
 //!
@@ -19,31 +28,37 @@
 //! register), and portable Rust.
 
 pub use crate::isa::{isa, Isa};
-use crate::quant::{ActRow, QFormat, QK, TILE};
+use crate::quant::{lane_values, ActRow, QFormat, QK, TILE};
 use half::f16;
 
-/// A weight matrix in repacked tiles: `tiles * bpr` records of `format`, tile-major.
+/// A weight matrix in repacked tiles: `tiles * bpr / format.sub_blocks()`
+/// records of `format`, tile-major.
 #[derive(Clone, Copy, Debug)]
 pub struct Tiles<'a> {
     /// Block format.
     pub format: QFormat,
     /// Records (see [`crate::quant::repack`]).
     pub data: &'a [u8],
-    /// Blocks per row (`cols / 32`).
+    /// Activation blocks per row (`cols / 32`).
     pub bpr: usize,
 }
 
 impl<'a> Tiles<'a> {
-    /// Number of tiles.
-    pub fn tiles(&self) -> usize {
-        self.data.len() / (self.bpr * self.format.record_bytes()).max(1)
+    /// Records per tile (`cols / format.block_values()`).
+    fn records(&self) -> usize {
+        self.bpr / self.format.sub_blocks()
     }
 
-    /// Record `b` of tile `t`.
+    /// Number of tiles.
+    pub fn tiles(&self) -> usize {
+        self.data.len() / (self.records() * self.format.record_bytes()).max(1)
+    }
+
+    /// Record `b` (`0..records()`) of tile `t`.
     #[inline(always)]
     fn record(&self, t: usize, b: usize) -> &'a [u8] {
-        let rec = self.format.record_bytes();
-        &self.data[(t * self.bpr + b) * rec..(t * self.bpr + b + 1) * rec]
+        let (rec, n) = (self.format.record_bytes(), self.records());
+        &self.data[(t * n + b) * rec..(t * n + b + 1) * rec]
     }
 }
 
@@ -53,15 +68,24 @@ pub type TileOut<const R: usize> = [[f32; TILE]; R];
 
 fn check<const R: usize>(w: &Tiles, tiles: &std::ops::Range<usize>, xs: &[ActRow; R]) {
     let nb = w.bpr;
+    assert!(
+        nb.is_multiple_of(w.format.sub_blocks()),
+        "{} rows need whole super-blocks",
+        w.format.name()
+    );
     assert!(tiles.end <= w.tiles(), "tiles out of range");
     assert_eq!(
         w.data.len(),
-        w.tiles() * nb * w.format.record_bytes(),
+        w.tiles() * w.records() * w.format.record_bytes(),
         "tile data"
     );
     for x in xs {
         assert!(
-            x.d.len() == nb && x.s.len() == nb && x.sum.len() == nb && x.qs.len() == nb * QK,
+            x.d.len() == nb
+                && x.s.len() == nb
+                && x.sum.len() == nb
+                && x.sum16.len() == 2 * nb
+                && x.qs.len() == nb * QK,
             "activation row shape"
         );
     }
@@ -71,6 +95,26 @@ fn check<const R: usize>(w: &Tiles, tiles: &std::ops::Range<usize>, xs: &[ActRow
 const F_Q4_0: u8 = 0;
 const F_Q4_1: u8 = 1;
 const F_Q8_0: u8 = 2;
+const F_Q5_0: u8 = 3;
+const F_Q4K: u8 = 4;
+const F_Q6K: u8 = 5;
+
+/// The format of a kernel's code.
+const fn format_of(f: u8) -> QFormat {
+    match f {
+        F_Q4_0 => QFormat::Q4_0,
+        F_Q4_1 => QFormat::Q4_1,
+        F_Q8_0 => QFormat::Q8_0,
+        F_Q5_0 => QFormat::Q5_0,
+        F_Q4K => QFormat::Q4K,
+        _ => QFormat::Q6K,
+    }
+}
+
+/// Whether format code `f` is a K format (8 activation blocks per record).
+const fn is_k(f: u8) -> bool {
+    f == F_Q4K || f == F_Q6K
+}
 
 /// Tile `t` of `w` against `R` activation rows.
 pub fn tile_dot<const R: usize>(w: Tiles, t: usize, xs: [ActRow; R]) -> TileOut<R> {
@@ -95,11 +139,7 @@ pub fn panel<const R: usize>(
     check(&w, &tiles, &xs);
     macro_rules! run {
         ($f:ident) => {{
-            const F: u8 = match QFormat::$f {
-                QFormat::Q4_0 => F_Q4_0,
-                QFormat::Q4_1 => F_Q4_1,
-                QFormat::Q8_0 => F_Q8_0,
-            };
+            const F: u8 = $f;
             match isa() {
                 // SAFETY: `isa()` verified the features; shapes checked above.
                 #[cfg(target_arch = "x86_64")]
@@ -112,9 +152,12 @@ pub fn panel<const R: usize>(
         }};
     }
     match w.format {
-        QFormat::Q4_0 => run!(Q4_0),
-        QFormat::Q4_1 => run!(Q4_1),
-        QFormat::Q8_0 => run!(Q8_0),
+        QFormat::Q4_0 => run!(F_Q4_0),
+        QFormat::Q4_1 => run!(F_Q4_1),
+        QFormat::Q8_0 => run!(F_Q8_0),
+        QFormat::Q5_0 => run!(F_Q5_0),
+        QFormat::Q4K => run!(F_Q4K),
+        QFormat::Q6K => run!(F_Q6K),
     }
 }
 
@@ -126,31 +169,41 @@ fn f16_at(rec: &[u8], at: usize, lane: usize) -> f32 {
 
 /// The reference kernel in portable Rust: the module's arithmetic, lane by lane.
 fn scalar_tile<const R: usize, const F: u8>(w: Tiles, t: usize, xs: &[ActRow; R]) -> TileOut<R> {
-    let format = match F {
-        F_Q4_0 => QFormat::Q4_0,
-        F_Q4_1 => QFormat::Q4_1,
-        _ => QFormat::Q8_0,
-    };
-    let vb = format.value_bytes();
+    let format = format_of(F);
+    let (vb, sub) = (format.value_bytes(), format.sub_blocks());
     let mut out = [[0f32; TILE]; R];
     for (x, o) in xs.iter().zip(out.iter_mut()) {
         for (lane, acc) in o.iter_mut().enumerate() {
             for b in 0..w.bpr {
-                let rec = w.record(t, b);
+                let (rec, j) = (w.record(t, b / sub), b % sub);
+                let u = lane_values(format, rec, lane, j);
                 let q = &x.qs[b * QK..(b + 1) * QK];
-                let mut isum = -format.int_offset() * x.sum[b];
-                for (k, &qx) in q.iter().enumerate() {
-                    let (g, e) = (k / 4, k % 4);
-                    let u = match format {
-                        QFormat::Q8_0 => rec[(g * TILE + lane) * 4 + e],
-                        _ if g < 4 => rec[(g * TILE + lane) * 4 + e] & 0x0F,
-                        _ => rec[((g - 4) * TILE + lane) * 4 + e] >> 4,
-                    };
-                    isum += u as i32 * qx as i32;
-                }
-                *acc = (isum as f32).mul_add(f16_at(rec, vb, lane) * x.d[b], *acc);
-                if format == QFormat::Q4_1 {
-                    *acc = f16_at(rec, vb + 32, lane).mul_add(x.s[b], *acc);
+                let dot = |r: std::ops::Range<usize>| -> i32 {
+                    r.map(|k| u[k] as i32 * q[k] as i32).sum()
+                };
+                let d = f16_at(rec, vb, lane);
+                match F {
+                    F_Q6K => {
+                        let sc = |k: usize| rec[3072 + k * TILE + lane] as i8 as i32;
+                        let lo = dot(0..16) - 32 * x.sum16[2 * b];
+                        let hi = dot(16..32) - 32 * x.sum16[2 * b + 1];
+                        let isum = lo * sc(2 * j) + hi * sc(2 * j + 1);
+                        *acc = (isum as f32).mul_add(d * x.d[b], *acc);
+                    }
+                    F_Q4K => {
+                        let sc = rec[2048 + j * TILE + lane] as f32;
+                        let m = rec[2176 + j * TILE + lane] as f32;
+                        let dmin = f16_at(rec, vb + 32, lane);
+                        *acc = (dot(0..32) as f32).mul_add(d * sc * x.d[b], *acc);
+                        *acc = (-(dmin * m)).mul_add(x.s[b], *acc);
+                    }
+                    _ => {
+                        let isum = dot(0..32) - format.int_offset() * x.sum[b];
+                        *acc = (isum as f32).mul_add(d * x.d[b], *acc);
+                        if F == F_Q4_1 {
+                            *acc = f16_at(rec, vb + 32, lane).mul_add(x.s[b], *acc);
+                        }
+                    }
                 }
             }
         }
@@ -183,6 +236,34 @@ pub fn dot_f32<const R: usize>(w: &[f32], xs: [&[f32]; R]) -> [f32; R] {
     out
 }
 
+/// Which stored register holds group `g` (0..8) of activation block `j` of a
+/// record, and whether its values are the high nibbles: see the module docs of
+/// [`crate::quant`]. (`Q8_0` is register `g`, whole bytes.)
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+const fn nibble_source(f: u8, j: usize, g: usize) -> (usize, bool) {
+    if is_k(f) {
+        (8 * (j / 2) + g, j % 2 == 1)
+    } else if g < 4 {
+        (g, false)
+    } else {
+        (g - 4, true)
+    }
+}
+
+/// For `Q5_0` and `Q6_K`: the high-bit plane of group `g` of block `j` (its byte
+/// offset in the record), the bit of the plane's bytes where the group's high bits
+/// start, and the mask of those bits once moved to bit 4.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+const fn high_bits(f: u8, j: usize, g: usize) -> (usize, u32, i8) {
+    if f == F_Q5_0 {
+        (256, g as u32, 0x10)
+    } else {
+        (2048 + (2 * j + g / 4) * 64, 2 * (g % 4) as u32, 0x30)
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
@@ -202,6 +283,17 @@ mod avx2 {
         }
     }
 
+    /// Each 16-bit lane of `v` shifted so that bit `from` lands on bit 4.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn to_bit4(v: __m256i, from: u32) -> __m256i {
+        if from <= 4 {
+            _mm256_sll_epi16(v, _mm_cvtsi32_si128((4 - from) as i32))
+        } else {
+            _mm256_srl_epi16(v, _mm_cvtsi32_si128((from - 4) as i32))
+        }
+    }
+
     /// One tile as two halves of 8 rows; per lane the arithmetic of `scalar_tile`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -210,63 +302,129 @@ mod avx2 {
         t: usize,
         xs: &[ActRow; R],
     ) -> TileOut<R> {
-        let vb = if F == F_Q8_0 { 512 } else { 256 };
-        // Q8_0 values are made signed here, so only Q4_0 keeps an offset.
-        let off = if F == F_Q4_0 { 8 } else { 0 };
+        let format = format_of(F);
+        let (vb, sub) = (format.value_bytes(), format.sub_blocks());
+        // Q8_0 values are made signed here, so it keeps no offset.
+        let off = if F == F_Q8_0 { 0 } else { format.int_offset() };
         let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut out = [[0f32; TILE]; R];
         for h in 0..2 {
             let mut acc = [_mm256_setzero_ps(); R];
-            for b in 0..w.bpr {
-                let rec = w.record(t, b).as_ptr();
-                // SAFETY: a record holds vb value bytes and 16 (or 32) scales.
-                let wv: [__m256i; 8] = unsafe {
-                    if F == F_Q8_0 {
-                        std::array::from_fn(|g| {
-                            let v = _mm256_loadu_si256(rec.add(64 * g + 32 * h).cast());
-                            _mm256_xor_si256(v, _mm256_set1_epi8(-128))
-                        })
-                    } else {
-                        let z: [__m256i; 4] = std::array::from_fn(|p| {
-                            _mm256_loadu_si256(rec.add(64 * p + 32 * h).cast())
-                        });
-                        std::array::from_fn(|g| {
-                            if g < 4 {
-                                _mm256_and_si256(z[g], mask)
-                            } else {
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(z[g - 4]), mask)
-                            }
-                        })
-                    }
-                };
-                // SAFETY: as above.
-                let dw = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rec.add(vb + 16 * h).cast())) };
-                let mw = if F == F_Q4_1 {
-                    // SAFETY: Q4_1 records hold 16 offsets after the scales.
+            for rb in 0..w.bpr / sub {
+                let rec = w.record(t, rb).as_ptr();
+                // SAFETY: every record holds 16 `f16` d at vb, Q4_1 and Q4_K records
+                // 16 `f16` m or dmin after them.
+                let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rec.add(vb + 16 * h).cast())) };
+                let d2 = if F == F_Q4_1 || F == F_Q4K {
+                    // SAFETY: as above.
                     unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rec.add(vb + 32 + 16 * h).cast())) }
                 } else {
                     _mm256_setzero_ps()
                 };
-                for r in 0..R {
-                    let x = &xs[r];
-                    let xq = x.qs[b * QK..].as_ptr().cast::<i32>();
-                    let mut isum = _mm256_set1_epi32(-off * x.sum[b]);
-                    for (g, &wg) in wv.iter().enumerate() {
-                        // SAFETY: 32 activation bytes per block.
-                        let x4 = _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(xq.add(g)) });
-                        let p16 = if F == F_Q8_0 {
-                            // |w| * (x * sign(w)) == w * x, unsigned operand first.
-                            _mm256_maddubs_epi16(_mm256_abs_epi8(wg), _mm256_sign_epi8(x4, wg))
-                        } else {
-                            _mm256_maddubs_epi16(wg, x4)
-                        };
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, ones));
+                for j in 0..sub {
+                    let b = rb * sub + j;
+                    // Register `i`'s 32 bytes of this half.
+                    // SAFETY: registers lie inside the record (module docs of quant).
+                    let load = |at: usize| unsafe {
+                        _mm256_loadu_si256(rec.add(at + 32 * h).cast::<__m256i>())
+                    };
+                    // 8-bit lanes of the (4 or) 8 scales of this half at byte `at`.
+                    // SAFETY: as above.
+                    let lanes8 = |at: usize| unsafe {
+                        _mm_loadl_epi64(rec.add(at + 8 * h).cast::<__m128i>())
+                    };
+                    // Unrolled by a macro, so each group's shifts are immediates
+                    // (`from_fn` left an out-of-line call per group).
+                    macro_rules! group {
+                        ($g:literal) => {{
+                            let g: usize = $g;
+                            let (reg, high) = nibble_source(F, j, g);
+                            let z = load(64 * reg);
+                            let nib = if high {
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(z), mask)
+                            } else {
+                                _mm256_and_si256(z, mask)
+                            };
+                            if F == F_Q8_0 {
+                                _mm256_xor_si256(load(64 * g), _mm256_set1_epi8(-128))
+                            } else if F == F_Q5_0 || F == F_Q6K {
+                                let (plane, from, m) = high_bits(F, j, g);
+                                let hb = to_bit4(load(plane), from);
+                                _mm256_or_si256(nib, _mm256_and_si256(hb, _mm256_set1_epi8(m)))
+                            } else {
+                                nib
+                            }
+                        }};
                     }
-                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[b]));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
-                    if F == F_Q4_1 {
-                        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[b]), acc[r]);
+                    let wv: [__m256i; 8] = [
+                        group!(0),
+                        group!(1),
+                        group!(2),
+                        group!(3),
+                        group!(4),
+                        group!(5),
+                        group!(6),
+                        group!(7),
+                    ];
+                    // Scales: Q4_K: d * sc_j and dmin * m_j; Q6_K: the halves' i8.
+                    let (dw, mw, sca, scb) = match F {
+                        F_Q4K => {
+                            let f = |at| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lanes8(at)));
+                            let (sc, m) = (f(2048 + j * TILE), f(2176 + j * TILE));
+                            let z = _mm256_setzero_si256();
+                            (_mm256_mul_ps(d, sc), _mm256_mul_ps(d2, m), z, z)
+                        }
+                        F_Q6K => {
+                            let f = |k| _mm256_cvtepi8_epi32(lanes8(3072 + k * TILE));
+                            (d, d2, f(2 * j), f(2 * j + 1))
+                        }
+                        _ => (d, d2, _mm256_setzero_si256(), _mm256_setzero_si256()),
+                    };
+                    for r in 0..R {
+                        let x = &xs[r];
+                        let xq = x.qs[b * QK..].as_ptr().cast::<i32>();
+                        // SAFETY: 32 activation bytes per block.
+                        let x4 = |g: usize| {
+                            _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(xq.add(g)) })
+                        };
+                        let madd = |acc: __m256i, g: usize| {
+                            let p16 = if F == F_Q8_0 {
+                                // |w| * (x * sign(w)) == w * x, unsigned operand first.
+                                _mm256_maddubs_epi16(
+                                    _mm256_abs_epi8(wv[g]),
+                                    _mm256_sign_epi8(x4(g), wv[g]),
+                                )
+                            } else {
+                                _mm256_maddubs_epi16(wv[g], x4(g))
+                            };
+                            _mm256_add_epi32(acc, _mm256_madd_epi16(p16, ones))
+                        };
+                        let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[b]));
+                        if F == F_Q6K {
+                            let mut lo = _mm256_set1_epi32(-32 * x.sum16[2 * b]);
+                            let mut hi = _mm256_set1_epi32(-32 * x.sum16[2 * b + 1]);
+                            for g in 0..4 {
+                                lo = madd(lo, g);
+                                hi = madd(hi, g + 4);
+                            }
+                            let isum = _mm256_add_epi32(
+                                _mm256_mullo_epi32(lo, sca),
+                                _mm256_mullo_epi32(hi, scb),
+                            );
+                            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+                            continue;
+                        }
+                        let mut isum = _mm256_set1_epi32(-off * x.sum[b]);
+                        for g in 0..8 {
+                            isum = madd(isum, g);
+                        }
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+                        if F == F_Q4_1 {
+                            acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[b]), acc[r]);
+                        } else if F == F_Q4K {
+                            acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.s[b]), acc[r]);
+                        }
                     }
                 }
             }
@@ -298,6 +456,17 @@ mod avx512 {
         }
     }
 
+    /// Each 16-bit lane of `v` shifted so that bit `from` lands on bit 4.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn to_bit4(v: __m512i, from: u32) -> __m512i {
+        if from <= 4 {
+            _mm512_sll_epi16(v, _mm_cvtsi32_si128((4 - from) as i32))
+        } else {
+            _mm512_srl_epi16(v, _mm_cvtsi32_si128((from - 4) as i32))
+        }
+    }
+
     /// One tile, 16 rows per register; per lane the arithmetic of `scalar_tile`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -306,59 +475,114 @@ mod avx512 {
         t: usize,
         xs: &[ActRow; R],
     ) -> TileOut<R> {
-        let vb = if F == F_Q8_0 { 512 } else { 256 };
-        let off = match F {
-            F_Q4_0 => 8,
-            F_Q8_0 => 128,
-            _ => 0,
-        };
+        let format = format_of(F);
+        let (vb, sub) = (format.value_bytes(), format.sub_blocks());
+        let off = format.int_offset();
         let mask = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); R];
-        for b in 0..w.bpr {
-            let rec = w.record(t, b).as_ptr();
-            // SAFETY: a record holds vb value bytes and 16 (or 32) scales.
-            let wv: [__m512i; 8] = unsafe {
-                if F == F_Q8_0 {
-                    std::array::from_fn(|g| _mm512_loadu_si512(rec.add(64 * g).cast()))
-                } else {
-                    let z: [__m512i; 4] =
-                        std::array::from_fn(|p| _mm512_loadu_si512(rec.add(64 * p).cast()));
-                    std::array::from_fn(|g| {
-                        if g < 4 {
-                            _mm512_and_si512(z[g], mask)
-                        } else {
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(z[g - 4]), mask)
-                        }
-                    })
-                }
-            };
-            // SAFETY: as above.
-            let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(vb).cast())) };
-            let mw = if F == F_Q4_1 {
-                // SAFETY: Q4_1 records hold 16 offsets after the scales.
+        for rb in 0..w.bpr / sub {
+            let rec = w.record(t, rb).as_ptr();
+            // SAFETY: every record holds 16 `f16` d at vb, Q4_1 and Q4_K records
+            // 16 `f16` m or dmin after them.
+            let d = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(vb).cast())) };
+            let d2 = if F == F_Q4_1 || F == F_Q4K {
+                // SAFETY: as above.
                 unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(vb + 32).cast())) }
             } else {
                 _mm512_setzero_ps()
             };
-            for r in 0..R {
-                let x = &xs[r];
-                let xq = x.qs[b * QK..].as_ptr().cast::<i32>();
-                // SAFETY: 32 activation bytes per block.
-                let x4 =
-                    |g: usize| _mm512_set1_epi32(unsafe { std::ptr::read_unaligned(xq.add(g)) });
-                // Two chains (even and odd groups) halve the dependent `vpdpbusd`
-                // latency per row; integer sums, so the result is the same.
-                let mut even = _mm512_set1_epi32(-off * x.sum[b]);
-                let mut odd = _mm512_setzero_si512();
-                for g in (0..8).step_by(2) {
-                    even = _mm512_dpbusd_epi32(even, wv[g], x4(g));
-                    odd = _mm512_dpbusd_epi32(odd, wv[g + 1], x4(g + 1));
+            for j in 0..sub {
+                let b = rb * sub + j;
+                // SAFETY: registers lie inside the record (module docs of quant).
+                let load = |at: usize| unsafe { _mm512_loadu_si512(rec.add(at).cast()) };
+                // 16 8-bit scales at byte `at`.
+                // SAFETY: as above.
+                let lanes8 = |at: usize| unsafe { _mm_loadu_si128(rec.add(at).cast()) };
+                // Unrolled by a macro, so each group's shifts are immediates
+                // (`from_fn` left an out-of-line call per group).
+                macro_rules! group {
+                    ($g:literal) => {{
+                        let g: usize = $g;
+                        let (reg, high) = nibble_source(F, j, g);
+                        let z = load(64 * reg);
+                        let nib = if high {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(z), mask)
+                        } else {
+                            _mm512_and_si512(z, mask)
+                        };
+                        if F == F_Q8_0 {
+                            load(64 * g)
+                        } else if F == F_Q5_0 || F == F_Q6K {
+                            let (plane, from, m) = high_bits(F, j, g);
+                            let hb = to_bit4(load(plane), from);
+                            _mm512_or_si512(nib, _mm512_and_si512(hb, _mm512_set1_epi8(m)))
+                        } else {
+                            nib
+                        }
+                    }};
                 }
-                let isum = _mm512_add_epi32(even, odd);
-                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[b]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
-                if F == F_Q4_1 {
-                    acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[b]), acc[r]);
+                let wv: [__m512i; 8] = [
+                    group!(0),
+                    group!(1),
+                    group!(2),
+                    group!(3),
+                    group!(4),
+                    group!(5),
+                    group!(6),
+                    group!(7),
+                ];
+                // Scales: Q4_K: d * sc_j and dmin * m_j; Q6_K: the halves' i8.
+                let (dw, mw, sca, scb) = match F {
+                    F_Q4K => {
+                        let f = |at| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lanes8(at)));
+                        let (sc, m) = (f(2048 + j * TILE), f(2176 + j * TILE));
+                        let z = _mm512_setzero_si512();
+                        (_mm512_mul_ps(d, sc), _mm512_mul_ps(d2, m), z, z)
+                    }
+                    F_Q6K => {
+                        let f = |k| _mm512_cvtepi8_epi32(lanes8(3072 + k * TILE));
+                        (d, d2, f(2 * j), f(2 * j + 1))
+                    }
+                    _ => (d, d2, _mm512_setzero_si512(), _mm512_setzero_si512()),
+                };
+                for r in 0..R {
+                    let x = &xs[r];
+                    let xq = x.qs[b * QK..].as_ptr().cast::<i32>();
+                    // SAFETY: 32 activation bytes per block.
+                    let x4 = |g: usize| {
+                        _mm512_set1_epi32(unsafe { std::ptr::read_unaligned(xq.add(g)) })
+                    };
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[b]));
+                    if F == F_Q6K {
+                        // Two chains (the halves, each with its own scale).
+                        let mut lo = _mm512_set1_epi32(-32 * x.sum16[2 * b]);
+                        let mut hi = _mm512_set1_epi32(-32 * x.sum16[2 * b + 1]);
+                        for g in 0..4 {
+                            lo = _mm512_dpbusd_epi32(lo, wv[g], x4(g));
+                            hi = _mm512_dpbusd_epi32(hi, wv[g + 4], x4(g + 4));
+                        }
+                        let isum = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo, sca),
+                            _mm512_mullo_epi32(hi, scb),
+                        );
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+                        continue;
+                    }
+                    // Two chains (even and odd groups) halve the dependent `vpdpbusd`
+                    // latency per row; integer sums, so the result is the same.
+                    let mut even = _mm512_set1_epi32(-off * x.sum[b]);
+                    let mut odd = _mm512_setzero_si512();
+                    for g in (0..8).step_by(2) {
+                        even = _mm512_dpbusd_epi32(even, wv[g], x4(g));
+                        odd = _mm512_dpbusd_epi32(odd, wv[g + 1], x4(g + 1));
+                    }
+                    let isum = _mm512_add_epi32(even, odd);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+                    if F == F_Q4_1 {
+                        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[b]), acc[r]);
+                    } else if F == F_Q4K {
+                        acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.s[b]), acc[r]);
+                    }
                 }
             }
         }
@@ -372,29 +596,51 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::quant::{dequantize_block, quantize_row_q8_split, repack};
+    use crate::quant::{dequantize_block, quantize_row_q8_split, repack, ActRowMut};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    const FORMATS: [QFormat; 3] = [QFormat::Q4_0, QFormat::Q4_1, QFormat::Q8_0];
+    const FORMATS: [QFormat; 6] = [
+        QFormat::Q4_0,
+        QFormat::Q4_1,
+        QFormat::Q8_0,
+        QFormat::Q5_0,
+        QFormat::Q4K,
+        QFormat::Q6K,
+    ];
 
-    /// Random GGUF bytes of a `rows x nb*32` matrix with sane scales.
-    fn gguf(rng: &mut ChaCha8Rng, format: QFormat, rows: usize, nb: usize) -> Vec<u8> {
+    /// Random GGUF bytes of `blocks` blocks of `format` with sane scales (every
+    /// quant and packed-scale bit random).
+    pub(crate) fn random_blocks(rng: &mut ChaCha8Rng, format: QFormat, blocks: usize) -> Vec<u8> {
         let mut out = Vec::new();
-        for _ in 0..rows * nb {
-            out.extend_from_slice(&f16::from_f32(rng.random_range(0.001..0.1)).to_le_bytes());
-            if format == QFormat::Q4_1 {
-                out.extend_from_slice(&f16::from_f32(rng.random_range(-0.5..0.0)).to_le_bytes());
-            }
-            let n = if format == QFormat::Q8_0 { 32 } else { 16 };
-            for _ in 0..n {
-                out.push(if format == QFormat::Q8_0 {
-                    rng.random_range(-127i8..=127) as u8
-                } else {
-                    rng.random()
-                });
+        let f16 = |rng: &mut ChaCha8Rng, lo: f32, hi: f32| {
+            f16::from_f32(rng.random_range(lo..hi)).to_le_bytes()
+        };
+        for _ in 0..blocks {
+            match format {
+                QFormat::Q8_0 => {
+                    out.extend(f16(rng, 0.001, 0.1));
+                    out.extend((0..32).map(|_| rng.random_range(-127i8..=127) as u8));
+                }
+                QFormat::Q4K => {
+                    out.extend(f16(rng, 0.0005, 0.005));
+                    out.extend(f16(rng, 0.0005, 0.005));
+                    out.extend((0..140).map(|_| rng.random::<u8>()));
+                }
+                QFormat::Q6K => {
+                    out.extend((0..208).map(|_| rng.random::<u8>()));
+                    out.extend(f16(rng, 0.0001, 0.002));
+                }
+                _ => {
+                    out.extend(f16(rng, 0.001, 0.1));
+                    if format == QFormat::Q4_1 {
+                        out.extend(f16(rng, -0.5, 0.0));
+                    }
+                    let n = format.block_bytes() - out.len() % format.block_bytes();
+                    out.extend((0..n).map(|_| rng.random::<u8>()));
+                }
             }
         }
         out
@@ -406,6 +652,7 @@ mod tests {
         d: Vec<f32>,
         s: Vec<f32>,
         sum: Vec<i32>,
+        sum16: Vec<i32>,
     }
 
     impl Act {
@@ -416,9 +663,19 @@ mod tests {
                 d: vec![0.0; nb],
                 s: vec![0.0; nb],
                 sum: vec![0; nb],
+                sum16: vec![0; 2 * nb],
                 x,
             };
-            quantize_row_q8_split(&a.x, &mut a.qs, &mut a.d, &mut a.s, &mut a.sum);
+            quantize_row_q8_split(
+                &a.x,
+                ActRowMut {
+                    qs: &mut a.qs,
+                    d: &mut a.d,
+                    s: &mut a.s,
+                    sum: &mut a.sum,
+                    sum16: &mut a.sum16,
+                },
+            );
             a
         }
         fn row(&self) -> ActRow<'_> {
@@ -427,6 +684,7 @@ mod tests {
                 d: &self.d,
                 s: &self.s,
                 sum: &self.sum,
+                sum16: &self.sum16,
             }
         }
     }
@@ -435,15 +693,32 @@ mod tests {
         o.iter().flatten().map(|v| v.to_bits()).collect()
     }
 
+    fn scalar<const R: usize>(w: Tiles, t: usize, xs: &[ActRow; R]) -> TileOut<R> {
+        match w.format {
+            QFormat::Q4_0 => scalar_tile::<R, F_Q4_0>(w, t, xs),
+            QFormat::Q4_1 => scalar_tile::<R, F_Q4_1>(w, t, xs),
+            QFormat::Q8_0 => scalar_tile::<R, F_Q8_0>(w, t, xs),
+            QFormat::Q5_0 => scalar_tile::<R, F_Q5_0>(w, t, xs),
+            QFormat::Q4K => scalar_tile::<R, F_Q4K>(w, t, xs),
+            QFormat::Q6K => scalar_tile::<R, F_Q6K>(w, t, xs),
+        }
+    }
+
     #[test]
     fn every_path_equals_the_scalar_kernel_bitwise_and_exact_math_closely() {
         // Runs on the path this process dispatches to (CI runs it with
         // TESSERA_ISA=avx2 and =scalar too).
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         for format in FORMATS {
-            for nb in [1, 2, 3, 18, 19] {
+            let sub = format.sub_blocks();
+            let nbs: &[usize] = if sub > 1 {
+                &[8, 16, 24]
+            } else {
+                &[1, 2, 3, 18, 19]
+            };
+            for &nb in nbs {
                 let rows = 20;
-                let bytes = gguf(&mut rng, format, rows, nb);
+                let bytes = random_blocks(&mut rng, format, rows * nb / sub);
                 let data = repack(format, &bytes, rows, nb * QK);
                 let w = Tiles {
                     format,
@@ -454,26 +729,30 @@ mod tests {
                 let xs: [ActRow; 3] = std::array::from_fn(|i| acts[i].row());
                 for t in 0..2 {
                     let fast = tile_dot::<3>(w, t, xs);
-                    let slow = match format {
-                        QFormat::Q4_0 => scalar_tile::<3, F_Q4_0>(w, t, &xs),
-                        QFormat::Q4_1 => scalar_tile::<3, F_Q4_1>(w, t, &xs),
-                        QFormat::Q8_0 => scalar_tile::<3, F_Q8_0>(w, t, &xs),
-                    };
+                    let slow = scalar::<3>(w, t, &xs);
                     assert_eq!(bits(&fast), bits(&slow), "{format:?} nb {nb} tile {t}");
                     #[allow(clippy::needless_range_loop)] // lane indexes three arrays
                     for lane in 0..TILE.min(rows - t * TILE) {
                         let row = t * TILE + lane;
                         let mut wf = vec![0f32; nb * QK];
-                        for b in 0..nb {
-                            let at = (row * nb + b) * format.block_bytes();
-                            let blk = &bytes[at..at + format.block_bytes()];
-                            dequantize_block(format, blk, &mut wf[b * QK..(b + 1) * QK]);
+                        let (bb, bv) = (format.block_bytes(), format.block_values());
+                        for b in 0..nb / sub {
+                            let at = (row * nb / sub + b) * bb;
+                            dequantize_block(format, &bytes[at..at + bb], &mut wf[b * bv..]);
                         }
                         for (r, a) in acts.iter().enumerate() {
-                            let exact: f32 = wf.iter().zip(&a.x).map(|(p, q)| p * q).sum();
-                            let mag: f32 = wf.iter().zip(&a.x).map(|(p, q)| (p * q).abs()).sum();
+                            let exact: f64 = wf
+                                .iter()
+                                .zip(&a.x)
+                                .map(|(p, q)| *p as f64 * *q as f64)
+                                .sum();
+                            let mag: f64 = wf
+                                .iter()
+                                .zip(&a.x)
+                                .map(|(p, q)| (*p as f64 * *q as f64).abs())
+                                .sum();
                             // 8-bit activations: well under 1% of the magnitude.
-                            let got = fast[r][lane];
+                            let got = fast[r][lane] as f64;
                             assert!(
                                 (got - exact).abs() <= 0.01 * mag,
                                 "{format:?} {got} vs {exact}"
@@ -489,8 +768,8 @@ mod tests {
     fn rows_are_bitwise_independent_of_batch_mates() {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         for format in FORMATS {
-            let nb = 19;
-            let bytes = gguf(&mut rng, format, 16, nb);
+            let nb = 24;
+            let bytes = random_blocks(&mut rng, format, 16 * nb / format.sub_blocks());
             let data = repack(format, &bytes, 16, nb * QK);
             let w = Tiles {
                 format,
@@ -507,37 +786,78 @@ mod tests {
         }
     }
 
+    /// One GGUF block of `format` whose every weight is the format's largest
+    /// positive quant (scale 1; the K formats' sub-block scales at their largest
+    /// too), and that weight's value.
+    fn extreme_block(format: QFormat) -> (Vec<u8>, f32) {
+        let mut blk = vec![0u8; format.block_bytes()];
+        let one = f16::ONE.to_le_bytes();
+        match format {
+            QFormat::Q4_0 => {
+                blk[0..2].copy_from_slice(&one);
+                blk[2..].fill(0xFF);
+                (blk, 7.0)
+            }
+            QFormat::Q4_1 => {
+                blk[0..2].copy_from_slice(&one);
+                blk[4..].fill(0xFF);
+                (blk, 15.0)
+            }
+            QFormat::Q8_0 => {
+                blk[0..2].copy_from_slice(&one);
+                blk[2..].fill(127);
+                (blk, 127.0)
+            }
+            QFormat::Q5_0 => {
+                blk[0..2].copy_from_slice(&one);
+                blk[2..].fill(0xFF);
+                (blk, 15.0)
+            }
+            QFormat::Q4K => {
+                // sc = 63 and m = 0 for every sub-block, q = 15: w = 63 * 15.
+                blk[0..2].copy_from_slice(&one);
+                let packed = crate::quant::k4_pack_scale_min(&[63; 8], &[0; 8]);
+                blk[4..16].copy_from_slice(&packed);
+                blk[16..].fill(0xFF);
+                (blk, 63.0 * 15.0)
+            }
+            QFormat::Q6K => {
+                // q = 63 (w = q - 32 = 31) with scale -128: w = -128 * 31; the
+                // largest magnitude is q = 0 (-32), checked by the negation below.
+                blk[0..192].fill(0xFF);
+                blk[192..208].fill(0x80);
+                blk[208..210].copy_from_slice(&one);
+                (blk, -128.0 * 31.0)
+            }
+        }
+    }
+
     #[test]
     fn extreme_values_do_not_saturate() {
         // Largest stored values against the largest activations, every format.
         for format in FORMATS {
-            let mut blk = vec![0u8; format.block_bytes()];
-            blk[0..2].copy_from_slice(&f16::ONE.to_le_bytes());
-            let (qs, want) = match format {
-                QFormat::Q4_0 => (2, 7.0 * 127.0 * 32.0),
-                QFormat::Q4_1 => (4, 15.0 * 127.0 * 32.0),
-                QFormat::Q8_0 => (2, 127.0 * 127.0 * 32.0),
-            };
-            let v = if format == QFormat::Q8_0 { 127 } else { 0xFF };
-            blk[qs..].fill(v);
+            let (blk, w1) = extreme_block(format);
             let bytes: Vec<u8> = blk.iter().copied().cycle().take(16 * blk.len()).collect();
-            let data = repack(format, &bytes, 16, 32);
+            let cols = format.block_values();
+            let data = repack(format, &bytes, 16, cols);
+            let nb = cols / QK;
             let w = Tiles {
                 format,
                 data: &data,
-                bpr: 1,
+                bpr: nb,
             };
-            // Q4_0 stores 15 for +7; the activations are all +127 (or all -127).
+            // The activations are all +127 (or all -127).
             for sign in [1i8, -1] {
                 let a = Act {
                     x: vec![],
-                    qs: vec![127 * sign; 32],
-                    d: vec![1.0],
-                    s: vec![(127 * 32 * sign as i32) as f32],
-                    sum: vec![127 * 32 * sign as i32],
+                    qs: vec![127 * sign; cols],
+                    d: vec![1.0; nb],
+                    s: vec![(127 * 32 * sign as i32) as f32; nb],
+                    sum: vec![127 * 32 * sign as i32; nb],
+                    sum16: vec![127 * 16 * sign as i32; 2 * nb],
                 };
                 let out = tile_dot::<1>(w, 0, [a.row()]);
-                let want = want * sign as f32;
+                let want = w1 * 127.0 * cols as f32 * sign as f32;
                 assert!(
                     out[0].iter().all(|&o| o == want),
                     "{format:?}: {} vs {want}",
@@ -545,5 +865,26 @@ mod tests {
                 );
             }
         }
+        // Q6_K's most negative quant (q = 0: -32) under scale -128.
+        let (mut blk, _) = extreme_block(QFormat::Q6K);
+        blk[0..192].fill(0);
+        let bytes: Vec<u8> = blk.iter().copied().cycle().take(16 * blk.len()).collect();
+        let data = repack(QFormat::Q6K, &bytes, 16, 256);
+        let w = Tiles {
+            format: QFormat::Q6K,
+            data: &data,
+            bpr: 8,
+        };
+        let a = Act {
+            x: vec![],
+            qs: vec![-127; 256],
+            d: vec![1.0; 8],
+            s: vec![-127.0 * 32.0; 8],
+            sum: vec![-127 * 32; 8],
+            sum16: vec![-127 * 16; 16],
+        };
+        let out = tile_dot::<1>(w, 0, [a.row()]);
+        let want = -128.0 * -32.0 * -127.0 * 256.0;
+        assert!(out[0].iter().all(|&o| o == want), "{} vs {want}", out[0][0]);
     }
 }

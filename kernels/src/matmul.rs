@@ -9,8 +9,8 @@
 
 use crate::dot::{dot_f32, panel, Tiles};
 use crate::quant::{
-    dequantize_block, quantize_block_q8_0, quantize_row_q8_split, repack, unpack_block, ActRow,
-    QFormat, QK, TILE,
+    as_q8_0_exactly, dequantize_block, quantize_block_q8_0, quantize_row_q8_split, repack,
+    unpack_block, ActRow, ActRowMut, QFormat, QK, TILE,
 };
 
 /// Errors building a weight matrix.
@@ -33,10 +33,12 @@ pub enum MatrixError {
         format: &'static str,
     },
     /// Quantized formats need `cols` to be a multiple of the block size.
-    #[error("{cols} input features is not a multiple of the block size {QK}")]
+    #[error("{cols} input features is not a multiple of the block size {block}")]
     Cols {
         /// Input features.
         cols: usize,
+        /// Values per block of the format (32, or 256 for K formats).
+        block: usize,
     },
 }
 
@@ -44,11 +46,12 @@ pub enum MatrixError {
 #[derive(Debug)]
 pub enum Weights {
     /// A GGML block format, repacked at load into tiles of 16 interleaved rows
-    /// ([`crate::quant::repack`]; same bytes per weight as the GGUF file).
+    /// ([`crate::quant::repack`]; the GGUF file's bytes per weight, `Q4_K` 4.625
+    /// bits instead of 4.5).
     Quant {
         /// Block format.
         format: QFormat,
-        /// `ceil(rows / 16) * cols / 32` records, tile-major.
+        /// `ceil(rows / 16) * cols / format.block_values()` records, tile-major.
         tiles: Vec<u8>,
     },
     /// Plain `f32` (unquantized GGUF types, dequantized at load).
@@ -73,6 +76,7 @@ pub struct Activations {
     d: Vec<f32>,
     s: Vec<f32>,
     sum: Vec<i32>,
+    sum16: Vec<i32>,
 }
 
 impl Activations {
@@ -96,28 +100,31 @@ impl Activations {
         self.d.resize(n * bpr, 0.0);
         self.s.resize(n * bpr, 0.0);
         self.sum.resize(n * bpr, 0);
+        self.sum16.resize(n * bpr * 2, 0);
         // Rows are independent: split them over the pool when there are many.
         let pool = crate::pool::global();
         let per = n.div_ceil(pool.threads()).max(16);
-        let (qs, d, s, sum) = (
+        let (qs, d, s, sum, sum16) = (
             SyncPtr(self.qs.as_mut_ptr()),
             SyncPtr(self.d.as_mut_ptr()),
             SyncPtr(self.s.as_mut_ptr()),
             SyncPtr(self.sum.as_mut_ptr()),
+            SyncPtr(self.sum16.as_mut_ptr()),
         );
         let rows = |c: usize| {
             for r in c * per..((c + 1) * per).min(n) {
                 // SAFETY: row r's ranges lie inside the buffers sized above, and no
                 // other task touches row r.
-                let (q, d, s, sum) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(qs.at(r * cols), cols),
-                        std::slice::from_raw_parts_mut(d.at(r * bpr), bpr),
-                        std::slice::from_raw_parts_mut(s.at(r * bpr), bpr),
-                        std::slice::from_raw_parts_mut(sum.at(r * bpr), bpr),
-                    )
+                let out = unsafe {
+                    ActRowMut {
+                        qs: std::slice::from_raw_parts_mut(qs.at(r * cols), cols),
+                        d: std::slice::from_raw_parts_mut(d.at(r * bpr), bpr),
+                        s: std::slice::from_raw_parts_mut(s.at(r * bpr), bpr),
+                        sum: std::slice::from_raw_parts_mut(sum.at(r * bpr), bpr),
+                        sum16: std::slice::from_raw_parts_mut(sum16.at(2 * r * bpr), 2 * bpr),
+                    }
                 };
-                quantize_row_q8_split(&x[r * cols..(r + 1) * cols], q, d, s, sum);
+                quantize_row_q8_split(&x[r * cols..(r + 1) * cols], out);
             }
         };
         let chunks = n.div_ceil(per);
@@ -140,6 +147,7 @@ impl Activations {
             d: &self.d[r * bpr..(r + 1) * bpr],
             s: &self.s[r * bpr..(r + 1) * bpr],
             sum: &self.sum[r * bpr..(r + 1) * bpr],
+            sum16: &self.sum16[2 * r * bpr..2 * (r + 1) * bpr],
         }
     }
 
@@ -165,17 +173,18 @@ impl<T> SyncPtr<T> {
 
 impl QMatrix {
     /// Builds a matrix from the GGUF bytes of a tensor in `format` (row-major,
-    /// `rows * cols / 32` blocks), repacking it into tiles.
+    /// `rows * cols / format.block_values()` blocks), repacking it into tiles.
     pub fn from_gguf_bytes(
         format: QFormat,
         bytes: &[u8],
         rows: usize,
         cols: usize,
     ) -> Result<Self, MatrixError> {
-        if !cols.is_multiple_of(QK) {
-            return Err(MatrixError::Cols { cols });
+        let block = format.block_values();
+        if !cols.is_multiple_of(block) {
+            return Err(MatrixError::Cols { cols, block });
         }
-        let expected = rows * cols / QK * format.block_bytes();
+        let expected = rows * cols / block * format.block_bytes();
         if bytes.len() != expected {
             return Err(MatrixError::Size {
                 got: bytes.len(),
@@ -221,8 +230,8 @@ impl QMatrix {
     }
 
     /// Quantizes `f32` values (`[rows, cols]`, row-major) to `Q8_0` as GGML does:
-    /// for weights of a lossy GGUF type without a kernel here (K-quants and
-    /// others), so they run on the 8-bit kernels instead of `f32` loops.
+    /// for weights of a lossy GGUF type without a kernel here (`Q5_1`, `Q5_K`,
+    /// `Q2_K`, ...), so they run on the 8-bit kernels instead of `f32` loops.
     pub fn requantize_q8_0(data: &[f32], rows: usize, cols: usize) -> Result<Self, MatrixError> {
         Self::check_f32(data, rows, cols)?;
         let bb = QFormat::Q8_0.block_bytes();
@@ -244,14 +253,14 @@ impl QMatrix {
             });
         }
         if !cols.is_multiple_of(QK) {
-            return Err(MatrixError::Cols { cols });
+            return Err(MatrixError::Cols { cols, block: QK });
         }
         Ok(())
     }
 
     /// The GGUF bytes of the whole matrix, row-major (quantized formats only).
     fn gguf_bytes(&self, format: QFormat, tiles: &[u8]) -> Vec<u8> {
-        let (bpr, bb) = (self.cols / QK, format.block_bytes());
+        let (bpr, bb) = (self.cols / format.block_values(), format.block_bytes());
         let mut out = vec![0u8; self.rows * bpr * bb];
         for (i, blk) in out.chunks_exact_mut(bb).enumerate() {
             unpack_block(format, tiles, bpr, i / bpr, i % bpr, blk);
@@ -261,12 +270,17 @@ impl QMatrix {
 
     /// Stacks matrices with equal `cols` along the output dimension (e.g. Q, K and
     /// V into one QKV matrix, so one pass reads one input once). Parts of one
-    /// format keep it (exactly); quantized parts of different formats are
-    /// requantized to `Q8_0`; any `f32` part makes the result `f32`.
+    /// format keep it (exactly); parts of `Q4_0`, `Q5_0` and `Q8_0` together become
+    /// `Q8_0` exactly (their quants fit an `i8` under the same `d`); other mixes of
+    /// quantized formats are requantized to `Q8_0`; any `f32` part makes the
+    /// result `f32`.
     pub fn concat_rows(parts: Vec<QMatrix>) -> Result<Self, MatrixError> {
         let cols = parts.first().map_or(0, |p| p.cols);
         if let Some(p) = parts.iter().find(|p| p.cols != cols) {
-            return Err(MatrixError::Cols { cols: p.cols });
+            return Err(MatrixError::Cols {
+                cols: p.cols,
+                block: QK,
+            });
         }
         let rows = parts.iter().map(|p| p.rows).sum();
         let formats: Vec<Option<QFormat>> = parts
@@ -297,6 +311,23 @@ impl QMatrix {
                 }
                 Self::from_gguf_bytes(f, &bytes, rows, cols)
             }
+            _ if formats
+                .iter()
+                .all(|g| matches!(g, Some(QFormat::Q4_0 | QFormat::Q5_0 | QFormat::Q8_0))) =>
+            {
+                let mut bytes = Vec::new();
+                for p in &parts {
+                    if let Weights::Quant { format, tiles } = &p.weights {
+                        for b in p
+                            .gguf_bytes(*format, tiles)
+                            .chunks_exact(format.block_bytes())
+                        {
+                            bytes.extend(as_q8_0_exactly(*format, b).expect("Q4_0, Q5_0, Q8_0"));
+                        }
+                    }
+                }
+                Self::from_gguf_bytes(QFormat::Q8_0, &bytes, rows, cols)
+            }
             _ if formats.iter().all(|g| g.is_some()) => {
                 Self::requantize_q8_0(&dense(&parts), rows, cols)
             }
@@ -319,23 +350,25 @@ impl QMatrix {
         &self.weights
     }
 
-    /// Bytes of weight data read per full pass.
+    /// Bytes of weight data read per full pass: the repacked records' bytes of
+    /// the `rows` rows (not counting the zero rows padding the last tile).
     pub fn weight_bytes(&self) -> usize {
-        let blocks = self.rows * self.cols / QK;
         match &self.weights {
-            Weights::Quant { format, .. } => blocks * format.block_bytes(),
+            Weights::Quant { format, .. } => {
+                self.rows * self.cols / format.block_values() * format.row_record_bytes()
+            }
             Weights::F32(_) => self.rows * self.cols * 4,
         }
     }
 
     /// Dequantizes weight row `r` (length `cols`) into `out`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let bpr = self.cols / QK;
         match &self.weights {
             Weights::Quant { format, tiles } => {
-                let mut blk = [0u8; 34];
+                let (bv, bpr) = (format.block_values(), self.cols / format.block_values());
+                let mut blk = [0u8; 256];
                 let blk = &mut blk[..format.block_bytes()];
-                for (b, o) in out.chunks_exact_mut(QK).enumerate().take(bpr) {
+                for (b, o) in out.chunks_exact_mut(bv).enumerate().take(bpr) {
                     unpack_block(*format, tiles, bpr, r, b, blk);
                     dequantize_block(*format, blk, o);
                 }
@@ -436,77 +469,95 @@ const GROUP: usize = 8;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::f16;
+    use crate::dot::tests::random_blocks;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    fn q4_1_matrix(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> QMatrix {
-        QMatrix::from_q4_1_bytes(&gguf(rng, QFormat::Q4_1, rows, cols), rows, cols).unwrap()
+    const FORMATS: [QFormat; 6] = [
+        QFormat::Q4_0,
+        QFormat::Q4_1,
+        QFormat::Q8_0,
+        QFormat::Q5_0,
+        QFormat::Q4K,
+        QFormat::Q6K,
+    ];
+
+    /// Random GGUF bytes of a `rows x cols` matrix in `format` (sane scales).
+    fn gguf(rng: &mut ChaCha8Rng, format: QFormat, rows: usize, cols: usize) -> Vec<u8> {
+        random_blocks(rng, format, rows * cols / format.block_values())
+    }
+
+    fn matrix(rng: &mut ChaCha8Rng, format: QFormat, rows: usize, cols: usize) -> QMatrix {
+        QMatrix::from_gguf_bytes(format, &gguf(rng, format, rows, cols), rows, cols).unwrap()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
     }
 
     #[test]
     fn matmul_rows_match_solo_rows_bitwise_for_any_batch() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let (rows, cols) = (40, 96);
-        let w = q4_1_matrix(&mut rng, rows, cols);
-        let x: Vec<f32> = (0..11 * cols)
-            .map(|_| rng.random_range(-2.0..2.0))
-            .collect();
-        let mut batched = vec![0f32; 11 * rows];
-        w.matmul(&Activations::new(&x, 11, cols), &mut batched);
-        for i in 0..11 {
-            let mut solo = vec![0f32; rows];
-            w.matmul(
-                &Activations::new(&x[i * cols..(i + 1) * cols], 1, cols),
-                &mut solo,
-            );
-            let got: Vec<u32> = batched[i * rows..(i + 1) * rows]
-                .iter()
-                .map(|v| v.to_bits())
+        for format in FORMATS {
+            let (rows, cols) = (40, 512);
+            let w = matrix(&mut rng, format, rows, cols);
+            let x: Vec<f32> = (0..11 * cols)
+                .map(|_| rng.random_range(-2.0..2.0))
                 .collect();
-            let want: Vec<u32> = solo.iter().map(|v| v.to_bits()).collect();
-            assert_eq!(got, want, "row {i}");
+            let mut batched = vec![0f32; 11 * rows];
+            w.matmul(&Activations::new(&x, 11, cols), &mut batched);
+            for i in 0..11 {
+                let mut solo = vec![0f32; rows];
+                w.matmul(
+                    &Activations::new(&x[i * cols..(i + 1) * cols], 1, cols),
+                    &mut solo,
+                );
+                let got = bits(&batched[i * rows..(i + 1) * rows]);
+                assert_eq!(got, bits(&solo), "{format:?} row {i}");
+            }
         }
     }
 
     #[test]
-    fn matmul_matches_dequantized_f32_reference() {
+    fn matmul_matches_dequantized_f64_reference() {
         let mut rng = ChaCha8Rng::seed_from_u64(8);
-        let (rows, cols) = (17, 64);
-        let w = q4_1_matrix(&mut rng, rows, cols);
-        let x: Vec<f32> = (0..3 * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
-        let mut out = vec![0f32; 3 * rows];
-        w.matmul(&Activations::new(&x, 3, cols), &mut out);
-        let mut wrow = vec![0f32; cols];
-        for j in 0..rows {
-            w.dequantize_row(j, &mut wrow);
-            for i in 0..3 {
-                let xr = &x[i * cols..(i + 1) * cols];
-                let want: f32 = wrow.iter().zip(xr).map(|(a, b)| a * b).sum();
-                let mag: f32 = wrow.iter().zip(xr).map(|(a, b)| (a * b).abs()).sum();
-                assert!((out[i * rows + j] - want).abs() < 0.01 * mag + 1e-4);
+        for format in FORMATS {
+            let (rows, cols) = (17, 512);
+            let bytes = gguf(&mut rng, format, rows, cols);
+            let w = QMatrix::from_gguf_bytes(format, &bytes, rows, cols).unwrap();
+            let x: Vec<f32> = (0..3 * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let mut out = vec![0f32; 3 * rows];
+            w.matmul(&Activations::new(&x, 3, cols), &mut out);
+            let (bb, bv) = (format.block_bytes(), format.block_values());
+            let (mut wrow, mut wrow2) = (vec![0f32; cols], vec![0f32; cols]);
+            for j in 0..rows {
+                // The reference weights: the GGUF blocks dequantized directly.
+                for (b, o) in wrow.chunks_exact_mut(bv).enumerate() {
+                    let at = (j * cols / bv + b) * bb;
+                    dequantize_block(format, &bytes[at..at + bb], o);
+                }
+                w.dequantize_row(j, &mut wrow2);
+                assert_eq!(bits(&wrow), bits(&wrow2), "{format:?} dequantize_row {j}");
+                for i in 0..3 {
+                    let xr = &x[i * cols..(i + 1) * cols];
+                    let want: f64 = wrow
+                        .iter()
+                        .zip(xr)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum();
+                    let mag: f64 = wrow
+                        .iter()
+                        .zip(xr)
+                        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                        .sum();
+                    let got = out[i * rows + j] as f64;
+                    assert!(
+                        (got - want).abs() < 0.01 * mag + 1e-4,
+                        "{format:?} {got} vs {want}"
+                    );
+                }
             }
         }
-    }
-
-    /// Random GGUF bytes in `format` (sane scales).
-    fn gguf(rng: &mut ChaCha8Rng, format: QFormat, rows: usize, cols: usize) -> Vec<u8> {
-        let mut bytes = Vec::new();
-        for _ in 0..rows * cols / QK {
-            bytes.extend_from_slice(&f16::from_f32(rng.random_range(0.001..0.05)).to_le_bytes());
-            match format {
-                QFormat::Q4_1 => {
-                    let m = f16::from_f32(rng.random_range(-0.3..0.0));
-                    bytes.extend_from_slice(&m.to_le_bytes());
-                    bytes.extend((0..16).map(|_| rng.random::<u8>()));
-                }
-                QFormat::Q4_0 => bytes.extend((0..16).map(|_| rng.random::<u8>())),
-                QFormat::Q8_0 => {
-                    bytes.extend((0..32).map(|_| rng.random_range(-127i8..=127) as u8))
-                }
-            }
-        }
-        bytes
     }
 
     fn run(w: &QMatrix, x: &[f32], n: usize) -> Vec<f32> {
@@ -518,9 +569,9 @@ mod tests {
     #[test]
     fn stacked_matrices_equal_their_parts_bitwise() {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
-        let cols = 64;
+        let cols = 256;
         let x: Vec<f32> = (0..5 * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
-        for format in [QFormat::Q4_0, QFormat::Q4_1, QFormat::Q8_0] {
+        for format in FORMATS {
             // 20 and 7 rows: the parts' tiles do not line up with the stack's.
             let parts: Vec<Vec<u8>> = [20, 7]
                 .iter()
@@ -535,16 +586,13 @@ mod tests {
                 run(&stacked, &x, 5),
             );
             for i in 0..5 {
-                let want: Vec<u32> = a[i * 20..(i + 1) * 20]
+                let want: Vec<f32> = a[i * 20..(i + 1) * 20]
                     .iter()
                     .chain(&b[i * 7..(i + 1) * 7])
-                    .map(|v| v.to_bits())
+                    .copied()
                     .collect();
-                let got: Vec<u32> = both[i * 27..(i + 1) * 27]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
-                assert_eq!(got, want, "{format:?} row {i}");
+                let got = bits(&both[i * 27..(i + 1) * 27]);
+                assert_eq!(got, bits(&want), "{format:?} row {i}");
             }
             let (mut r1, mut r2) = (vec![0f32; cols], vec![0f32; cols]);
             stacked.dequantize_row(22, &mut r1);
@@ -554,16 +602,21 @@ mod tests {
     }
 
     #[test]
-    fn mixed_formats_stack_as_q8_0_close_to_the_parts() {
-        let mut rng = ChaCha8Rng::seed_from_u64(10);
+    fn q4_0_q5_0_and_q8_0_parts_stack_as_q8_0_exactly() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
         let cols = 96;
-        let a =
-            QMatrix::from_q4_0_bytes(&gguf(&mut rng, QFormat::Q4_0, 16, cols), 16, cols).unwrap();
-        let b = QMatrix::from_q8_0_bytes(&gguf(&mut rng, QFormat::Q8_0, 5, cols), 5, cols).unwrap();
-        let (mut wa, mut wb) = (vec![0f32; cols], vec![0f32; cols]);
-        a.dequantize_row(3, &mut wa);
-        b.dequantize_row(4, &mut wb);
-        let s = QMatrix::concat_rows(vec![a, b]).unwrap();
+        let formats = [QFormat::Q5_0, QFormat::Q5_0, QFormat::Q8_0, QFormat::Q4_0];
+        let parts: Vec<QMatrix> = formats
+            .iter()
+            .map(|&f| matrix(&mut rng, f, 9, cols))
+            .collect();
+        let mut want = vec![0f32; 36 * cols];
+        for (p, w) in parts.iter().zip(want.chunks_exact_mut(9 * cols)) {
+            for (r, o) in w.chunks_exact_mut(cols).enumerate() {
+                p.dequantize_row(r, o);
+            }
+        }
+        let s = QMatrix::concat_rows(parts).unwrap();
         assert!(matches!(
             s.weights(),
             Weights::Quant {
@@ -571,13 +624,70 @@ mod tests {
                 ..
             }
         ));
-        let mut w = vec![0f32; cols];
-        for (row, want) in [(3, &wa), (20, &wb)] {
-            s.dequantize_row(row, &mut w);
-            let amax = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for (g, e) in w.iter().zip(want.iter()) {
-                // Half a Q8_0 step of the block's range, plus f16 rounding of d.
-                assert!((g - e).abs() <= amax / 127.0 * 0.51 + 1e-6, "{g} vs {e}");
+        let mut got = vec![0f32; 36 * cols];
+        for (r, o) in got.chunks_exact_mut(cols).enumerate() {
+            s.dequantize_row(r, o);
+        }
+        assert_eq!(bits(&got), bits(&want));
+    }
+
+    #[test]
+    fn mixed_formats_stack_as_q8_0_close_to_the_parts() {
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        let cols = 256;
+        for (fa, fb) in [
+            (QFormat::Q4_1, QFormat::Q8_0),
+            (QFormat::Q4K, QFormat::Q6K),
+            (QFormat::Q5_0, QFormat::Q4K),
+        ] {
+            let (a, b) = (
+                matrix(&mut rng, fa, 16, cols),
+                matrix(&mut rng, fb, 5, cols),
+            );
+            let (mut wa, mut wb) = (vec![0f32; cols], vec![0f32; cols]);
+            a.dequantize_row(3, &mut wa);
+            b.dequantize_row(4, &mut wb);
+            let s = QMatrix::concat_rows(vec![a, b]).unwrap();
+            assert!(matches!(
+                s.weights(),
+                Weights::Quant {
+                    format: QFormat::Q8_0,
+                    ..
+                }
+            ));
+            let mut w = vec![0f32; cols];
+            for (row, want) in [(3, &wa), (20, &wb)] {
+                s.dequantize_row(row, &mut w);
+                for (blk, (g, e)) in w.chunks(QK).zip(want.chunks(QK)).enumerate() {
+                    let amax = e.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (g, e) in g.iter().zip(e) {
+                        // Half a Q8_0 step of the block's range, plus 127 times the
+                        // f16 rounding of d (GGML rounds with the unrounded d).
+                        assert!(
+                            (g - e).abs() <= amax / 127.0 * 0.6 + 1e-6,
+                            "{fa:?}+{fb:?} block {blk}: {g} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weight_bytes_are_the_repacked_bytes_per_row() {
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        for (format, bytes_per_256) in [
+            (QFormat::Q4_0, 144),
+            (QFormat::Q4_1, 160),
+            (QFormat::Q8_0, 272),
+            (QFormat::Q5_0, 176),
+            (QFormat::Q4K, 148),
+            (QFormat::Q6K, 210),
+        ] {
+            let w = matrix(&mut rng, format, 32, 512);
+            assert_eq!(w.weight_bytes(), 32 * 2 * bytes_per_256, "{format:?}");
+            if let Weights::Quant { tiles, .. } = w.weights() {
+                assert_eq!(tiles.len(), w.weight_bytes(), "{format:?}: whole tiles");
             }
         }
     }
@@ -594,7 +704,17 @@ mod tests {
         ));
         assert_eq!(
             QMatrix::from_f32(vec![0.0; 30], 1, 30).unwrap_err(),
-            MatrixError::Cols { cols: 30 }
+            MatrixError::Cols {
+                cols: 30,
+                block: 32
+            }
+        );
+        assert_eq!(
+            QMatrix::from_gguf_bytes(QFormat::Q4K, &[0u8; 144], 8, 32).unwrap_err(),
+            MatrixError::Cols {
+                cols: 32,
+                block: 256
+            }
         );
     }
 }

@@ -1,33 +1,70 @@
 //! Quantized block formats, their repacked (interleaved) form, and activation
 //! quantization.
 //!
-//! Weight formats follow GGML's on-disk layouts (llama.cpp `ggml/src/ggml-common.h`):
+//! Weight formats follow GGML's on-disk layouts (llama.cpp `ggml/src/ggml-common.h`,
+//! dequantized as in `ggml/src/ggml-quants.c` `dequantize_row_*`):
 //! - `Q4_0`: 32 weights per block, `w = d * (q - 8)` with `q` in `0..16`; 18 bytes:
 //!   `d: f16, qs: [u8; 16]` where `qs[j] & 0x0F` is weight `j` and `qs[j] >> 4` is
-//!   weight `j + 16`.
-//! - `Q4_1`: `w = d * q + m`; 20 bytes: `d: f16, m: f16, qs: [u8; 16]` (nibbles as `Q4_0`).
-//! - `Q8_0`: `w = d * q` with `q: i8`; 34 bytes: `d: f16, qs: [i8; 32]`.
+//!   weight `j + 16`; 4.5 bits per weight.
+//! - `Q4_1`: `w = d * q + m`; 20 bytes: `d: f16, m: f16, qs: [u8; 16]` (nibbles as
+//!   `Q4_0`); 5 bits per weight.
+//! - `Q8_0`: `w = d * q` with `q: i8`; 34 bytes: `d: f16, qs: [i8; 32]`; 8.5 bits.
+//! - `Q5_0`: `w = d * (q - 16)` with `q` in `0..32`; 22 bytes: `d: f16, qh: [u8; 4],
+//!   qs: [u8; 16]`: the low 4 bits as `Q4_0`, bit 4 of weight `j` is bit `j` of the
+//!   little-endian `qh`; 5.5 bits per weight.
+//! - `Q4_K`: 256 weights per super-block, 8 sub-blocks of 32; 144 bytes: `d: f16,
+//!   dmin: f16, scales: [u8; 12], qs: [u8; 128]`. Sub-block `j` has 6-bit `sc_j`, `m_j`
+//!   (packed as `get_scale_min_k4`: see [`k4_scale_min`]) and `w = d * sc_j * q -
+//!   dmin * m_j` with `q` in `0..16`; sub-blocks `2i` and `2i + 1` are the low and
+//!   high nibbles of `qs[32i..32i + 32]`; 4.5 bits per weight.
+//! - `Q6_K`: 256 weights; 210 bytes: `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16],
+//!   d: f16`; `w = d * scales[k / 16] * (q - 32)` for weight `k`, `q` in `0..64`
+//!   spread over `ql` (low 4 bits) and `qh` (high 2) as `dequantize_row_q6_K` reads
+//!   them; 6.5625 bits per weight.
 //!
 //! At load, matrices are repacked into tiles of [`TILE`] rows ([`repack`]): for
-//! each tile and block, one record holding the 16 rows' values interleaved in
-//! groups of 4 (so one 64-byte register holds 4 consecutive weights of each of 16
-//! rows: one `vpdpbusd` lane per output row), then their scales. For `Q4_x` the
-//! record's values are the rows' `qs` bytes regrouped: register `p` (0..4) holds
-//! bytes `4p..4p+4` of every row, whose low nibbles are weights `4p..4p+4` and high
-//! nibbles weights `16+4p..16+4p+4`. `Q8_0` values are stored offset-binary
-//! (`q ^ 0x80`, i.e. `q + 128` as `u8`). Record bytes:
+//! each tile and block (super-block for the K formats), one record holding the 16
+//! rows' values interleaved in groups of 4 (so one 64-byte register holds 4
+//! consecutive weights of each of 16 rows: one `vpdpbusd` lane per output row),
+//! then their scales. A record is exactly as large as the rows' GGUF blocks except
+//! for `Q4_K`, whose 6-bit scales and mins are stored as bytes (4.625 bits per
+//! weight instead of 4.5), so every kernel reads them with one widening load.
+//!
+//! For `Q4_x` and `Q5_0` the record's values are the rows' `qs` bytes regrouped:
+//! register `p` (0..4) holds bytes `4p..4p+4` of every row, whose low nibbles are
+//! weights `4p..4p+4` and high nibbles weights `16+4p..16+4p+4` (group `g` of 8 is
+//! the low nibbles of register `g` for `g < 4`, the high nibbles of register `g - 4`
+//! otherwise). `Q8_0` values are stored offset-binary (`q ^ 0x80`, i.e. `q + 128`
+//! as `u8`), one register per group. Record bytes (offsets in the record):
 //! - `Q4_0`: 256 value bytes, 16 `d` (`f16`): 288 = 16 x 18;
 //! - `Q4_1`: 256, 16 `d`, 16 `m`: 320 = 16 x 20;
-//! - `Q8_0`: 512, 16 `d`: 544 = 16 x 34.
+//! - `Q8_0`: 512, 16 `d`: 544 = 16 x 34;
+//! - `Q5_0`: 256 nibble bytes as `Q4_0`; a 64-byte high-bit plane whose byte `4 *
+//!   lane + e` holds in bit `g` the high bit of weight `4g + e` of that row; 16 `d`:
+//!   352 = 16 x 22;
+//! - `Q4_K` (per super-block): 2048 nibble bytes, register `8i + g` (`i` in 0..4)
+//!   holding bytes `32i + 4g..32i + 4g + 4` of every row's `qs` (low nibbles: group
+//!   `g` of sub-block `2i`, high nibbles: of sub-block `2i + 1`); `sc` as 8 x 16 bytes
+//!   (`[j][lane]`) at 2048; `m` likewise at 2176; 16 `d` at 2304; 16 `dmin` at 2336:
+//!   2368 = 16 x 148;
+//! - `Q6_K` (per super-block): the low 4 bits of `q` as `Q4_K`'s nibbles (2048
+//!   bytes); at 2048 two 64-byte planes per sub-block `j` (`[j][p][lane][e]`) whose
+//!   byte holds in bits `2h..2h + 2` the high 2 bits of weight `4 (4p + h) + e` of the
+//!   sub-block; the 16 `i8` scales as 16 x 16 bytes (`[k][lane]`) at 3072; 16 `d` at
+//!   3328: 3360 = 16 x 210.
 //!
 //! Activations are quantized per row: 32 values per block, `x ~= d * q` with
-//! `q: i8`, plus the block's integer sum `sum(q)` and `s = d * sum(q)` (for the
-//! `Q4_x` offset terms). Unlike GGML's `Q8_1` we keep `d` and `s` in `f32`.
+//! `q: i8`, plus the block's integer sum `sum(q)`, the sums of its two halves of 16
+//! (for `Q6_K`'s offset, which has a scale per 16 weights) and `s = d * sum(q)` (for
+//! the offset terms). Unlike GGML's `Q8_1` we keep `d` and `s` in `f32`.
 
 use half::f16;
 
-/// Values per quantization block (all formats here).
+/// Values per quantization block of the 32-value formats, and per activation block.
 pub const QK: usize = 32;
+
+/// Values per super-block of the K formats (`Q4_K`, `Q6_K`): 8 blocks of [`QK`].
+pub const QK_K: usize = 256;
 
 /// Weight rows per repacked tile (one AVX-512 register of outputs).
 pub const TILE: usize = 16;
@@ -35,12 +72,18 @@ pub const TILE: usize = 16;
 /// A quantized weight format with a native kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QFormat {
-    /// GGML `Q4_0`.
+    /// GGML `Q4_0` (4.5 bits per weight).
     Q4_0,
-    /// GGML `Q4_1`.
+    /// GGML `Q4_1` (5 bits per weight).
     Q4_1,
-    /// GGML `Q8_0`.
+    /// GGML `Q8_0` (8.5 bits per weight).
     Q8_0,
+    /// GGML `Q5_0` (5.5 bits per weight).
+    Q5_0,
+    /// GGML `Q4_K` (4.5 bits per weight in the file, 4.625 repacked).
+    Q4K,
+    /// GGML `Q6_K` (6.5625 bits per weight).
+    Q6K,
 }
 
 impl QFormat {
@@ -50,7 +93,23 @@ impl QFormat {
             Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
             Self::Q8_0 => "Q8_0",
+            Self::Q5_0 => "Q5_0",
+            Self::Q4K => "Q4_K",
+            Self::Q6K => "Q6_K",
         }
+    }
+
+    /// Weights per GGUF block: [`QK`], or [`QK_K`] for the K formats.
+    pub fn block_values(self) -> usize {
+        match self {
+            Self::Q4K | Self::Q6K => QK_K,
+            _ => QK,
+        }
+    }
+
+    /// Activation blocks ([`QK`] values) per weight block: 1, or 8 for K formats.
+    pub fn sub_blocks(self) -> usize {
+        self.block_values() / QK
     }
 
     /// Bytes of one block in a GGUF file.
@@ -59,40 +118,117 @@ impl QFormat {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
             Self::Q8_0 => 34,
+            Self::Q5_0 => 22,
+            Self::Q4K => 144,
+            Self::Q6K => 210,
         }
     }
 
-    /// Value bytes of one repacked record (16 rows x one block).
+    /// Bytes per row of one repacked record: [`QFormat::block_bytes`] except
+    /// for `Q4_K` (148: its 12 bytes of packed 6-bit scales stored as 16 bytes).
+    pub fn row_record_bytes(self) -> usize {
+        match self {
+            Self::Q4K => 148,
+            f => f.block_bytes(),
+        }
+    }
+
+    /// Bytes of one repacked record (16 rows x one block).
+    pub fn record_bytes(self) -> usize {
+        TILE * self.row_record_bytes()
+    }
+
+    /// Offset in a record of the 16 `f16` scales `d` (all bytes before it are
+    /// values, high-bit planes and, for `Q4_K`, the sub-block scales and mins).
     pub fn value_bytes(self) -> usize {
         match self {
             Self::Q4_0 | Self::Q4_1 => 256,
             Self::Q8_0 => 512,
+            Self::Q5_0 => 320,
+            Self::Q4K => 2304,
+            Self::Q6K => 3328,
         }
     }
 
-    /// Bytes of one repacked record: values, then 16 `d`, then (`Q4_1`) 16 `m`.
-    pub fn record_bytes(self) -> usize {
-        TILE * self.block_bytes()
-    }
-
     /// What the stored unsigned values must be lowered by to give the signed
-    /// quant: 8 for `Q4_0`, 128 for `Q8_0` (offset-binary), 0 for `Q4_1`.
+    /// quant: 8 for `Q4_0`, 16 for `Q5_0`, 32 for `Q6_K`, 128 for `Q8_0`
+    /// (offset-binary), 0 for `Q4_1` and `Q4_K` (they have a separate offset).
     pub fn int_offset(self) -> i32 {
         match self {
             Self::Q4_0 => 8,
-            Self::Q4_1 => 0,
+            Self::Q5_0 => 16,
+            Self::Q6K => 32,
             Self::Q8_0 => 128,
+            Self::Q4_1 | Self::Q4K => 0,
         }
     }
 }
 
-/// Dequantizes one GGUF block of `format` (`format.block_bytes()` bytes) into 32 floats.
+/// Sub-block `j`'s 6-bit scale and min from a `Q4_K` block's 12 packed bytes
+/// (llama.cpp `get_scale_min_k4`).
+pub fn k4_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The inverse of [`k4_scale_min`]: 8 scales and mins (6-bit each) packed as
+/// `Q4_K` stores them (every bit of the 12 bytes is used, so this is a bijection).
+pub fn k4_pack_scale_min(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
+    let mut q = [0u8; 12];
+    for j in 0..4 {
+        q[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+        q[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
+        q[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
+    }
+    q
+}
+
+/// The 256 6-bit values (`0..64`) of a `Q6_K` block's `ql` and `qh`, in weight
+/// order (as `dequantize_row_q6_K` reads them).
+fn q6k_values(ql: &[u8], qh: &[u8]) -> [u8; QK_K] {
+    let mut q = [0u8; QK_K];
+    for n in 0..2 {
+        let (ql, qh, y) = (&ql[64 * n..], &qh[32 * n..], &mut q[128 * n..]);
+        for l in 0..32 {
+            y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    q
+}
+
+/// The inverse of [`q6k_values`]: writes `ql` (128 bytes) and `qh` (64 bytes).
+fn q6k_encode(q: &[u8; QK_K], ql: &mut [u8], qh: &mut [u8]) {
+    for n in 0..2 {
+        let y = &q[128 * n..];
+        for l in 0..32 {
+            ql[64 * n + l] = (y[l] & 0xF) | ((y[l + 64] & 0xF) << 4);
+            ql[64 * n + l + 32] = (y[l + 32] & 0xF) | ((y[l + 96] & 0xF) << 4);
+            qh[32 * n + l] = (y[l] >> 4)
+                | ((y[l + 32] >> 4) << 2)
+                | ((y[l + 64] >> 4) << 4)
+                | ((y[l + 96] >> 4) << 6);
+        }
+    }
+}
+
+/// Dequantizes one GGUF block of `format` (`format.block_bytes()` bytes) into
+/// `format.block_values()` floats, as llama.cpp's `dequantize_row_*` does.
 pub fn dequantize_block(format: QFormat, b: &[u8], out: &mut [f32]) {
-    let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    let f16_at = |at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
     match format {
         QFormat::Q4_0 | QFormat::Q4_1 => {
+            let d = f16_at(0);
             let (m, qs) = match format {
-                QFormat::Q4_1 => (f16::from_le_bytes([b[2], b[3]]).to_f32(), &b[4..20]),
+                QFormat::Q4_1 => (f16_at(2), &b[4..20]),
                 _ => (-8.0 * d, &b[2..18]),
             };
             for j in 0..QK / 2 {
@@ -101,8 +237,40 @@ pub fn dequantize_block(format: QFormat, b: &[u8], out: &mut [f32]) {
             }
         }
         QFormat::Q8_0 => {
-            for (o, &q) in out.iter_mut().zip(&b[2..34]) {
+            let d = f16_at(0);
+            for (o, &q) in out[..QK].iter_mut().zip(&b[2..34]) {
                 *o = q as i8 as f32 * d;
+            }
+        }
+        QFormat::Q5_0 => {
+            let d = f16_at(0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in 0..QK / 2 {
+                let lo = (b[6 + j] & 0x0F) | ((((qh >> j) & 1) as u8) << 4);
+                let hi = (b[6 + j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+                out[j] = (lo as i32 - 16) as f32 * d;
+                out[j + QK / 2] = (hi as i32 - 16) as f32 * d;
+            }
+        }
+        QFormat::Q4K => {
+            let (d, dmin) = (f16_at(0), f16_at(2));
+            let (scales, qs) = (&b[4..16], &b[16..144]);
+            for j in 0..8 {
+                let (sc, m) = k4_scale_min(j, scales);
+                let (dj, mj) = (d * sc as f32, dmin * m as f32);
+                let q = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+                for (l, o) in out[32 * j..32 * j + 32].iter_mut().enumerate() {
+                    let v = if j % 2 == 0 { q[l] & 0xF } else { q[l] >> 4 };
+                    *o = dj * v as f32 - mj;
+                }
+            }
+        }
+        QFormat::Q6K => {
+            let d = f16_at(208);
+            let q = q6k_values(&b[0..128], &b[128..192]);
+            for (k, o) in out[..QK_K].iter_mut().enumerate() {
+                let sc = b[192 + k / 16] as i8;
+                *o = d * sc as f32 * (q[k] as i32 - 32) as f32;
             }
         }
     }
@@ -183,7 +351,7 @@ pub fn q5_0_as_q8_0(bytes: &[u8]) -> Vec<u8> {
 /// each row) into GGUF blocks of `format` (`Q8_0` or `Q4_0`): `x.len() / 32 *
 /// format.block_bytes()` bytes, the layout a GGUF tensor of that type stores.
 ///
-/// Panics for `Q4_1` (no writer here) or a length that is not whole blocks.
+/// Panics for other formats (no writer here) or a length that is not whole blocks.
 pub fn quantize_blocks(format: QFormat, x: &[f32]) -> Vec<u8> {
     assert!(
         x.len().is_multiple_of(QK),
@@ -196,19 +364,20 @@ pub fn quantize_blocks(format: QFormat, x: &[f32]) -> Vec<u8> {
         match format {
             QFormat::Q8_0 => quantize_block_q8_0(blk, o),
             QFormat::Q4_0 => quantize_block_q4_0(blk, o),
-            QFormat::Q4_1 => panic!("no Q4_1 quantizer"),
+            f => panic!("no {} quantizer", f.name()),
         }
     }
     out
 }
 
-/// Repacks a row-major GGUF matrix (`rows x cols`, `cols / 32` blocks per row) of
-/// `format` into tiles (see the module docs); rows past `rows` in the last tile are
-/// zero (scale 0). `bytes.len()` must be `rows * cols / 32 * format.block_bytes()`.
+/// Repacks a row-major GGUF matrix (`rows x cols`, `cols / format.block_values()`
+/// blocks per row) of `format` into tiles (see the module docs); rows past `rows`
+/// in the last tile are zero (scale 0). `bytes.len()` must be `rows * cols /
+/// format.block_values() * format.block_bytes()`.
 pub fn repack(format: QFormat, bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
-    let (bb, bpr) = (format.block_bytes(), cols / QK);
+    let (bb, bpr) = (format.block_bytes(), cols / format.block_values());
     assert_eq!(bytes.len(), rows * bpr * bb, "GGUF matrix bytes");
-    let (vb, rec) = (format.value_bytes(), format.record_bytes());
+    let rec = format.record_bytes();
     let tiles = rows.div_ceil(TILE);
     let mut out = vec![0u8; tiles * bpr * rec];
     for row in 0..rows {
@@ -216,6 +385,23 @@ pub fn repack(format: QFormat, bytes: &[u8], rows: usize, cols: usize) -> Vec<u8
         for b in 0..bpr {
             let src = &bytes[(row * bpr + b) * bb..][..bb];
             let dst = &mut out[(t * bpr + b) * rec..][..rec];
+            repack_block(format, src, lane, dst);
+        }
+    }
+    out
+}
+
+/// Byte `e` of group `g` of `lane` in a run of 4-byte-per-lane registers.
+#[inline(always)]
+fn at(g: usize, lane: usize, e: usize) -> usize {
+    (g * TILE + lane) * 4 + e
+}
+
+/// Writes one GGUF block `src` as row `lane` of record `dst`.
+fn repack_block(format: QFormat, src: &[u8], lane: usize, dst: &mut [u8]) {
+    let vb = format.value_bytes();
+    match format {
+        QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q8_0 | QFormat::Q5_0 => {
             dst[vb + lane * 2..vb + lane * 2 + 2].copy_from_slice(&src[0..2]);
             let qs = match format {
                 QFormat::Q4_0 => &src[2..18],
@@ -223,17 +409,88 @@ pub fn repack(format: QFormat, bytes: &[u8], rows: usize, cols: usize) -> Vec<u8
                     dst[vb + 32 + lane * 2..vb + 34 + lane * 2].copy_from_slice(&src[2..4]);
                     &src[4..20]
                 }
-                QFormat::Q8_0 => &src[2..34],
+                QFormat::Q5_0 => {
+                    let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+                    for (g, e) in (0..8).flat_map(|g| (0..4).map(move |e| (g, e))) {
+                        dst[256 + at(0, lane, e)] |= (((qh >> (4 * g + e)) & 1) as u8) << g;
+                    }
+                    &src[6..22]
+                }
+                _ => &src[2..34],
             };
             for (g, q4) in qs.chunks_exact(4).enumerate() {
-                let at = (g * TILE + lane) * 4;
                 for (e, &q) in q4.iter().enumerate() {
-                    dst[at + e] = if format == QFormat::Q8_0 { q ^ 0x80 } else { q };
+                    dst[at(g, lane, e)] = if format == QFormat::Q8_0 { q ^ 0x80 } else { q };
+                }
+            }
+        }
+        QFormat::Q4K => {
+            dst[vb + lane * 2..vb + lane * 2 + 2].copy_from_slice(&src[0..2]);
+            dst[vb + 32 + lane * 2..vb + 34 + lane * 2].copy_from_slice(&src[2..4]);
+            for j in 0..8 {
+                let (sc, m) = k4_scale_min(j, &src[4..16]);
+                dst[2048 + j * TILE + lane] = sc;
+                dst[2176 + j * TILE + lane] = m;
+            }
+            // Register 8i + g holds bytes 32i + 4g.. of qs: the same bytes in order.
+            for (g, q4) in src[16..144].chunks_exact(4).enumerate() {
+                dst[at(g, lane, 0)..at(g, lane, 4)].copy_from_slice(q4);
+            }
+        }
+        QFormat::Q6K => {
+            dst[vb + lane * 2..vb + lane * 2 + 2].copy_from_slice(&src[208..210]);
+            for k in 0..16 {
+                dst[3072 + k * TILE + lane] = src[192 + k];
+            }
+            let q = q6k_values(&src[0..128], &src[128..192]);
+            for (j, qj) in q.chunks_exact(QK).enumerate() {
+                for (g, e) in (0..8).flat_map(|g| (0..4).map(move |e| (g, e))) {
+                    let v = qj[4 * g + e];
+                    // Sub-block j's low nibbles (even j) or high nibbles (odd j).
+                    let nib = &mut dst[at(8 * (j / 2) + g, lane, e)];
+                    *nib |= (v & 0xF) << (4 * (j % 2));
+                    let plane = 2048 + (2 * j + g / 4) * 64;
+                    dst[plane + at(0, lane, e)] |= (v >> 4) << (2 * (g % 4));
                 }
             }
         }
     }
-    out
+}
+
+/// The stored unsigned values of activation block `j` (`0..format.sub_blocks()`)
+/// of row `lane` in record `rec`, in weight order: the signed quant is the value
+/// minus [`QFormat::int_offset`]. The portable kernel's (and [`unpack_block`]'s)
+/// reading of the record layout.
+pub(crate) fn lane_values(format: QFormat, rec: &[u8], lane: usize, j: usize) -> [u8; QK] {
+    let mut u = [0u8; QK];
+    for (k, v) in u.iter_mut().enumerate() {
+        let (g, e) = (k / 4, k % 4);
+        *v = match format {
+            QFormat::Q8_0 => rec[at(g, lane, e)],
+            QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q5_0 => {
+                let nib = if g < 4 {
+                    rec[at(g, lane, e)] & 0x0F
+                } else {
+                    rec[at(g - 4, lane, e)] >> 4
+                };
+                if format == QFormat::Q5_0 {
+                    nib | (((rec[256 + at(0, lane, e)] >> g) & 1) << 4)
+                } else {
+                    nib
+                }
+            }
+            QFormat::Q4K | QFormat::Q6K => {
+                let nib = (rec[at(8 * (j / 2) + g, lane, e)] >> (4 * (j % 2))) & 0x0F;
+                if format == QFormat::Q6K {
+                    let plane = 2048 + (2 * j + g / 4) * 64;
+                    nib | (((rec[plane + at(0, lane, e)] >> (2 * (g % 4))) & 3) << 4)
+                } else {
+                    nib
+                }
+            }
+        };
+    }
+    u
 }
 
 /// The GGUF bytes of block `b` of row `row` of a repacked matrix (`bpr` blocks per
@@ -249,22 +506,88 @@ pub fn unpack_block(
     let (vb, rec) = (format.value_bytes(), format.record_bytes());
     let (t, lane) = (row / TILE, row % TILE);
     let src = &tiles[(t * bpr + b) * rec..][..rec];
-    out[0..2].copy_from_slice(&src[vb + lane * 2..vb + lane * 2 + 2]);
-    let qs = match format {
-        QFormat::Q4_0 => &mut out[2..18],
-        QFormat::Q4_1 => {
-            out[2..4].copy_from_slice(&src[vb + 32 + lane * 2..vb + 34 + lane * 2]);
-            &mut out[4..20]
+    let d = &src[vb + lane * 2..vb + lane * 2 + 2];
+    match format {
+        QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q8_0 => {
+            out[0..2].copy_from_slice(d);
+            let qs = match format {
+                QFormat::Q4_0 => &mut out[2..18],
+                QFormat::Q4_1 => {
+                    out[2..4].copy_from_slice(&src[vb + 32 + lane * 2..vb + 34 + lane * 2]);
+                    &mut out[4..20]
+                }
+                _ => &mut out[2..34],
+            };
+            for (g, q4) in qs.chunks_exact_mut(4).enumerate() {
+                for (e, q) in q4.iter_mut().enumerate() {
+                    let v = src[at(g, lane, e)];
+                    *q = if format == QFormat::Q8_0 { v ^ 0x80 } else { v };
+                }
+            }
         }
-        QFormat::Q8_0 => &mut out[2..34],
-    };
-    for (g, q4) in qs.chunks_exact_mut(4).enumerate() {
-        let at = (g * TILE + lane) * 4;
-        for (e, q) in q4.iter_mut().enumerate() {
-            let v = src[at + e];
-            *q = if format == QFormat::Q8_0 { v ^ 0x80 } else { v };
+        QFormat::Q5_0 => {
+            out[0..2].copy_from_slice(d);
+            let u = lane_values(format, src, lane, 0);
+            let qh = u
+                .iter()
+                .enumerate()
+                .fold(0u32, |h, (k, &v)| h | u32::from(v >> 4) << k);
+            out[2..6].copy_from_slice(&qh.to_le_bytes());
+            for j in 0..QK / 2 {
+                out[6 + j] = (u[j] & 0xF) | ((u[j + 16] & 0xF) << 4);
+            }
+        }
+        QFormat::Q4K => {
+            out[0..2].copy_from_slice(d);
+            out[2..4].copy_from_slice(&src[vb + 32 + lane * 2..vb + 34 + lane * 2]);
+            let sc: [u8; 8] = std::array::from_fn(|j| src[2048 + j * TILE + lane]);
+            let m: [u8; 8] = std::array::from_fn(|j| src[2176 + j * TILE + lane]);
+            out[4..16].copy_from_slice(&k4_pack_scale_min(&sc, &m));
+            for (g, q4) in out[16..144].chunks_exact_mut(4).enumerate() {
+                q4.copy_from_slice(&src[at(g, lane, 0)..at(g, lane, 4)]);
+            }
+        }
+        QFormat::Q6K => {
+            let mut q = [0u8; QK_K];
+            for (j, qj) in q.chunks_exact_mut(QK).enumerate() {
+                qj.copy_from_slice(&lane_values(format, src, lane, j));
+            }
+            let (ql, rest) = out.split_at_mut(128);
+            q6k_encode(&q, ql, &mut rest[..64]);
+            for k in 0..16 {
+                out[192 + k] = src[3072 + k * TILE + lane];
+            }
+            out[208..210].copy_from_slice(d);
         }
     }
+}
+
+/// A `Q4_0` or `Q5_0` block as the `Q8_0` block of the same weights (`d` kept,
+/// `q - 8` or `q - 16` as `i8`), or `None` for other formats; `Q8_0` is copied.
+/// For stacking matrices of those formats without requantization.
+pub fn as_q8_0_exactly(format: QFormat, b: &[u8]) -> Option<[u8; 34]> {
+    let mut out = [0u8; 34];
+    out[0..2].copy_from_slice(&b[0..2]);
+    let (qh, qs) = match format {
+        QFormat::Q8_0 => {
+            out.copy_from_slice(&b[..34]);
+            return Some(out);
+        }
+        QFormat::Q4_0 => (0, &b[2..18]),
+        QFormat::Q5_0 => (u32::from_le_bytes([b[2], b[3], b[4], b[5]]), &b[6..22]),
+        _ => return None,
+    };
+    let off = format.int_offset() as i8;
+    for j in 0..QK {
+        let nib = if j < 16 {
+            qs[j] & 0x0F
+        } else {
+            qs[j - 16] >> 4
+        };
+        let q = nib | ((((qh >> j) & 1) as u8) << 4);
+        out[2 + j] = (q as i8 - off) as u8;
+    }
+    Some(out)
 }
 
 /// One quantized activation row in structure-of-arrays form.
@@ -278,36 +601,55 @@ pub struct ActRow<'a> {
     pub s: &'a [f32],
     /// `sum(qs)` per block.
     pub sum: &'a [i32],
+    /// `sum(qs)` per half block (16 values; two per block).
+    pub sum16: &'a [i32],
 }
 
-/// Quantizes one activation row (length a multiple of [`QK`]) into split arrays:
-/// `qs` (`x.len()` values), and per block (`x.len() / QK` each) the scale `d`, the
-/// integer sum `sum` and `s = d * sum`. Symmetric 8-bit, round half away from
-/// zero; deterministic and row-local, which keeps matmuls batch-invariant.
-pub fn quantize_row_q8_split(
-    x: &[f32],
-    qs: &mut [i8],
-    d: &mut [f32],
-    s: &mut [f32],
-    sum: &mut [i32],
-) {
+/// The output arrays of [`quantize_row_q8_split`] for one row of `n` values:
+/// `qs` (`n` values), per block (`n / QK` each) `d`, `s` and `sum`, and `sum16`
+/// (`n / 16`).
+#[derive(Debug)]
+pub struct ActRowMut<'a> {
+    /// Values.
+    pub qs: &'a mut [i8],
+    /// Block scales.
+    pub d: &'a mut [f32],
+    /// `d * sum(qs)` per block.
+    pub s: &'a mut [f32],
+    /// `sum(qs)` per block.
+    pub sum: &'a mut [i32],
+    /// `sum(qs)` per half block.
+    pub sum16: &'a mut [i32],
+}
+
+/// Quantizes one activation row (length a multiple of [`QK`]) into split arrays
+/// (see [`ActRowMut`]). Symmetric 8-bit, round half away from zero; deterministic
+/// and row-local, which keeps matmuls batch-invariant.
+pub fn quantize_row_q8_split(x: &[f32], out: ActRowMut) {
     #[cfg(target_arch = "x86_64")]
     if crate::isa::isa() != crate::isa::Isa::Scalar {
         // SAFETY: `isa()` verified avx2 and fma. Same results: rounding is exact.
-        return unsafe { quantize_avx2(x, qs, d, s, sum) };
+        return unsafe { quantize_avx2(x, out) };
     }
-    quantize(x, qs, d, s, sum)
+    quantize(x, out)
 }
 
 /// [`quantize`] compiled for AVX2, so its loops vectorize.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sum: &mut [i32]) {
-    quantize(x, qs, d, s, sum)
+unsafe fn quantize_avx2(x: &[f32], out: ActRowMut) {
+    quantize(x, out)
 }
 
 #[inline(always)]
-fn quantize(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sum: &mut [i32]) {
+fn quantize(x: &[f32], out: ActRowMut) {
+    let ActRowMut {
+        qs,
+        d,
+        s,
+        sum,
+        sum16,
+    } = out;
     for (b, xs) in x.chunks_exact(QK).enumerate() {
         // Eight running maxima (the maximum does not depend on the order), so the
         // loop vectorizes.
@@ -320,18 +662,23 @@ fn quantize(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32], sum: &mut [i
         let amax = m8.iter().fold(0f32, |a, &v| a.max(v));
         let db = amax / 127.0;
         let id = if db > 0.0 { 1.0 / db } else { 0.0 };
-        let mut total = 0i32;
-        for (q, &v) in qs[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
-            // |v * id| <= 127 by construction; max/min (unlike `clamp`) also map
-            // NaN (to -127) and make the conversion branch-free, so the loop
-            // vectorizes.
-            #[allow(clippy::manual_clamp)]
-            let r = (v * id).round().max(-127.0).min(127.0);
-            // SAFETY: `r` is finite and within i32.
-            let qi = unsafe { r.to_int_unchecked::<i32>() };
-            *q = qi as i8;
-            total = total.wrapping_add(qi);
+        for h in 0..2 {
+            let mut total = 0i32;
+            let at = b * QK + h * QK / 2;
+            for (q, &v) in qs[at..at + QK / 2].iter_mut().zip(&xs[h * QK / 2..]) {
+                // |v * id| <= 127 by construction; max/min (unlike `clamp`) also map
+                // NaN (to -127) and make the conversion branch-free, so the loop
+                // vectorizes.
+                #[allow(clippy::manual_clamp)]
+                let r = (v * id).round().max(-127.0).min(127.0);
+                // SAFETY: `r` is finite and within i32.
+                let qi = unsafe { r.to_int_unchecked::<i32>() };
+                *q = qi as i8;
+                total = total.wrapping_add(qi);
+            }
+            sum16[2 * b + h] = total;
         }
+        let total = sum16[2 * b] + sum16[2 * b + 1];
         d[b] = db;
         s[b] = db * total as f32;
         sum[b] = total;
@@ -350,10 +697,27 @@ mod tests {
             .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.13)
             .collect();
         let (mut qs, mut d, mut s, mut sum) = (vec![0i8; 64], [0f32; 2], [0f32; 2], [0i32; 2]);
-        quantize_row_q8_split(&x, &mut qs, &mut d, &mut s, &mut sum);
+        let mut sum16 = [0i32; 4];
+        quantize_row_q8_split(
+            &x,
+            ActRowMut {
+                qs: &mut qs,
+                d: &mut d,
+                s: &mut s,
+                sum: &mut sum,
+                sum16: &mut sum16,
+            },
+        );
         for b in 0..2 {
             let q = &qs[b * 32..(b + 1) * 32];
             assert_eq!(sum[b], q.iter().map(|&v| v as i32).sum::<i32>());
+            let half = |h: usize| {
+                q[16 * h..16 * h + 16]
+                    .iter()
+                    .map(|&v| v as i32)
+                    .sum::<i32>()
+            };
+            assert_eq!([sum16[2 * b], sum16[2 * b + 1]], [half(0), half(1)]);
             assert_eq!(s[b], d[b] * sum[b] as f32);
             for (&qv, &xv) in q.iter().zip(&x[b * 32..]) {
                 assert!((qv as f32 * d[b] - xv).abs() <= d[b] * 0.5 + 1e-6);
@@ -364,8 +728,18 @@ mod tests {
     #[test]
     fn zero_row_quantizes_to_zero_scale() {
         let (mut qs, mut d, mut s, mut sum) = ([1i8; 32], [1f32], [1f32], [1i32]);
-        quantize_row_q8_split(&[0.0; 32], &mut qs, &mut d, &mut s, &mut sum);
-        assert_eq!((d[0], s[0], sum[0]), (0.0, 0.0, 0));
+        let mut sum16 = [1i32; 2];
+        quantize_row_q8_split(
+            &[0.0; 32],
+            ActRowMut {
+                qs: &mut qs,
+                d: &mut d,
+                s: &mut s,
+                sum: &mut sum,
+                sum16: &mut sum16,
+            },
+        );
+        assert_eq!((d[0], s[0], sum[0], sum16), (0.0, 0.0, 0, [0, 0]));
         assert!(qs.iter().all(|&v| v == 0));
     }
 
@@ -429,9 +803,9 @@ mod tests {
     #[test]
     fn repack_and_unpack_round_trip_every_block() {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        for format in [QFormat::Q4_0, QFormat::Q4_1, QFormat::Q8_0] {
-            // 37 rows: two full tiles and a partial one.
-            let (rows, cols) = (37, 96);
+        for format in ALL {
+            // 37 rows: two full tiles and a partial one; 3 blocks per row.
+            let (rows, cols) = (37, 3 * format.block_values());
             let bytes: Vec<u8> = (0..rows * 3 * format.block_bytes())
                 .map(|_| rng.random())
                 .collect();
@@ -450,6 +824,121 @@ mod tests {
                 }
             }
         }
+    }
+
+    const ALL: [QFormat; 6] = [
+        QFormat::Q4_0,
+        QFormat::Q4_1,
+        QFormat::Q8_0,
+        QFormat::Q5_0,
+        QFormat::Q4K,
+        QFormat::Q6K,
+    ];
+
+    #[test]
+    fn record_sizes_are_the_documented_bits_per_weight() {
+        let bpw = |f: QFormat| (f.row_record_bytes() * 8) as f64 / f.block_values() as f64;
+        let file = |f: QFormat| (f.block_bytes() * 8) as f64 / f.block_values() as f64;
+        let want = [
+            (QFormat::Q4_0, 4.5, 4.5),
+            (QFormat::Q4_1, 5.0, 5.0),
+            (QFormat::Q8_0, 8.5, 8.5),
+            (QFormat::Q5_0, 5.5, 5.5),
+            (QFormat::Q4K, 4.5, 4.625),
+            (QFormat::Q6K, 6.5625, 6.5625),
+        ];
+        for (f, in_file, repacked) in want {
+            assert_eq!((file(f), bpw(f)), (in_file, repacked), "{f:?}");
+            // The record: values (and planes, sub-block scales), 16 `d`, then the
+            // second `f16` array of Q4_1 and Q4_K.
+            let extra = if matches!(f, QFormat::Q4_1 | QFormat::Q4K) {
+                64
+            } else {
+                32
+            };
+            assert_eq!(f.value_bytes() + extra, f.record_bytes(), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn q5_0_block_dequantizes_as_ggml() {
+        // d = 0.5; weight 0: low nibble 3 + high bit (qh bit 0) -> 19 - 16 = 3;
+        // weight 16: high nibble 0xA, qh bit 16 clear -> 10 - 16 = -6;
+        // weight 31: high nibble of qs[15] 0xF + qh bit 31 -> 31 - 16 = 15.
+        let mut b = [0u8; 22];
+        b[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b[2..6].copy_from_slice(&(1u32 | 1 << 31).to_le_bytes());
+        b[6] = 0xA3;
+        b[21] = 0xF0;
+        let mut out = [0f32; QK];
+        dequantize_block(QFormat::Q5_0, &b, &mut out);
+        assert_eq!((out[0], out[16], out[31], out[1]), (1.5, -3.0, 7.5, -8.0));
+        let q8 = as_q8_0_exactly(QFormat::Q5_0, &b).unwrap();
+        assert_eq!(
+            [q8[2], q8[2 + 16], q8[2 + 31], q8[3]],
+            [3, -6i8 as u8, 15, -16i8 as u8]
+        );
+    }
+
+    #[test]
+    fn q4_k_block_dequantizes_as_ggml() {
+        // Scales and mins of all 8 sub-blocks, using every 6-bit range.
+        let sc = [1u8, 2, 63, 4, 33, 17, 48, 63];
+        let m = [0u8, 5, 6, 63, 40, 1, 62, 31];
+        let packed = k4_pack_scale_min(&sc, &m);
+        for j in 0..8 {
+            assert_eq!(k4_scale_min(j, &packed), (sc[j], m[j]), "sub-block {j}");
+        }
+        // llama.cpp's packing by hand for sub-block 4: scale low 4 bits in
+        // q[8] low nibble, its top 2 bits in q[0] bits 6-7; min in q[8] high nibble
+        // and q[4] bits 6-7.
+        assert_eq!(packed[8], (33 & 0xF) | ((40 & 0xF) << 4));
+        assert_eq!((packed[0] >> 6, packed[4] >> 6), (33 >> 4, 40 >> 4));
+        let mut b = [0u8; 144];
+        b[0..2].copy_from_slice(&f16::from_f32(0.25).to_le_bytes());
+        b[2..4].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b[4..16].copy_from_slice(&packed);
+        b[16] = 0x7C; // sub-block 0 weight 0 = 0xC, sub-block 1 weight 0 = 0x7
+        b[16 + 32 + 5] = 0x2F; // sub-block 2 weight 5 = 0xF, sub-block 3 weight 5 = 0x2
+        let mut out = [0f32; QK_K];
+        dequantize_block(QFormat::Q4K, &b, &mut out);
+        let w = |j: usize, q: f32| 0.25 * sc[j] as f32 * q - 0.5 * m[j] as f32;
+        assert_eq!(out[0], w(0, 12.0));
+        assert_eq!(out[32], w(1, 7.0));
+        assert_eq!(out[64 + 5], w(2, 15.0));
+        assert_eq!(out[96 + 5], w(3, 2.0));
+        assert_eq!(out[255], w(7, 0.0));
+    }
+
+    #[test]
+    fn q6_k_block_dequantizes_as_ggml() {
+        let mut b = [0u8; 210];
+        for (k, s) in b[192..208].iter_mut().enumerate() {
+            *s = (k as i32 * 17 - 128) as i8 as u8;
+        }
+        b[208..210].copy_from_slice(&f16::from_f32(0.125).to_le_bytes());
+        // Weight 0: ql[0] low nibble 5, qh[0] bits 0-1 = 2 -> q = 37.
+        // Weight 64: ql[0] high nibble 0xE, qh[0] bits 4-5 = 3 -> q = 62.
+        // Weight 32 + 17: ql[32 + 17] low nibble 1, qh[17] bits 2-3 = 1 -> q = 17.
+        // Weight 128 + 96 + 3: ql[64 + 32 + 3] high nibble 9, qh[32 + 3] bits 6-7 = 0.
+        b[0] = 0xE5;
+        b[128] = 2 | (3 << 4);
+        b[32 + 17] = 0x01;
+        b[128 + 17] = 1 << 2;
+        b[64 + 32 + 3] = 0x90;
+        let mut out = [0f32; QK_K];
+        dequantize_block(QFormat::Q6K, &b, &mut out);
+        let w = |k: usize, q: i32| 0.125 * b[192 + k / 16] as i8 as f32 * (q - 32) as f32;
+        assert_eq!(out[0], w(0, 37));
+        assert_eq!(out[64], w(64, 62));
+        assert_eq!(out[49], w(49, 17));
+        assert_eq!(out[227], w(227, 9));
+        assert_eq!(out[1], w(1, 0));
+        // Decoding the 6-bit values and encoding them back gives the same bytes.
+        let q = q6k_values(&b[0..128], &b[128..192]);
+        let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+        q6k_encode(&q, &mut ql, &mut qh);
+        assert_eq!((&ql[..], &qh[..]), (&b[0..128], &b[128..192]));
     }
 
     #[test]

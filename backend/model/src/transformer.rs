@@ -3,10 +3,10 @@
 //!
 //! Weights come from a GGUF file (candle-core's GGUF reader; tensor names and
 //! metadata keys as written by llama.cpp's `convert_hf_to_gguf.py`). `Q4_0`,
-//! `Q4_1` and `Q8_0` matrices use our kernels directly (repacked at load into
-//! interleaved tiles), `Q5_0` ones as the `Q8_0` blocks that hold them exactly;
-//! other quantized types are requantized to `Q8_0` at load and
-//! unquantized ones (`F32`, `F16`, `BF16`) kept in `f32`. The math follows
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` and `Q6_K` matrices use our kernels directly
+//! (repacked at load into interleaved tiles, no requantization: see
+//! `tessera_kernels::quant`); other quantized types are requantized to `Q8_0` at
+//! load and unquantized ones (`F32`, `F16`, `BF16`) kept in `f32`. The math follows
 //! llama.cpp's graph builders (`src/models/llama.cpp`, `qwen2.cpp`, `gemma3.cpp`):
 //!
 //! - `llama`: RMSNorm, Q/K/V, normal-mode RoPE, grouped-query attention, output
@@ -323,16 +323,14 @@ fn read_matrix<R: Read + Seek>(
         GgmlDType::Q4_0 => QMatrix::from_gguf_bytes(QFormat::Q4_0, &t.data()?, rows, cols)?,
         GgmlDType::Q4_1 => QMatrix::from_gguf_bytes(QFormat::Q4_1, &t.data()?, rows, cols)?,
         GgmlDType::Q8_0 => QMatrix::from_gguf_bytes(QFormat::Q8_0, &t.data()?, rows, cols)?,
-        // Q5_0's 5-bit values and scale fit Q8_0 blocks exactly.
-        GgmlDType::Q5_0 => {
-            let q8 = tessera_kernels::quant::q5_0_as_q8_0(&t.data()?);
-            QMatrix::from_gguf_bytes(QFormat::Q8_0, &q8, rows, cols)?
-        }
+        GgmlDType::Q5_0 => QMatrix::from_gguf_bytes(QFormat::Q5_0, &t.data()?, rows, cols)?,
+        GgmlDType::Q4K => QMatrix::from_gguf_bytes(QFormat::Q4K, &t.data()?, rows, cols)?,
+        GgmlDType::Q6K => QMatrix::from_gguf_bytes(QFormat::Q6K, &t.data()?, rows, cols)?,
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
             QMatrix::from_f32(dense()?, rows, cols)?
         }
-        // Other quantized types (K-quants, Q5_x, ...): already lossy, so they run
-        // on the 8-bit kernels, requantized to Q8_0 at load.
+        // Other quantized types (Q5_1, Q2_K, Q3_K, Q5_K, ...): already lossy, so
+        // they run on the 8-bit kernels, requantized to Q8_0 at load.
         _ => QMatrix::requantize_q8_0(&dense()?, rows, cols)?,
     })
 }
