@@ -89,7 +89,7 @@ n_vocab = llm.n_vocab()
 
 # A fixed, ordinary-text prompt of exactly n_prompt tokens.
 text = ("The history of the city begins with a small settlement on the river, where "
-        "farmers and traders met every week to exchange grain, wool and news. ") * 64
+        "farmers and traders met every week to exchange grain, wool and news. ") * (64 + n_prompt // 16)
 prompt = llm.tokenize(text.encode(), add_bos=False, special=False)[:n_prompt]
 assert len(prompt) == n_prompt, len(prompt)
 

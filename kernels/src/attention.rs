@@ -343,6 +343,25 @@ mod tests {
             };
             assert_eq!(bits(&run(false)), bits(&run(true)), "page size {page_size}");
         }
+        // Gemma 3's shape (head_dim 256, one KV head, 4 query heads).
+        let layout = KvLayout {
+            layers: 2,
+            page_size: 16,
+            kv_heads: 1,
+            head_dim: 256,
+        };
+        let f = fixture(layout, 700 / 16 + 1, 700, 0x33, 14);
+        let mut rng = ChaCha8Rng::seed_from_u64(15);
+        let n_keys = [1, 5, 16, 63, 64, 65, 256, 257, 700];
+        let q = queries(&mut rng, n_keys.len(), 4 * 256, 4.0);
+        let run = |portable: bool| {
+            crate::flash::FORCE_PORTABLE.with(|c| c.set(portable));
+            let mut out = vec![0f32; q.len()];
+            paged_attention_block(&q, &n_keys, 4, f.kv(1), &mut out).unwrap();
+            crate::flash::FORCE_PORTABLE.with(|c| c.set(false));
+            out
+        };
+        assert_eq!(bits(&run(false)), bits(&run(true)), "head_dim 256");
     }
 
     #[test]
@@ -587,6 +606,8 @@ mod tests {
             (4, 64, 1, 3),
             (8, 128, 2, 4),
             (16, 128, 1, 2),
+            // Gemma 3 270M: one KV head of 256 for 4 query heads.
+            (16, 256, 1, 4),
         ];
         for (page_size, head_dim, kv_heads, n_heads) in layouts {
             let layout = KvLayout {

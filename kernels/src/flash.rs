@@ -510,7 +510,7 @@ impl Kernel {
         }
         match isa() {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni if geo.ps <= 16 && (geo.hd == 64 || geo.hd == 128) => Self::Avx512,
+            Isa::Avx512Vnni if geo.ps <= 16 && matches!(geo.hd, 64 | 128 | 256) => Self::Avx512,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni | Isa::Avx2
                 if (geo.ps == 8 || geo.ps == 16) && geo.hd.is_multiple_of(8) =>
@@ -534,13 +534,14 @@ impl Kernel {
             // SAFETY: `isa()` verified AVX-512 F/BW/VL/VNNI; `pick` checked the shape.
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => unsafe {
-                if geo.hd == 64 {
+                match geo.hd {
                     // 16 rows per pass over a page (a unit's 48 rows in three):
                     // each page's K and V bytes serve more rows (attention_speed
                     // prefill: 8 rows were about 8 % faster than 4, 16 another 7 %).
-                    avx512::chunk::<16, 4>(src, rows, pages, &mut st)
-                } else {
-                    avx512::chunk::<2, 8>(src, rows, pages, &mut st)
+                    64 => avx512::chunk::<16, 4>(src, rows, pages, &mut st),
+                    128 => avx512::chunk::<2, 8>(src, rows, pages, &mut st),
+                    // Gemma 3: one row's 16 accumulators fill half the registers.
+                    _ => avx512::chunk::<1, 16>(src, rows, pages, &mut st),
                 }
             },
         }
