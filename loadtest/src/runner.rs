@@ -412,7 +412,12 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
             )
         }
     };
-    let w = Arc::new(Workload::for_windows(&args, tenants.len(), context, largest)?);
+    let w = Arc::new(Workload::for_windows(
+        &args,
+        tenants.len(),
+        context,
+        largest,
+    )?);
     let target = Target {
         label: args.label.clone(),
         base: base.clone(),
