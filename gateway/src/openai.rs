@@ -92,10 +92,14 @@ impl LogprobsView {
     /// 1..; the first token has no log probability, `null`) and then `entries`.
     fn completion(&mut self, prompt: Option<&[TokenLogprobs]>, entries: &[TokenLogprobs]) -> Value {
         let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
-        let mut add = |view: &mut Self, id: u32, e: Option<&TokenLogprobs>| {
+        // `width`: whether the token's text is in the returned text (a BOS the
+        // tokenizer added to the prompt is not: Gemma's `<bos>`).
+        let mut add = |view: &mut Self, id: u32, e: Option<&TokenLogprobs>, width: bool| {
             let text = view.token_text(id);
             offsets.push(view.offset);
-            view.offset += text.chars().count();
+            if width {
+                view.offset += text.chars().count();
+            }
             tokens.push(text);
             lps.push(e.map_or(Value::Null, |e| lp_value(e.logprob)));
             tops.push(e.map_or(Value::Null, |e| {
@@ -107,13 +111,18 @@ impl LogprobsView {
             }));
         };
         if let (Some(entries), Some(ids)) = (prompt, self.prompt.take()) {
+            let added_bos = self
+                .tokenizer
+                .add_bos()
+                .then(|| self.tokenizer.bos_id())
+                .flatten();
             for (i, &id) in ids.iter().enumerate() {
                 let e = i.checked_sub(1).and_then(|j| entries.get(j));
-                add(self, id, e);
+                add(self, id, e, !(i == 0 && Some(id) == added_bos));
             }
         }
         for e in entries {
-            add(self, e.id, Some(e));
+            add(self, e.id, Some(e), true);
         }
         json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
     }

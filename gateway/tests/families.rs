@@ -83,6 +83,42 @@ async fn each_family_answers_its_direct_greedy_tokens_and_its_own_window() {
         assert_eq!(v["result"]["usage"]["prompt_tokens"], ids.len());
     }
 
+    // Echo + logprobs: the BOS the tokenizer added is not in the returned text,
+    // so it takes no characters of `text_offset`.
+    let body =
+        json!({"model": GEMMA, "prompt": "Hello", "max_tokens": 2, "echo": true, "logprobs": 1});
+    let (status, _, v) = s
+        .post(&format!("{}/v1/completions", s.base), Some(&s.key), &body)
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(text.starts_with("Hello"), "{text:?}");
+    let offsets: Vec<usize> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap() as usize)
+        .collect();
+    assert_eq!(&offsets[..3], &[0, 0, 5], "{lp}");
+    for (tok, &at) in lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(&offsets)
+        .skip(1)
+    {
+        let tok = tok.as_str().unwrap();
+        assert_eq!(
+            &text
+                .chars()
+                .skip(at)
+                .take(tok.chars().count())
+                .collect::<String>(),
+            tok
+        );
+    }
+
     // Qwen: chat through the template in its file.
     let msgs = [ChatMessage::new(
         "user",
