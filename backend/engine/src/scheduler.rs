@@ -26,7 +26,11 @@
 //!   chosen next that does not fit blocks the others (no overtaking, so a long
 //!   request is never starved).
 //! - **The step.** Per class, every decoding sequence gets one token first, then
-//!   prompt chunks of prefilling sequences fill the step's token budget, oldest first.
+//!   prompt chunks of prefilling sequences fill the step's token budget: the tenant
+//!   with the smallest counter first (oldest first within a tenant, and under
+//!   [`Policy::Fifo`]), so a tenant's 30,000-token prompt shares the steps with the
+//!   prompts other tenants send while it is computed instead of holding their first
+//!   tokens until it is done.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -465,8 +469,20 @@ pub fn plan(running: &[SeqProgress], queue: &[Queued], limits: StepLimits, fair:
             Priority::Interactive => budget,
             Priority::Batch => budget.min(limits.batch_prefill_chunk),
         };
+        // Prompt chunks go to the tenant served least first (its counter as charged
+        // so far, not the provisional one), so one tenant's long prompt cannot hold
+        // every other tenant's first token until it is done; within a tenant, and
+        // under FIFO, the oldest sequence first.
+        let mut prefilling = members.clone();
+        if fair.cfg.policy == Policy::Vtc {
+            prefilling.sort_by(|&i, &j| {
+                fair.counter(seqs[i].tenant)
+                    .total_cmp(&fair.counter(seqs[j].tenant))
+                    .then(i.cmp(&j))
+            });
+        }
         let mut prefilled = false;
-        for &i in &members {
+        for &i in &prefilling {
             let s = &seqs[i];
             if chunk == 0 {
                 break;
@@ -592,6 +608,66 @@ mod tests {
         assert_eq!(
             plan(&[s], &[], limits(512, 8, 0), &Vtc::default()).work,
             [Work::Decode { seq: 0, pos: 1000 }]
+        );
+    }
+
+    #[test]
+    fn a_long_prompt_shares_the_steps_with_another_tenants_prompt() {
+        // Tenant 1's 30,000-token prompt is a quarter computed (and charged) when
+        // tenant 2's 600-token prompt is queued: tenant 2's chunks go first, so its
+        // first token waits two steps, not the ~45 the long prompt still needs.
+        let mut fair = Vtc::default();
+        fair.on_arrival(1, 1, &[]);
+        fair.on_queue_emptied(1);
+        fair.charge(1, 7_500, 0);
+        fair.on_arrival(2, 1, &[]);
+        let long = SeqProgress {
+            prefilled: 7_500,
+            tenant: 1,
+            ..SeqProgress::new(30_000)
+        };
+        let queue = [of(2, Queued::new(600, 3))];
+        let p = plan(&[long], &queue, limits(512, 8, 100), &fair);
+        assert_eq!(p.admit, [0]);
+        assert_eq!(
+            p.work,
+            [Work::Prefill {
+                seq: 1,
+                start: 0,
+                end: 512
+            }]
+        );
+        let short = SeqProgress {
+            prefilled: 512,
+            tenant: 2,
+            ..SeqProgress::new(600)
+        };
+        fair.charge(2, 512, 0);
+        let p = plan(&[long, short], &[], limits(512, 8, 100), &fair);
+        assert_eq!(
+            p.work,
+            [
+                Work::Prefill {
+                    seq: 1,
+                    start: 512,
+                    end: 600
+                },
+                Work::Prefill {
+                    seq: 0,
+                    start: 7_500,
+                    end: 7_924
+                },
+            ]
+        );
+        // Under FIFO the long prompt keeps the steps to itself.
+        let p = plan(&[long], &queue, limits(512, 8, 100), &fifo());
+        assert_eq!(
+            p.work,
+            [Work::Prefill {
+                seq: 0,
+                start: 7_500,
+                end: 8_012
+            }]
         );
     }
 

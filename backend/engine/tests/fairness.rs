@@ -358,3 +358,54 @@ fn backlogged_tenants_service_difference_stays_within_the_vtc_bound() {
         "FIFO {fifo} within the bound {bound}: the control shows nothing"
     );
 }
+
+/// Tenant 1's prompt of about 3,000 tokens is being computed (256 tokens a step)
+/// when tenant 2 sends a short one. Returns the steps from tenant 2's arrival to its
+/// first token and whether it came before tenant 1's first token.
+fn short_beside_long_prompt(m: &LoadedModel, policy: Policy) -> (usize, bool) {
+    let mut l = Load::new(
+        m,
+        EngineConfig {
+            max_batch_tokens: 256,
+            ..cfg(policy, 4)
+        },
+    );
+    let long = l.request(1, 420, 4);
+    assert!(long.prompt.len() > 2_500, "{} tokens", long.prompt.len());
+    l.submit(long);
+    for _ in 0..2 {
+        l.step();
+    }
+    let short = l.request(2, 2, 4);
+    l.submit(short);
+    while l
+        .flights
+        .iter()
+        .chain(&l.finished)
+        .any(|f| f.first_at.is_none())
+    {
+        l.step();
+    }
+    let all: Vec<&Flight> = l.finished.iter().chain(&l.flights).collect();
+    let first = |t: u64| all.iter().find(|f| f.tenant == t).unwrap();
+    let (a, b) = (first(1), first(2));
+    (
+        b.first_at.unwrap() + 1 - b.queued_at,
+        b.first_at.unwrap() < a.first_at.unwrap(),
+    )
+}
+
+#[test]
+fn a_short_prompt_is_not_held_behind_another_tenants_long_prompt() {
+    let m = load();
+    let (vtc_wait, vtc_first) = short_beside_long_prompt(&m, Policy::Vtc);
+    let (fifo_wait, fifo_first) = short_beside_long_prompt(&m, Policy::Fifo);
+    eprintln!(
+        "a short prompt beside a ~3,000-token one, 256 tokens a step: VTC: first token \
+         after {vtc_wait} steps; FIFO: after {fifo_wait} steps"
+    );
+    // VTC: the short prompt (one chunk) is computed in the step after it arrives.
+    assert!(vtc_first && vtc_wait <= 2, "VTC wait {vtc_wait} steps");
+    // The control: oldest-first chunks make it wait for the whole long prompt.
+    assert!(!fifo_first && fifo_wait >= 8, "FIFO wait {fifo_wait} steps");
+}
