@@ -1,9 +1,10 @@
 //! Tiled paged attention with an online softmax ("flash attention" on CPU).
 //!
 //! K is 16-bit and V 8-bit in the page (one `f32` scale per token and KV head, see
-//! [`KvLayout`]); queries are quantized to 12 bits per row and head (`hd` 64), so
-//! `q . k` is one exact integer dot product (`vpdpwssd` on AVX-512 VNNI: 32 16-bit
-//! products per instruction, 16 keys of a page per register) times two scales.
+//! [`KvLayout`]); queries are quantized to 12 bits per row and head, so `q . k`
+//! over each 64 dimensions is one exact integer dot product (`vpdpwssd` on AVX-512
+//! VNNI: 32 16-bit products per instruction, 16 keys of a page per register) times
+//! two scales.
 //! Keys and queries are wide because at 8 bits they were the largest rounding
 //! error of the forward pass (docs/benchmarks.md, perplexity). Each page is
 //! read once per tile of query rows; its scores update the row's running maximum
@@ -13,8 +14,9 @@
 //! The arithmetic of one row, fixed whatever its batch mates and however a
 //! prefill is cut into query blocks, tiles or tasks (batch invariance):
 //! 1. `qi = round(q / dq)` with `dq = max|q| / q_max(hd)` (`q_max` in `page`:
-//!    `|qi . ki| < 2^31`); the softmax scale `log2(e) / sqrt(head_dim)` is folded
-//!    into `dq`, so scores are in base 2.
+//!    `|qi . ki| < 2^31` over one `SCORE_SEGMENT` of 64 dimensions; a wider head
+//!    sums its segments' exact integer scores as `f32`, in order); the softmax
+//!    scale `log2(e) / sqrt(head_dim)` is folded into `dq`, so scores are in base 2.
 //! 2. Keys are visited in chunks of [`CHUNK_KEYS`] (page-aligned), each from a
 //!    fresh state `(m, l, o) = (-inf, 0, 0)`; within a chunk, in groups of
 //!    [`GROUP_PAGES`] pages (aligned to the chunk start), over the slots of the
@@ -39,8 +41,11 @@
 use crate::isa::{isa, Isa};
 use crate::page::{
     q_max, quantize_sym_i16, verify_tags_in, window_start, AttnJob, BlockRef, IntegrityError,
-    KvLayout, PoolKv,
+    KvLayout, PoolKv, SCORE_SEGMENT,
 };
+
+/// Query pairs (2 dimensions each) of one exact integer partial score.
+const SEGMENT_PAIRS: usize = SCORE_SEGMENT / 2;
 use std::ops::Range;
 
 /// Keys per chunk (rounded down to whole pages, at least one page).
@@ -656,7 +661,14 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
                     // Two accumulators (even and odd pairs): shorter dependent
                     // chains, the same integer sum.
                     let mut isum2 = [_mm256_setzero_si256(); 2];
+                    // Finished segments' scores (see `SCORE_SEGMENT`).
+                    let mut done = _mm256_setzero_ps();
                     for pair in 0..hd / 2 {
+                        if pair > 0 && pair % SEGMENT_PAIRS == 0 {
+                            let seg = _mm256_add_epi32(isum2[0], isum2[1]);
+                            done = _mm256_add_ps(done, _mm256_cvtepi32_ps(seg));
+                            isum2 = [_mm256_setzero_si256(); 2];
+                        }
                         // SAFETY: the head block holds hd/2 rows of ps*4 K bytes;
                         // the row has hd / 2 query pairs.
                         let (k, q2) = unsafe {
@@ -676,7 +688,8 @@ unsafe fn chunk_avx2(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: 
                             _mm256_loadu_ps(hb.add(geo.v_scale + h * 32).cast()),
                         )
                     };
-                    let x = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dq, dk));
+                    let x = _mm256_add_ps(done, _mm256_cvtepi32_ps(isum));
+                    let x = _mm256_mul_ps(x, _mm256_mul_ps(dq, dk));
                     // Lanes of slots j0 <= 8 h + lane < j1.
                     let (j0, j1) = (
                         own[g].0 as i32 - 8 * h as i32,
@@ -796,6 +809,8 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
     // Scores, V scales and 8-bit weights of one page group (slots padded to 4).
     let (mut s, mut dv, mut u) = (vec![0f32; gk], vec![0f32; gk], vec![0i32; gk]);
     let mut isum = vec![0i32; ps];
+    // Finished segments' scores per slot (see `SCORE_SEGMENT`).
+    let mut done = vec![0f32; ps];
     let mut acc = vec![0i32; hd];
     let p4 = ps.next_multiple_of(4);
     // Running sums of probabilities per slot lane, reduced at the end of the
@@ -820,7 +835,14 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
                 let at = src.at(b);
                 let hb = &src.data[at..at + geo.head_bytes];
                 isum[j0..j1].fill(0);
+                done[j0..j1].fill(0.0);
                 for (pair, q) in qq.chunks_exact(2).enumerate() {
+                    if pair > 0 && pair % SEGMENT_PAIRS == 0 {
+                        for (d, a) in done[j0..j1].iter_mut().zip(&mut isum[j0..j1]) {
+                            *d += *a as f32;
+                            *a = 0;
+                        }
+                    }
                     let k = &hb[pair * ps * 4 + j0 * 4..pair * ps * 4 + j1 * 4];
                     for (a, k) in isum[j0..j1].iter_mut().zip(k.chunks_exact(4)) {
                         let k0 = i16::from_le_bytes([k[0], k[1]]) as i32;
@@ -830,7 +852,7 @@ fn chunk_portable(src: &Src, rows: &Rows, pages: std::ops::Range<usize>, st: &mu
                 }
                 let g = (b - b0) * p4;
                 for j in j0..j1 {
-                    let x = isum[j] as f32;
+                    let x = done[j] + isum[j] as f32;
                     s[g + j] = x * (rows.dq[i] * f32_at(hb, geo.k_scale + j * 4));
                     dv[g + j] = f32_at(hb, geo.v_scale + j * 4);
                     mp = mp.max(s[g + j]);
@@ -1135,6 +1157,8 @@ mod avx512 {
                 // registers (integer sums: the same result either way).
                 let chains = if T >= 16 { 1 } else { 2 };
                 let mut acc = [[_mm512_setzero_si512(); 2]; T];
+                // Finished segments' scores (see `SCORE_SEGMENT`).
+                let mut done = [_mm512_setzero_ps(); T];
                 let mut kp = hb[gi];
                 // The next page's K, one line per load here, so it is in L1
                 // when its turn comes (the head blocks of consecutive pages are
@@ -1153,6 +1177,13 @@ mod avx512 {
                     std::ptr::null()
                 };
                 for pair in (0..hd / 2).step_by(2) {
+                    if pair > 0 && pair % SEGMENT_PAIRS == 0 {
+                        for t in 0..T {
+                            let seg = _mm512_add_epi32(acc[t][0], acc[t][1]);
+                            done[t] = _mm512_add_ps(done[t], _mm512_cvtepi32_ps(seg));
+                            acc[t] = [_mm512_setzero_si512(); 2];
+                        }
+                    }
                     if !np.is_null() {
                         _mm_prefetch::<_MM_HINT_T0>(np.cast());
                         _mm_prefetch::<_MM_HINT_T0>(np.wrapping_add(64).cast());
@@ -1177,6 +1208,7 @@ mod avx512 {
                 dv[gi] = unsafe { _mm512_maskz_loadu_ps(lanes, hb[gi].add(geo.v_scale).cast()) };
                 for t in 0..T {
                     let x = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[t][0], acc[t][1]));
+                    let x = _mm512_add_ps(done[t], x);
                     let x = _mm512_mul_ps(x, _mm512_mul_ps(dq[t], dk));
                     s[t][gi] = _mm512_mask_blend_ps(valid[t][gi], neg_inf, x);
                 }
