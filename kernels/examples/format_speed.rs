@@ -34,6 +34,7 @@ fn main() {
         QFormat::Q4_1,
         QFormat::Q5_0,
         QFormat::Q4K,
+        QFormat::Q5K,
         QFormat::Q6K,
     ];
     let mats: Vec<Vec<QMatrix>> = formats
@@ -46,7 +47,7 @@ fn main() {
                         (0..blocks * f.block_bytes()).map(|_| rnd() as u8).collect();
                     // Sane f16 scales (0.01..0.02) where the format keeps them.
                     let halves: &[usize] = match f {
-                        QFormat::Q4_1 | QFormat::Q4K => &[0, 2],
+                        QFormat::Q4_1 | QFormat::Q4K | QFormat::Q5K => &[0, 2],
                         QFormat::Q6K => &[208],
                         _ => &[0],
                     };

@@ -11,9 +11,10 @@
 //!   is the block's exact integer dot product `sum((u - off) * q_x)` of the stored
 //!   unsigned values `u` (offset 8, 16, 128: see [`QFormat::int_offset`]);
 //! - `Q4_1`: the same with `off = 0`, then `acc = fma(m_w, s_x[b], acc)`;
-//! - `Q4_K`: as `Q4_1` with the sub-block's `d_w = d * sc_j` and `m_w = -(dmin *
-//!   m_j)` (products of an `f16` and a 6-bit integer: exact in `f32`), the second
-//!   step written `acc = fnmadd(dmin * m_j, s_x[b], acc)`;
+//! - `Q4_K`, `Q5_K`: as `Q4_1` with the sub-block's `d_w = d * sc_j` and `m_w =
+//!   -(dmin * m_j)` (products of an `f16` and a 6-bit integer: exact in `f32`), the
+//!   second step written `acc = fnmadd(dmin * m_j, s_x[b], acc)` (the stored values
+//!   are `0..16` or `0..32`);
 //! - `Q6_K`: `isum_b = sc_a * isum_a + sc_b * isum_b'` over the two halves of 16
 //!   (each with its own `i8` scale and offset `32 * sum16_x`), all exact in `i32`,
 //!   then `acc = fma(isum_b, d * d_x[b], acc)`.
@@ -97,7 +98,8 @@ const F_Q4_1: u8 = 1;
 const F_Q8_0: u8 = 2;
 const F_Q5_0: u8 = 3;
 const F_Q4K: u8 = 4;
-const F_Q6K: u8 = 5;
+const F_Q5K: u8 = 5;
+const F_Q6K: u8 = 6;
 
 /// The format of a kernel's code.
 const fn format_of(f: u8) -> QFormat {
@@ -107,13 +109,15 @@ const fn format_of(f: u8) -> QFormat {
         F_Q8_0 => QFormat::Q8_0,
         F_Q5_0 => QFormat::Q5_0,
         F_Q4K => QFormat::Q4K,
+        F_Q5K => QFormat::Q5K,
         _ => QFormat::Q6K,
     }
 }
 
-/// Whether format code `f` is a K format (8 activation blocks per record).
-const fn is_k(f: u8) -> bool {
-    f == F_Q4K || f == F_Q6K
+/// Whether format code `f` has a second `f16` per row after `d` (`m` or `dmin`).
+#[cfg(target_arch = "x86_64")]
+const fn has_d2(f: u8) -> bool {
+    f == F_Q4_1 || f == F_Q4K || f == F_Q5K
 }
 
 /// Tile `t` of `w` against `R` activation rows.
@@ -157,6 +161,7 @@ pub fn panel<const R: usize>(
         QFormat::Q8_0 => run!(F_Q8_0),
         QFormat::Q5_0 => run!(F_Q5_0),
         QFormat::Q4K => run!(F_Q4K),
+        QFormat::Q5K => run!(F_Q5K),
         QFormat::Q6K => run!(F_Q6K),
     }
 }
@@ -184,15 +189,15 @@ fn scalar_tile<const R: usize, const F: u8>(w: Tiles, t: usize, xs: &[ActRow; R]
                 let d = f16_at(rec, vb, lane);
                 match F {
                     F_Q6K => {
-                        let sc = |k: usize| rec[3072 + k * TILE + lane] as i8 as i32;
+                        let sc = |k: usize| rec[format.scales_at() + k * TILE + lane] as i8 as i32;
                         let lo = dot(0..16) - 32 * x.sum16[2 * b];
                         let hi = dot(16..32) - 32 * x.sum16[2 * b + 1];
                         let isum = lo * sc(2 * j) + hi * sc(2 * j + 1);
                         *acc = (isum as f32).mul_add(d * x.d[b], *acc);
                     }
-                    F_Q4K => {
-                        let sc = rec[2048 + j * TILE + lane] as f32;
-                        let m = rec[2176 + j * TILE + lane] as f32;
+                    F_Q4K | F_Q5K => {
+                        let at = format.scales_at() + j * TILE + lane;
+                        let (sc, m) = (rec[at] as f32, rec[at + 8 * TILE] as f32);
                         let dmin = f16_at(rec, vb + 32, lane);
                         *acc = (dot(0..32) as f32).mul_add(d * sc * x.d[b], *acc);
                         *acc = (-(dmin * m)).mul_add(x.s[b], *acc);
@@ -234,34 +239,6 @@ pub fn dot_f32<const R: usize>(w: &[f32], xs: [&[f32]; R]) -> [f32; R] {
         *o = s;
     }
     out
-}
-
-/// Which stored register holds group `g` (0..8) of activation block `j` of a
-/// record, and whether its values are the high nibbles: see the module docs of
-/// [`crate::quant`]. (`Q8_0` is register `g`, whole bytes.)
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-const fn nibble_source(f: u8, j: usize, g: usize) -> (usize, bool) {
-    if is_k(f) {
-        (8 * (j / 2) + g, j % 2 == 1)
-    } else if g < 4 {
-        (g, false)
-    } else {
-        (g - 4, true)
-    }
-}
-
-/// For `Q5_0` and `Q6_K`: the high-bit plane of group `g` of block `j` (its byte
-/// offset in the record), the bit of the plane's bytes where the group's high bits
-/// start, and the mask of those bits once moved to bit 4.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-const fn high_bits(f: u8, j: usize, g: usize) -> (usize, u32, i8) {
-    if f == F_Q5_0 {
-        (256, g as u32, 0x10)
-    } else {
-        (2048 + (2 * j + g / 4) * 64, 2 * (g % 4) as u32, 0x30)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -313,10 +290,10 @@ mod avx2 {
             let mut acc = [_mm256_setzero_ps(); R];
             for rb in 0..w.bpr / sub {
                 let rec = w.record(t, rb).as_ptr();
-                // SAFETY: every record holds 16 `f16` d at vb, Q4_1 and Q4_K records
-                // 16 `f16` m or dmin after them.
+                // SAFETY: every record holds 16 `f16` d at vb, those of Q4_1 and the
+                // K formats with mins 16 `f16` m or dmin after them.
                 let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rec.add(vb + 16 * h).cast())) };
-                let d2 = if F == F_Q4_1 || F == F_Q4K {
+                let d2 = if has_d2(F) {
                     // SAFETY: as above.
                     unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rec.add(vb + 32 + 16 * h).cast())) }
                 } else {
@@ -339,7 +316,7 @@ mod avx2 {
                     macro_rules! group {
                         ($g:literal) => {{
                             let g: usize = $g;
-                            let (reg, high) = nibble_source(F, j, g);
+                            let (reg, high) = format.nibble_source(j, g);
                             let z = load(64 * reg);
                             let nib = if high {
                                 _mm256_and_si256(_mm256_srli_epi16::<4>(z), mask)
@@ -348,10 +325,10 @@ mod avx2 {
                             };
                             if F == F_Q8_0 {
                                 _mm256_xor_si256(load(64 * g), _mm256_set1_epi8(-128))
-                            } else if F == F_Q5_0 || F == F_Q6K {
-                                let (plane, from, m) = high_bits(F, j, g);
+                            } else if let Some((plane, from, m)) = format.high_bits(j, g) {
                                 let hb = to_bit4(load(plane), from);
-                                _mm256_or_si256(nib, _mm256_and_si256(hb, _mm256_set1_epi8(m)))
+                                let m = _mm256_set1_epi8(m as i8);
+                                _mm256_or_si256(nib, _mm256_and_si256(hb, m))
                             } else {
                                 nib
                             }
@@ -367,16 +344,17 @@ mod avx2 {
                         group!(6),
                         group!(7),
                     ];
-                    // Scales: Q4_K: d * sc_j and dmin * m_j; Q6_K: the halves' i8.
+                    // Scales: Q4_K, Q5_K: d * sc_j and dmin * m_j; Q6_K: the halves' i8.
                     let (dw, mw, sca, scb) = match F {
-                        F_Q4K => {
+                        F_Q4K | F_Q5K => {
                             let f = |at| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lanes8(at)));
-                            let (sc, m) = (f(2048 + j * TILE), f(2176 + j * TILE));
+                            let at = format.scales_at() + j * TILE;
+                            let (sc, m) = (f(at), f(at + 8 * TILE));
                             let z = _mm256_setzero_si256();
                             (_mm256_mul_ps(d, sc), _mm256_mul_ps(d2, m), z, z)
                         }
                         F_Q6K => {
-                            let f = |k| _mm256_cvtepi8_epi32(lanes8(3072 + k * TILE));
+                            let f = |k| _mm256_cvtepi8_epi32(lanes8(format.scales_at() + k * TILE));
                             (d, d2, f(2 * j), f(2 * j + 1))
                         }
                         _ => (d, d2, _mm256_setzero_si256(), _mm256_setzero_si256()),
@@ -422,7 +400,7 @@ mod avx2 {
                         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
                         if F == F_Q4_1 {
                             acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[b]), acc[r]);
-                        } else if F == F_Q4K {
+                        } else if F == F_Q4K || F == F_Q5K {
                             acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.s[b]), acc[r]);
                         }
                     }
@@ -482,10 +460,10 @@ mod avx512 {
         let mut acc = [_mm512_setzero_ps(); R];
         for rb in 0..w.bpr / sub {
             let rec = w.record(t, rb).as_ptr();
-            // SAFETY: every record holds 16 `f16` d at vb, Q4_1 and Q4_K records
-            // 16 `f16` m or dmin after them.
+            // SAFETY: every record holds 16 `f16` d at vb, those of Q4_1 and the K
+            // formats with mins 16 `f16` m or dmin after them.
             let d = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(vb).cast())) };
-            let d2 = if F == F_Q4_1 || F == F_Q4K {
+            let d2 = if has_d2(F) {
                 // SAFETY: as above.
                 unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(rec.add(vb + 32).cast())) }
             } else {
@@ -503,7 +481,7 @@ mod avx512 {
                 macro_rules! group {
                     ($g:literal) => {{
                         let g: usize = $g;
-                        let (reg, high) = nibble_source(F, j, g);
+                        let (reg, high) = format.nibble_source(j, g);
                         let z = load(64 * reg);
                         let nib = if high {
                             _mm512_and_si512(_mm512_srli_epi16::<4>(z), mask)
@@ -512,10 +490,9 @@ mod avx512 {
                         };
                         if F == F_Q8_0 {
                             load(64 * g)
-                        } else if F == F_Q5_0 || F == F_Q6K {
-                            let (plane, from, m) = high_bits(F, j, g);
+                        } else if let Some((plane, from, m)) = format.high_bits(j, g) {
                             let hb = to_bit4(load(plane), from);
-                            _mm512_or_si512(nib, _mm512_and_si512(hb, _mm512_set1_epi8(m)))
+                            _mm512_or_si512(nib, _mm512_and_si512(hb, _mm512_set1_epi8(m as i8)))
                         } else {
                             nib
                         }
@@ -531,16 +508,17 @@ mod avx512 {
                     group!(6),
                     group!(7),
                 ];
-                // Scales: Q4_K: d * sc_j and dmin * m_j; Q6_K: the halves' i8.
+                // Scales: Q4_K, Q5_K: d * sc_j and dmin * m_j; Q6_K: the halves' i8.
                 let (dw, mw, sca, scb) = match F {
-                    F_Q4K => {
+                    F_Q4K | F_Q5K => {
                         let f = |at| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lanes8(at)));
-                        let (sc, m) = (f(2048 + j * TILE), f(2176 + j * TILE));
+                        let at = format.scales_at() + j * TILE;
+                        let (sc, m) = (f(at), f(at + 8 * TILE));
                         let z = _mm512_setzero_si512();
                         (_mm512_mul_ps(d, sc), _mm512_mul_ps(d2, m), z, z)
                     }
                     F_Q6K => {
-                        let f = |k| _mm512_cvtepi8_epi32(lanes8(3072 + k * TILE));
+                        let f = |k| _mm512_cvtepi8_epi32(lanes8(format.scales_at() + k * TILE));
                         (d, d2, f(2 * j), f(2 * j + 1))
                     }
                     _ => (d, d2, _mm512_setzero_si512(), _mm512_setzero_si512()),
@@ -580,7 +558,7 @@ mod avx512 {
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
                     if F == F_Q4_1 {
                         acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[b]), acc[r]);
-                    } else if F == F_Q4K {
+                    } else if F == F_Q4K || F == F_Q5K {
                         acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.s[b]), acc[r]);
                     }
                 }
@@ -602,12 +580,13 @@ pub(crate) mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    const FORMATS: [QFormat; 6] = [
+    const FORMATS: [QFormat; 7] = [
         QFormat::Q4_0,
         QFormat::Q4_1,
         QFormat::Q8_0,
         QFormat::Q5_0,
         QFormat::Q4K,
+        QFormat::Q5K,
         QFormat::Q6K,
     ];
 
@@ -624,10 +603,10 @@ pub(crate) mod tests {
                     out.extend(f16(rng, 0.001, 0.1));
                     out.extend((0..32).map(|_| rng.random_range(-127i8..=127) as u8));
                 }
-                QFormat::Q4K => {
+                QFormat::Q4K | QFormat::Q5K => {
                     out.extend(f16(rng, 0.0005, 0.005));
                     out.extend(f16(rng, 0.0005, 0.005));
-                    out.extend((0..140).map(|_| rng.random::<u8>()));
+                    out.extend((4..format.block_bytes()).map(|_| rng.random::<u8>()));
                 }
                 QFormat::Q6K => {
                     out.extend((0..208).map(|_| rng.random::<u8>()));
@@ -700,6 +679,7 @@ pub(crate) mod tests {
             QFormat::Q8_0 => scalar_tile::<R, F_Q8_0>(w, t, xs),
             QFormat::Q5_0 => scalar_tile::<R, F_Q5_0>(w, t, xs),
             QFormat::Q4K => scalar_tile::<R, F_Q4K>(w, t, xs),
+            QFormat::Q5K => scalar_tile::<R, F_Q5K>(w, t, xs),
             QFormat::Q6K => scalar_tile::<R, F_Q6K>(w, t, xs),
         }
     }
@@ -813,13 +793,15 @@ pub(crate) mod tests {
                 blk[2..].fill(0xFF);
                 (blk, 15.0)
             }
-            QFormat::Q4K => {
-                // sc = 63 and m = 0 for every sub-block, q = 15: w = 63 * 15.
+            QFormat::Q4K | QFormat::Q5K => {
+                // sc = 63 and m = 0 for every sub-block, q = 15 (Q5_K: 31, every
+                // high bit set): w = 63 * 15 or 63 * 31.
                 blk[0..2].copy_from_slice(&one);
                 let packed = crate::quant::k4_pack_scale_min(&[63; 8], &[0; 8]);
                 blk[4..16].copy_from_slice(&packed);
                 blk[16..].fill(0xFF);
-                (blk, 63.0 * 15.0)
+                let q = if format == QFormat::Q5K { 31.0 } else { 15.0 };
+                (blk, 63.0 * q)
             }
             QFormat::Q6K => {
                 // q = 63 (w = q - 32 = 31) with scale -128: w = -128 * 31; the

@@ -1,7 +1,7 @@
 //! Tessera compute kernels (CPU).
 //!
-//! - [`quant`]: GGML block formats (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q6_K`) and
-//!   8-bit activation quantization.
+//! - [`quant`]: GGML block formats (`Q4_0`, `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K`,
+//!   `Q6_K`) and 8-bit activation quantization.
 //! - [`dot`]: 4-/8-bit dot products, runtime-dispatched (AVX-512 VNNI, AVX2+FMA, scalar).
 //! - [`matmul`]: batch-invariant quantized matmul, threaded over output features.
 //! - [`attention`]: paged attention (16-bit K and 8-bit V pages, tiled online softmax,

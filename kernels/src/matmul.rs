@@ -46,8 +46,8 @@ pub enum MatrixError {
 #[derive(Debug)]
 pub enum Weights {
     /// A GGML block format, repacked at load into tiles of 16 interleaved rows
-    /// ([`crate::quant::repack`]; the GGUF file's bytes per weight, `Q4_K` 4.625
-    /// bits instead of 4.5).
+    /// ([`crate::quant::repack`]; the GGUF file's bytes per weight, `Q4_K` and
+    /// `Q5_K` 4.625 and 5.625 bits instead of 4.5 and 5.5).
     Quant {
         /// Block format.
         format: QFormat,
@@ -230,8 +230,8 @@ impl QMatrix {
     }
 
     /// Quantizes `f32` values (`[rows, cols]`, row-major) to `Q8_0` as GGML does:
-    /// for weights of a lossy GGUF type without a kernel here (`Q5_1`, `Q5_K`,
-    /// `Q2_K`, ...), so they run on the 8-bit kernels instead of `f32` loops.
+    /// for weights of a lossy GGUF type without a kernel here (`Q5_1`, `Q2_K`,
+    /// `Q3_K`, ...), so they run on the 8-bit kernels instead of `f32` loops.
     pub fn requantize_q8_0(data: &[f32], rows: usize, cols: usize) -> Result<Self, MatrixError> {
         Self::check_f32(data, rows, cols)?;
         let bb = QFormat::Q8_0.block_bytes();
@@ -473,12 +473,13 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    const FORMATS: [QFormat; 6] = [
+    const FORMATS: [QFormat; 7] = [
         QFormat::Q4_0,
         QFormat::Q4_1,
         QFormat::Q8_0,
         QFormat::Q5_0,
         QFormat::Q4K,
+        QFormat::Q5K,
         QFormat::Q6K,
     ];
 
@@ -639,6 +640,7 @@ mod tests {
             (QFormat::Q4_1, QFormat::Q8_0),
             (QFormat::Q4K, QFormat::Q6K),
             (QFormat::Q5_0, QFormat::Q4K),
+            (QFormat::Q5K, QFormat::Q4K),
         ] {
             let (a, b) = (
                 matrix(&mut rng, fa, 16, cols),
@@ -682,6 +684,7 @@ mod tests {
             (QFormat::Q8_0, 272),
             (QFormat::Q5_0, 176),
             (QFormat::Q4K, 148),
+            (QFormat::Q5K, 180),
             (QFormat::Q6K, 210),
         ] {
             let w = matrix(&mut rng, format, 32, 512);

@@ -17,6 +17,11 @@
 //!   (packed as `get_scale_min_k4`: see [`k4_scale_min`]) and `w = d * sc_j * q -
 //!   dmin * m_j` with `q` in `0..16`; sub-blocks `2i` and `2i + 1` are the low and
 //!   high nibbles of `qs[32i..32i + 32]`; 4.5 bits per weight.
+//! - `Q5_K` (`block_q5_K` in `ggml-common.h`, `dequantize_row_q5_K`): 256 weights;
+//!   176 bytes: `d: f16, dmin: f16, scales: [u8; 12], qh: [u8; 32], qs: [u8; 128]`.
+//!   Scales, mins and the low 4 bits as `Q4_K`, and bit 4 of weight `l` of
+//!   sub-block `j` is bit `j` of `qh[l]`: `w = d * sc_j * q - dmin * m_j` with `q`
+//!   in `0..32`; 5.5 bits per weight.
 //! - `Q6_K`: 256 weights; 210 bytes: `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16],
 //!   d: f16`; `w = d * scales[k / 16] * (q - 32)` for weight `k`, `q` in `0..64`
 //!   spread over `ql` (low 4 bits) and `qh` (high 2) as `dequantize_row_q6_K` reads
@@ -27,8 +32,9 @@
 //! rows' values interleaved in groups of 4 (so one 64-byte register holds 4
 //! consecutive weights of each of 16 rows: one `vpdpbusd` lane per output row),
 //! then their scales. A record is exactly as large as the rows' GGUF blocks except
-//! for `Q4_K`, whose 6-bit scales and mins are stored as bytes (4.625 bits per
-//! weight instead of 4.5), so every kernel reads them with one widening load.
+//! for `Q4_K` and `Q5_K`, whose 6-bit scales and mins are stored as bytes (4.625
+//! and 5.625 bits per weight instead of 4.5 and 5.5), so every kernel reads them
+//! with one widening load.
 //!
 //! For `Q4_x` and `Q5_0` the record's values are the rows' `qs` bytes regrouped:
 //! register `p` (0..4) holds bytes `4p..4p+4` of every row, whose low nibbles are
@@ -47,6 +53,11 @@
 //!   `g` of sub-block `2i`, high nibbles: of sub-block `2i + 1`); `sc` as 8 x 16 bytes
 //!   (`[j][lane]`) at 2048; `m` likewise at 2176; 16 `d` at 2304; 16 `dmin` at 2336:
 //!   2368 = 16 x 148;
+//! - `Q5_K` (per super-block): the low 4 bits of `q` as `Q4_K`'s nibbles (2048
+//!   bytes, the rows' `qs` bytes regrouped); at 2048 one 64-byte high-bit plane per
+//!   sub-block `j`, laid out as `Q5_0`'s (byte `4 * lane + e` holds in bit `g` the
+//!   high bit of weight `4g + e` of the sub-block); then `sc`, `m`, `d`, `dmin` as
+//!   `Q4_K`'s at 2560, 2688, 2816, 2848: 2880 = 16 x 180;
 //! - `Q6_K` (per super-block): the low 4 bits of `q` as `Q4_K`'s nibbles (2048
 //!   bytes); at 2048 two 64-byte planes per sub-block `j` (`[j][p][lane][e]`) whose
 //!   byte holds in bits `2h..2h + 2` the high 2 bits of weight `4 (4p + h) + e` of the
@@ -63,7 +74,8 @@ use half::f16;
 /// Values per quantization block of the 32-value formats, and per activation block.
 pub const QK: usize = 32;
 
-/// Values per super-block of the K formats (`Q4_K`, `Q6_K`): 8 blocks of [`QK`].
+/// Values per super-block of the K formats (`Q4_K`, `Q5_K`, `Q6_K`): 8 blocks of
+/// [`QK`].
 pub const QK_K: usize = 256;
 
 /// Weight rows per repacked tile (one AVX-512 register of outputs).
@@ -82,6 +94,8 @@ pub enum QFormat {
     Q5_0,
     /// GGML `Q4_K` (4.5 bits per weight in the file, 4.625 repacked).
     Q4K,
+    /// GGML `Q5_K` (5.5 bits per weight in the file, 5.625 repacked).
+    Q5K,
     /// GGML `Q6_K` (6.5625 bits per weight).
     Q6K,
 }
@@ -95,6 +109,7 @@ impl QFormat {
             Self::Q8_0 => "Q8_0",
             Self::Q5_0 => "Q5_0",
             Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
         }
     }
@@ -102,7 +117,7 @@ impl QFormat {
     /// Weights per GGUF block: [`QK`], or [`QK_K`] for the K formats.
     pub fn block_values(self) -> usize {
         match self {
-            Self::Q4K | Self::Q6K => QK_K,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
             _ => QK,
         }
     }
@@ -120,15 +135,17 @@ impl QFormat {
             Self::Q8_0 => 34,
             Self::Q5_0 => 22,
             Self::Q4K => 144,
+            Self::Q5K => 176,
             Self::Q6K => 210,
         }
     }
 
     /// Bytes per row of one repacked record: [`QFormat::block_bytes`] except
-    /// for `Q4_K` (148: its 12 bytes of packed 6-bit scales stored as 16 bytes).
+    /// for `Q4_K` and `Q5_K` (148 and 180: their 12 bytes of packed 6-bit scales and
+    /// mins stored as 16 bytes).
     pub fn row_record_bytes(self) -> usize {
         match self {
-            Self::Q4K => 148,
+            Self::Q4K | Self::Q5K => self.block_bytes() + 4,
             f => f.block_bytes(),
         }
     }
@@ -139,33 +156,75 @@ impl QFormat {
     }
 
     /// Offset in a record of the 16 `f16` scales `d` (all bytes before it are
-    /// values, high-bit planes and, for `Q4_K`, the sub-block scales and mins).
+    /// values, high-bit planes and the K formats' sub-block scales and mins).
     pub fn value_bytes(self) -> usize {
         match self {
             Self::Q4_0 | Self::Q4_1 => 256,
             Self::Q8_0 => 512,
             Self::Q5_0 => 320,
             Self::Q4K => 2304,
+            Self::Q5K => 2816,
             Self::Q6K => 3328,
         }
     }
 
     /// What the stored unsigned values must be lowered by to give the signed
     /// quant: 8 for `Q4_0`, 16 for `Q5_0`, 32 for `Q6_K`, 128 for `Q8_0`
-    /// (offset-binary), 0 for `Q4_1` and `Q4_K` (they have a separate offset).
+    /// (offset-binary), 0 for `Q4_1`, `Q4_K` and `Q5_K` (they have a separate
+    /// offset, the min).
     pub fn int_offset(self) -> i32 {
         match self {
             Self::Q4_0 => 8,
             Self::Q5_0 => 16,
             Self::Q6K => 32,
             Self::Q8_0 => 128,
-            Self::Q4_1 | Self::Q4K => 0,
+            Self::Q4_1 | Self::Q4K | Self::Q5K => 0,
+        }
+    }
+
+    /// Offset in a K format's record of its sub-block scales as `[j][lane]`
+    /// bytes: `Q4_K`'s and `Q5_K`'s 8 `sc` (`u8`), followed by their 8 `m` (`8 *
+    /// TILE` bytes later); `Q6_K`'s 16 `i8` scales. Panics for other formats.
+    pub(crate) const fn scales_at(self) -> usize {
+        match self {
+            Self::Q4K => 2048,
+            Self::Q5K => 2560,
+            Self::Q6K => 3072,
+            _ => panic!("only the K formats have sub-block scales"),
+        }
+    }
+
+    /// Which 64-byte value register of a record holds the low 4 bits of group `g`
+    /// (`0..8`: weights `4g..4g + 4`) of activation block `j`, and whether as its
+    /// high nibbles (see the module docs; not for `Q8_0`, whose group `g` is
+    /// register `g`, whole bytes).
+    #[inline(always)]
+    pub(crate) const fn nibble_source(self, j: usize, g: usize) -> (usize, bool) {
+        match self {
+            Self::Q4K | Self::Q5K | Self::Q6K => (8 * (j / 2) + g, j % 2 == 1),
+            _ if g < 4 => (g, false),
+            _ => (g - 4, true),
+        }
+    }
+
+    /// For the formats with values above 4 bits (`Q5_0`, `Q5_K`, `Q6_K`): the byte
+    /// offset in a record of the 64-byte plane holding the high bits of group `g`
+    /// of activation block `j` (byte `4 * lane + e` for weight `4g + e`), the bit of
+    /// the plane's bytes where they start, and their mask once moved to bit 4
+    /// (`0x10` for one bit, `0x30` for two). `None` for the other formats.
+    #[inline(always)]
+    pub(crate) const fn high_bits(self, j: usize, g: usize) -> Option<(usize, u32, u8)> {
+        match self {
+            Self::Q5_0 => Some((256, g as u32, 0x10)),
+            Self::Q5K => Some((2048 + 64 * j, g as u32, 0x10)),
+            Self::Q6K => Some((2048 + (2 * j + g / 4) * 64, 2 * (g % 4) as u32, 0x30)),
+            _ => None,
         }
     }
 }
 
-/// Sub-block `j`'s 6-bit scale and min from a `Q4_K` block's 12 packed bytes
-/// (llama.cpp `get_scale_min_k4`).
+/// Sub-block `j`'s 6-bit scale and min from a `Q4_K` or `Q5_K` block's 12 packed
+/// bytes (llama.cpp `get_scale_min_k4`).
 pub fn k4_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
@@ -178,13 +237,32 @@ pub fn k4_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 /// The inverse of [`k4_scale_min`]: 8 scales and mins (6-bit each) packed as
-/// `Q4_K` stores them (every bit of the 12 bytes is used, so this is a bijection).
+/// `Q4_K` and `Q5_K` store them (every bit of the 12 bytes is used, so this is a
+/// bijection).
 pub fn k4_pack_scale_min(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
     let mut q = [0u8; 12];
     for j in 0..4 {
         q[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
         q[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6);
         q[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
+    }
+    q
+}
+
+/// The 256 values of a `Q4_K` (`0..16`) or `Q5_K` (`0..32`) block `b`, in weight
+/// order: sub-blocks `2i` and `2i + 1` are the low and high nibbles of `qs[32i..32i
+/// + 32]`, and for `Q5_K` bit 4 of weight `l` of sub-block `j` is bit `j` of
+/// `qh[l]` (as `dequantize_row_q4_K` and `dequantize_row_q5_K` read them).
+fn k_values(format: QFormat, b: &[u8]) -> [u8; QK_K] {
+    let qs = &b[format.block_bytes() - QK_K / 2..format.block_bytes()];
+    let mut q = [0u8; QK_K];
+    for (j, qj) in q.chunks_exact_mut(QK).enumerate() {
+        for (l, v) in qj.iter_mut().enumerate() {
+            *v = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF;
+            if format == QFormat::Q5K {
+                *v |= ((b[16 + l] >> j) & 1) << 4;
+            }
+        }
     }
     q
 }
@@ -252,15 +330,14 @@ pub fn dequantize_block(format: QFormat, b: &[u8], out: &mut [f32]) {
                 out[j + QK / 2] = (hi as i32 - 16) as f32 * d;
             }
         }
-        QFormat::Q4K => {
+        QFormat::Q4K | QFormat::Q5K => {
             let (d, dmin) = (f16_at(0), f16_at(2));
-            let (scales, qs) = (&b[4..16], &b[16..144]);
-            for j in 0..8 {
-                let (sc, m) = k4_scale_min(j, scales);
+            let q = k_values(format, b);
+            let subs = out[..QK_K].chunks_exact_mut(QK).zip(q.chunks_exact(QK));
+            for (j, (o, q)) in subs.enumerate() {
+                let (sc, m) = k4_scale_min(j, &b[4..16]);
                 let (dj, mj) = (d * sc as f32, dmin * m as f32);
-                let q = &qs[32 * (j / 2)..32 * (j / 2) + 32];
-                for (l, o) in out[32 * j..32 * j + 32].iter_mut().enumerate() {
-                    let v = if j % 2 == 0 { q[l] & 0xF } else { q[l] >> 4 };
+                for (o, &v) in o.iter_mut().zip(q) {
                     *o = dj * v as f32 - mj;
                 }
             }
@@ -410,9 +487,10 @@ fn repack_block(format: QFormat, src: &[u8], lane: usize, dst: &mut [u8]) {
                     &src[4..20]
                 }
                 QFormat::Q5_0 => {
+                    // The high bits (nibbles 0: they are copied below).
                     let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
-                    for (g, e) in (0..8).flat_map(|g| (0..4).map(move |e| (g, e))) {
-                        dst[256 + at(0, lane, e)] |= (((qh >> (4 * g + e)) & 1) as u8) << g;
+                    for k in 0..QK {
+                        put_value(format, dst, lane, 0, k, (((qh >> k) & 1) as u8) << 4);
                     }
                     &src[6..22]
                 }
@@ -424,36 +502,52 @@ fn repack_block(format: QFormat, src: &[u8], lane: usize, dst: &mut [u8]) {
                 }
             }
         }
-        QFormat::Q4K => {
+        QFormat::Q4K | QFormat::Q5K => {
             dst[vb + lane * 2..vb + lane * 2 + 2].copy_from_slice(&src[0..2]);
             dst[vb + 32 + lane * 2..vb + 34 + lane * 2].copy_from_slice(&src[2..4]);
+            let sa = format.scales_at();
             for j in 0..8 {
                 let (sc, m) = k4_scale_min(j, &src[4..16]);
-                dst[2048 + j * TILE + lane] = sc;
-                dst[2176 + j * TILE + lane] = m;
+                dst[sa + j * TILE + lane] = sc;
+                dst[sa + 8 * TILE + j * TILE + lane] = m;
             }
             // Register 8i + g holds bytes 32i + 4g.. of qs: the same bytes in order.
-            for (g, q4) in src[16..144].chunks_exact(4).enumerate() {
+            let qs = &src[format.block_bytes() - QK_K / 2..format.block_bytes()];
+            for (g, q4) in qs.chunks_exact(4).enumerate() {
                 dst[at(g, lane, 0)..at(g, lane, 4)].copy_from_slice(q4);
+            }
+            if format == QFormat::Q5K {
+                // The high bits (nibbles 0: copied above); `qh` is `src[16..48]`.
+                for (j, l) in (0..8).flat_map(|j| (0..QK).map(move |l| (j, l))) {
+                    put_value(format, dst, lane, j, l, ((src[16 + l] >> j) & 1) << 4);
+                }
             }
         }
         QFormat::Q6K => {
             dst[vb + lane * 2..vb + lane * 2 + 2].copy_from_slice(&src[208..210]);
             for k in 0..16 {
-                dst[3072 + k * TILE + lane] = src[192 + k];
+                dst[format.scales_at() + k * TILE + lane] = src[192 + k];
             }
             let q = q6k_values(&src[0..128], &src[128..192]);
             for (j, qj) in q.chunks_exact(QK).enumerate() {
-                for (g, e) in (0..8).flat_map(|g| (0..4).map(move |e| (g, e))) {
-                    let v = qj[4 * g + e];
-                    // Sub-block j's low nibbles (even j) or high nibbles (odd j).
-                    let nib = &mut dst[at(8 * (j / 2) + g, lane, e)];
-                    *nib |= (v & 0xF) << (4 * (j % 2));
-                    let plane = 2048 + (2 * j + g / 4) * 64;
-                    dst[plane + at(0, lane, e)] |= (v >> 4) << (2 * (g % 4));
+                for (k, &v) in qj.iter().enumerate() {
+                    put_value(format, dst, lane, j, k, v);
                 }
             }
         }
+    }
+}
+
+/// ORs the stored value `v` of weight `k` of activation block `j` of row `lane`
+/// into a record `dst` that was zero there: its low 4 bits into their nibble, the
+/// bits above into their high-bit plane. The inverse of [`lane_values`] (not for
+/// `Q8_0`).
+fn put_value(format: QFormat, dst: &mut [u8], lane: usize, j: usize, k: usize, v: u8) {
+    let (g, e) = (k / 4, k % 4);
+    let (reg, high) = format.nibble_source(j, g);
+    dst[at(reg, lane, e)] |= (v & 0xF) << (4 * high as u32);
+    if let Some((plane, from, _)) = format.high_bits(j, g) {
+        dst[plane + at(0, lane, e)] |= (v >> 4) << from;
     }
 }
 
@@ -465,30 +559,15 @@ pub(crate) fn lane_values(format: QFormat, rec: &[u8], lane: usize, j: usize) ->
     let mut u = [0u8; QK];
     for (k, v) in u.iter_mut().enumerate() {
         let (g, e) = (k / 4, k % 4);
-        *v = match format {
-            QFormat::Q8_0 => rec[at(g, lane, e)],
-            QFormat::Q4_0 | QFormat::Q4_1 | QFormat::Q5_0 => {
-                let nib = if g < 4 {
-                    rec[at(g, lane, e)] & 0x0F
-                } else {
-                    rec[at(g - 4, lane, e)] >> 4
-                };
-                if format == QFormat::Q5_0 {
-                    nib | (((rec[256 + at(0, lane, e)] >> g) & 1) << 4)
-                } else {
-                    nib
-                }
-            }
-            QFormat::Q4K | QFormat::Q6K => {
-                let nib = (rec[at(8 * (j / 2) + g, lane, e)] >> (4 * (j % 2))) & 0x0F;
-                if format == QFormat::Q6K {
-                    let plane = 2048 + (2 * j + g / 4) * 64;
-                    nib | (((rec[plane + at(0, lane, e)] >> (2 * (g % 4))) & 3) << 4)
-                } else {
-                    nib
-                }
-            }
-        };
+        if format == QFormat::Q8_0 {
+            *v = rec[at(g, lane, e)];
+            continue;
+        }
+        let (reg, high) = format.nibble_source(j, g);
+        *v = (rec[at(reg, lane, e)] >> (4 * high as u32)) & 0x0F;
+        if let Some((plane, from, mask)) = format.high_bits(j, g) {
+            *v |= ((rec[plane + at(0, lane, e)] >> from) << 4) & mask;
+        }
     }
     u
 }
@@ -537,14 +616,25 @@ pub fn unpack_block(
                 out[6 + j] = (u[j] & 0xF) | ((u[j + 16] & 0xF) << 4);
             }
         }
-        QFormat::Q4K => {
+        QFormat::Q4K | QFormat::Q5K => {
             out[0..2].copy_from_slice(d);
             out[2..4].copy_from_slice(&src[vb + 32 + lane * 2..vb + 34 + lane * 2]);
-            let sc: [u8; 8] = std::array::from_fn(|j| src[2048 + j * TILE + lane]);
-            let m: [u8; 8] = std::array::from_fn(|j| src[2176 + j * TILE + lane]);
+            let sa = format.scales_at();
+            let sc: [u8; 8] = std::array::from_fn(|j| src[sa + j * TILE + lane]);
+            let m: [u8; 8] = std::array::from_fn(|j| src[sa + 8 * TILE + j * TILE + lane]);
             out[4..16].copy_from_slice(&k4_pack_scale_min(&sc, &m));
-            for (g, q4) in out[16..144].chunks_exact_mut(4).enumerate() {
+            let qs_at = format.block_bytes() - QK_K / 2;
+            for (g, q4) in out[qs_at..qs_at + QK_K / 2].chunks_exact_mut(4).enumerate() {
                 q4.copy_from_slice(&src[at(g, lane, 0)..at(g, lane, 4)]);
+            }
+            if format == QFormat::Q5K {
+                let mut qh = [0u8; QK];
+                for j in 0..8 {
+                    for (h, v) in qh.iter_mut().zip(lane_values(format, src, lane, j)) {
+                        *h |= (v >> 4) << j;
+                    }
+                }
+                out[16..48].copy_from_slice(&qh);
             }
         }
         QFormat::Q6K => {
@@ -555,7 +645,7 @@ pub fn unpack_block(
             let (ql, rest) = out.split_at_mut(128);
             q6k_encode(&q, ql, &mut rest[..64]);
             for k in 0..16 {
-                out[192 + k] = src[3072 + k * TILE + lane];
+                out[192 + k] = src[format.scales_at() + k * TILE + lane];
             }
             out[208..210].copy_from_slice(d);
         }
@@ -826,12 +916,13 @@ mod tests {
         }
     }
 
-    const ALL: [QFormat; 6] = [
+    const ALL: [QFormat; 7] = [
         QFormat::Q4_0,
         QFormat::Q4_1,
         QFormat::Q8_0,
         QFormat::Q5_0,
         QFormat::Q4K,
+        QFormat::Q5K,
         QFormat::Q6K,
     ];
 
@@ -845,13 +936,14 @@ mod tests {
             (QFormat::Q8_0, 8.5, 8.5),
             (QFormat::Q5_0, 5.5, 5.5),
             (QFormat::Q4K, 4.5, 4.625),
+            (QFormat::Q5K, 5.5, 5.625),
             (QFormat::Q6K, 6.5625, 6.5625),
         ];
         for (f, in_file, repacked) in want {
             assert_eq!((file(f), bpw(f)), (in_file, repacked), "{f:?}");
             // The record: values (and planes, sub-block scales), 16 `d`, then the
-            // second `f16` array of Q4_1 and Q4_K.
-            let extra = if matches!(f, QFormat::Q4_1 | QFormat::Q4K) {
+            // second `f16` array of Q4_1, Q4_K and Q5_K.
+            let extra = if matches!(f, QFormat::Q4_1 | QFormat::Q4K | QFormat::Q5K) {
                 64
             } else {
                 32
@@ -908,6 +1000,42 @@ mod tests {
         assert_eq!(out[64 + 5], w(2, 15.0));
         assert_eq!(out[96 + 5], w(3, 2.0));
         assert_eq!(out[255], w(7, 0.0));
+    }
+
+    #[test]
+    fn q5_k_block_dequantizes_as_ggml() {
+        let sc = [3u8, 63, 1, 20, 45, 7, 63, 30];
+        let m = [9u8, 0, 63, 2, 17, 50, 1, 33];
+        let mut b = [0u8; 176];
+        b[0..2].copy_from_slice(&f16::from_f32(0.125).to_le_bytes());
+        b[2..4].copy_from_slice(&f16::from_f32(0.75).to_le_bytes());
+        b[4..16].copy_from_slice(&k4_pack_scale_min(&sc, &m));
+        let (qh, qs) = (16, 48);
+        // Sub-blocks 0 and 1, weight 0: nibbles 0xC and 0x7 of qs[0]; qh[0] bit 0
+        // set (0xC + 16 = 28), bit 1 clear (7).
+        b[qs] = 0x7C;
+        b[qh] = 0b0000_0001;
+        // Sub-blocks 4 and 5, weight 9: qs[64 + 9] = 0x3F; qh[9] bits 4 and 5 set
+        // (15 + 16 = 31, 3 + 16 = 19).
+        b[qs + 64 + 9] = 0x3F;
+        b[qh + 9] = 0b0011_0000;
+        // Sub-block 7, weight 31: high nibble of qs[96 + 31] 0 with qh[31] bit 7
+        // (16); sub-block 6 there: low nibble 5 with bit 6 clear.
+        b[qs + 96 + 31] = 0x05;
+        b[qh + 31] = 0b1000_0000;
+        let mut out = [0f32; QK_K];
+        dequantize_block(QFormat::Q5K, &b, &mut out);
+        let w = |j: usize, q: f32| 0.125 * sc[j] as f32 * q - 0.75 * m[j] as f32;
+        assert_eq!((out[0], out[32]), (w(0, 28.0), w(1, 7.0)));
+        assert_eq!((out[128 + 9], out[160 + 9]), (w(4, 31.0), w(5, 19.0)));
+        assert_eq!((out[224 + 31], out[192 + 31]), (w(7, 16.0), w(6, 5.0)));
+        assert_eq!(out[1], w(0, 0.0));
+        assert_eq!(out[32 + 9], w(1, 0.0), "qh[9] bit 1 is clear");
+        // A record holds exactly the block: repacked and unpacked, the same bytes.
+        let tiles = repack(QFormat::Q5K, &b, 1, QK_K);
+        let mut back = [0u8; 176];
+        unpack_block(QFormat::Q5K, &tiles, 1, 0, 0, &mut back);
+        assert_eq!(back, b);
     }
 
     #[test]

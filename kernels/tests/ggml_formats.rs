@@ -10,12 +10,13 @@ use rand_chacha::ChaCha8Rng;
 use tessera_kernels::quant::{dequantize_block, QFormat};
 use tessera_kernels::{Activations, QMatrix};
 
-const FORMATS: [(QFormat, GgmlDType); 6] = [
+const FORMATS: [(QFormat, GgmlDType); 7] = [
     (QFormat::Q4_0, GgmlDType::Q4_0),
     (QFormat::Q4_1, GgmlDType::Q4_1),
     (QFormat::Q8_0, GgmlDType::Q8_0),
     (QFormat::Q5_0, GgmlDType::Q5_0),
     (QFormat::Q4K, GgmlDType::Q4K),
+    (QFormat::Q5K, GgmlDType::Q5K),
     (QFormat::Q6K, GgmlDType::Q6K),
 ];
 
@@ -26,7 +27,7 @@ fn random_matrix(rng: &mut ChaCha8Rng, format: QFormat, rows: usize, cols: usize
     let mut out: Vec<u8> = (0..blocks * bb).map(|_| rng.random()).collect();
     // Byte offsets of the f16 fields of a block.
     let halves: &[usize] = match format {
-        QFormat::Q4_1 | QFormat::Q4K => &[0, 2],
+        QFormat::Q4_1 | QFormat::Q4K | QFormat::Q5K => &[0, 2],
         QFormat::Q6K => &[208],
         _ => &[0],
     };
@@ -109,6 +110,86 @@ fn every_format_multiplies_as_its_candle_weights_in_f64() {
                     "{format:?} [{i}, {j}]: {got} vs {exact} (magnitude {mag})"
                 );
             }
+        }
+    }
+}
+
+/// One `block_q5_K` (176 bytes) decoded as `dequantize_row_q5_K` walks it, written
+/// out here independently of the crate: 64 weights at a time, two sub-blocks whose
+/// 6-bit scale and min are unpacked as `get_scale_min_k4` does, the low then the
+/// high nibbles of 32 bytes of `qs`, and bit 4 from `qh[l]` under two masks that
+/// move up two bits per 64 weights.
+fn q5_k_reference(b: &[u8]) -> Vec<f32> {
+    let half = |at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+    let (d, min) = (half(0), half(2));
+    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+    let scale_min = |j: usize| {
+        if j < 4 {
+            (scales[j] & 63, scales[j + 4] & 63)
+        } else {
+            (
+                (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4),
+                (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4),
+            )
+        }
+    };
+    let mut y = Vec::with_capacity(256);
+    let (mut u1, mut u2) = (1u8, 2u8);
+    for (i, ql) in qs.chunks_exact(32).enumerate() {
+        let (sc1, m1) = scale_min(2 * i);
+        let (sc2, m2) = scale_min(2 * i + 1);
+        let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
+        let (d2, m2) = (d * sc2 as f32, min * m2 as f32);
+        let high = |l: usize, u: u8| if qh[l] & u != 0 { 16 } else { 0 };
+        for (l, &q) in ql.iter().enumerate() {
+            y.push(d1 * ((q & 0xF) + high(l, u1)) as f32 - m1);
+        }
+        for (l, &q) in ql.iter().enumerate() {
+            y.push(d2 * ((q >> 4) + high(l, u2)) as f32 - m2);
+        }
+        u1 <<= 2;
+        u2 <<= 2;
+    }
+    y
+}
+
+#[test]
+fn q5_k_dequantizes_and_multiplies_as_a_direct_reading_of_block_q5_k() {
+    let mut rng = ChaCha8Rng::seed_from_u64(24);
+    let (rows, cols, n) = (37, 1024, 3);
+    let bytes = random_matrix(&mut rng, QFormat::Q5K, rows, cols);
+    let want: Vec<f32> = bytes.chunks_exact(176).flat_map(q5_k_reference).collect();
+    let mut ours = vec![0f32; rows * cols];
+    for (b, o) in bytes.chunks_exact(176).zip(ours.chunks_exact_mut(256)) {
+        dequantize_block(QFormat::Q5K, b, o);
+    }
+    assert_eq!(ours, want, "dequantize_block");
+    let m = QMatrix::from_gguf_bytes(QFormat::Q5K, &bytes, rows, cols).unwrap();
+    let mut row = vec![0f32; cols];
+    for r in 0..rows {
+        m.dequantize_row(r, &mut row);
+        assert_eq!(row, want[r * cols..(r + 1) * cols], "repacked row {r}");
+    }
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut out = vec![0f32; n * rows];
+    m.matmul(&Activations::new(&x, n, cols), &mut out);
+    for i in 0..n {
+        for j in 0..rows {
+            let (wr, xr) = (
+                &want[j * cols..(j + 1) * cols],
+                &x[i * cols..(i + 1) * cols],
+            );
+            let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mag: f64 = wr
+                .iter()
+                .zip(xr)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
+            let got = out[i * rows + j] as f64;
+            assert!(
+                (got - exact).abs() <= 0.01 * mag,
+                "[{i}, {j}]: {got} vs {exact} (magnitude {mag})"
+            );
         }
     }
 }

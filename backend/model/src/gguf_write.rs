@@ -129,7 +129,7 @@ fn ggml_type(format: QFormat) -> Result<(GgmlDType, u32), WriteError> {
     match format {
         QFormat::Q8_0 => Ok((GgmlDType::Q8_0, FTYPE_MOSTLY_Q8_0)),
         QFormat::Q4_0 => Ok((GgmlDType::Q4_0, FTYPE_MOSTLY_Q4_0)),
-        f @ (QFormat::Q4_1 | QFormat::Q5_0 | QFormat::Q4K | QFormat::Q6K) => {
+        f @ (QFormat::Q4_1 | QFormat::Q5_0 | QFormat::Q4K | QFormat::Q5K | QFormat::Q6K) => {
             Err(WriteError::Format(f.name()))
         }
     }

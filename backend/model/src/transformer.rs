@@ -3,8 +3,8 @@
 //!
 //! Weights come from a GGUF file (candle-core's GGUF reader; tensor names and
 //! metadata keys as written by llama.cpp's `convert_hf_to_gguf.py`). `Q4_0`,
-//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K` and `Q6_K` matrices use our kernels directly
-//! (repacked at load into interleaved tiles, no requantization: see
+//! `Q4_1`, `Q5_0`, `Q8_0`, `Q4_K`, `Q5_K` and `Q6_K` matrices use our kernels
+//! directly (repacked at load into interleaved tiles, no requantization: see
 //! `tessera_kernels::quant`); other quantized types are requantized to `Q8_0` at
 //! load and unquantized ones (`F32`, `F16`, `BF16`) kept in `f32`. The math follows
 //! llama.cpp's graph builders (`src/models/llama.cpp`, `qwen2.cpp`, `gemma3.cpp`):
@@ -325,11 +325,12 @@ fn read_matrix<R: Read + Seek>(
         GgmlDType::Q8_0 => QMatrix::from_gguf_bytes(QFormat::Q8_0, &t.data()?, rows, cols)?,
         GgmlDType::Q5_0 => QMatrix::from_gguf_bytes(QFormat::Q5_0, &t.data()?, rows, cols)?,
         GgmlDType::Q4K => QMatrix::from_gguf_bytes(QFormat::Q4K, &t.data()?, rows, cols)?,
+        GgmlDType::Q5K => QMatrix::from_gguf_bytes(QFormat::Q5K, &t.data()?, rows, cols)?,
         GgmlDType::Q6K => QMatrix::from_gguf_bytes(QFormat::Q6K, &t.data()?, rows, cols)?,
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
             QMatrix::from_f32(dense()?, rows, cols)?
         }
-        // Other quantized types (Q5_1, Q2_K, Q3_K, Q5_K, ...): already lossy, so
+        // Other quantized types (Q5_1, Q2_K, Q3_K, ...): already lossy, so
         // they run on the 8-bit kernels, requantized to Q8_0 at load.
         _ => QMatrix::requantize_q8_0(&dense()?, rows, cols)?,
     })
@@ -723,4 +724,50 @@ fn add_residual(
         None => block_out,
     };
     x.iter_mut().zip(out).for_each(|(a, b)| *a += b);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{gguf_file, QTensor};
+    use candle_core::{Device, Tensor};
+    use rand::{Rng, SeedableRng};
+    use tessera_kernels::matmul::Weights;
+
+    /// A `Q5_K` tensor of a GGUF file loads as native `Q5_K` tiles, not requantized
+    /// to `Q8_0`, and its rows read back as candle dequantizes them.
+    #[test]
+    fn q5_k_matrices_load_natively() {
+        let (rows, cols) = (20, 512);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-0.1..0.1))
+            .collect();
+        let t = Tensor::from_vec(data, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::Q5K).unwrap();
+        let mut file = std::io::Cursor::new(Vec::new());
+        gguf_file::write(&mut file, &[], &[("w", &q)]).unwrap();
+        file.set_position(0);
+        let content = Content::read(&mut file).unwrap();
+        let m = read_matrix(&content, &mut file, "w", rows, cols).unwrap();
+        assert!(matches!(
+            m.weights(),
+            Weights::Quant {
+                format: QFormat::Q5K,
+                ..
+            }
+        ));
+        let want: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            m.dequantize_row(r, &mut row);
+            assert_eq!(row, want[r * cols..(r + 1) * cols], "row {r}");
+        }
+    }
 }

@@ -584,7 +584,7 @@ impl CudaDevice {
             QFormat::Q4_1 => ("dequant_q4_1", 16),
             QFormat::Q8_0 => ("dequant_q8_0", 32),
             // No device dequantizer: callers dequantize these on the host.
-            f @ (QFormat::Q5_0 | QFormat::Q4K | QFormat::Q6K) => {
+            f @ (QFormat::Q5_0 | QFormat::Q4K | QFormat::Q5K | QFormat::Q6K) => {
                 return Err(CudaError::Shape(format!(
                     "{}: no device dequantizer (dequantize on the host)",
                     f.name()
