@@ -5,9 +5,17 @@ Used to put `tessera serve` beside llama.cpp's `llama-server` (same GGUF, same
 client, same prompts, greedy) in one run; see docs/benchmarks.md.
 
 Usage: bench_servers.py BASE_URL API_KEY MODEL [--concurrency 16] [--requests 32]
-                        [--max-tokens 128] [--label NAME]
+                        [--max-tokens 128] [--label NAME] [--raw] [--pid PID]
 Prints one JSON line: output tokens/s (sum of completion tokens over wall time),
 TTFT p50/p99 and TPOT p50 from streamed chunks.
+
+--raw     send the same prompts as raw text to /v1/completions (`prompt`, no chat
+          template: for base models without one) instead of /v1/chat/completions.
+--pid PID the server's process id: its peak resident memory (VmHWM in
+          /proc/PID/status, the high-water mark since it started, warm-up and
+          loading included) is reported as `peak_rss_mb`, with `rss_mb` (VmRSS)
+          at the end of the run.
+Standard library only.
 """
 import argparse
 import json
@@ -28,16 +36,21 @@ PROMPTS = [
 ]
 
 
-def one(base, key, model, prompt, max_tokens):
-    body = json.dumps({
+def one(base, key, model, prompt, max_tokens, raw=False):
+    body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
-    }).encode()
-    req = urllib.request.Request(base.rstrip("/") + "/v1/chat/completions", data=body, headers={
+    }
+    if raw:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    req = urllib.request.Request(base.rstrip("/") + path, data=json.dumps(body).encode(), headers={
         "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     t0 = time.perf_counter()
     times, usage = [], None
@@ -49,12 +62,31 @@ def one(base, key, model, prompt, max_tokens):
             ev = json.loads(line[5:])
             if ev.get("usage"):
                 usage = ev["usage"]
-            if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
-                times.append(time.perf_counter())
+            if ev.get("choices"):
+                c = ev["choices"][0]
+                # chat: delta.content; completions: text (one chunk per token or so)
+                if (c.get("text") if raw else (c.get("delta") or {}).get("content")):
+                    times.append(time.perf_counter())
     n = (usage or {}).get("completion_tokens", len(times))
     ttft = (times[0] - t0) if times else None
     tpot = ((times[-1] - times[0]) / (len(times) - 1)) if len(times) > 1 else None
     return n, ttft, tpot
+
+
+def proc_status_kb(pid, field):
+    """A `kB` field of /proc/PID/status (VmHWM, VmRSS), or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def ms(x, digits=1):
+    return None if x is None else round(1000 * x, digits)
 
 
 def main():
@@ -66,9 +98,12 @@ def main():
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--label", default="server")
+    p.add_argument("--raw", action="store_true",
+                   help="raw prompts through /v1/completions (base models)")
+    p.add_argument("--pid", type=int, help="server process id: report its peak RSS")
     a = p.parse_args()
-    one(a.base, a.key, a.model, "Hi", 4)  # warm-up
-    results, lock, idx = [], threading.Lock(), [0]
+    one(a.base, a.key, a.model, "Hi", 4, a.raw)  # warm-up
+    results, errors, lock, idx = [], [], threading.Lock(), [0]
 
     def worker():
         while True:
@@ -77,7 +112,12 @@ def main():
                 idx[0] += 1
             if i >= a.requests:
                 return
-            r = one(a.base, a.key, a.model, PROMPTS[i % len(PROMPTS)], a.max_tokens)
+            try:
+                r = one(a.base, a.key, a.model, PROMPTS[i % len(PROMPTS)], a.max_tokens, a.raw)
+            except Exception as e:  # counted and reported, not fatal to the run
+                with lock:
+                    errors.append(repr(e))
+                continue
             with lock:
                 results.append(r)
 
@@ -91,14 +131,24 @@ def main():
     toks = sum(r[0] for r in results)
     ttfts = sorted(r[1] for r in results if r[1] is not None)
     tpots = sorted(r[2] for r in results if r[2] is not None)
-    print(json.dumps({
-        "system": a.label, "metric": "server_output_tok_s", "concurrency": a.concurrency,
+    out = {
+        "system": a.label, "metric": "server_output_tok_s",
+        "api": "completions" if a.raw else "chat", "concurrency": a.concurrency,
         "requests": a.requests, "max_tokens": a.max_tokens, "completion_tokens": toks,
         "value": round(toks / wall, 1),
-        "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
-        "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
-        "tpot_p50_ms": round(1000 * statistics.median(tpots), 2),
-    }))
+        "ttft_p50_ms": ms(statistics.median(ttfts)) if ttfts else None,
+        "ttft_p99_ms": ms(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]) if ttfts else None,
+        "tpot_p50_ms": ms(statistics.median(tpots), 2) if tpots else None,
+        "wall_s": round(wall, 2), "errors": len(errors),
+    }
+    if errors:
+        out["first_error"] = errors[0][:300]
+    if a.pid:
+        hwm, rss = proc_status_kb(a.pid, "VmHWM"), proc_status_kb(a.pid, "VmRSS")
+        out["pid"] = a.pid
+        out["peak_rss_mb"] = None if hwm is None else round(hwm / 1024, 1)
+        out["rss_mb"] = None if rss is None else round(rss / 1024, 1)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
