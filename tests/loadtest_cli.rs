@@ -177,6 +177,71 @@ async fn two_models_interleaved_keep_solo_equality_per_model() {
     child.kill().await.ok();
 }
 
+/// The three model families behind one `tessera serve` (issue 34): SmolLM2
+/// (llama), Gemma 3 and Qwen2.5-Coder, the last two from their Q4_K_M files, with
+/// prompt `i` sent to model `i mod 3` as raw completions (Gemma 3 base has no chat
+/// template). Zero foreign canaries, every answer equal to its prompt's solo answer
+/// from the same model, usage as the clients counted, and every family answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_families_interleaved_keep_isolation_and_solo_equality() {
+    const SMOL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
+    const GEMMA: &str = "@cf/google/gemma-3-270m";
+    const QWEN: &str = "@cf/qwen/qwen2.5-coder-0.5b-instruct";
+    let dir = tempfile::tempdir().unwrap();
+    let file = |f: &str| Path::new(env!("CARGO_MANIFEST_DIR")).join("models").join(f);
+    let models = [
+        format!(
+            "{SMOL}={}",
+            file("SmolLM2-135M-Instruct.Q4_1.gguf").display()
+        ),
+        format!("{GEMMA}={}", file("gemma-3-270m-q4_k_m.gguf").display()),
+        format!(
+            "{QWEN}={}",
+            file("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf").display()
+        ),
+    ];
+    let admin = "tadm_loadtest_ci_token_0123456789abcdef";
+    let extra = [
+        "--model", &models[0], "--model", &models[1], "--model", &models[2],
+    ];
+    let (mut child, base) =
+        serve_with(&dir.path().join("data"), admin, "127.0.0.1:0", &extra).await;
+    let out = dir.path().join("report");
+    let args: Vec<&str> = [
+        "--url",
+        base.as_str(),
+        "--model",
+        SMOL,
+        "--model",
+        GEMMA,
+        "--model",
+        QWEN,
+        "--mode",
+        "raw",
+    ]
+    .into_iter()
+    .chain(small_workload("34"))
+    .map(|a| match a {
+        "16" => "18", // six requests per family
+        a => a,
+    })
+    .collect();
+    let (ok, r, log) = loadtest(&args, Some(admin), &out).await;
+    let t = &clean_report(ok, &r, &log)["targets"][0];
+    let c = &t["checks"];
+    let completed = n(&t["requests"]["completed"]);
+    assert_eq!(n(&c["solo_equality"]["compared"]), completed);
+    assert!(
+        n(&c["canary"]["responses_checked"]) >= completed,
+        "{:#}",
+        c["canary"]
+    );
+    let per_model = t["completed_by_model"].as_object().unwrap();
+    assert_eq!(per_model.len(), 3, "{per_model:?}");
+    assert!(per_model.values().all(|v| n(v) >= 4), "{per_model:?}");
+    child.kill().await.ok();
+}
+
 /// A fleet (issue 15): two `tessera serve` gateways on one PostgreSQL store and one
 /// Redis (`--limits`), and `tessera loadtest` with `--url` given twice sending
 /// request `i` to gateway `i mod 2`. Tenants created through the first gateway
