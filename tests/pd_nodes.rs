@@ -366,7 +366,8 @@ async fn gateway_killed_mid_transfer_leaks_no_node_page() {
 /// `echo` with `logprobs` sends the prompt's log probabilities inside one control
 /// frame per node link (prefill -> decode -> gateway). The gateway refuses a prompt
 /// whose entries could overflow a frame with a 400 naming `logprobs`, and the
-/// largest prompt it admits with 20 alternatives crosses the real TLS links whole:
+/// largest prompt it admits with 5 alternatives (OpenAI's most for completions)
+/// crosses the real TLS links whole:
 /// one entry per prompt token, the first without a value.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_logprobs_fit_the_node_link_frames_or_are_refused() {
@@ -377,7 +378,7 @@ async fn echo_logprobs_fit_the_node_link_frames_or_are_refused() {
         let key = dep.gateway.key.clone();
         async move {
             let body = json!({"model": MODEL_ID, "prompt": "the ".repeat(words).trim_end(),
-                              "max_tokens": 2, "temperature": 0, "logprobs": 20, "echo": true});
+                              "max_tokens": 2, "temperature": 0, "logprobs": 5, "echo": true});
             let r = client
                 .post(url)
                 .bearer_auth(key)
@@ -390,10 +391,10 @@ async fn echo_logprobs_fit_the_node_link_frames_or_are_refused() {
             (status, r.json::<Value>().await.unwrap())
         }
     };
-    let (status, refused) = completions(1400).await;
+    let (status, refused) = completions(4400).await;
     assert_eq!(status, 400, "{refused}");
     assert_eq!(refused["error"]["param"], "logprobs", "{refused}");
-    // "... limited to 1242 prompt tokens; this prompt has N."
+    // "... limited to 3901 prompt tokens; this prompt has N."
     let msg = refused["error"]["message"].as_str().unwrap();
     let number_after = |pat: &str| -> usize {
         let rest = &msg[msg.find(pat).unwrap_or_else(|| panic!("{msg}")) + pat.len()..];
@@ -409,7 +410,7 @@ async fn echo_logprobs_fit_the_node_link_frames_or_are_refused() {
     );
     assert!(tokens > limit, "{msg}");
     // Words per token are constant for this text: aim just under the limit.
-    let words = (limit - 8) * 1400 / tokens;
+    let words = (limit - 8) * 4400 / tokens;
     let (status, v) = completions(words).await;
     assert_eq!(status, 200, "{v}\n{}", dep.logs());
     let lp = &v["choices"][0]["logprobs"];

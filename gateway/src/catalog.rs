@@ -27,7 +27,8 @@ pub struct CatalogEntry {
     pub id: String,
     /// Task name (`Text Generation`).
     pub task: String,
-    /// One-line description.
+    /// One-line description: the deployment file's, else built from the GGUF's
+    /// metadata ([`CatalogEntry::with_file`]).
     pub description: String,
     /// Context window in tokens.
     pub context_window: usize,
@@ -36,7 +37,9 @@ pub struct CatalogEntry {
     pub author: String,
     /// Weights (element count of every tensor in the GGUF), 0 when unknown.
     pub parameters: u64,
-    /// GGML type of most of the weights (`Q4_1`, `Q8_0`, ...), empty when unknown.
+    /// The file's quantization as llama.cpp names it (`general.file_type`:
+    /// `Q4_K_M`, `Q4_1`, ...; else the GGML type of most of the weights), empty
+    /// when unknown.
     pub quantization: String,
     /// Whether the GGUF carries a chat template.
     pub chat_template: bool,
@@ -84,7 +87,9 @@ impl CatalogEntry {
     }
 
     /// The entry with the metadata of a loaded GGUF (parameters, quantization, chat
-    /// template, context window).
+    /// template, context window) and a description built from it
+    /// ([`ModelInfo::description`](tessera_model::gguf::ModelInfo::description));
+    /// a deployment file's description is set after this, replacing it.
     pub fn with_file(mut self, info: &tessera_model::gguf::ModelInfo) -> Self {
         self.parameters = info.parameters;
         self.quantization = info.quantization.clone();
@@ -92,6 +97,7 @@ impl CatalogEntry {
         if self.context_window == 0 {
             self.context_window = info.context;
         }
+        self.description = info.description(&self.id, self.context_window);
         self
     }
 
@@ -243,6 +249,36 @@ mod tests {
             ]
         );
         assert!(e.removed_at(784_080_000) && !e.removed_at(784_079_999));
+    }
+
+    /// A review of the model families found every description bare (the id and
+    /// "served by the Tessera CPU runtime"): the file's metadata describes it.
+    #[test]
+    fn an_entry_with_a_file_is_described_by_its_metadata() {
+        let info = tessera_model::gguf::ModelInfo {
+            name: Some("Gemma 3 270m".into()),
+            architecture: "gemma3".into(),
+            parameters: 268_098_176,
+            quantization: "Q4_K_M".into(),
+            chat_template: false,
+            context: 32768,
+        };
+        let e = CatalogEntry::new("@cf/google/gemma-3-270m", 32768).with_file(&info);
+        assert_eq!(
+            e.description,
+            "Gemma 3 270m: gemma3, 268M parameters, 32,768-token context window, GGUF Q4_K_M"
+        );
+        assert_eq!(
+            (e.quantization.as_str(), e.chat_template),
+            ("Q4_K_M", false)
+        );
+        // No `general.name`: the id; the window is the one it is served with.
+        let unnamed = tessera_model::gguf::ModelInfo { name: None, ..info };
+        let e = CatalogEntry::new("@cf/x/y", 4096).with_file(&unnamed);
+        assert_eq!(
+            e.description,
+            "@cf/x/y: gemma3, 268M parameters, 4,096-token context window, GGUF Q4_K_M"
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use crate::catalog::{Catalog, CatalogEntry};
 use crate::error::{ApiError, ErrorKind};
-use crate::tools::Tools;
+use crate::tools::{self, Tools};
 use crate::validation::{Input, ParsedRequest};
 use tessera_model::chat::{ChatError, ChatMessage};
 use tessera_model::sampling::{prompt_logprobs_wire_bytes, MAX_PROMPT_LOGPROBS_BYTES};
@@ -106,6 +106,17 @@ pub fn validate(
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
     // control tokens, as llama.cpp's server and vLLM parse completions prompts.
     let tools = p.tools;
+    // The field the input came in, which a refusal of it names.
+    let input_field = match &p.input {
+        Input::Prompt { .. } => "prompt",
+        Input::Messages(_) => "messages",
+    };
+    let context_param = |mut e: ApiError| {
+        if e.kind == ErrorKind::ContextOverflow && e.param.is_none() {
+            e.param = Some(input_field.into());
+        }
+        e
+    };
     // Tokens the prompt may take: a long prompt known to be longer is refused
     // before it is tokenized to the end (a megabyte costs seconds of tokenizer
     // time); a short one is tokenized, so its refusal gives the exact count.
@@ -118,9 +129,29 @@ pub fn validate(
     } else {
         usize::MAX
     };
+    if tools.is_some() && !model.chat.has_template() {
+        return Err(ApiError::field(
+            "tools",
+            "`tools` cannot be shown to this model: it has no chat template (GGUF \
+             `tokenizer.chat_template`; a base model); send a raw `prompt` without `tools`",
+        ));
+    }
+    // A template that renders tools gets them (and `tool` turns as they are); any
+    // other shows them in a system message of ours (and `tool` turns as text).
+    let native = model.chat.supports_tools();
+    let template_tools = tools.as_ref().filter(|_| native).map(Tools::template_json);
     let shown = |m: Vec<ChatMessage>| match &tools {
-        Some(t) => t.show(m),
-        None => m,
+        _ if native => m,
+        Some(t) => t.show(tools::tool_responses_as_text(m)),
+        None => tools::tool_responses_as_text(m),
+    };
+    let chat = ChatInput {
+        model,
+        tools: template_tools.as_ref(),
+        room,
+        max_tokens: p.max_tokens,
+        context: limits.context,
+        field: input_field,
     };
     let prompt = match &p.input {
         Input::Prompt { chat: false, .. } if tools.is_some() => {
@@ -133,34 +164,23 @@ pub fn validate(
         // as given, with the BOS/EOS the model's tokenizer adds (Gemma: BOS).
         Input::Prompt { text, chat } if !*chat || !model.chat.has_template() => {
             let cannot = |e: TokenizerError| {
-                ApiError::new(
-                    ErrorKind::BadRequest,
-                    format!("cannot tokenize the prompt: {e}"),
-                )
+                ApiError::field("prompt", format!("cannot tokenize the prompt: {e}"))
             };
             let tok = &model.tokenizer;
             let room = room.saturating_sub(tok.added_special_tokens());
             if let Some(at_least) = tok.exceeds(text, true, room).map_err(cannot)? {
-                return Err(over_context(
+                return Err(context_param(over_context(
                     at_least + tok.added_special_tokens(),
                     p.max_tokens,
                     limits.context,
-                ));
+                )));
             }
             tok.encode_with_bos_eos(text, true).map_err(cannot)?
         }
-        Input::Prompt { text, .. } => encode_chat(
-            model,
-            &shown(vec![ChatMessage::new("user", text.clone())]),
-            room,
-            (p.max_tokens, limits.context),
-        )?,
-        Input::Messages(m) => encode_chat(
-            model,
-            &shown(m.clone()),
-            room,
-            (p.max_tokens, limits.context),
-        )?,
+        Input::Prompt { text, .. } => {
+            chat.encode(&shown(vec![ChatMessage::new("user", text.clone())]))?
+        }
+        Input::Messages(m) => chat.encode(&shown(m.clone()))?,
     };
     if prompt.is_empty() {
         return Err(ApiError::field(
@@ -169,11 +189,11 @@ pub fn validate(
         ));
     }
     if prompt.len().saturating_add(p.max_tokens) > limits.context {
-        return Err(rejection(&Rejection::ContextOverflow {
+        return Err(context_param(rejection(&Rejection::ContextOverflow {
             prompt: prompt.len(),
             max_tokens: p.max_tokens,
             context: limits.context,
-        }));
+        })));
     }
     let priority = p
         .priority
@@ -237,7 +257,9 @@ pub fn validate(
         ignore_eos: false,
         output,
     };
-    limits.admit(request.clone()).map_err(|r| rejection(&r))?;
+    limits
+        .admit(request.clone())
+        .map_err(|r| context_param(rejection(&r)))?;
     Ok(Validated {
         model: entry,
         request,
@@ -254,21 +276,43 @@ fn max_prompt_logprob_tokens(top: usize) -> usize {
     MAX_PROMPT_LOGPROBS_BYTES / prompt_logprobs_wire_bytes(1, top) + 1
 }
 
-/// Renders and tokenizes a chat, stopping early when it is known to exceed `room`
-/// tokens (`max_tokens` and `context` name the numbers in that refusal).
-fn encode_chat(
-    model: &LoadedModel,
-    messages: &[ChatMessage],
+/// What rendering and tokenizing a chat takes besides its messages.
+struct ChatInput<'a> {
+    model: &'a LoadedModel,
+    /// Tools for a template that renders them.
+    tools: Option<&'a serde_json::Value>,
+    /// Stop tokenizing once the prompt is known to exceed this many tokens.
     room: usize,
-    (max_tokens, context): (usize, usize),
-) -> Result<Vec<u32>, ApiError> {
-    model
-        .chat
-        .encode_within(&model.tokenizer, messages, true, room)
-        .map_err(|e| match e {
-            ChatError::OverLimit { at_least, .. } => over_context(at_least, max_tokens, context),
-            e => ApiError::new(ErrorKind::BadRequest, e.to_string()),
-        })
+    /// For the context refusal's message.
+    max_tokens: usize,
+    /// For the context refusal's message.
+    context: usize,
+    /// The request field the messages came in (`messages`, or `prompt` wrapped as
+    /// a user message), which refusals of them name.
+    field: &'static str,
+}
+
+impl ChatInput<'_> {
+    /// Renders and tokenizes `messages`, stopping early when the prompt is known
+    /// to exceed `room` tokens.
+    ///
+    /// Errors: 400 naming the input field (no chat template, the template refused
+    /// the conversation, nothing to tokenize), or the context refusal; 400 without
+    /// a field when the model's template itself does not parse.
+    fn encode(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        let m = self.model;
+        m.chat
+            .encode_with_tools(&m.tokenizer, messages, self.tools, true, self.room)
+            .map_err(|e| match e {
+                ChatError::OverLimit { at_least, .. } => {
+                    let mut e = over_context(at_least, self.max_tokens, self.context);
+                    e.param = Some(self.field.into());
+                    e
+                }
+                e @ ChatError::Syntax(_) => ApiError::new(ErrorKind::BadRequest, e.to_string()),
+                e => ApiError::field(self.field, e.to_string()),
+            })
+    }
 }
 
 /// Prompts longer than this (bytes of text) are checked against the context window

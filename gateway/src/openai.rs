@@ -339,3 +339,130 @@ impl Formatter {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::parse;
+
+    /// A chat formatter for a request with a `get_weather` tool (`auto`).
+    fn formatter(shape: Shape) -> Formatter {
+        let body = json!({"tools": [{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]});
+        let tools = parse(body.as_object().unwrap(), true).unwrap().unwrap();
+        Formatter {
+            shape,
+            rid: "r1".into(),
+            model: "@cf/qwen/qwen2.5-coder-0.5b-instruct".into(),
+            created: 0,
+            include_usage: false,
+            started: false,
+            logprobs: None,
+            echo: None,
+            tools: Some(tools.scanner()),
+        }
+    }
+
+    /// Qwen2.5's native call as its tokens decode (`<tool_call>` and `</tool_call>`
+    /// are one token each), then the end of its turn.
+    const QWEN_CALL: [&str; 19] = [
+        "<tool_call>",
+        "\n",
+        "{\"",
+        "name",
+        "\":",
+        " \"",
+        "get",
+        "_weather",
+        "\",",
+        " \"",
+        "arguments",
+        "\":",
+        " {\"",
+        "city",
+        "\":",
+        " \"",
+        "Paris",
+        "\"}}\n",
+        "</tool_call>",
+    ];
+
+    fn done() -> Msg {
+        Msg::Done {
+            reason: FinishReason::Stop,
+            tokens: TokenCounts {
+                prompt: 10,
+                completion: QWEN_CALL.len(),
+                cached: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn qwens_native_call_is_an_openai_tool_call_streamed_and_not() {
+        let mut f = formatter(Shape::Chat);
+        let v = f.complete(
+            &QWEN_CALL.concat(),
+            FinishReason::Stop,
+            TokenCounts::default(),
+            &Collected::default(),
+        );
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+        assert_eq!(c["message"]["content"], Value::Null, "{v}");
+        assert_eq!(
+            c["message"]["tool_calls"],
+            json!([{"id": "call_r1_0", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}])
+        );
+
+        let mut f = formatter(Shape::Chat);
+        let mut sse = String::new();
+        for t in QWEN_CALL {
+            sse.push_str(&f.frame(Msg::Text {
+                text: t.into(),
+                logprobs: None,
+            }));
+        }
+        sse.push_str(&f.frame(done()));
+        let chunks: Vec<Value> = sse
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|e| *e != "[DONE]")
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect();
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, "", "the call leaked into the text: {sse}");
+        let calls: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+            .collect();
+        assert_eq!(
+            calls,
+            vec![&json!([{"id": "call_r1_0", "type": "function", "index": 0,
+                          "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}])]
+        );
+        assert_eq!(
+            chunks.last().unwrap()["choices"][0]["finish_reason"],
+            "tool_calls"
+        );
+        assert!(sse.ends_with("data: [DONE]\n\n"));
+
+        // Workers AI: `result.tool_calls` with object arguments.
+        let mut f = formatter(Shape::WorkersAi);
+        let v = f.complete(
+            &QWEN_CALL.concat(),
+            FinishReason::Stop,
+            TokenCounts::default(),
+            &Collected::default(),
+        );
+        assert_eq!(
+            v["result"]["tool_calls"],
+            json!([{"name": "get_weather", "arguments": {"city": "Paris"}}]),
+            "{v}"
+        );
+    }
+}

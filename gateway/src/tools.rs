@@ -1,19 +1,32 @@
 //! Function calling: OpenAI `tools` / `tool_choice` and Workers AI `tools`.
 //!
-//! How a tool list reaches the model: the default model's chat template has no
-//! tool section, so every model gets the same fallback, a system message in the
-//! Hermes style that instruction-tuned models know (function signatures as JSON
-//! inside `<tools></tools>`, calls answered as `<tool_call>{"name": .., "arguments":
-//! ..}</tool_call>`). It is a message content, so it is tokenized as plain text like
-//! every other content (no control tokens from the caller). Assistant turns that
-//! made calls and `tool` turns that answer them are rendered the same way, so a
-//! conversation round-trips.
+//! How a tool list reaches the model: a chat template that renders tools itself
+//! (it reads the variable `tools`, as Qwen2.5's ChatML does:
+//! [`ChatTemplate::supports_tools`](tessera_model::chat::ChatTemplate::supports_tools))
+//! gets them as [`Tools::template_json`], OpenAI's tool objects, the way Hugging
+//! Face's `apply_chat_template(tools=...)` passes them; its `tojson` output is
+//! caller data, never control tokens. A template without (the default model's)
+//! gets a fallback, a system message in the Hermes style that instruction-tuned
+//! models know (function signatures as JSON inside `<tools></tools>`, calls answered
+//! as `<tool_call>{"name": .., "arguments": ..}</tool_call>`), a message content, so
+//! tokenized as plain text like every other content. A model without a chat
+//! template (a base model) cannot be shown tools: a 400 naming `tools`.
+//!
+//! History: an assistant turn that made calls becomes its text followed by each
+//! call as the model writes one (`<tool_call>\n{"name": "f", "arguments": {..}}\n
+//! </tool_call>`, JSON as Python writes it, as Qwen2.5's template renders calls); a
+//! `tool` turn keeps its content for a template that renders tools (Qwen2.5 puts it
+//! in `<tool_response>` tags in a user turn itself) and is put in `<tool_response>`
+//! tags for the fallback ([`tool_responses_as_text`]), so a conversation
+//! round-trips either way.
 //!
 //! What comes back:
 //! - `tool_choice: "none"`: the tools are not shown to the model; plain text.
-//! - `"auto"` (the default with tools): free text; every `<tool_call>` block whose
+//! - `"auto"` (the default with tools): free text; every `<tool_call>` block (Qwen2.5's
+//!   native format, `<tool_call>\n{"name": .., "arguments": {..}}\n</tool_call>`) whose
 //!   JSON names a listed function with an object of arguments becomes a tool call
-//!   ([`CallScanner`]), the rest stays text. Arguments are whatever the model wrote
+//!   ([`CallScanner`]), and so does an output that is nothing but such JSON calls,
+//!   bare or in a code fence (as small models write them); the rest stays text. Arguments are whatever the model wrote
 //!   (not schema-checked), as with OpenAI's non-strict functions.
 //! - `"required"` or a named function: the output is constrained by grammar
 //!   (request validation sets a `response_format`) to one JSON object
@@ -23,7 +36,7 @@
 
 use crate::error::{type_name, ApiError};
 use serde_json::{json, Map, Value};
-use tessera_model::chat::ChatMessage;
+use tessera_model::chat::{python_json, ChatMessage};
 use tessera_model::grammar::ResponseFormat;
 
 /// Most tools per request (OpenAI's limit).
@@ -261,6 +274,27 @@ pub fn parse(o: &Map<String, Value>, openai: bool) -> Result<Option<Tools>, ApiE
 }
 
 impl Tools {
+    /// The tools as a chat template that renders them gets them: OpenAI's tool
+    /// objects, `[{"type": "function", "function": {"name", "description"?,
+    /// "parameters"}}]`, keys in that order.
+    pub fn template_json(&self) -> Value {
+        self.tools
+            .iter()
+            .map(|t| {
+                let mut f = Map::new();
+                f.insert("name".into(), json!(t.name));
+                if let Some(d) = &t.description {
+                    f.insert("description".into(), json!(d));
+                }
+                f.insert("parameters".into(), t.parameters.clone());
+                let mut o = Map::new();
+                o.insert("type".into(), json!("function"));
+                o.insert("function".into(), Value::Object(f));
+                Value::Object(o)
+            })
+            .collect()
+    }
+
     /// The fallback system text that shows the tools to the model.
     fn system_text(&self) -> String {
         let mut s = String::from(
@@ -330,14 +364,15 @@ impl Tools {
             whole: !matches!(self.choice, ToolChoice::Auto),
             buf: String::new(),
             in_call: false,
+            lead: Lead::Undecided,
             calls: vec![],
         }
     }
 }
 
 /// The text of a history message: for an assistant turn with `tool_calls`, its
-/// text followed by each call as the model writes one; for a `tool` turn, its
-/// content inside `<tool_response>` tags. Accepts OpenAI's call shape
+/// text followed by each call as the model writes one; any other turn (`tool`
+/// included: see [`tool_responses_as_text`]), its content. Accepts OpenAI's call shape
 /// `{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}`
 /// and Workers AI's `{"name", "arguments": {..}}`.
 ///
@@ -375,19 +410,13 @@ pub fn history_text(
                 if !s.is_empty() {
                     s.push('\n');
                 }
-                let call = json!({"name": name, "arguments": arguments});
+                let call = python_json(&json!({"name": name, "arguments": arguments}));
                 s.push_str(&format!("{OPEN}\n{call}\n{CLOSE}"));
             }
             Ok(s)
         }
         ("assistant", Some(Value::Null) | None) | (_, None | Some(Value::Null)) => {
-            let content = content
-                .ok_or_else(|| field(format!("`messages[{i}].content` must be a string")))?;
-            Ok(if role == "tool" {
-                format!("<tool_response>\n{content}\n</tool_response>")
-            } else {
-                content
-            })
+            content.ok_or_else(|| field(format!("`messages[{i}].content` must be a string")))
         }
         ("assistant", Some(other)) => Err(field(format!(
             "`messages[{i}].tool_calls` must be an array. Given: {}",
@@ -399,12 +428,30 @@ pub fn history_text(
     }
 }
 
+/// `messages` for a chat template that does not render tools: each `tool` turn's
+/// content inside `<tool_response>` tags, as the fallback's instructions describe
+/// answers (a template that renders tools wraps them itself).
+pub fn tool_responses_as_text(mut messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
+    for m in messages.iter_mut().filter(|m| m.role == "tool") {
+        m.content = format!("<tool_response>\n{}\n</tool_response>", m.content);
+    }
+    messages
+}
+
 /// Splits a request's output into text and tool calls as it streams.
 ///
 /// `auto`: text outside `<tool_call>` blocks passes through as soon as it cannot be
 /// the start of an opening tag; a block is held until it closes (or the output
 /// ends) and becomes a call when its JSON is `{"name": <a listed function>,
 /// "arguments": <object or JSON text of one>}`, else it is given back as text.
+/// An output that starts (after whitespace) with `{`, or with a code fence whose
+/// language is `json`, `xml` or none, is held to its end: when it is nothing but
+/// such calls (one or more JSON objects, in the fence or bare) they are calls,
+/// else it is scanned as above. Small models answer so (Qwen2.5-Coder 0.5B
+/// writes `{"name": "get_weather", "arguments": {"city": "Paris"}}` without the
+/// tags its template asks for), and llama.cpp's parser of this format (Hermes 2
+/// Pro, used for Qwen2.5: `common_chat_parse_hermes_2_pro` in its
+/// `common/chat.cpp`) takes them too.
 /// `required` / named: the whole output is held and is one call when it parses
 /// (the grammar makes it one unless `max_tokens` cut it off).
 #[derive(Debug)]
@@ -413,14 +460,35 @@ pub struct CallScanner {
     whole: bool,
     buf: String,
     in_call: bool,
+    lead: Lead,
     calls: Vec<ToolCall>,
 }
+
+/// How an `auto` output begins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Lead {
+    /// Only whitespace so far, or the start of a code fence.
+    Undecided,
+    /// A JSON object or a JSON code fence: held to the end.
+    Bare,
+    /// Anything else: text and `<tool_call>` blocks.
+    Tagged,
+}
+
+/// The code fence that opens a block (three backticks).
+const FENCE: &str = "```";
 
 impl CallScanner {
     /// Takes newly generated text; returns the text that may be shown now.
     pub fn push(&mut self, text: &str) -> String {
         self.buf.push_str(text);
         if self.whole {
+            return String::new();
+        }
+        if self.lead == Lead::Undecided {
+            self.lead = lead(&self.buf);
+        }
+        if self.lead != Lead::Tagged {
             return String::new();
         }
         let mut out = String::new();
@@ -460,6 +528,19 @@ impl CallScanner {
 
     /// Ends the output: the text still held that is not a call, and every call.
     pub fn finish(mut self) -> (String, Vec<ToolCall>) {
+        if !self.whole && self.lead != Lead::Tagged {
+            if let Some(calls) = self.bare_calls(&self.buf) {
+                self.calls.extend(calls);
+                return (String::new(), self.calls);
+            }
+            // Not only calls: the text as any other, `<tool_call>` blocks and all.
+            self.lead = Lead::Tagged;
+            let held = std::mem::take(&mut self.buf);
+            let mut shown = self.push(&held);
+            let (tail, calls) = self.finish();
+            shown.push_str(&tail);
+            return (shown, calls);
+        }
         let rest = std::mem::take(&mut self.buf);
         let tail = if self.whole {
             match self.call(&rest) {
@@ -484,8 +565,31 @@ impl CallScanner {
         (tail, self.calls)
     }
 
+    /// The calls `text` consists of: one or more JSON calls separated by
+    /// whitespace, bare or inside one code fence; `None` when it holds anything
+    /// else (or nothing).
+    fn bare_calls(&self, text: &str) -> Option<Vec<ToolCall>> {
+        let mut body = text.trim();
+        if let Some(fenced) = body.strip_prefix(FENCE) {
+            // The language line, then the body up to the closing fence (absent
+            // when the output ended first).
+            let (_, rest) = fenced.split_once('\n')?;
+            body = rest.trim_end();
+            body = body.strip_suffix(FENCE).unwrap_or(body).trim();
+        }
+        let calls = serde_json::Deserializer::from_str(body)
+            .into_iter::<Value>()
+            .map(|v| v.ok().and_then(|v| self.call_value(&v)))
+            .collect::<Option<Vec<ToolCall>>>()?;
+        (!calls.is_empty()).then_some(calls)
+    }
+
     fn call(&self, body: &str) -> Option<ToolCall> {
         let v: Value = serde_json::from_str(body.trim()).ok()?;
+        self.call_value(&v)
+    }
+
+    fn call_value(&self, v: &Value) -> Option<ToolCall> {
         let name = v.get("name")?.as_str()?;
         if !self.names.iter().any(|n| n == name) {
             return None;
@@ -501,6 +605,36 @@ impl CallScanner {
             name: name.to_string(),
             arguments,
         })
+    }
+}
+
+/// How an `auto` output that begins with `text` is scanned, as far as `text`
+/// tells: a JSON object, or a code fence of JSON, XML or no language, is held to
+/// the end ([`Lead::Bare`]); whitespace and a fence whose language line is not
+/// complete yet decide nothing.
+fn lead(text: &str) -> Lead {
+    let t = text.trim_start();
+    if t.is_empty() {
+        return Lead::Undecided;
+    }
+    if t.starts_with('{') {
+        return Lead::Bare;
+    }
+    if t.len() < FENCE.len() {
+        return match FENCE.starts_with(t) {
+            true => Lead::Undecided,
+            false => Lead::Tagged,
+        };
+    }
+    let Some(rest) = t.strip_prefix(FENCE) else {
+        return Lead::Tagged;
+    };
+    match rest.split_once('\n') {
+        Some((lang, _)) if matches!(lang.trim(), "" | "json" | "xml") => Lead::Bare,
+        Some(_) => Lead::Tagged,
+        // The language line is still coming: a short one may still be `json`.
+        None if rest.len() <= 8 => Lead::Undecided,
+        None => Lead::Tagged,
     }
 }
 
@@ -671,9 +805,19 @@ mod tests {
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]});
         let s = history_text(1, "assistant", None, &m).unwrap();
-        assert_eq!(s, "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Oslo\"}}\n</tool_call>");
+        // As Qwen2.5's template writes a call (Python's JSON separators).
+        assert_eq!(s, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>");
         let s = history_text(2, "tool", Some("12 C".into()), &json!({"role": "tool"})).unwrap();
-        assert_eq!(s, "<tool_response>\n12 C\n</tool_response>");
+        assert_eq!(s, "12 C");
+        let wrapped = tool_responses_as_text(vec![
+            ChatMessage::new("user", "x"),
+            ChatMessage::new("tool", "12 C"),
+        ]);
+        assert_eq!(wrapped[0].content, "x");
+        assert_eq!(
+            wrapped[1].content,
+            "<tool_response>\n12 C\n</tool_response>"
+        );
         for bad in [
             json!({"role": "assistant", "tool_calls": {}}),
             json!({"role": "assistant", "tool_calls": [{"function": {}}]}),
@@ -749,6 +893,109 @@ mod tests {
             (text.as_str(), calls.len()),
             ("{\"name\": \"get_weather\", \"argu", 0)
         );
+    }
+
+    /// Qwen2.5's native call, as its tokens arrive (`<tool_call>` and `</tool_call>`
+    /// are single tokens of its vocabulary), two in a row as it writes parallel
+    /// calls, then the end of its turn.
+    #[test]
+    fn qwens_native_calls_are_calls_token_by_token() {
+        let two = json!({"tools": [weather(), {"type": "function", "function": {"name": "get_time",
+                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]});
+        let t = parse(&obj(two), true).unwrap().unwrap();
+        let pieces = [
+            "<tool_call>",
+            "\n",
+            "{\"",
+            "name",
+            "\":",
+            " \"",
+            "get",
+            "_weather",
+            "\",",
+            " \"",
+            "arguments",
+            "\":",
+            " {\"",
+            "city",
+            "\":",
+            " \"",
+            "Paris",
+            "\"}}\n",
+            "</tool_call>",
+            "\n",
+            "<tool_call>",
+            "\n",
+            "{\"name\": \"get_time\", \"arguments\": {\"city\": \"Paris\"}}",
+            "\n",
+            "</tool_call>",
+        ];
+        let mut s = t.scanner();
+        let shown: Vec<String> = pieces.iter().map(|p| s.push(p)).collect();
+        let (tail, calls) = s.finish();
+        // Nothing of the calls is shown; the newline between them is text.
+        assert_eq!(shown.concat() + &tail, "\n");
+        assert_eq!(
+            calls,
+            vec![
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: json!({"city": "Paris"})
+                },
+                ToolCall {
+                    name: "get_time".into(),
+                    arguments: json!({"city": "Paris"})
+                },
+            ]
+        );
+    }
+
+    /// Qwen2.5-Coder 0.5B answers a tool question with the call's JSON alone, or in
+    /// a `json` code fence: calls, as llama.cpp's parser of the format takes them.
+    /// Any other output that starts so is held to the end and given back whole.
+    #[test]
+    fn an_output_of_bare_or_fenced_json_calls_is_calls() {
+        let t = parse(&obj(json!({"tools": [weather()]})), true)
+            .unwrap()
+            .unwrap();
+        let paris = ToolCall {
+            name: "get_weather".into(),
+            arguments: json!({"city": "Paris"}),
+        };
+        let bare = "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
+        let fenced = "```json\n{\n  \"name\": \"get_weather\",\n  \"arguments\": {\n    \"city\": \"Paris\"\n  }\n}\n```";
+        let unclosed = "```\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
+        let twice = format!("{bare}\n{bare}");
+        for (out, n) in [(bare, 1), (fenced, 1), (unclosed, 1), (twice.as_str(), 2)] {
+            for split in (0..out.len()).filter(|&i| out.is_char_boundary(i)) {
+                let mut s = t.scanner();
+                // Nothing is shown while it may be a call.
+                assert_eq!(s.push(&out[..split]), "", "{out:?} at {split}");
+                assert_eq!(s.push(&out[split..]), "", "{out:?} at {split}");
+                let (tail, calls) = s.finish();
+                assert_eq!((tail.as_str(), calls.len()), ("", n), "{out:?} at {split}");
+                assert_eq!(calls[0], paris);
+            }
+        }
+        // Held, then given back whole: JSON that is not a call, a call followed by
+        // text, an unknown function; a fence of Python streams as it comes.
+        for out in [
+            "{\"city\": \"Paris\"}",
+            "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}} Done.",
+            "{\"name\": \"rm\", \"arguments\": {}}",
+            "```json\n[1, 2]\n```",
+        ] {
+            let (text, calls) = scan(&t, &[out]);
+            assert_eq!((text.as_str(), calls.len()), (out, 0));
+        }
+        let mut s = t.scanner();
+        assert_eq!(s.push("  ``"), "");
+        assert_eq!(s.push("`python\nprint(1)"), "  ```python\nprint(1)");
+        let mut s = t.scanner();
+        assert_eq!(s.push("Sure: {\"a\": 1}"), "Sure: {\"a\": 1}");
+        // A call in tags after leading JSON-looking text is still found at the end.
+        let (text, calls) = scan(&t, &["{}\n<tool_call>", bare, "</tool_call>"]);
+        assert_eq!((text.as_str(), calls.len()), ("{}\n", 1));
     }
 
     #[test]

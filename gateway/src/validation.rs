@@ -16,6 +16,11 @@ use tessera_serving::Priority;
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 
+/// Most alternatives per token of completions `logprobs`: OpenAI's limit ("The
+/// maximum value for `logprobs` is 5", legacy Completions API). Chat's
+/// `top_logprobs` goes to [`MAX_TOP_LOGPROBS`] (20), as OpenAI's does.
+pub const MAX_COMPLETION_LOGPROBS: u32 = 5;
+
 /// What to feed the model.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
@@ -550,9 +555,9 @@ fn response_format(
     }
 }
 
-/// A count of alternatives per position: an integer in `0..=MAX_TOP_LOGPROBS`.
-fn top_count(o: &Map<String, Value>, k: &str) -> Result<Option<u32>, ApiError> {
-    let max = MAX_TOP_LOGPROBS as u64;
+/// A count of alternatives per position: an integer in `0..=max`.
+fn top_count(o: &Map<String, Value>, k: &str, max: u32) -> Result<Option<u32>, ApiError> {
+    let max = u64::from(max);
     match opt_uint(o, k, 0) {
         Ok(Some(n)) if n > max => Err(ApiError::field(
             k,
@@ -572,7 +577,7 @@ fn top_count(o: &Map<String, Value>, k: &str) -> Result<Option<u32>, ApiError> {
 /// Chat `logprobs` (boolean) and `top_logprobs` (0..=20, only with `logprobs`).
 fn chat_logprobs(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
     let on = opt_bool(o, "logprobs")?.unwrap_or(false);
-    let top = top_count(o, "top_logprobs")?;
+    let top = top_count(o, "top_logprobs", MAX_TOP_LOGPROBS as u32)?;
     match (on, top) {
         (false, Some(_)) => Err(ApiError::field(
             "top_logprobs",
@@ -641,11 +646,11 @@ pub fn openai_chat(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
 }
 
 /// `POST /v1/completions` (raw prompt, no chat template): also `logprobs`
-/// (alternatives per token, `0..=20`) and `echo`.
+/// (alternatives per token, `0..=`[`MAX_COMPLETION_LOGPROBS`]) and `echo`.
 pub fn openai_completion(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
     let text = prompt_text(o)?.ok_or_else(|| ApiError::field("prompt", "`prompt` is required"))?;
     Ok(ParsedRequest {
-        logprobs: top_count(o, "logprobs")?,
+        logprobs: top_count(o, "logprobs", MAX_COMPLETION_LOGPROBS)?,
         echo: opt_bool(o, "echo")?.unwrap_or(false),
         ..openai_common(o, Input::Prompt { text, chat: false })?
     })
@@ -821,7 +826,17 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("logprobs"));
         assert_eq!(
             e.message,
-            "`logprobs` must be an integer >= 0 and <= 20. Given: 1.5"
+            "`logprobs` must be an integer >= 0 and <= 5. Given: 1.5"
+        );
+        // OpenAI's limits: 5 alternatives on completions, 20 on chat.
+        let e = openai_completion(&obj(json!({"model": "m", "prompt": "a", "logprobs": 6})))
+            .unwrap_err();
+        assert_eq!(
+            (e.param.as_deref(), e.message.as_str()),
+            (
+                Some("logprobs"),
+                "`logprobs` must be an integer >= 0 and <= 5. Given: 6"
+            )
         );
     }
 
