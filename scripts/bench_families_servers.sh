@@ -12,7 +12,17 @@
 #         models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf)
 #
 # Settings (environment):
-#   LLAMA_SERVER   llama-server binary (default /work/ext/build/bin/llama-server)
+#   LLAMA_SERVER   llama-server binary (default /work/ext/build/bin/llama-server), built
+#                  from the llama.cpp that llama-cpp-python 0.3.36 vendors:
+#                    pip download --no-deps --no-binary llama-cpp-python \
+#                      llama-cpp-python==0.3.36 -d /work/ext/src   # then untar it
+#                    cmake -S /work/ext/src/llama_cpp_python-0.3.36/vendor/llama.cpp \
+#                      -B /work/ext/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+#                      -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
+#                      -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+#                      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+#                    cmake --build /work/ext/build --target llama-server -j2
+#                  (cmake from pip where the machine has none)
 #   TESSERA_BIN    default target/release/tessera (`cargo build --release -p tessera`)
 #   ROUNDS         rounds, each runs both servers once (default 2)
 #   CONCURRENCY    concurrent streams (default 16)

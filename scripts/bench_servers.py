@@ -55,8 +55,8 @@ def one(base, key, model, prompt, max_tokens, raw=False):
     t0 = time.perf_counter()
     times, usage = [], None
     with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
+        for chunk in r:
+            line = chunk.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[5:])

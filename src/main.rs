@@ -196,7 +196,31 @@ enum ModelCommand {
     },
 }
 
+/// Keeps large buffers (a step's logits: rows x vocab floats, 16 MB at batch 16 for
+/// Gemma 3's 262,144 tokens) in the heap after they are freed, instead of glibc's
+/// default of an `mmap` per allocation of 128 KiB and up: every forward pass then
+/// faulted in and zeroed fresh pages (about 9 % of the CPU time of a 16-stream Gemma
+/// decode in `perf`). `M_MMAP_THRESHOLD` and `M_TRIM_THRESHOLD` in mallopt(3).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_large_allocations() {
+    const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
+    const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
+    extern "C" {
+        fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
+    }
+    // SAFETY: mallopt only sets allocator parameters; it is called before any
+    // other thread starts.
+    unsafe {
+        mallopt(M_MMAP_THRESHOLD, 32 << 20);
+        mallopt(M_TRIM_THRESHOLD, 256 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn keep_large_allocations() {}
+
 fn main() -> std::process::ExitCode {
+    keep_large_allocations();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
