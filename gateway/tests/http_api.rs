@@ -206,7 +206,10 @@ async fn openai_shapes_over_http() {
         )
         .await;
     assert_eq!(v["result"].as_array().unwrap().len(), 1);
+    // The search reads the description too, which names the architecture.
     let (_, _, v) = s.get(&search("search=llama"), Some(&s.key)).await;
+    assert_eq!(v["result"].as_array().unwrap().len(), 1);
+    let (_, _, v) = s.get(&search("search=mistral"), Some(&s.key)).await;
     assert_eq!(v["result"], json!([]));
     let (_, _, v) = s
         .get(&search("task=image-classification"), Some(&s.key))
