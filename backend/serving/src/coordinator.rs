@@ -8,7 +8,7 @@
 //! request, on a pair without that node, instead of failing.
 
 use crate::error::ServeError;
-use crate::routing::Router;
+use crate::routing::{Reach, Router};
 use crate::stream::{request_channel, ClientSink, RequestStream};
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
@@ -82,6 +82,11 @@ pub(crate) trait CoordLinks: Send + Sync {
     fn accepts_new(&self, role: Role, index: usize) -> bool {
         !self.is_down(role, index)
     }
+    /// How the pair choice sees the node: [`accepts_new`](Self::accepts_new), and
+    /// for linked nodes whether the link missed a heartbeat ([`Reach::Quiet`]).
+    fn reach(&self, role: Role, index: usize) -> Reach {
+        Reach::from_up(self.accepts_new(role, index))
+    }
     /// The pair choice's load counts.
     fn router(&self) -> &Router;
     /// The request is over everywhere (every node acknowledged or is down).
@@ -121,7 +126,7 @@ impl Submitter {
         let body = self.admission.admit(req)?.into_request();
         let (prefill, decode) = links
             .router()
-            .assign(|role, i| links.accepts_new(role, i), affinity)
+            .assign_by(|role, i| links.reach(role, i), affinity)
             .ok_or_else(|| {
                 ServeError::from(Rejection::Unavailable(
                     "no prefill or decode node is reachable; retry later".into(),
@@ -229,8 +234,14 @@ fn restart(
         return; // nobody waits for it: dropping it ends the stream
     }
     let avoid = std::mem::take(&mut r.avoid);
-    let pair = nodes.router().assign(
-        |role, i| nodes.accepts_new(role, i) && !avoid.contains(&(role, i)),
+    let pair = nodes.router().assign_by(
+        |role, i| {
+            if avoid.contains(&(role, i)) {
+                Reach::Down
+            } else {
+                nodes.reach(role, i)
+            }
+        },
         r.affinity,
     );
     let Some((prefill, decode)) = pair else {

@@ -34,9 +34,9 @@ use crate::stream::StreamEvent;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tessera_engine::{Event, FinishReason, GenerateRequest, Usage};
 use tessera_model::sampling::Logprobs;
 use tessera_transfer::protocol::{Msg, ReqId, Role};
@@ -365,6 +365,15 @@ pub(crate) struct FrameReader {
     r: BufReader<ReadHalf>,
     limits: FrameLimits,
     dead_after: Duration,
+    /// The connection whose last-heard time every frame read (pings too) renews.
+    heard: Option<Arc<State>>,
+}
+
+/// Milliseconds since the first call in this process (the clock of
+/// [`State::heard_ms`]).
+fn now_ms() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
 }
 
 async fn read_len(r: &mut BufReader<ReadHalf>) -> Result<usize, LinkEnd> {
@@ -416,7 +425,14 @@ impl FrameReader {
             r: BufReader::new(r),
             limits,
             dead_after,
+            heard: None,
         }
+    }
+
+    /// Renews `conn`'s last-heard time ([`Conn::silent_for`]) at every frame read
+    /// from now on, pings included.
+    pub(crate) fn hear_for(&mut self, conn: &Conn) {
+        self.heard = Some(conn.state.clone());
     }
 
     /// Accepts page writes of `bytes` from now on (a prefill node's link).
@@ -430,6 +446,9 @@ impl FrameReader {
             let f = tokio::time::timeout(self.dead_after, read_frame(&mut self.r, self.limits))
                 .await
                 .map_err(|_| LinkEnd::Silent)??;
+            if let Some(h) = &self.heard {
+                h.heard_ms.store(now_ms(), Ordering::Relaxed);
+            }
             if !matches!(f.0, Frame::Ping) {
                 return Ok(f);
             }
@@ -456,6 +475,8 @@ enum Out {
 struct State {
     alive: AtomicBool,
     closed: watch::Sender<bool>,
+    /// When the link's reader last read a frame ([`now_ms`]; the start, before any).
+    heard_ms: AtomicU64,
 }
 
 impl State {
@@ -535,6 +556,7 @@ impl Conn {
         let state = Arc::new(State {
             alive: AtomicBool::new(true),
             closed: watch::channel(false).0,
+            heard_ms: AtomicU64::new(now_ms()),
         });
         spawn(write_loop(state.clone(), w, rx, s));
         Arc::new(Self { tx, state, peer })
@@ -598,6 +620,15 @@ impl Conn {
         self.state.close();
     }
 
+    /// Time since the link's reader last read a frame (pings included; since the
+    /// connection started when no reader was joined by [`FrameReader::hear_for`]).
+    /// The peer pings after a heartbeat of silence, so more than a heartbeat here
+    /// means it missed one.
+    pub(crate) fn silent_for(&self) -> Duration {
+        let heard = self.state.heard_ms.load(Ordering::Relaxed);
+        Duration::from_millis(now_ms().saturating_sub(heard))
+    }
+
     /// Whether the connection is still usable.
     pub(crate) fn is_alive(&self) -> bool {
         self.state.alive.load(Ordering::Acquire)
@@ -658,6 +689,7 @@ pub(crate) async fn open_link(
         },
         s.dead_after,
     );
+    reader.hear_for(&conn);
     let model = links.model();
     if !conn.try_send(&Frame::Hello { from, name, model }, &[]) {
         return Err(io::Error::other("the connection closed before hello"));

@@ -19,7 +19,7 @@ use crate::links::{PdCounters, TOMBSTONE_TTL_MS};
 use crate::metrics::{NodeMetrics, GATEWAY_VIOLATIONS};
 use crate::net::{self, block_on, open_link, Conn, Control, Frame, LinkEnd};
 use crate::node_loop::EngineStats;
-use crate::routing::Router;
+use crate::routing::{Reach, Router};
 use crate::stream::{ClientSink, RequestStream};
 use prometheus_client::metrics::counter::Counter;
 use std::collections::HashMap;
@@ -382,6 +382,24 @@ impl CoordLinks for RemoteCoordLinks {
             && self.node(role, index).is_some_and(|n| {
                 !n.draining.load(Ordering::Acquire) && !n.removed.load(Ordering::Acquire)
             })
+    }
+
+    /// Quiet: nothing heard on the link for two heartbeats (the node pings after a
+    /// heartbeat of silence, so it missed one), long before `dead_after` closes it.
+    fn reach(&self, role: Role, index: usize) -> Reach {
+        if !self.accepts_new(role, index) {
+            return Reach::Down;
+        }
+        let heartbeat = self.links.settings().heartbeat;
+        let quiet = self
+            .node(role, index)
+            .and_then(|n| n.current())
+            .is_some_and(|(conn, _)| conn.silent_for() > 2 * heartbeat);
+        if quiet {
+            Reach::Quiet
+        } else {
+            Reach::Up
+        }
     }
 
     fn router(&self) -> &Router {

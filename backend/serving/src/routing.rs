@@ -3,7 +3,11 @@
 //!
 //! Policy: among the nodes of each role that are up, the one with the fewest
 //! requests this coordinator assigned to it and has not seen released yet; ties go to
-//! the lower index (deployment-file order). Outstanding counts are the coordinator's
+//! the lower index (deployment-file order). A node whose link has been silent past
+//! its heartbeat ([`Reach::Quiet`]: stopped, stalled, or about to be declared dead)
+//! is chosen only when no node of its role is [`Reach::Up`], so a frozen node stops
+//! getting new requests a heartbeat after it froze, not only once its link is
+//! declared dead. Outstanding counts are the coordinator's
 //! own knowledge, so the choice needs no round trip to the nodes.
 //!
 //! Session affinity: a request with a session key (Workers AI `x-session-affinity`,
@@ -31,6 +35,29 @@ fn score(key: u64, index: usize) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// How a node can take a new request, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Reach {
+    /// Connected, accepting, and heard from within its heartbeat.
+    Up,
+    /// Connected and accepting, but its link has been silent past its heartbeat:
+    /// chosen only when no node of its role is [`Reach::Up`].
+    Quiet,
+    /// Down, draining or removed: never chosen.
+    Down,
+}
+
+impl Reach {
+    /// `Up` or `Down`.
+    pub(crate) fn from_up(up: bool) -> Self {
+        if up {
+            Self::Up
+        } else {
+            Self::Down
+        }
+    }
 }
 
 /// One node's counts.
@@ -79,20 +106,24 @@ impl Router {
         }
     }
 
-    fn pick_one(&self, role: Role, is_up: &impl Fn(Role, usize) -> bool) -> Option<usize> {
+    fn pick_one(&self, role: Role, reach: &impl Fn(Role, usize) -> Reach) -> Option<usize> {
         let nodes = self.nodes(role);
         (0..nodes.len())
-            .filter(|&i| is_up(role, i))
-            .min_by_key(|&i| nodes[i].outstanding.load(Ordering::Relaxed))
+            .map(|i| (reach(role, i), i))
+            .filter(|&(r, _)| r != Reach::Down)
+            .min_by_key(|&(r, i)| (r, nodes[i].outstanding.load(Ordering::Relaxed)))
+            .map(|(_, i)| i)
     }
 
-    /// The prefill node for a request of session `key`: its rendezvous node unless
-    /// that one is [`AFFINITY_SLACK`] requests busier than the least-loaded node.
-    fn pick_prefill(&self, is_up: &impl Fn(Role, usize) -> bool, key: u64) -> Option<usize> {
-        let least = self.pick_one(Role::Prefill, is_up)?;
+    /// The prefill node for a request of session `key`: its rendezvous node (among
+    /// the nodes of the best [`Reach`] there is) unless that one is
+    /// [`AFFINITY_SLACK`] requests busier than the least-loaded node.
+    fn pick_prefill(&self, reach: &impl Fn(Role, usize) -> Reach, key: u64) -> Option<usize> {
+        let least = self.pick_one(Role::Prefill, reach)?;
+        let best = reach(Role::Prefill, least);
         let prefill = self.nodes(Role::Prefill);
         let home = (0..prefill.len())
-            .filter(|&i| is_up(Role::Prefill, i))
+            .filter(|&i| reach(Role::Prefill, i) == best)
             .max_by_key(|&i| score(key, i))?;
         let load = |i: usize| prefill[i].outstanding.load(Ordering::Relaxed);
         Some(if load(home) > load(least) + AFFINITY_SLACK {
@@ -102,18 +133,30 @@ impl Router {
         })
     }
 
-    /// Picks a pair (`affinity`: the request's session key, if any) and counts the
-    /// request against both; `None` when no node of a role is up.
+    /// Picks a pair (`affinity`: the request's session key, if any) among the nodes
+    /// `is_up` reports, and counts the request against both; `None` when no node of
+    /// a role is up.
+    #[cfg(test)]
     pub(crate) fn assign(
         &self,
         is_up: impl Fn(Role, usize) -> bool,
         affinity: Option<u64>,
     ) -> Option<(usize, usize)> {
+        self.assign_by(|role, i| Reach::from_up(is_up(role, i)), affinity)
+    }
+
+    /// [`Self::assign`] by each node's [`Reach`]: a [`Reach::Quiet`] node only when
+    /// no node of its role is [`Reach::Up`].
+    pub(crate) fn assign_by(
+        &self,
+        reach: impl Fn(Role, usize) -> Reach,
+        affinity: Option<u64>,
+    ) -> Option<(usize, usize)> {
         let p = match affinity {
-            Some(key) => self.pick_prefill(&is_up, key)?,
-            None => self.pick_one(Role::Prefill, &is_up)?,
+            Some(key) => self.pick_prefill(&reach, key)?,
+            None => self.pick_one(Role::Prefill, &reach)?,
         };
-        let d = self.pick_one(Role::Decode, &is_up)?;
+        let d = self.pick_one(Role::Decode, &reach)?;
         for (role, i) in [(Role::Prefill, p), (Role::Decode, d)] {
             let nodes = self.nodes(role);
             nodes[i].outstanding.fetch_add(1, Ordering::Relaxed);
@@ -213,6 +256,50 @@ mod tests {
         let (p, _) = r.assign(all_up, Some(key)).unwrap();
         assert_ne!(p, home, "one more and it yields to load");
         r.release(p, 0);
+    }
+
+    #[test]
+    fn a_quiet_node_is_chosen_only_when_no_node_of_its_role_is_up() {
+        let r = Router::new(2, 2);
+        // Decode node 0 is idle but quiet: decode 1 takes the requests, however busy.
+        let reach = |role: Role, i: usize| match (role, i) {
+            (Role::Decode, 0) => Reach::Quiet,
+            _ => Reach::Up,
+        };
+        for _ in 0..3 {
+            assert_eq!(r.assign_by(reach, None).map(|(_, d)| d), Some(1));
+        }
+        // Every decode node quiet: the least loaded of them.
+        let quiet = |role: Role, _: usize| {
+            if role == Role::Decode {
+                Reach::Quiet
+            } else {
+                Reach::Up
+            }
+        };
+        assert_eq!(r.assign_by(quiet, None).map(|(_, d)| d), Some(0));
+        // A session's prefill node goes quiet: the session moves while it is.
+        let key = 11;
+        let (home, d) = r.assign_by(reach, Some(key)).unwrap();
+        r.release(home, d);
+        let home_quiet = |role: Role, i: usize| {
+            if role == Role::Prefill && i == home {
+                Reach::Quiet
+            } else {
+                Reach::Up
+            }
+        };
+        let (moved, d) = r.assign_by(home_quiet, Some(key)).unwrap();
+        assert_ne!(moved, home);
+        r.release(moved, d);
+        let down = |role: Role, _: usize| {
+            if role == Role::Decode {
+                Reach::Down
+            } else {
+                Reach::Up
+            }
+        };
+        assert_eq!(r.assign_by(down, None), None);
     }
 
     #[test]
