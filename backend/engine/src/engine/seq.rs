@@ -1,0 +1,200 @@
+//! A running sequence's state (its prompt, output, sampler, detokenizer and sink)
+//! and how each sampled token is accepted into it and streamed out.
+
+use crate::admission::GenerateRequest;
+use crate::scheduler::{Priority, SeqProgress};
+use crate::sink::{EngineError, Event, EventSink, FinishReason, Usage};
+use std::time::{Duration, Instant};
+use tessera_model::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
+use tessera_model::kv::prefix::ChainHash;
+use tessera_model::kv::SeqId;
+use tessera_model::sampling::{Logprobs, Sampler, TokenLogprobs};
+use tessera_model::tokenizer::Tokenizer;
+/// What a sequence does once its prompt is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SeqRole {
+    /// Samples and streams until it ends (co-located, decode node).
+    Generate,
+    /// Prefill node: the first token ends the sequence's compute; its pages stay
+    /// reserved for export until [`Engine::release_prefill`](super::Engine::release_prefill).
+    Prefill,
+}
+
+pub(crate) struct Seq {
+    pub(crate) id: SeqId,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) generated: Vec<u32>,
+    pub(crate) max_tokens: usize,
+    pub(crate) ignore_eos: bool,
+    pub(crate) prefilled: usize,
+    pub(crate) sampler: Sampler,
+    pub(crate) detok: IncrementalDecoder,
+    pub(crate) stop: StopMatcher,
+    pub(crate) sink: Box<dyn EventSink>,
+    pub(crate) submitted: Instant,
+    pub(crate) first_token: Option<Instant>,
+    pub(crate) role: SeqRole,
+    pub(crate) tenant: u64,
+    pub(crate) priority: Priority,
+    /// Prefix-cache keys of the full prompt pages (empty: not cached).
+    pub(crate) chain: Vec<ChainHash>,
+    /// Prompt tokens reused from the prefix cache.
+    pub(crate) cached: usize,
+    /// Alternatives per generated token's log probabilities (`None`: none asked).
+    pub(crate) logprobs: Option<usize>,
+    /// Alternatives per prompt token's log probabilities (`None`: none asked).
+    pub(crate) prompt_logprobs: Option<usize>,
+    /// Prompt log probabilities computed so far (positions 1.., in order); sent
+    /// with the first token.
+    pub(crate) prompt_lp: Vec<TokenLogprobs>,
+}
+
+impl Seq {
+    /// A sequence about to start (nothing computed).
+    pub(crate) fn new(
+        id: SeqId,
+        req: GenerateRequest,
+        sampler: Sampler,
+        sink: Box<dyn EventSink>,
+        submitted: Instant,
+        role: SeqRole,
+    ) -> Self {
+        Self {
+            id,
+            sampler,
+            tenant: req.tenant,
+            priority: req.priority,
+            chain: Vec::new(),
+            cached: 0,
+            logprobs: req.output.logprobs.map(|k| k as usize),
+            prompt_logprobs: req.output.prompt_logprobs.map(|k| k as usize),
+            prompt_lp: Vec::new(),
+            prompt: req.prompt,
+            generated: Vec::new(),
+            max_tokens: req.max_tokens,
+            ignore_eos: req.ignore_eos,
+            prefilled: 0,
+            detok: IncrementalDecoder::new(true),
+            stop: StopMatcher::new(req.stop),
+            sink,
+            submitted,
+            first_token: None,
+            role,
+        }
+    }
+
+    pub(super) fn progress(&self) -> SeqProgress {
+        SeqProgress {
+            prompt: self.prompt.len(),
+            prefilled: self.prefilled,
+            generated: self.generated.len(),
+            tenant: self.tenant,
+            priority: self.priority,
+        }
+    }
+}
+
+/// `sampler` restricted to the request's `response_format`, when it has one (the
+/// grammar compiled for this engine's vocabulary).
+pub(crate) fn constrain(
+    tk: &Tokenizer,
+    r: &GenerateRequest,
+    sampler: Sampler,
+) -> Result<Sampler, EngineError> {
+    let Some(format) = &r.output.format else {
+        return Ok(sampler);
+    };
+    let constraint = tk.grammar()?.compile(format)?;
+    Ok(sampler.with_constraint(constraint))
+}
+
+pub(crate) enum Accepted {
+    Continue,
+    Finished(Event),
+    Disconnected,
+}
+
+/// What a sampled token's event carries of log probabilities: its own entry (not
+/// for an end-of-sequence token, which is no part of the output) and, on the first
+/// token, the prompt's; `None` when the request asked for neither.
+pub(crate) fn output_logprobs(
+    s: &mut Seq,
+    tok: u32,
+    lp: Option<TokenLogprobs>,
+    stop_ids: &[u32],
+) -> Option<Box<Logprobs>> {
+    if s.logprobs.is_none() && s.prompt_logprobs.is_none() {
+        return None;
+    }
+    let token = lp.filter(|_| s.ignore_eos || !stop_ids.contains(&tok));
+    let prompt = if s.generated.is_empty() {
+        std::mem::take(&mut s.prompt_lp)
+    } else {
+        Vec::new()
+    };
+    Some(Box::new(Logprobs { token, prompt }))
+}
+
+/// Appends a sampled token and sends its event (with `logprobs`, when asked).
+pub(crate) fn accept_token(
+    s: &mut Seq,
+    tok: u32,
+    logprobs: Option<Box<Logprobs>>,
+    tk: &Tokenizer,
+    stop_ids: &[u32],
+) -> Accepted {
+    let now = Instant::now();
+    s.first_token.get_or_insert(now);
+    s.generated.push(tok);
+    let mut reason = None;
+    let mut text: String;
+    if !s.ignore_eos && stop_ids.contains(&tok) {
+        reason = Some(FinishReason::Stop);
+        text = s.stop.finish();
+    } else {
+        let piece = s.detok.push(tk, tok);
+        // At the length limit, bytes still pending are the start of a character
+        // the cut split: dropped, never emitted as U+FFFD.
+        let at_limit = s.generated.len() >= s.max_tokens;
+        match s.stop.push(&piece) {
+            StopOutcome::Stopped { text: t, .. } => {
+                text = t;
+                reason = Some(FinishReason::Stop);
+            }
+            StopOutcome::Continue(t) => {
+                text = t;
+                if at_limit {
+                    text.push_str(&s.stop.finish());
+                    reason = Some(FinishReason::Length);
+                }
+            }
+        }
+    }
+    let ev = Event::Token {
+        id: tok,
+        text,
+        logprobs,
+    };
+    if s.sink.send(ev).is_err() {
+        return Accepted::Disconnected;
+    }
+    let Some(reason) = reason else {
+        return Accepted::Continue;
+    };
+    let first = s.first_token.unwrap_or(now);
+    let n = s.generated.len();
+    Accepted::Finished(Event::Done {
+        reason,
+        usage: Usage {
+            prompt_tokens: s.prompt.len(),
+            completion_tokens: n,
+            cached_tokens: s.cached,
+            ttft: first - s.submitted,
+            tpot: if n > 1 {
+                (now - first) / (n as u32 - 1)
+            } else {
+                Duration::ZERO
+            },
+        },
+    })
+}

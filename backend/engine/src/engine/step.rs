@@ -1,0 +1,337 @@
+//! One engine step: the scheduler's plan (admission, chunks, decode rows) run as
+//! one forward pass, its tokens sampled and sent, finished sequences retired.
+
+use super::seq::{accept_token, constrain, output_logprobs, Accepted, Seq, SeqRole};
+use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Waiting};
+use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
+use crate::sink::{EngineError, Event};
+use std::time::Instant;
+use tessera_model::kv::{ReserveError, SeqId};
+use tessera_model::sampling::{token_logprobs, Sampler};
+use tessera_model::transformer::BatchRow;
+impl Engine {
+    fn step_limits(&self) -> StepLimits {
+        StepLimits {
+            max_batch_tokens: self.cfg.max_batch_tokens,
+            max_running: self.cfg.max_running,
+            free_pages: self.kv.available_pages(),
+            batch_max_wait: self.cfg.batch_max_wait,
+            batch_prefill_chunk: self.cfg.batch_prefill_chunk,
+        }
+    }
+
+    /// What the scheduler sees of the queue, prefix-cache hits included.
+    fn queue_view(&self, now: Instant) -> Vec<Queued> {
+        let ps = self.cfg.page_size;
+        self.waiting
+            .iter()
+            .map(|w| {
+                let r = w.req.request();
+                let hits = self
+                    .kv
+                    .cached_prefix(r.tenant, &w.chain, w.max_hit_pages(ps));
+                Queued {
+                    prompt: r.prompt.len(),
+                    cached: hits * ps,
+                    pages: self.kv.pages_for(w.tokens()) - hits
+                        + self.kv.unpinned_hits(&w.chain, hits),
+                    tenant: r.tenant,
+                    priority: r.priority,
+                    waited: now.saturating_duration_since(w.queued_at),
+                }
+            })
+            .collect()
+    }
+
+    /// Runs one scheduling step: drops cancelled requests, fails expired batch
+    /// requests, admits waiting ones (fairly, reusing cached prompt pages), runs one
+    /// forward pass, charges each tenant what it computed, samples and emits.
+    /// Returns the number of tokens in the forward pass (0 when idle).
+    pub fn step(&mut self) -> usize {
+        self.drop_cancelled();
+        let now = Instant::now();
+        let limits = self.step_limits();
+        let admission = {
+            let running: Vec<SeqProgress> = self.running.iter().map(Seq::progress).collect();
+            scheduler::plan(&running, &self.queue_view(now), limits, &self.vtc)
+        };
+        self.apply_admission(&admission, now);
+        // The work is planned over the batch as it now is: a request admitted with
+        // fewer cached pages than the queue view promised computes them itself.
+        let plan = {
+            let running: Vec<SeqProgress> = self.running.iter().map(Seq::progress).collect();
+            scheduler::plan(&running, &[], limits, &self.vtc)
+        };
+        let charges = scheduler::computed_by_tenant(&plan, |i| self.running[i].tenant);
+        for (tenant, prefill, decode) in charges {
+            self.vtc.charge(tenant, prefill, decode);
+        }
+        let live: Vec<u64> = self
+            .running
+            .iter()
+            .map(|s| s.tenant)
+            .chain(self.parked.values().map(|p| p.tenant))
+            .collect();
+        let waiting = self.waiting_tenants();
+        self.vtc
+            .forget_idle(&waiting, |t| live.contains(&t) || waiting.contains(&t));
+        let rows = self.rows(&plan.work);
+        if rows.is_empty() {
+            return 0;
+        }
+        let out = self.model.forward(&rows, &mut self.kv);
+        let mut finished: Vec<(SeqId, SeqEnd, Option<Event>)> = Vec::new();
+        let mut prefilled: Vec<Prefilled> = Vec::new();
+        self.metrics
+            .attention_tag_mismatches
+            .inc_by(out.failed.len() as u64);
+        for (seq, err) in &out.failed {
+            let e = EngineError::Integrity(*err);
+            finished.push((*seq, SeqEnd::Failed(e.clone()), Some(Event::Error(e))));
+        }
+        // Prefill progress for rows that were not sampled.
+        for r in &rows {
+            if let Some(s) = self.running.iter_mut().find(|s| s.id == r.seq) {
+                if r.pos < s.prompt.len() {
+                    s.prefilled = s.prefilled.max(r.pos + 1);
+                }
+            }
+        }
+        for (row, mut logits) in out.logits {
+            let (seq, pos) = (rows[row].seq, rows[row].pos);
+            let Some(s) = self.running.iter_mut().find(|s| s.id == seq) else {
+                continue;
+            };
+            if pos + 1 < s.prompt.len() {
+                // A prompt position computed for its logprobs: scores the next
+                // prompt token (raw logits; nothing is sampled).
+                if let Some(k) = s.prompt_logprobs {
+                    s.prompt_lp
+                        .push(token_logprobs(&logits, s.prompt[pos + 1], k));
+                }
+                continue;
+            }
+            let (tok, lp) =
+                s.sampler
+                    .sample_logprobs(&mut logits, &s.prompt, &s.generated, s.logprobs);
+            let logprobs = output_logprobs(s, tok, lp, &self.stop_ids);
+            if s.role == SeqRole::Prefill {
+                prefilled.push(Prefilled {
+                    seq,
+                    result: Ok(FirstToken {
+                        token: tok,
+                        rng_word_pos: s.sampler.rng_word_pos(),
+                        logprobs,
+                    }),
+                    cached_tokens: s.cached,
+                });
+                continue;
+            }
+            match accept_token(s, tok, logprobs, &self.tokenizer, &self.stop_ids) {
+                Accepted::Continue => {}
+                Accepted::Finished(ev) => finished.push((seq, SeqEnd::Completed, Some(ev))),
+                // The receiver is gone (client disconnected): abort and free.
+                Accepted::Disconnected => finished.push((seq, SeqEnd::ClientGone, None)),
+            }
+        }
+        for p in prefilled {
+            self.park(p);
+        }
+        for (id, end, ev) in finished {
+            let Some(i) = self.running.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            if self.running[i].role == SeqRole::Prefill {
+                // An integrity error while computing the prompt: reported for export
+                // handling; the pages stay until released.
+                if let SeqEnd::Failed(e) = end {
+                    let cached_tokens = self.running[i].cached;
+                    self.park(Prefilled {
+                        seq: id,
+                        result: Err(e),
+                        cached_tokens,
+                    });
+                }
+                continue;
+            }
+            let mut s = self.running.remove(i);
+            // Pages of a failed sequence are not trusted for reuse.
+            self.free_seq(&s, !matches!(end, SeqEnd::Failed(_)));
+            if let Some(ev) = ev {
+                let _ = s.sink.send(ev);
+            }
+            self.record_end(id, end);
+        }
+        rows.len()
+    }
+
+    /// Steps until nothing is waiting or running.
+    pub fn run_to_completion(&mut self) {
+        while self.has_work() {
+            self.step();
+        }
+    }
+
+    /// Prefill role: takes a sequence whose compute ended out of the running batch,
+    /// keeping its pages for export.
+    fn park(&mut self, p: Prefilled) {
+        if let Some(i) = self.running.iter().position(|s| s.id == p.seq) {
+            let s = self.running.remove(i);
+            self.parked.insert(
+                s.id,
+                Parked {
+                    prompt: s.prompt.len(),
+                    tenant: s.tenant,
+                    chain: s.chain,
+                    ok: p.result.is_ok(),
+                },
+            );
+            self.prefilled.push(p);
+        }
+    }
+
+    /// Drops requests whose client cancelled: waiting ones are never computed, running
+    /// ones stop and free their pages (computed prompt pages may be cached).
+    fn drop_cancelled(&mut self) {
+        self.waiting.retain(|w| !w.sink.cancelled());
+        let mut i = 0;
+        while i < self.running.len() {
+            if !self.running[i].sink.cancelled() {
+                i += 1;
+                continue;
+            }
+            let s = self.running.remove(i);
+            self.free_seq(&s, true);
+            self.record_end(s.id, SeqEnd::ClientGone);
+        }
+    }
+
+    /// Carries out a plan's admission decisions: expired batch requests fail as
+    /// busy; admitted ones join the running batch with all their pages (the
+    /// scheduler counted them), reusing cached prompt pages.
+    fn apply_admission(&mut self, plan: &scheduler::Plan, now: Instant) {
+        if plan.admit.is_empty() && plan.expire.is_empty() {
+            return;
+        }
+        let mut slots: Vec<Option<Waiting>> = self.waiting.drain(..).map(Some).collect();
+        for &i in &plan.expire {
+            if let Some(w) = slots[i].take() {
+                let limit = self.cfg.batch_max_wait.unwrap_or_default();
+                let e = EngineError::BatchQueueTimeout {
+                    waited_ms: now.saturating_duration_since(w.queued_at).as_millis() as u64,
+                    limit_ms: limit.as_millis() as u64,
+                };
+                self.fail_unstarted(w, e);
+            }
+        }
+        let mut last = None;
+        for &i in &plan.admit {
+            if let Some(w) = slots[i].take() {
+                last = Some(w.req.request().tenant);
+                self.start_waiting(w);
+            }
+        }
+        self.waiting = slots.into_iter().flatten().collect();
+        if let (true, Some(t)) = (self.waiting.is_empty(), last) {
+            self.vtc.on_queue_emptied(t);
+        }
+    }
+
+    /// Ends a request that never started: its error goes to its sink (or, for a
+    /// prefill-only sequence, to [`Self::take_prefilled`]); nothing is held.
+    fn fail_unstarted(&mut self, w: Waiting, e: EngineError) {
+        match w.role {
+            SeqRole::Prefill => self.prefilled.push(Prefilled {
+                seq: w.id,
+                result: Err(e),
+                cached_tokens: 0,
+            }),
+            SeqRole::Generate => {
+                let mut sink = w.sink;
+                let _ = sink.send(Event::Error(e.clone()));
+                self.record_end(w.id, SeqEnd::Failed(e));
+            }
+        }
+    }
+
+    /// Moves a waiting request into the running batch with all its pages, reusing
+    /// the cached pages of its prompt's longest cached prefix after their tags check
+    /// (I3); a mismatch fails the request (the entry is evicted).
+    fn start_waiting(&mut self, w: Waiting) {
+        // The format compiles before any page is reserved (a few ms at most).
+        let r = w.req.request();
+        let sampler = match constrain(&self.tokenizer, r, Sampler::new(r.sampling.clone(), w.id.0))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.fail_unstarted(w, e);
+                return;
+            }
+        };
+        let tokens = w.tokens();
+        let max_hit = w.max_hit_pages(self.cfg.page_size);
+        let tenant = w.req.request().tenant;
+        let hits = match self
+            .kv
+            .reserve_cached(w.id, tenant, tokens, &w.chain, max_hit)
+        {
+            Ok(h) => h,
+            Err(ReserveError::Integrity(e)) => {
+                tracing::error!(seq = ?w.id, error = %e, "prefix-cache hit failed its tag check; entry evicted");
+                self.fail_unstarted(w, EngineError::Integrity(e));
+                return;
+            }
+            Err(ReserveError::Pool(e)) => {
+                // The scheduler counted the pages; only a duplicate id gets here.
+                tracing::error!(seq = ?w.id, error = %e, "could not reserve a scheduled request");
+                self.fail_unstarted(w, EngineError::Shutdown);
+                return;
+            }
+        };
+        let Waiting {
+            req,
+            id,
+            sink,
+            submitted,
+            role,
+            chain,
+            ..
+        } = w;
+        let r = req.into_request();
+        let mut s = Seq::new(id, r, sampler, sink, submitted, role);
+        s.cached = hits * self.cfg.page_size;
+        s.prefilled = s.cached;
+        s.chain = chain;
+        self.running.push(s);
+    }
+
+    /// The forward pass's rows for the planned work.
+    fn rows(&self, work: &[Work]) -> Vec<BatchRow> {
+        let mut rows = Vec::new();
+        for w in work {
+            match *w {
+                Work::Decode { seq, pos } => {
+                    let s = &self.running[seq];
+                    rows.push(BatchRow {
+                        seq: s.id,
+                        token: *s.generated.last().expect("a decoding sequence"),
+                        pos,
+                        want_logits: true,
+                    });
+                }
+                Work::Prefill { seq, start, end } => {
+                    let s = &self.running[seq];
+                    for pos in start..end {
+                        rows.push(BatchRow {
+                            seq: s.id,
+                            token: s.prompt[pos],
+                            pos,
+                            want_logits: pos + 1 == s.prompt.len() || s.prompt_logprobs.is_some(),
+                        });
+                    }
+                }
+            }
+        }
+        rows
+    }
+}
