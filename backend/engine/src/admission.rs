@@ -153,7 +153,7 @@ impl Rejection {
     }
 }
 
-/// A request that passed admission. Only [`Engine::admit`] makes one.
+/// A request that passed admission. Only [`Engine::admit`](crate::Engine::admit) makes one.
 #[derive(Debug)]
 pub struct Admitted(GenerateRequest);
 
