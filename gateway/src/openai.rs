@@ -344,6 +344,7 @@ impl Formatter {
 mod tests {
     use super::*;
     use crate::tools::parse;
+    use crate::tools::tests::QWEN_CALL;
 
     /// A chat formatter for a request with a `get_weather` tool (`auto`).
     fn formatter(shape: Shape) -> Formatter {
@@ -362,30 +363,6 @@ mod tests {
             tools: Some(tools.scanner()),
         }
     }
-
-    /// Qwen2.5's native call as its tokens decode (`<tool_call>` and `</tool_call>`
-    /// are one token each), then the end of its turn.
-    const QWEN_CALL: [&str; 19] = [
-        "<tool_call>",
-        "\n",
-        "{\"",
-        "name",
-        "\":",
-        " \"",
-        "get",
-        "_weather",
-        "\",",
-        " \"",
-        "arguments",
-        "\":",
-        " {\"",
-        "city",
-        "\":",
-        " \"",
-        "Paris",
-        "\"}}\n",
-        "</tool_call>",
-    ];
 
     fn done() -> Msg {
         Msg::Done {
