@@ -225,6 +225,20 @@ pub struct Gateway {
     pub key: String,
 }
 
+/// `POST url` with `body` as tenant `key`: (status, body).
+async fn run_at(url: String, key: String, body: Value) -> (u16, Value) {
+    let resp = reqwest::Client::new()
+        .post(url)
+        .bearer_auth(key)
+        .json(&body)
+        .timeout(REQUEST)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("request {body} failed: {e}"));
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
 pub async fn start_gateway(args: &[&str], log: &Path) -> Gateway {
     let (child, banner) = spawn_until(args, log, |l| l.trim_start().starts_with("-d ")).await;
     let find = |prefix: &str| {
@@ -255,16 +269,13 @@ impl Gateway {
 
     /// Non-streaming Workers AI request: (status, body).
     pub async fn run(&self, body: &Value) -> (u16, Value) {
-        let resp = reqwest::Client::new()
-            .post(self.url())
-            .bearer_auth(&self.key)
-            .json(body)
-            .timeout(REQUEST)
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("request {body} failed: {e}"));
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap_or(Value::Null))
+        run_at(self.url(), self.key.clone(), body.clone()).await
+    }
+
+    /// [`Self::run`] on its own task, so that several requests are in flight at once
+    /// or one waits while the test acts.
+    pub fn spawn_run(&self, body: &Value) -> tokio::task::JoinHandle<(u16, Value)> {
+        tokio::spawn(run_at(self.url(), self.key.clone(), body.clone()))
     }
 
     /// Starts a streaming request; panics unless the response head arrives in time.
