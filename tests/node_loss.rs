@@ -1,8 +1,10 @@
 //! Node loss, with real `tessera node` and `tessera serve --config` processes on
 //! loopback over mutual TLS: a decode node stopped (SIGSTOP) while it holds
-//! requests, one that missed its heartbeats, a node that panics and is restarted,
-//! and SIGTERM's drain. Requests on the lost node end with an error, never silent
-//! truncation; the other node's requests and new requests get their solo answers.
+//! requests, one that missed its heartbeats, one lost before its requests' first
+//! token (they start again on the other node), a node that panics and is
+//! restarted, and SIGTERM's drain. Requests that had tokens from the lost node end
+//! with an error, never silent truncation; the other node's requests and new
+//! requests get their solo answers.
 //!
 //! Every wait is bounded by a deadline; nothing asserts how fast anything runs.
 
@@ -154,6 +156,69 @@ async fn a_node_that_missed_a_heartbeat_gets_no_new_requests() {
     // Not a timing assertion on the answers: whether the frozen node's link was
     // declared dead while they ran only says which path was tested.
     eprintln!("4 requests answered {waited:?} after the freeze was a second old");
+}
+
+/// Retry before the first token (issue 36): decode node 0 is stopped (SIGSTOP) just
+/// before requests arrive. It has not missed a heartbeat yet, so routing still
+/// chooses it (ties go to it), and its requests have had no token when its link is
+/// declared dead: each starts again on decode node 1, and every client gets one
+/// 200 with its solo answer (the stream: tokens, `[DONE]`, no error event). The
+/// gateway's log names each restart, so this test fails if the requests merely
+/// went to node 1 in the first place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_on_a_node_lost_before_their_first_token_are_answered_by_another() {
+    // Heartbeat 1 s: a frozen node stays routable for at least 1 s (quiet after 2 s
+    // of silence) and is declared dead after 3 s.
+    let liveness = "heartbeat_ms = 1000\ndead_after_ms = 3000\n";
+    let TwoDecodes {
+        dir,
+        decode0,
+        gw,
+        _decode1,
+        _prefill,
+    } = two_decodes(liveness, &[]).await;
+    let short = greedy(16);
+    let solo = gw.run_when_up(&short).await["result"].clone();
+    signal(&decode0, "-STOP");
+    // `a` goes to decode 0 (a tie), `b` to decode 1 (fewer outstanding), `c` to
+    // decode 0 (a tie again).
+    let mut a = gw.stream(&short).await;
+    assert_eq!(a.status, 200);
+    let b = gw.spawn_run(&short);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let c = gw.spawn_run(&short);
+    a.read_to_end().await;
+    assert!(
+        a.has_done() && !a.has_error(),
+        "{:?}\n{}",
+        a.events,
+        logs(dir.path())
+    );
+    assert_eq!(a.text(), solo["response"].as_str().unwrap());
+    for run in [b, c] {
+        let (status, v) = tokio::time::timeout(REQUEST, run)
+            .await
+            .expect("answered while the node is stopped")
+            .unwrap();
+        assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
+        assert_eq!(answer(&v["result"]), answer(&solo));
+    }
+    // The log is written in the background: wait (bounded) for the four requests'
+    // lines.
+    let path = dir.path().join("gateway.log");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let log = loop {
+        let log = std::fs::read_to_string(&path).unwrap();
+        if log.matches("request finished").count() >= 4 || std::time::Instant::now() > deadline {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let restarts = log
+        .matches("starting the request again on other nodes before its first token")
+        .count();
+    assert_eq!(restarts, 2, "{log}");
+    signal(&decode0, "-CONT");
 }
 
 /// A node whose engine thread (decode) or connection task (prefill) panics exits

@@ -2,10 +2,10 @@
 //! replies, a watch for cancelled clients and dead nodes, and a retransmission timer.
 //! Everything it decides comes from the protocol machine; this file only moves
 //! messages, maps the outcome to the client's stream and holds the request's release
-//! guard until the protocol says `Released` (I6). One routing decision is made here:
-//! a request a draining node refused ([`Refusal::drained_by`]) holds nothing anywhere
-//! once released and has sent the client nothing, so it starts again, as a new
-//! request, on a pair without that node, instead of failing.
+//! guard until the protocol says `Released` (I6). Whether a released request starts
+//! again on other nodes (a draining node refused it, or a node failed before the
+//! client had a token: issue 36) is decided by the pure [`Attempts`] and
+//! [`StreamFence`] machines; this file picks the new pair.
 
 use crate::error::ServeError;
 use crate::routing::{Reach, Router};
@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection};
-use tessera_transfer::protocol::{Coordinator, Msg, Outcome, Output, Refusal, ReqId, Role};
+use tessera_transfer::protocol::{
+    Attempts, Cause, Coordinator, Msg, Outcome, Output, ReqId, Retry, RetryPolicy, Role,
+};
 
 /// What travels with a protocol message besides the message: the request body
 /// (prompt ids, sampling) that the protocol leaves out, where its events go, and the
@@ -189,11 +191,11 @@ struct CoordReq {
     trace: Option<String>,
     /// The session key the pair was chosen with.
     affinity: Option<u64>,
-    /// A draining node refused the request: once released it starts again elsewhere
-    /// (this refusal goes to the client only if no other pair is left).
-    restart: Option<Refusal>,
-    /// Nodes that refused this request (any of its starts) because they drain.
-    avoid: Vec<(Role, usize)>,
+    /// An outcome another pair may cure ([`Cause::of`]), held back from the client
+    /// until the attempt is released and [`Attempts`] decided.
+    held: Option<Outcome>,
+    /// The request's attempts: failures so far, nodes to avoid.
+    attempts: Attempts,
 }
 
 /// The protocol machine of `body` as request `req`, and what it emits first (the
@@ -210,33 +212,46 @@ fn protocol_for(req: ReqId, body: &GenerateRequest) -> (Coordinator, Vec<Output>
     (proto, out)
 }
 
-/// A released request that a draining node refused: starts it again, as a new
-/// request, on a pair that avoids every node that refused it for draining (so it
-/// restarts at most once per node), or fails the client with the refusal (busy,
-/// retryable) when no such pair is up. Nothing was held for it anywhere and the
-/// client has had no token (a decode node streams only after a verified commit).
-fn restart(
+/// The client's error for an outcome that ends the request.
+fn client_error(outcome: &Outcome) -> ServeError {
+    match outcome {
+        Outcome::Rejected(refusal) => ServeError::refused(refusal),
+        Outcome::Failed(f) => ServeError::from_failure(f),
+        Outcome::Succeeded | Outcome::Aborted => ServeError::from(EngineError::Shutdown),
+    }
+}
+
+/// A released attempt whose outcome has a [`Cause`]: [`Attempts::after_release`]
+/// decides on the stream's fence whether it starts again. A restart is a new request
+/// (new id, fresh protocol machine) on a pair that avoids every node that failed or
+/// refused it; the client's error is the outcome's when the decision is to fail or
+/// no such pair is up. Nothing was held for the old attempt anywhere (it was
+/// released) and the client had no token from it (the fence).
+fn after_release(
     nodes: &dyn CoordLinks,
     reqs: &mut HashMap<ReqId, CoordReq>,
     old: ReqId,
     mut r: CoordReq,
-    refusal: Refusal,
+    outcome: Outcome,
 ) {
-    if let Some(role) = refusal.drained_by() {
-        let index = if role == Role::Prefill {
-            r.prefill
-        } else {
-            r.decode
-        };
-        r.avoid.push((role, index));
-    }
-    if r.client.is_cancelled() {
-        return; // nobody waits for it: dropping it ends the stream
-    }
-    let avoid = std::mem::take(&mut r.avoid);
+    let gone = r.client.is_cancelled();
+    let (pair, elapsed) = ((r.prefill, r.decode), r.submitted.elapsed());
+    let attempts = &mut r.attempts;
+    let attempt = r.client.decide_restart(|fence| {
+        match attempts.after_release(&outcome, pair, gone, elapsed, fence) {
+            Retry::Restart { attempt } => Some(attempt),
+            Retry::Fail => None,
+        }
+    });
+    let Some(attempt) = attempt else {
+        if !gone {
+            r.client.fail(client_error(&outcome));
+        }
+        return; // dropping it ends the stream and signals release
+    };
     let pair = nodes.router().assign_by(
         |role, i| {
-            if avoid.contains(&(role, i)) {
+            if r.attempts.avoids(role, i) {
                 Reach::Down
             } else {
                 nodes.reach(role, i)
@@ -245,19 +260,21 @@ fn restart(
         r.affinity,
     );
     let Some((prefill, decode)) = pair else {
-        r.client.fail(ServeError::refused(&refusal));
+        r.client.fail(client_error(&outcome));
         return;
     };
     let req = new_req_id();
-    tracing::info!(
+    // A warning: operators see what a node's loss or drain cost (the lines beside it
+    // name the node).
+    tracing::warn!(
         ?old,
         new = ?req,
+        attempt,
+        ?outcome,
         prefill,
         decode,
-        "a draining node refused the request; starting it again on other nodes"
+        "starting the request again on other nodes before its first token"
     );
-    r.avoid = avoid;
-    r.restart = None;
     (r.prefill, r.decode) = (prefill, decode);
     (r.prefill_down, r.decode_down) = (false, false);
     r.prefill_epoch = nodes.epoch(Role::Prefill, prefill);
@@ -319,8 +336,8 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         last_heard: Instant::now(),
                         trace,
                         affinity,
-                        restart: None,
-                        avoid: Vec::new(),
+                        held: None,
+                        attempts: Attempts::new(RetryPolicy::default()),
                     },
                 );
                 execute(&*nodes, &mut reqs, req, out);
@@ -443,12 +460,9 @@ fn execute(
                 // streamed the tokens and `Done`, or nobody is listening.
                 match outcome {
                     Outcome::Succeeded | Outcome::Aborted => {}
-                    // Started again elsewhere once released (see `restart`).
-                    Outcome::Rejected(refusal) if refusal.drained_by().is_some() => {
-                        r.restart = Some(refusal)
-                    }
-                    Outcome::Rejected(refusal) => r.client.fail(ServeError::refused(&refusal)),
-                    Outcome::Failed(f) => r.client.fail(ServeError::from_failure(&f)),
+                    // Maybe started again elsewhere once released (`after_release`).
+                    o if Cause::of(&o).is_some() => r.held = Some(o),
+                    o => r.client.fail(client_error(&o)),
                 }
             }
             Output::Released => {
@@ -458,8 +472,8 @@ fn execute(
                 // learns that nothing is held for it anywhere (unless it starts
                 // again elsewhere, keeping the guard).
                 if let Some(mut r) = reqs.remove(&req) {
-                    if let Some(refusal) = r.restart.take() {
-                        restart(nodes, reqs, req, r, refusal);
+                    if let Some(outcome) = r.held.take() {
+                        after_release(nodes, reqs, req, r, outcome);
                     }
                 }
             }

@@ -12,10 +12,11 @@
 
 use crate::error::ServeError;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tessera_engine::sink::{EventSink, Gone};
 use tessera_engine::{Event, FinishReason, Usage};
 use tessera_model::sampling::Logprobs;
+use tessera_transfer::protocol::{StreamFence, StreamItem};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
 
@@ -72,6 +73,12 @@ impl Drop for ReleaseGuard {
 pub struct ClientSink {
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
+    /// Which attempt of the request may write to the client, and whether a token
+    /// reached it (shared by every sink of the stream; events are sent under its
+    /// lock, so a restart decided on it is never followed by an old attempt's token).
+    fence: Arc<Mutex<StreamFence>>,
+    /// The attempt this sink writes for.
+    attempt: u32,
     /// Held, never read: dropping it is the release signal.
     _release: Option<ReleaseGuard>,
 }
@@ -83,18 +90,38 @@ impl ClientSink {
         Self {
             tx: self.tx.clone(),
             cancel: self.cancel.clone(),
+            fence: self.fence.clone(),
+            attempt: self.attempt,
             _release: None,
         }
     }
 
-    /// Sends an event; false when the stream's receiver is gone.
+    /// Sends an event; false when the stream's receiver is gone or the event's
+    /// attempt was fenced off (a restarted request: its old attempt is dropped).
     pub fn send_event(&self, ev: StreamEvent) -> bool {
-        self.tx.send(ev).is_ok()
+        let item = match ev {
+            StreamEvent::Token { .. } => StreamItem::Token,
+            StreamEvent::Done { .. } | StreamEvent::Error(_) => StreamItem::End,
+        };
+        let mut fence = self.fence.lock().unwrap_or_else(|p| p.into_inner());
+        fence.admit(self.attempt, item) && self.tx.send(ev).is_ok()
     }
 
     /// Ends the stream with `e` (I8).
     pub fn fail(&self, e: ServeError) {
-        let _ = self.tx.send(StreamEvent::Error(e));
+        self.send_event(StreamEvent::Error(e));
+    }
+
+    /// Runs `decide` on the stream's fence (the retry decision, issue 36) and moves
+    /// this sink to the attempt it returns, if any.
+    pub(crate) fn decide_restart(
+        &mut self,
+        decide: impl FnOnce(&mut StreamFence) -> Option<u32>,
+    ) -> Option<u32> {
+        let mut fence = self.fence.lock().unwrap_or_else(|p| p.into_inner());
+        let attempt = decide(&mut fence)?;
+        self.attempt = attempt;
+        Some(attempt)
     }
 
     /// Whether the client cancelled or dropped its stream.
@@ -105,11 +132,23 @@ impl ClientSink {
 
 impl EventSink for ClientSink {
     fn send(&mut self, event: Event) -> Result<(), Gone> {
-        self.tx.send(event.into()).map_err(|_| Gone)
+        if self.send_event(event.into()) {
+            Ok(())
+        } else {
+            Err(Gone)
+        }
     }
 
+    /// The client left, or this sink's attempt was fenced off (its request started
+    /// again elsewhere): either way nobody reads what it computes.
     fn cancelled(&self) -> bool {
         self.is_cancelled()
+            || self
+                .fence
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .attempt()
+                != self.attempt
     }
 }
 
@@ -188,6 +227,8 @@ pub fn request_channel() -> (ClientSink, RequestStream) {
         ClientSink {
             tx,
             cancel: cancel.clone(),
+            fence: Arc::new(Mutex::new(StreamFence::default())),
+            attempt: 0,
             _release: Some(ReleaseGuard(Some(rtx))),
         },
         RequestStream {

@@ -10,6 +10,7 @@ mod flaws;
 mod messages;
 mod prefill;
 mod records;
+mod retry;
 mod routes;
 #[cfg(test)]
 mod testkit;
@@ -27,4 +28,5 @@ pub use messages::{
 };
 pub use prefill::{AfterDrain, PrefillEnv, PrefillNode, PrefillState};
 pub use records::{Records, RequestState};
+pub use retry::{Attempts, Cause, Retry, RetryPolicy, StreamFence, StreamItem};
 pub use routes::{LinkViolation, RouteBook, Routed};

@@ -1,0 +1,333 @@
+//! Starting a request again on other nodes before its first token (issue 36).
+//!
+//! Two pure machines decide it; the coordinator's driver only carries out the answer:
+//! - [`StreamFence`], one per client stream: which attempt may write to the client
+//!   and whether a token already reached it. Deciding a restart and admitting a
+//!   token are one step each on the same fence, so a token of a failed attempt can
+//!   never follow the decision to start again (the driver holds the fence under one
+//!   lock);
+//! - [`Attempts`], one per request: whether the outcome of a released attempt is one
+//!   another pair may cure (the node failed, not the request), within a bounded
+//!   number of attempts and a deadline, and which nodes the next pair must avoid.
+//!
+//! A request is started again only when every node let go of the failed attempt
+//! (`Released`: nothing is held for it anywhere) and the client has had no token, so
+//! the client sees one answer, from one attempt. Usage is billed from the answer that
+//! reached the client (its `Done`); an attempt lost to a node's failure is not billed
+//! (docs/transfer-protocol.md, "Retry before the first token").
+//!
+//! `backend/transfer/tests/retry_model.rs` model-checks both with stateright: tokens
+//! from one attempt only, in order, at most one end, bounded attempts, and every
+//! request answered.
+
+use super::messages::{Failure, Outcome, Role};
+use std::time::Duration;
+
+/// What a client stream receives, as the fence sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StreamItem {
+    /// A generated token.
+    Token,
+    /// The stream's one end (`Done` or an error).
+    End,
+}
+
+/// Which attempt of a request may write to its client stream, and what the client
+/// received so far. Attempt numbers start at 0.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StreamFence {
+    attempt: u32,
+    streamed: bool,
+    ended: bool,
+}
+
+impl StreamFence {
+    /// The attempt whose events the client receives.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Whether a token reached the client.
+    pub fn streamed(&self) -> bool {
+        self.streamed
+    }
+
+    /// Whether an item of `attempt` goes to the client: only the current attempt's,
+    /// and nothing after the stream's end. An admitted token marks the stream as
+    /// streamed (no restart from then on).
+    pub fn admit(&mut self, attempt: u32, item: StreamItem) -> bool {
+        if attempt != self.attempt || self.ended {
+            return false;
+        }
+        match item {
+            StreamItem::Token => self.streamed = true,
+            StreamItem::End => self.ended = true,
+        }
+        true
+    }
+
+    /// Fences off the current attempt so that another may start: the new attempt's
+    /// number, or `None` once a token reached the client or the stream ended.
+    pub fn restart(&mut self) -> Option<u32> {
+        if self.streamed || self.ended {
+            return None;
+        }
+        self.attempt += 1;
+        Some(self.attempt)
+    }
+}
+
+/// How far a request may be retried before its first token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RetryPolicy {
+    /// Attempts that may fail on a node's failure before the request fails with the
+    /// last attempt's error (so at most `max_failed + 1` attempts compute anything).
+    /// Refusals by draining nodes do not count: they computed nothing, and each
+    /// draining node refuses a request at most once (it is avoided afterwards).
+    pub max_failed: u32,
+    /// No restart after this much time since the request was submitted.
+    pub deadline: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// Two restarts after failures, within 30 s of submission.
+    fn default() -> Self {
+        Self {
+            max_failed: 2,
+            deadline: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why a released attempt may be started again elsewhere: the node to avoid, and
+/// whether it counts against [`RetryPolicy::max_failed`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Cause {
+    /// The role of the node that failed or refused.
+    pub role: Role,
+    /// Whether it counts as a failed attempt (a drain refusal does not).
+    pub counts: bool,
+}
+
+impl Cause {
+    /// The cause of `outcome` when another pair may cure it: a drain refusal, a node
+    /// that died or went silent past the failure detector's limit, or a decode
+    /// reservation whose lease ran out before the prefill node committed (a stalled
+    /// or overloaded prefill node). `None` for everything else: success, aborts,
+    /// admission refusals (another node would refuse as well), integrity failures
+    /// (a refused commit must surface, not be hidden by a retry) and failures the
+    /// node reported itself.
+    pub fn of(outcome: &Outcome) -> Option<Self> {
+        match outcome {
+            Outcome::Rejected(r) => r.drained_by().map(|role| Self {
+                role,
+                counts: false,
+            }),
+            Outcome::Failed(Failure::NodeDown(role)) if *role != Role::Coordinator => Some(Self {
+                role: *role,
+                counts: true,
+            }),
+            Outcome::Failed(Failure::LeaseExpired) => Some(Self {
+                role: Role::Prefill,
+                counts: true,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// What to do with a released attempt whose outcome has a [`Cause`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Retry {
+    /// Start attempt `attempt` on a pair avoiding [`Attempts::avoids`].
+    Restart {
+        /// The new attempt's number (its events pass the fence).
+        attempt: u32,
+    },
+    /// End the client's stream with the outcome's error.
+    Fail,
+}
+
+/// One request's attempts: how many failed, and the nodes a next pair must avoid.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Attempts {
+    policy: RetryPolicy,
+    failed: u32,
+    avoid: Vec<(Role, usize)>,
+}
+
+impl Attempts {
+    /// A request's first attempt.
+    pub fn new(policy: RetryPolicy) -> Self {
+        Self {
+            policy,
+            failed: 0,
+            avoid: Vec::new(),
+        }
+    }
+
+    /// Attempts that failed on a node's failure so far.
+    pub fn failed(&self) -> u32 {
+        self.failed
+    }
+
+    /// Whether a next pair must not use node `index` of `role`.
+    pub fn avoids(&self, role: Role, index: usize) -> bool {
+        self.avoid.contains(&(role, index))
+    }
+
+    /// Decides on a released attempt that ran on `(prefill, decode)` and ended with
+    /// `outcome`: [`Retry::Restart`] when the outcome has a [`Cause`], the client is
+    /// still there and has had no token (`fence`, which is then moved to the new
+    /// attempt), the failed attempts stay within the policy and `elapsed` (since
+    /// submission) is before its deadline; [`Retry::Fail`] otherwise. The failed node
+    /// is avoided from then on either way.
+    pub fn after_release(
+        &mut self,
+        outcome: &Outcome,
+        (prefill, decode): (usize, usize),
+        client_gone: bool,
+        elapsed: Duration,
+        fence: &mut StreamFence,
+    ) -> Retry {
+        let Some(cause) = Cause::of(outcome) else {
+            return Retry::Fail;
+        };
+        let index = if cause.role == Role::Prefill {
+            prefill
+        } else {
+            decode
+        };
+        if !self.avoids(cause.role, index) {
+            self.avoid.push((cause.role, index));
+        }
+        if cause.counts {
+            self.failed += 1;
+        }
+        if client_gone || self.failed > self.policy.max_failed || elapsed >= self.policy.deadline {
+            return Retry::Fail;
+        }
+        match fence.restart() {
+            Some(attempt) => Retry::Restart { attempt },
+            None => Retry::Fail,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{FailKind, FailReason, Refusal, RefusalKind};
+
+    const NOW: Duration = Duration::ZERO;
+
+    fn down(role: Role) -> Outcome {
+        Outcome::Failed(Failure::NodeDown(role))
+    }
+
+    #[test]
+    fn the_fence_passes_only_the_current_attempt_and_one_end() {
+        let mut f = StreamFence::default();
+        assert_eq!(
+            f.restart(),
+            Some(1),
+            "nothing streamed: attempt 0 is fenced off"
+        );
+        assert!(!f.admit(0, StreamItem::Token), "a late token of attempt 0");
+        assert!(!f.admit(0, StreamItem::End));
+        assert!(f.admit(1, StreamItem::Token));
+        assert!(f.streamed());
+        assert_eq!(f.restart(), None, "a token reached the client");
+        assert!(f.admit(1, StreamItem::End));
+        assert!(!f.admit(1, StreamItem::Token), "nothing after the end");
+        assert!(!f.admit(1, StreamItem::End));
+        let mut f = StreamFence::default();
+        assert!(f.admit(0, StreamItem::End));
+        assert_eq!(f.restart(), None, "an ended stream is not restarted");
+    }
+
+    #[test]
+    fn causes_are_node_failures_and_drains_only() {
+        let drained = Outcome::Rejected(Refusal::draining(Role::Decode));
+        assert_eq!(
+            Cause::of(&drained),
+            Some(Cause {
+                role: Role::Decode,
+                counts: false
+            })
+        );
+        assert_eq!(Cause::of(&down(Role::Prefill)).unwrap().role, Role::Prefill);
+        assert_eq!(
+            Cause::of(&Outcome::Failed(Failure::LeaseExpired)),
+            Some(Cause {
+                role: Role::Prefill,
+                counts: true
+            })
+        );
+        let busy = Refusal {
+            kind: RefusalKind::Busy,
+            message: "pool full".into(),
+        };
+        let reason = FailReason::new(FailKind::Integrity, "checksum");
+        for o in [
+            Outcome::Succeeded,
+            Outcome::Aborted,
+            Outcome::Rejected(busy),
+            Outcome::Failed(Failure::Decode(reason.clone())),
+            Outcome::Failed(Failure::Prefill(reason)),
+            down(Role::Coordinator),
+        ] {
+            assert_eq!(Cause::of(&o), None, "{o:?}");
+        }
+    }
+
+    #[test]
+    fn failed_attempts_are_bounded_and_avoided() {
+        let mut a = Attempts::new(RetryPolicy::default());
+        let mut f = StreamFence::default();
+        let r = a.after_release(&down(Role::Decode), (0, 1), false, NOW, &mut f);
+        assert_eq!(r, Retry::Restart { attempt: 1 });
+        assert!(a.avoids(Role::Decode, 1) && !a.avoids(Role::Prefill, 0));
+        let r = a.after_release(&down(Role::Prefill), (0, 2), false, NOW, &mut f);
+        assert_eq!(r, Retry::Restart { attempt: 2 });
+        let r = a.after_release(&down(Role::Decode), (1, 2), false, NOW, &mut f);
+        assert_eq!(r, Retry::Fail, "a third failed attempt ends the request");
+        assert_eq!(a.failed(), 3);
+        assert_eq!(f.attempt(), 2, "the fence moves only on a restart");
+    }
+
+    #[test]
+    fn drain_refusals_do_not_count() {
+        let mut a = Attempts::new(RetryPolicy {
+            max_failed: 0,
+            ..RetryPolicy::default()
+        });
+        let mut f = StreamFence::default();
+        for i in 0..4 {
+            let drained = Outcome::Rejected(Refusal::draining(Role::Decode));
+            let r = a.after_release(&drained, (0, i), false, NOW, &mut f);
+            assert!(matches!(r, Retry::Restart { .. }), "{i}");
+        }
+        let r = a.after_release(&down(Role::Decode), (0, 9), false, NOW, &mut f);
+        assert_eq!(r, Retry::Fail);
+    }
+
+    #[test]
+    fn no_restart_after_a_token_past_the_deadline_or_for_a_gone_client() {
+        let policy = RetryPolicy::default();
+        let mut f = StreamFence::default();
+        assert!(f.admit(0, StreamItem::Token));
+        let mut a = Attempts::new(policy);
+        let r = a.after_release(&down(Role::Decode), (0, 0), false, NOW, &mut f);
+        assert_eq!(r, Retry::Fail, "a token reached the client");
+        let mut f = StreamFence::default();
+        let r = a.after_release(&down(Role::Decode), (0, 1), false, policy.deadline, &mut f);
+        assert_eq!(r, Retry::Fail, "past the deadline");
+        let mut a = Attempts::new(policy);
+        let r = a.after_release(&down(Role::Decode), (0, 1), true, NOW, &mut f);
+        assert_eq!(r, Retry::Fail, "nobody waits");
+        assert_eq!(f.attempt(), 0, "no fence moved");
+        let r = a.after_release(&Outcome::Succeeded, (0, 1), false, NOW, &mut f);
+        assert_eq!(r, Retry::Fail);
+    }
+}
