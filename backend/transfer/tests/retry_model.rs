@@ -303,28 +303,27 @@ fn retry_before_the_first_token_is_safe_and_answers() {
     assert_eq!(checker.unique_state_count(), 652);
 }
 
+/// Runs a broken variant and requires a counterexample to `property`.
+fn caught(variant: Variant, property: &'static str) {
+    let checker = run(variant, Some(property));
+    let path = checker.discovery(property).expect("a counterexample");
+    println!("{property}: broken by {:?}", path.into_actions());
+}
+
 #[test]
 fn without_the_fence_a_client_gets_two_attempts_tokens() {
-    let checker = run(
-        Variant {
-            no_fence: true,
-            ..Variant::default()
-        },
-        Some(ONE_ATTEMPT),
-    );
-    let path = checker.discovery(ONE_ATTEMPT).expect("a counterexample");
-    println!("{ONE_ATTEMPT}: broken by {:?}", path.into_actions());
+    let no_fence = Variant {
+        no_fence: true,
+        ..Variant::default()
+    };
+    caught(no_fence, ONE_ATTEMPT);
 }
 
 #[test]
 fn without_a_bound_a_request_runs_on_every_pair() {
-    let checker = run(
-        Variant {
-            unbounded: true,
-            ..Variant::default()
-        },
-        Some(BOUNDED),
-    );
-    let path = checker.discovery(BOUNDED).expect("a counterexample");
-    println!("{BOUNDED}: broken by {:?}", path.into_actions());
+    let unbounded = Variant {
+        unbounded: true,
+        ..Variant::default()
+    };
+    caught(unbounded, BOUNDED);
 }
