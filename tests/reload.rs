@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::metrics::gateway_metric;
 use common::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -127,30 +128,11 @@ fn addr(port: u16) -> String {
     format!("127.0.0.1:{port}")
 }
 
-/// `/metrics` (admin token): the value of `series`, 0 when absent.
-/// `tessera_config_reloads_total` for `outcome` (`applied` or `refused`).
+/// `tessera_config_reloads_total` for `outcome` (`applied` or `refused`), read from
+/// `/metrics` with the admin token; 0 when absent.
 async fn reloads(gw: &Gateway, token: &str, outcome: &str) -> f64 {
     let series = format!("tessera_config_reloads_total{{outcome=\"{outcome}\"}}");
-    metric(gw, token, &series).await
-}
-
-async fn metric(gw: &Gateway, token: &str, series: &str) -> f64 {
-    let text = reqwest::Client::new()
-        .get(format!("{}/metrics", gw.base))
-        .bearer_auth(token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            (k == series).then(|| v.parse().ok())?
-        })
-        .unwrap_or(0.0)
+    gateway_metric(gw, token, &series).await.0
 }
 
 /// Waits until `path` contains `needle` (a log line), or panics at the deadline.

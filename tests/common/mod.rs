@@ -1,14 +1,20 @@
-//! Helpers shared by the multi-process tests (`pd_nodes.rs`, `node_links.rs`): free
-//! loopback ports, deployment files with their node-link certificates, `tessera node`
-//! and `tessera serve` processes, HTTP and SSE clients, and request bodies.
+//! Helpers shared by the multi-process tests (`pd_nodes.rs`, `node_links.rs`, ...):
+//! free loopback ports, deployment files with their node-link certificates, `tessera
+//! node` and `tessera serve` processes, HTTP and SSE clients, and request bodies; a raw
+//! node-link client in [`links`], `/metrics` scraping in [`metrics`].
 //!
 //! Every wait is bounded by a deadline; nothing asserts how fast anything runs.
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod links;
+pub mod metrics;
+
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -321,6 +327,43 @@ impl Gateway {
     }
 }
 
+/// A tenant sending `body` in a loop until stopped; every answer must be 200 and
+/// equal `solo`. The task returns how many it got, or the first bad answer.
+pub fn serve_tenant(
+    gw: &Gateway,
+    body: Value,
+    solo: Value,
+) -> (
+    Arc<AtomicBool>,
+    tokio::task::JoinHandle<Result<usize, String>>,
+) {
+    let (url, key) = (gw.url(), gw.key.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    let task = tokio::spawn(async move {
+        let client = reqwest::Client::new();
+        let mut n = 0;
+        while !s.load(Ordering::Acquire) {
+            let r = client
+                .post(&url)
+                .bearer_auth(&key)
+                .json(&body)
+                .timeout(REQUEST)
+                .send()
+                .await
+                .map_err(|e| format!("request {n}: {e}"))?;
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            if status != 200 || answer(&v["result"]) != answer(&solo) {
+                return Err(format!("request {n}: {status} {v} (solo: {solo})"));
+            }
+            n += 1;
+        }
+        Ok(n)
+    });
+    (stop, task)
+}
+
 /// One SSE event of a Workers AI stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ev {
@@ -468,6 +511,31 @@ impl Deployment {
         }
     }
 
+    /// Starts the deployment file `config` in `dir` (written for prefill port `p` and
+    /// decode port `d`): the decode node with its metrics on a port of its own, the
+    /// prefill node and a gateway. Returns the decode node's metrics URL too.
+    pub async fn start_metered(
+        dir: tempfile::TempDir,
+        config: PathBuf,
+        p: u16,
+        d: u16,
+    ) -> (Self, String) {
+        let (decode, metrics) =
+            start_node_with_metrics(dir.path(), &config, "decode", d, &[]).await;
+        let prefill = start_node(dir.path(), &config, "prefill", p).await;
+        let gateway = start_config_gateway(dir.path(), &config, "data", "gateway.log", &[]).await;
+        let dep = Self {
+            prefill_addr: format!("127.0.0.1:{p}"),
+            decode_addr: format!("127.0.0.1:{d}"),
+            dir,
+            config,
+            prefill: Some(prefill),
+            decode: Some(decode),
+            gateway,
+        };
+        (dep, metrics)
+    }
+
     pub fn port(addr: &str) -> u16 {
         addr.rsplit(':').next().unwrap().parse().unwrap()
     }
@@ -587,6 +655,46 @@ pub async fn start_node_with(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Child {
+    let log = if dir.join(format!("{role}.log")).exists() {
+        dir.join(format!("{role}-{port}.log"))
+    } else {
+        dir.join(format!("{role}.log"))
+    };
+    spawn_node(config, role, port, extra, env, &log).await.0
+}
+
+/// Starts a node like [`start_node_with`], with its metrics on a port of its own
+/// (log `ROLE-PORT.log`); returns the metrics URL too.
+pub async fn start_node_with_metrics(
+    dir: &Path,
+    config: &Path,
+    role: &str,
+    port: u16,
+    extra: &[&str],
+) -> (Child, String) {
+    let mut args = vec!["--metrics-listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let log = dir.join(format!("{role}-{port}.log"));
+    let (child, lines) = spawn_node(config, role, port, &args, &[], &log).await;
+    let url = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("tessera node: metrics on "))
+        .unwrap_or_else(|| panic!("no metrics line in {lines:?}"))
+        .trim()
+        .to_string();
+    (child, url)
+}
+
+/// Spawns `tessera node --role ROLE` on `127.0.0.1:PORT` with `extra` arguments (log
+/// `log`) and waits until it listens: the child and its stdout lines so far.
+async fn spawn_node(
+    config: &Path,
+    role: &str,
+    port: u16,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    log: &Path,
+) -> (Child, Vec<String>) {
     let listen = format!("127.0.0.1:{port}");
     let transport = transport();
     let mut args = vec![
@@ -601,14 +709,7 @@ pub async fn start_node_with(
         &transport,
     ];
     args.extend_from_slice(extra);
-    let log = if dir.join(format!("{role}.log")).exists() {
-        dir.join(format!("{role}-{port}.log"))
-    } else {
-        dir.join(format!("{role}.log"))
-    };
-    spawn_until_env(&args, env, &log, |l| l.contains("listening on"))
-        .await
-        .0
+    spawn_until_env(&args, env, log, |l| l.contains("listening on")).await
 }
 
 /// Starts `tessera serve --config CONFIG` (store in `dir/DATA`) with `extra`

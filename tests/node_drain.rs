@@ -1,0 +1,246 @@
+//! Draining nodes, with real `tessera node` and `tessera serve --config` processes
+//! on loopback: a draining decode node or prefill node refuses new work (from the
+//! gateway, and from a raw gateway-identity client: `common/links.rs`) and ends or
+//! finishes what it holds, and `tessera node drain` lets a running prefill finish;
+//! each node exits 0. SIGTERM's drain with two decode nodes: `node_loss.rs`.
+//!
+//! Every wait is bounded by a deadline; nothing asserts how fast anything runs.
+
+mod common;
+
+use common::links::*;
+use common::metrics::*;
+use common::*;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// A decode node refuses new work once its drain began, and the gateway serves what
+/// it refused on the other decode node. Decode 0's pool is full (one request holds
+/// a whole context window) when a request is routed to it and waits there for pages;
+/// SIGTERM: the waiting request is refused by the node (it held nothing) and gets its
+/// solo answer from decode 1; a `Prealloc` a raw gateway-identity client sends after
+/// the node said it drains is refused as draining (busy, retryable); requests sent
+/// during the drain all get their solo answers; the running request ends at the
+/// deadline with an error, and the node exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_decode_node_refuses_new_work_and_the_other_serves_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d0, d1) = (free_port(), free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d0, d1], (CONTEXT, CONTEXT));
+    let (mut decode0, metrics0) = start_node_with_metrics(
+        dir.path(),
+        &config,
+        "decode",
+        d0,
+        &["--drain-timeout-secs", "10"],
+    )
+    .await;
+    let _decode1 = start_node(dir.path(), &config, "decode", d1).await;
+    let _prefill = start_node(dir.path(), &config, "prefill", p).await;
+    let gw = start_config_gateway(dir.path(), &config, "data", "gateway.log", &[]).await;
+    let short = greedy(12);
+    let solo = gw.run_when_up(&short).await["result"].clone();
+    let prompt = gw.run_when_up(&endless(1)).await["result"]["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    // Routing: fewest outstanding, ties to the lower index. `a` fills decode 0's pool
+    // (prompt + max_tokens = the whole pool), `b` goes to decode 1, `c` to decode 0,
+    // where it waits for pages.
+    let mut a = gw.stream(&endless(CONTEXT - prompt)).await;
+    a.read_texts(2).await;
+    let mut b = gw.stream(&endless(4000)).await;
+    b.read_texts(2).await;
+    assert!(a.tokens() >= 2 && b.tokens() >= 2, "{}", logs(dir.path()));
+    let c = gw.spawn_run(&short);
+    let queue = format!(r#"tessera_queue_depth{{node="127.0.0.1:{d0}",role="decode"}}"#);
+    let deadline = Instant::now() + REQUEST;
+    while metric(&metrics0, &queue).await < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the third request never waited at decode 0\n{}",
+            logs(dir.path())
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let certs = dir.path().join("certs");
+    let as_gateway = client(&certs.join("ca.pem"), Some(&identity(&certs, "gateway")));
+    let mut raw = Raw::open(d0, &node_name("decode", d0), &as_gateway, "Coordinator").await;
+
+    let pid = decode0.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    // The waiting request: refused at decode 0, served by decode 1.
+    let (status, v) = tokio::time::timeout(REQUEST, c).await.unwrap().unwrap();
+    assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
+    assert_eq!(answer(&v["result"]), answer(&solo));
+    // A Prealloc after the node said it drains: refused as draining.
+    let status = raw.until(|h| !h["status"].is_null()).await;
+    assert_eq!(status, Some(json!({"status": {"draining": true}})));
+    let req = raw_req(1);
+    raw.send(&raw_prealloc(
+        req,
+        20,
+        4,
+        (20, 4),
+        &format!("127.0.0.1:{p}"),
+    ))
+    .await;
+    let r = raw.reply(req).await;
+    assert_eq!(r["type"], "rejected", "{r}");
+    assert_eq!(r["by"], "Decode", "{r}");
+    assert_eq!(r["reason"]["kind"], "Busy", "{r}");
+    assert!(
+        r["reason"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("draining"),
+        "{r}"
+    );
+    // Requests sent during the drain.
+    for _ in 0..3 {
+        let (status, v) = gw.run(&short).await;
+        assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
+        assert_eq!(answer(&v["result"]), answer(&solo));
+    }
+    drop(raw);
+    a.read_to_end().await;
+    a.assert_cut(&logs(dir.path()));
+    let status = tokio::time::timeout(START, decode0.wait())
+        .await
+        .expect("the drained node exits")
+        .unwrap();
+    assert!(status.success(), "{status:?}\n{}", logs(dir.path()));
+    b.read_until(Duration::from_secs(1), |_| false).await;
+    assert!(!b.has_error(), "{:?}", b.events.last());
+}
+
+/// A prefill node refuses new work once its drain began and finishes what it holds.
+/// A raw gateway-identity client hands it a request whose transfer cannot complete
+/// yet (its decode node's port accepts connections but never answers the TLS
+/// handshake), then asks it to drain on the same link: the node says it drains, a
+/// second `Prefill` is refused as draining (busy, retryable) before anything is
+/// computed, the held request fails once its transfer does, and the node exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_prefill_node_refuses_new_work_and_finishes_what_it_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d) = (free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
+    // The decode node's port: connections queue in the backlog, nothing answers.
+    let _silent = std::net::TcpListener::bind(("127.0.0.1", d)).unwrap();
+    let mut prefill = start_node(dir.path(), &config, "prefill", p).await;
+    let certs = dir.path().join("certs");
+    let as_gateway = client(&certs.join("ca.pem"), Some(&identity(&certs, "gateway")));
+    let mut raw = Raw::open(p, &node_name("prefill", p), &as_gateway, "Coordinator").await;
+    // Held: the node carries it until its transfer fails (in order on this link, so
+    // before the drain below).
+    let (held, late) = (raw_req(1), raw_req(2));
+    raw.send(&raw_prefill(held)).await;
+    raw.send(&frame(&json!("drain"), &[])).await;
+    let status = raw.until(|h| !h["status"].is_null()).await;
+    assert_eq!(
+        status,
+        Some(json!({"status": {"draining": true}})),
+        "{}",
+        logs(dir.path())
+    );
+    raw.send(&raw_prefill(late)).await;
+    let r = raw.reply(late).await;
+    assert_eq!(r["type"], "rejected", "{r}");
+    assert_eq!(r["by"], "Prefill", "{r}");
+    assert_eq!(r["reason"]["kind"], "Busy", "{r}");
+    assert!(
+        r["reason"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("draining"),
+        "{r}"
+    );
+    let r = raw
+        .until(|h| h["control"]["msg"]["req"] == held)
+        .await
+        .unwrap_or_else(|| panic!("no reply about the held request\n{}", logs(dir.path())));
+    let r = &r["control"]["msg"];
+    assert_eq!(r["type"], "prefill_failed", "{r}\n{}", logs(dir.path()));
+    let status = tokio::time::timeout(START, prefill.wait())
+        .await
+        .expect("the drained node exits")
+        .unwrap();
+    assert!(status.success(), "{status:?}\n{}", logs(dir.path()));
+}
+
+/// `tessera node drain ADDR --config FILE --wait-secs N` on the prefill node while it
+/// computes a long prompt (its drain deadline is far): the gateway is not ready (no other prefill node) and
+/// refuses new requests with 503, the running request completes with its solo
+/// answer, the node exits 0 and the command reports it; a restarted node serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_drain_lets_a_running_prefill_finish_then_the_node_exits() {
+    // A drain deadline no prefill here reaches: the running request must finish.
+    let mut dep = Deployment::start_with(&["--drain-timeout-secs", "240"]).await;
+    let body = prompt_of_words(1000, 4);
+    let solo = dep.gateway.run_when_up(&body).await["result"].clone();
+    let running = dep.gateway.spawn_run(&body);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let drain = tokio::process::Command::new(BIN)
+        .args([
+            "node",
+            "drain",
+            &dep.prefill_addr,
+            "--config",
+            dep.config.to_str().unwrap(),
+            "--wait-secs",
+            "240",
+        ])
+        .kill_on_drop(true)
+        .output();
+    let drain = tokio::spawn(drain);
+    // While it drains: not ready, and a new request is refused.
+    let deadline = Instant::now() + START;
+    loop {
+        let r = reqwest::get(format!("{}/readyz", dep.gateway.base))
+            .await
+            .unwrap()
+            .status();
+        if r == 503 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the gateway stayed ready while its only prefill node drained"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, v) = dep.gateway.run(&greedy(4)).await;
+    assert_eq!(status, 503, "{v}");
+    let (status, v) = tokio::time::timeout(REQUEST, running)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, 200, "{v}\n{}", dep.logs());
+    assert_eq!(answer(&v["result"]), answer(&solo));
+    let out = tokio::time::timeout(REQUEST, drain)
+        .await
+        .unwrap_or_else(|_| panic!("the drain did not end\n{}", dep.logs()))
+        .unwrap()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("drained and exited"), "{stdout}");
+    let node = dep.prefill.as_mut().unwrap();
+    let status = tokio::time::timeout(START, node.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    dep.prefill = None;
+    dep.restart("prefill").await;
+    let v = dep.gateway.run_when_up(&greedy(4)).await;
+    assert!(!v["result"]["response"].as_str().unwrap().is_empty(), "{v}");
+    dep.pool_is_free().await;
+}
