@@ -284,7 +284,7 @@ fn run() -> Result<()> {
         Command::Key { store, command } => tenancy_cli::key(store, command),
         Command::Usage { store, args } => tenancy_cli::usage(store, args),
         Command::Audit { store, args } => tenancy_cli::audit(store, args),
-        Command::Loadtest(args) => tessera_loadtest::main(args),
+        Command::Loadtest(args) => Ok(tessera_loadtest::main(args)?),
         Command::Ops {
             command: OpsCommand::Certs { command },
         } => certs(command),

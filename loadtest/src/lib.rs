@@ -29,6 +29,7 @@
 pub mod args;
 pub mod checks;
 pub mod client;
+pub mod error;
 pub mod fairness;
 pub mod fault;
 pub mod metrics;
@@ -38,6 +39,7 @@ pub mod tenants;
 pub mod workload;
 
 pub use args::{Api, LenDist, LoadtestArgs, Mode};
+pub use error::{InputFile, LoadtestError};
 pub use report::Report;
 pub use runner::run;
 
@@ -45,21 +47,31 @@ pub use runner::run;
 /// summary (unless `--quiet`).
 ///
 /// # Errors
-/// What [`run`] returns, and an error listing the failures when any check failed
-/// (so the process exits non-zero).
-pub fn main(args: LoadtestArgs) -> anyhow::Result<()> {
+/// What [`run`] returns, [`LoadtestError::Runtime`], and [`LoadtestError::Failed`]
+/// with the failures when any check failed (so the process exits non-zero).
+pub fn main(args: LoadtestArgs) -> Result<(), LoadtestError> {
     let quiet = args.quiet;
     let out = args.out.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?;
+        .build()
+        .map_err(LoadtestError::Runtime)?;
     let report = rt.block_on(run(args))?;
     if !quiet {
         print!("{}", report::summary(&report));
         println!("report: {}", out.join("report.html").display());
     }
     if !report.passed {
-        anyhow::bail!("load test failed: {}", report.failures.join("; "));
+        // The main target's checks (the `--compare` target's, if any, come after).
+        let main = report.targets.first().map(|t| &t.checks);
+        let count = |f: fn(&report::Checks) -> usize| main.map_or(0, f);
+        return Err(LoadtestError::Failed {
+            leaks: count(|c| c.leaks),
+            mismatches: count(|c| c.mismatches),
+            over_long_not_rejected: count(|c| c.over_long_not_rejected),
+            usage_mismatches: count(|c| c.usage_mismatches),
+            failures: report.failures,
+        });
     }
     Ok(())
 }

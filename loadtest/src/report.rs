@@ -5,10 +5,10 @@
 
 use crate::checks::{CanaryReport, EqualityReport, OverlongReport, UsageReport};
 use crate::client::{End, Outcome};
+use crate::error::LoadtestError;
 use crate::fairness::{FairnessReport, PrefixCacheReport};
 use crate::fault::FaultReport;
 use crate::metrics::{Bucket, Latency, Throughput};
-use anyhow::{Context, Result};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -931,13 +931,18 @@ pub fn write(
     report: &Report,
     phases: &[(&str, &str, &[Outcome])],
     load: &[&[Outcome]],
-) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+) -> Result<(), LoadtestError> {
+    std::fs::create_dir_all(dir).map_err(|source| LoadtestError::CreateDir {
+        path: dir.into(),
+        source,
+    })?;
+    let write = |name: &str, text: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|source| LoadtestError::WriteFile { path, source })
+    };
     let json = serde_json::to_string_pretty(report)?;
-    std::fs::write(dir.join("report.json"), json + "\n")
-        .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
-    std::fs::write(dir.join("report.html"), html(report, load))
-        .with_context(|| format!("writing {}", dir.join("report.html").display()))?;
+    write("report.json", json + "\n")?;
+    write("report.html", html(report, load))?;
     let mut lines = String::new();
     for (target, phase, outs) in phases {
         for o in outs.iter() {
@@ -948,9 +953,7 @@ pub fn write(
             lines.push('\n');
         }
     }
-    std::fs::write(dir.join("requests.jsonl"), lines)
-        .with_context(|| format!("writing {}", dir.join("requests.jsonl").display()))?;
-    Ok(())
+    write("requests.jsonl", lines)
 }
 
 #[cfg(test)]

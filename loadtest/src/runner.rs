@@ -5,6 +5,7 @@
 use crate::args::{Api, LoadtestArgs};
 use crate::checks::{self, UsageTotals};
 use crate::client::{self, Call, End, Outcome, Target};
+use crate::error::LoadtestError;
 use crate::fairness;
 use crate::fault::{self, FaultPlan, FaultTimes};
 use crate::metrics;
@@ -14,7 +15,6 @@ use crate::report::{
 };
 use crate::tenants::{self, Tenant};
 use crate::workload::{describe, PlannedRequest, Workload};
-use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -75,9 +75,15 @@ async fn catalog_context(
 }
 
 /// A tenant's usage totals from `GET /client/v4/accounts/{id}/ai/usage`.
-async fn read_usage(http: &reqwest::Client, base: &str, t: &Tenant) -> Result<UsageTotals> {
+async fn read_usage(
+    http: &reqwest::Client,
+    base: &str,
+    t: &Tenant,
+) -> Result<UsageTotals, LoadtestError> {
     let (Some(acct), Some(key)) = (&t.account_id, &t.key) else {
-        bail!("tenant {} has no account id and key", t.label);
+        return Err(LoadtestError::NoAccount {
+            tenant: t.label.clone(),
+        });
     };
     let url = format!("{base}/client/v4/accounts/{acct}/ai/usage");
     let resp = http
@@ -85,11 +91,19 @@ async fn read_usage(http: &reqwest::Client, base: &str, t: &Tenant) -> Result<Us
         .bearer_auth(key)
         .send()
         .await
-        .with_context(|| format!("GET {url}"))?;
+        .map_err(|source| LoadtestError::Request {
+            method: "GET",
+            url: url.clone(),
+            source,
+        })?;
     let status = resp.status();
     let v: Value = resp.json().await.unwrap_or(Value::Null);
     if !status.is_success() {
-        bail!("GET {url}: HTTP {status}: {v}");
+        return Err(LoadtestError::UsageRefused {
+            url,
+            status,
+            body: v,
+        });
     }
     let tot = &v["result"]["totals"];
     let n = |k: &str| tot.get(k).and_then(Value::as_u64).unwrap_or(0);
@@ -106,7 +120,7 @@ async fn read_usage_all(
     http: &reqwest::Client,
     base: &str,
     tenants: &[Tenant],
-) -> Result<Vec<UsageTotals>> {
+) -> Result<Vec<UsageTotals>, LoadtestError> {
     let mut out = Vec::with_capacity(tenants.len());
     for t in tenants {
         out.push(read_usage(http, base, t).await?);
@@ -376,8 +390,8 @@ fn measure(
 /// # Errors
 /// Invalid arguments, tenant creation or the usage API failing, or the report
 /// folder not writable.
-pub async fn run(args: LoadtestArgs) -> Result<Report> {
-    args.validate().map_err(anyhow::Error::msg)?;
+pub async fn run(args: LoadtestArgs) -> Result<Report, LoadtestError> {
+    args.validate().map_err(LoadtestError::InvalidArgs)?;
     let created_unix_s = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -389,11 +403,11 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
         .map(|u| u.trim_end_matches('/').to_string())
         .collect();
     let timeout = Duration::from_secs_f64(args.request_timeout_secs);
-    let http = client::http_client(timeout)?;
+    let http = client::http_client(timeout).map_err(LoadtestError::HttpClient)?;
     let run_id = format!("{:08x}", rand::random::<u32>());
     let tenants = tenants::resolve(&http, &args, &run_id).await?;
     if args.api == Api::WorkersAi && tenants.iter().any(|t| t.account_id.is_none()) {
-        bail!("--api workers-ai needs tenants with account ids: give --admin-token or --keys-file (or use --api openai)");
+        return Err(LoadtestError::NoAccountIds);
     }
     // Normal prompts fit the smallest window of the models (a prompt may go to any
     // of them); over-long ones exceed the largest.
@@ -572,7 +586,7 @@ pub async fn run(args: LoadtestArgs) -> Result<Report> {
                     }
                 }
                 Err(e) if Instant::now() >= settle => {
-                    failures.push(format!("cannot read usage: {e:#}"));
+                    failures.push(format!("cannot read usage: {}", e.with_sources()));
                     break None;
                 }
                 Err(_) => {}

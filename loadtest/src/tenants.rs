@@ -3,7 +3,7 @@
 //! tenants' requests apart, but the server cannot).
 
 use crate::args::LoadtestArgs;
-use anyhow::{bail, Context, Result};
+use crate::error::{InputFile, LoadtestError};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -46,27 +46,35 @@ pub fn virtual_tenants(n: usize, key: Option<&str>) -> Vec<Tenant> {
 ///
 /// # Errors
 /// An unreadable file, malformed JSON, or an entry without a key.
-pub fn read_keys_file(path: &std::path::Path) -> Result<Vec<Tenant>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading keys file {}", path.display()))?;
+pub fn read_keys_file(path: &std::path::Path) -> Result<Vec<Tenant>, LoadtestError> {
+    let text = std::fs::read_to_string(path).map_err(|source| LoadtestError::ReadInput {
+        file: InputFile::Keys,
+        path: path.into(),
+        source,
+    })?;
+    let bad = |line, source| LoadtestError::BadKeysFile {
+        path: path.into(),
+        line,
+        source,
+    };
     let mut tenants: Vec<Tenant> = if text.trim_start().starts_with('[') {
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+        serde_json::from_str(&text).map_err(|e| bad(None, e))?
     } else {
         text.lines()
             .filter(|l| !l.trim().is_empty())
             .enumerate()
-            .map(|(i, l)| {
-                serde_json::from_str(l)
-                    .with_context(|| format!("{} line {}", path.display(), i + 1))
-            })
-            .collect::<Result<_>>()?
+            .map(|(i, l)| serde_json::from_str(l).map_err(|e| bad(Some(i + 1), e)))
+            .collect::<Result<_, _>>()?
     };
     if tenants.is_empty() {
-        bail!("keys file {} lists no tenants", path.display());
+        return Err(LoadtestError::NoTenants { path: path.into() });
     }
     for (i, t) in tenants.iter_mut().enumerate() {
         if t.key.is_none() {
-            bail!("keys file {} entry {i} has no `key`", path.display());
+            return Err(LoadtestError::KeylessTenant {
+                path: path.into(),
+                entry: i,
+            });
         }
         if t.label.is_empty() {
             t.label = format!("t{i}");
@@ -87,21 +95,26 @@ pub async fn create_tenants(
     admin_token: &str,
     n: usize,
     run: &str,
-) -> Result<Vec<Tenant>> {
+) -> Result<Vec<Tenant>, LoadtestError> {
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let name = format!("loadtest-{run}-{i}");
+        let url = format!("{base}/admin/v1/tenants");
         let resp = http
-            .post(format!("{base}/admin/v1/tenants"))
+            .post(&url)
             .bearer_auth(admin_token)
             .json(&json!({"name": name, "create_key": true}))
             .send()
             .await
-            .with_context(|| format!("POST {base}/admin/v1/tenants"))?;
+            .map_err(|source| LoadtestError::Request {
+                method: "POST",
+                url,
+                source,
+            })?;
         let status = resp.status();
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         if !status.is_success() {
-            bail!("creating tenant {name}: HTTP {status}: {body}");
+            return Err(LoadtestError::TenantRefused { name, status, body });
         }
         let account_id = body["result"]["tenant"]["id"].as_str();
         let key = body["result"]["key"]["secret"].as_str();
@@ -111,7 +124,7 @@ pub async fn create_tenants(
                 account_id: Some(a.to_string()),
                 key: Some(k.to_string()),
             }),
-            _ => bail!("creating tenant {name}: unexpected answer {body}"),
+            _ => return Err(LoadtestError::TenantAnswer { name, body }),
         }
     }
     Ok(out)
@@ -125,7 +138,7 @@ pub async fn resolve(
     http: &reqwest::Client,
     args: &LoadtestArgs,
     run: &str,
-) -> Result<Vec<Tenant>> {
+) -> Result<Vec<Tenant>, LoadtestError> {
     if let Some(path) = &args.keys_file {
         return read_keys_file(path);
     }

@@ -6,7 +6,7 @@
 //! server (the basis of `--compare`).
 
 use crate::args::{LenDist, LoadtestArgs, Mode};
-use anyhow::{bail, Context, Result};
+use crate::error::{InputFile, LoadtestError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Exp};
@@ -183,39 +183,47 @@ fn render_body(mode: Mode, context: &str, canary: &str, task: &str) -> String {
 
 /// Reads a JSONL prompts file: each line a JSON string or an object with
 /// `prompt` and optional `max_tokens`.
-fn read_prompts_file(path: &std::path::Path) -> Result<Vec<(String, Option<usize>)>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading prompts file {}", path.display()))?;
+fn read_prompts_file(
+    path: &std::path::Path,
+) -> Result<Vec<(String, Option<usize>)>, LoadtestError> {
+    let text = std::fs::read_to_string(path).map_err(|source| LoadtestError::ReadInput {
+        file: InputFile::Prompts,
+        path: path.into(),
+        source,
+    })?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() {
             continue;
         }
-        let v: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
+        let bad = |problem, json| LoadtestError::BadPrompt {
+            path: path.into(),
+            line: i + 1,
+            problem,
+            json,
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad("not JSON", Some(e)))?;
         let item = match &v {
             serde_json::Value::String(s) => (s.clone(), None),
             serde_json::Value::Object(o) => {
-                let p = o.get("prompt").and_then(|p| p.as_str()).with_context(|| {
-                    format!("{} line {}: needs a string `prompt`", path.display(), i + 1)
-                })?;
+                let p = o
+                    .get("prompt")
+                    .and_then(|p| p.as_str())
+                    .ok_or_else(|| bad("needs a string `prompt`", None))?;
                 let m = o
                     .get("max_tokens")
                     .and_then(|m| m.as_u64())
                     .map(|m| m as usize);
                 (p.to_string(), m)
             }
-            _ => bail!(
-                "{} line {}: must be a string or an object",
-                path.display(),
-                i + 1
-            ),
+            _ => return Err(bad("must be a string or an object", None)),
         };
         out.push(item);
     }
     if out.is_empty() {
-        bail!("prompts file {} has no prompts", path.display());
+        return Err(LoadtestError::NoPrompts { path: path.into() });
     }
     Ok(out)
 }
@@ -231,7 +239,11 @@ impl Workload {
     /// # Errors
     /// An unreadable or malformed `--prompts-file`; a shared prefix that does
     /// not fit the context window.
-    pub fn new(args: &LoadtestArgs, tenants: usize, context_window: usize) -> Result<Self> {
+    pub fn new(
+        args: &LoadtestArgs,
+        tenants: usize,
+        context_window: usize,
+    ) -> Result<Self, LoadtestError> {
         Self::for_windows(args, tenants, context_window, context_window)
     }
 
@@ -246,16 +258,19 @@ impl Workload {
         tenants: usize,
         smallest: usize,
         largest: usize,
-    ) -> Result<Self> {
+    ) -> Result<Self, LoadtestError> {
         let context_window = smallest;
         let file = match &args.prompts_file {
             Some(p) => Some(read_prompts_file(p)?),
             None => None,
         };
         let prefixes: Vec<String> = match args.shared_prefix_tokens {
-            Some(n) if n >= context_window => bail!(
-                "--shared-prefix-tokens ({n}) must be less than the context window ({context_window} tokens)"
-            ),
+            Some(n) if n >= context_window => {
+                return Err(LoadtestError::SharedPrefixTooLong {
+                    tokens: n,
+                    context_window,
+                })
+            }
             Some(n) => {
                 let mut prng = ChaCha8Rng::seed_from_u64(args.seed ^ 0x05ba_7ed0_9f1c_ed00);
                 (0..tenants).map(|_| shared_prefix(&mut prng, n)).collect()
