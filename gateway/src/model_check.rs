@@ -256,6 +256,7 @@ pub fn validate(
         stop: p.stop,
         ignore_eos: false,
         output,
+        resume: None,
     };
     limits
         .admit(request.clone())

@@ -317,6 +317,7 @@ pub fn raw_prealloc(
         stop: Vec::new(),
         ignore_eos: true,
         output: Default::default(),
+        resume: None,
     };
     frame(
         &json!({"control": {

@@ -49,6 +49,25 @@ pub struct GenerateRequest {
     /// the default asks nothing and costs nothing.
     #[serde(default)]
     pub output: OutputOptions,
+    /// Set when the request continues another attempt's output on this node (a
+    /// node failed mid-stream, issue 36); `None` for every new request.
+    #[serde(default)]
+    pub resume: Option<Resume>,
+}
+
+/// A request that continues output a client already received: its `prompt` is the
+/// original prompt followed by that output's `output_tokens` ids, prefilled like the
+/// prompt but counted as output by the penalties, the format constraint, the
+/// detokenizer, stop strings and usage, so the tokens that follow are those the
+/// uninterrupted run would have produced (greedy, and seeded sampling through
+/// `rng_word_pos`). `max_tokens` counts what is still to generate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Resume {
+    /// Output tokens at the end of `prompt` (fewer than the prompt's tokens).
+    pub output_tokens: usize,
+    /// The sampler's RNG word position after the last of them
+    /// ([`tessera_model::sampling::Sampler::rng_word_pos`]).
+    pub rng_word_pos: u64,
 }
 
 /// What a request asks of its output beyond the tokens. The default asks nothing.
@@ -133,6 +152,7 @@ impl GenerateRequest {
             stop: vec![],
             ignore_eos: false,
             output: OutputOptions::default(),
+            resume: None,
         }
     }
 }
@@ -204,7 +224,9 @@ fn check(
     page_size: usize,
     vocab: usize,
 ) -> Result<(), Rejection> {
-    if req.prompt.is_empty() {
+    // A continuation's resumed output must leave at least one prompt token.
+    let resumed = req.resume.map_or(0, |r| r.output_tokens);
+    if req.prompt.len() <= resumed {
         return Err(Rejection::EmptyPrompt);
     }
     if req.max_tokens == 0 {

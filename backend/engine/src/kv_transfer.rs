@@ -13,7 +13,7 @@ use crate::sink::EventSink;
 use std::time::Instant;
 use tessera_kernels::{BlockRef, IntegrityError};
 use tessera_model::kv::{PoolError, SeqId};
-use tessera_model::sampling::{Logprobs, Sampler};
+use tessera_model::sampling::Logprobs;
 use tessera_transfer::checksum::page_checksum;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::transport::DestPage;
@@ -230,8 +230,9 @@ impl Engine {
             submitted,
         } = import;
         let r = req.into_request();
-        let resumed = Sampler::resume(r.sampling.clone(), seed_fallback, rng_word_pos);
-        let mut sampler = match crate::engine::constrain(&self.tokenizer, &r, resumed) {
+        let sampler =
+            crate::engine::sampler_for(&self.tokenizer, &r, seed_fallback, Some(rng_word_pos));
+        let mut sampler = match sampler {
             Ok(s) => s,
             Err(e) => {
                 self.kv.release(seq);
@@ -244,6 +245,7 @@ impl Engine {
         // The prefill node's sampler consumed the first token; this one catches up.
         sampler.accept_external(first_token);
         let mut s = crate::engine::Seq::new(seq, r, sampler, sink, submitted, SeqRole::Generate);
+        s.prime(&self.tokenizer);
         s.prefilled = s.prompt.len();
         s.cached = cached_tokens;
         match accept_token(

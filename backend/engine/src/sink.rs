@@ -126,6 +126,9 @@ pub enum Event {
         /// for an end-of-sequence token, which is not output), and on the first
         /// token the prompt's.
         logprobs: Option<Box<Logprobs>>,
+        /// The sampler's RNG word position after this token: what a continuation
+        /// elsewhere resumes from ([`crate::Resume`]).
+        rng_word_pos: u64,
     },
     /// Normal end.
     Done {

@@ -222,6 +222,10 @@ impl Frame {
     }
 }
 
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
 /// A stream event on the wire.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -231,6 +235,9 @@ pub(crate) enum WireEvent {
         text: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         logprobs: Option<Box<Logprobs>>,
+        /// The sampler's RNG word position after the token (0 for greedy).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        rng: u64,
     },
     Done {
         stop: bool,
@@ -251,7 +258,17 @@ impl WireEvent {
     /// An engine event as the decode node sends it.
     pub(crate) fn from_event(e: Event) -> Self {
         match StreamEvent::from(e) {
-            StreamEvent::Token { id, text, logprobs } => Self::Token { id, text, logprobs },
+            StreamEvent::Token {
+                id,
+                text,
+                logprobs,
+                rng_word_pos,
+            } => Self::Token {
+                id,
+                text,
+                logprobs,
+                rng: rng_word_pos,
+            },
             StreamEvent::Done { reason, usage } => Self::Done {
                 stop: reason == FinishReason::Stop,
                 prompt_tokens: usage.prompt_tokens,
@@ -270,7 +287,17 @@ impl WireEvent {
     /// The event as the gateway's stream receives it.
     pub(crate) fn into_stream_event(self) -> StreamEvent {
         match self {
-            Self::Token { id, text, logprobs } => StreamEvent::Token { id, text, logprobs },
+            Self::Token {
+                id,
+                text,
+                logprobs,
+                rng,
+            } => StreamEvent::Token {
+                id,
+                text,
+                logprobs,
+                rng_word_pos: rng,
+            },
             Self::Done {
                 stop,
                 prompt_tokens,

@@ -33,6 +33,8 @@ pub enum StreamEvent {
         text: String,
         /// Log probabilities, when the request asked (see [`Event::Token`]).
         logprobs: Option<Box<Logprobs>>,
+        /// The sampler's RNG word position after the token (see [`Event::Token`]).
+        rng_word_pos: u64,
     },
     /// Normal end.
     Done {
@@ -48,7 +50,17 @@ pub enum StreamEvent {
 impl From<Event> for StreamEvent {
     fn from(e: Event) -> Self {
         match e {
-            Event::Token { id, text, logprobs } => Self::Token { id, text, logprobs },
+            Event::Token {
+                id,
+                text,
+                logprobs,
+                rng_word_pos,
+            } => Self::Token {
+                id,
+                text,
+                logprobs,
+                rng_word_pos,
+            },
             Event::Done { reason, usage } => Self::Done { reason, usage },
             Event::Error(e) => Self::Error(e.into()),
         }
@@ -251,6 +263,7 @@ mod tests {
             id: 1,
             text: "a".into(),
             logprobs: None,
+            rng_word_pos: 0,
         }));
         drop(decode);
         assert!(!stream.is_released(), "the guard's owner still holds it");

@@ -14,7 +14,7 @@
 mod seq;
 mod step;
 
-pub(crate) use seq::{accept_token, constrain, Accepted, Seq, SeqRole};
+pub(crate) use seq::{accept_token, sampler_for, Accepted, Seq, SeqRole};
 
 use crate::admission::{AdmissionLimits, Admitted, GenerateRequest, Rejection};
 use crate::scheduler::{FairnessConfig, Served, Vtc};

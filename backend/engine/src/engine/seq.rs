@@ -47,6 +47,9 @@ pub(crate) struct Seq {
     /// Prompt log probabilities computed so far (positions 1.., in order); sent
     /// with the first token.
     pub(crate) prompt_lp: Vec<TokenLogprobs>,
+    /// Output tokens at the end of `prompt` that a client already received (a
+    /// continuation, [`crate::Resume`]); 0 for a new request.
+    pub(crate) resumed: usize,
 }
 
 impl Seq {
@@ -69,6 +72,7 @@ impl Seq {
             logprobs: req.output.logprobs.map(|k| k as usize),
             prompt_logprobs: req.output.prompt_logprobs.map(|k| k as usize),
             prompt_lp: Vec::new(),
+            resumed: req.resume.map_or(0, |r| r.output_tokens),
             prompt: req.prompt,
             generated: Vec::new(),
             max_tokens: req.max_tokens,
@@ -83,6 +87,17 @@ impl Seq {
         }
     }
 
+    /// A continuation's detokenizer and stop-string matcher as they stood after its
+    /// resumed output (whose text the client has; what they still hold back comes
+    /// out as it would have). No-op for a new request.
+    pub(crate) fn prime(&mut self, tk: &Tokenizer) {
+        let at = self.prompt.len() - self.resumed;
+        for &t in &self.prompt[at..] {
+            let piece = self.detok.push(tk, t);
+            let _ = self.stop.push(&piece);
+        }
+    }
+
     pub(super) fn progress(&self) -> SeqProgress {
         SeqProgress {
             prompt: self.prompt.len(),
@@ -92,6 +107,44 @@ impl Seq {
             priority: self.priority,
         }
     }
+}
+
+/// A sequence's prompt and output so far as the penalties count them: the last
+/// `resumed` prompt tokens (a continuation's, [`crate::Resume`]) are output.
+pub(crate) fn penalty_view<'a>(
+    prompt: &'a [u32],
+    generated: &'a [u32],
+    resumed: usize,
+) -> (&'a [u32], std::borrow::Cow<'a, [u32]>) {
+    if resumed == 0 {
+        return (prompt, std::borrow::Cow::Borrowed(generated));
+    }
+    let (prompt, output) = prompt.split_at(prompt.len() - resumed);
+    (prompt, [output, generated].concat().into())
+}
+
+/// The sampler a request starts with on this engine: seeded from the request (or
+/// `seed_fallback`), its RNG stream at `rng_word_pos` (a sequence moved from a
+/// prefill node) or at a continuation's resumed position, restricted to the
+/// request's format, whose constraint has accepted a continuation's resumed output.
+///
+/// Errors: the format does not compile ([`constrain`]).
+pub(crate) fn sampler_for(
+    tk: &Tokenizer,
+    r: &GenerateRequest,
+    seed_fallback: u64,
+    rng_word_pos: Option<u128>,
+) -> Result<Sampler, EngineError> {
+    let resume = r.resume.unwrap_or_default();
+    let base = match rng_word_pos.or(r.resume.map(|x| u128::from(x.rng_word_pos))) {
+        Some(pos) => Sampler::resume(r.sampling.clone(), seed_fallback, pos),
+        None => Sampler::new(r.sampling.clone(), seed_fallback),
+    };
+    let mut sampler = constrain(tk, r, base)?;
+    for &t in &r.prompt[r.prompt.len() - resume.output_tokens..] {
+        sampler.accept_external(t);
+    }
+    Ok(sampler)
 }
 
 /// `sampler` restricted to the request's `response_format`, when it has one (the
@@ -174,6 +227,7 @@ pub(crate) fn accept_token(
         id: tok,
         text,
         logprobs,
+        rng_word_pos: s.sampler.rng_word_pos() as u64,
     };
     if s.sink.send(ev).is_err() {
         return Accepted::Disconnected;
@@ -186,9 +240,10 @@ pub(crate) fn accept_token(
     Accepted::Finished(Event::Done {
         reason,
         usage: Usage {
-            prompt_tokens: s.prompt.len(),
-            completion_tokens: n,
-            cached_tokens: s.cached,
+            // A continuation reports the whole request: its resumed output is output.
+            prompt_tokens: s.prompt.len() - s.resumed,
+            completion_tokens: n + s.resumed,
+            cached_tokens: s.cached.min(s.prompt.len() - s.resumed),
             ttft: first - s.submitted,
             tpot: if n > 1 {
                 (now - first) / (n as u32 - 1)

@@ -1,13 +1,15 @@
 //! One engine step: the scheduler's plan (admission, chunks, decode rows) run as
 //! one forward pass, its tokens sampled and sent, finished sequences retired.
 
-use super::seq::{accept_token, constrain, output_logprobs, Accepted, Seq, SeqRole};
+use super::seq::{
+    accept_token, output_logprobs, penalty_view, sampler_for, Accepted, Seq, SeqRole,
+};
 use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Waiting};
 use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
 use crate::sink::{EngineError, Event};
 use std::time::Instant;
 use tessera_model::kv::{ReserveError, SeqId};
-use tessera_model::sampling::{token_logprobs, Sampler};
+use tessera_model::sampling::token_logprobs;
 use tessera_model::transformer::BatchRow;
 impl Engine {
     fn step_limits(&self) -> StepLimits {
@@ -111,9 +113,10 @@ impl Engine {
                 }
                 continue;
             }
-            let (tok, lp) =
-                s.sampler
-                    .sample_logprobs(&mut logits, &s.prompt, &s.generated, s.logprobs);
+            let (prompt, output) = penalty_view(&s.prompt, &s.generated, s.resumed);
+            let (tok, lp) = s
+                .sampler
+                .sample_logprobs(&mut logits, prompt, &output, s.logprobs);
             let logprobs = output_logprobs(s, tok, lp, &self.stop_ids);
             if s.role == SeqRole::Prefill {
                 prefilled.push(Prefilled {
@@ -260,8 +263,7 @@ impl Engine {
     fn start_waiting(&mut self, w: Waiting) {
         // The format compiles before any page is reserved (a few ms at most).
         let r = w.req.request();
-        let sampler = match constrain(&self.tokenizer, r, Sampler::new(r.sampling.clone(), w.id.0))
-        {
+        let sampler = match sampler_for(&self.tokenizer, r, w.id.0, None) {
             Ok(s) => s,
             Err(e) => {
                 self.fail_unstarted(w, e);
@@ -299,6 +301,7 @@ impl Engine {
         } = w;
         let r = req.into_request();
         let mut s = Seq::new(id, r, sampler, sink, submitted, role);
+        s.prime(&self.tokenizer);
         s.cached = hits * self.cfg.page_size;
         s.prefilled = s.cached;
         s.chain = chain;
