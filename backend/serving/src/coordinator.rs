@@ -9,11 +9,11 @@
 
 use crate::error::ServeError;
 use crate::routing::{Reach, Router};
-use crate::stream::{request_channel, ClientSink, RequestStream};
+use crate::stream::{request_channel, ClientSink, Continue, RequestStream};
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection};
+use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection, Resume};
 use tessera_transfer::protocol::{
     Attempts, Cause, Coordinator, Msg, Outcome, Output, ReqId, Retry, RetryPolicy, Role,
 };
@@ -196,6 +196,9 @@ struct CoordReq {
     held: Option<Outcome>,
     /// The request's attempts: failures so far, nodes to avoid.
     attempts: Attempts,
+    /// What the current attempt runs when it continues tokens a client already has
+    /// ([`continuation`]); `None`: `body` itself.
+    attempt_body: Option<GenerateRequest>,
 }
 
 /// The protocol machine of `body` as request `req`, and what it emits first (the
@@ -235,15 +238,23 @@ fn after_release(
     outcome: Outcome,
 ) {
     let gone = r.client.is_cancelled();
-    let (pair, elapsed) = ((r.prefill, r.decode), r.submitted.elapsed());
+    let pair = (r.prefill, r.decode);
     let attempts = &mut r.attempts;
-    let attempt = r.client.decide_restart(|fence| {
-        match attempts.after_release(&outcome, pair, gone, elapsed, fence) {
-            Retry::Restart { attempt } => Some(attempt),
+    let max_tokens = r.body.max_tokens;
+    let mut attempt = 0;
+    let resumed = r.client.decide_restart(|fence, tokens, waited| {
+        // A stream with every token but its end cannot be continued (nothing is
+        // left to generate): it ends with the error.
+        let continuable = tokens.len() < max_tokens;
+        match attempts.after_release(&outcome, pair, gone, waited, continuable, fence) {
+            Retry::Restart { attempt: a } => {
+                attempt = a;
+                Some(a)
+            }
             Retry::Fail => None,
         }
     });
-    let Some(attempt) = attempt else {
+    let Some(resumed) = resumed else {
         if !gone {
             r.client.fail(client_error(&outcome));
         }
@@ -266,6 +277,11 @@ fn after_release(
     let req = new_req_id();
     // A warning: operators see what a node's loss or drain cost (the lines beside it
     // name the node).
+    let what = if resumed.tokens.is_empty() {
+        "starting the request again on other nodes before its first token"
+    } else {
+        "continuing the request on other nodes after the tokens its client has"
+    };
     tracing::warn!(
         ?old,
         new = ?req,
@@ -273,17 +289,38 @@ fn after_release(
         ?outcome,
         prefill,
         decode,
-        "starting the request again on other nodes before its first token"
+        streamed = resumed.tokens.len(),
+        "{what}"
     );
     (r.prefill, r.decode) = (prefill, decode);
     (r.prefill_down, r.decode_down) = (false, false);
     r.prefill_epoch = nodes.epoch(Role::Prefill, prefill);
     r.decode_epoch = nodes.epoch(Role::Decode, decode);
-    let (proto, out) = protocol_for(req, &r.body);
+    r.attempt_body = continuation(&r.body, resumed);
+    let (proto, out) = protocol_for(req, r.attempt_body.as_ref().unwrap_or(&r.body));
     r.proto = proto;
     r.last_heard = Instant::now();
     reqs.insert(req, r);
     execute(nodes, reqs, req, out);
+}
+
+/// The request an attempt after `resumed.tokens` runs: `None` (the request as
+/// submitted) without tokens; otherwise the prompt followed by those tokens, marked
+/// as output the client has ([`Resume`]), for what is left of `max_tokens`, without
+/// prompt log probabilities (the client has them).
+fn continuation(body: &GenerateRequest, resumed: Continue) -> Option<GenerateRequest> {
+    if resumed.tokens.is_empty() {
+        return None;
+    }
+    let mut c = body.clone();
+    c.max_tokens -= resumed.tokens.len();
+    c.resume = Some(Resume {
+        output_tokens: resumed.tokens.len(),
+        rng_word_pos: resumed.rng_word_pos,
+    });
+    c.prompt.extend(resumed.tokens);
+    c.output.prompt_logprobs = None;
+    Some(c)
 }
 
 /// How often the coordinator looks for clients that went away and dead nodes.
@@ -338,6 +375,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         affinity,
                         held: None,
                         attempts: Attempts::new(RetryPolicy::default()),
+                        attempt_body: None,
                     },
                 );
                 execute(&*nodes, &mut reqs, req, out);
@@ -419,7 +457,7 @@ fn execute(
             } => {
                 let extra = match msg {
                     Msg::Prealloc { .. } => Extra::Decode {
-                        body: r.body.clone(),
+                        body: r.attempt_body.as_ref().unwrap_or(&r.body).clone(),
                         client: r.client.detached(),
                         submitted: r.submitted,
                         prefill: r.prefill,
@@ -441,7 +479,7 @@ fn execute(
             } => {
                 let extra = match msg {
                     Msg::Prefill { .. } => Extra::Prefill {
-                        body: r.body.clone(),
+                        body: r.attempt_body.as_ref().unwrap_or(&r.body).clone(),
                         decode: r.decode,
                         trace: r.trace.clone(),
                     },

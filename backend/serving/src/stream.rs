@@ -13,6 +13,7 @@
 use crate::error::ServeError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tessera_engine::sink::{EventSink, Gone};
 use tessera_engine::{Event, FinishReason, Usage};
 use tessera_model::sampling::Logprobs;
@@ -79,16 +80,36 @@ impl Drop for ReleaseGuard {
     }
 }
 
+/// What a stream's client received, under the stream's lock.
+#[derive(Debug)]
+struct Delivered {
+    fence: StreamFence,
+    /// Every token id the client received, in order.
+    tokens: Vec<u32>,
+    /// The sampler's RNG word position after the last of them.
+    rng_word_pos: u64,
+    /// The client's last token, or the current attempt's start.
+    progress: Instant,
+}
+
+/// Where a restarted request continues: the tokens its client has (empty: from
+/// the beginning) and the sampler's RNG position after them.
+#[derive(Debug)]
+pub(crate) struct Continue {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) rng_word_pos: u64,
+}
+
 /// The serving side of a request's stream: where events go, whether the client
 /// cancelled, and (for its one owner) the release guard.
 #[derive(Debug)]
 pub struct ClientSink {
     tx: UnboundedSender<StreamEvent>,
     cancel: Arc<AtomicBool>,
-    /// Which attempt of the request may write to the client, and whether a token
-    /// reached it (shared by every sink of the stream; events are sent under its
-    /// lock, so a restart decided on it is never followed by an old attempt's token).
-    fence: Arc<Mutex<StreamFence>>,
+    /// Which attempt of the request may write to the client and what reached it
+    /// (shared by every sink of the stream; events are sent under its lock, so a
+    /// restart decided on it is never followed by an old attempt's token).
+    shared: Arc<Mutex<Delivered>>,
     /// The attempt this sink writes for.
     attempt: u32,
     /// Held, never read: dropping it is the release signal.
@@ -102,7 +123,7 @@ impl ClientSink {
         Self {
             tx: self.tx.clone(),
             cancel: self.cancel.clone(),
-            fence: self.fence.clone(),
+            shared: self.shared.clone(),
             attempt: self.attempt,
             _release: None,
         }
@@ -115,8 +136,19 @@ impl ClientSink {
             StreamEvent::Token { .. } => StreamItem::Token,
             StreamEvent::Done { .. } | StreamEvent::Error(_) => StreamItem::End,
         };
-        let mut fence = self.fence.lock().unwrap_or_else(|p| p.into_inner());
-        fence.admit(self.attempt, item) && self.tx.send(ev).is_ok()
+        let mut d = self.lock();
+        if !d.fence.admit(self.attempt, item) {
+            return false;
+        }
+        if let StreamEvent::Token {
+            id, rng_word_pos, ..
+        } = &ev
+        {
+            d.tokens.push(*id);
+            d.rng_word_pos = *rng_word_pos;
+            d.progress = Instant::now();
+        }
+        self.tx.send(ev).is_ok()
     }
 
     /// Ends the stream with `e` (I8).
@@ -124,16 +156,34 @@ impl ClientSink {
         self.send_event(StreamEvent::Error(e));
     }
 
-    /// Runs `decide` on the stream's fence (the retry decision, issue 36) and moves
-    /// this sink to the attempt it returns, if any.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Delivered> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `decide` (the retry decision, issue 36) with the stream's lock held, on
+    /// its fence, the tokens the client has and how long it has waited without
+    /// progress (since its last token or the current attempt's start), and moves
+    /// this sink to the attempt `decide` returns, if any. Returns that attempt with
+    /// the client's tokens and the RNG position after them: where it continues.
     pub(crate) fn decide_restart(
         &mut self,
-        decide: impl FnOnce(&mut StreamFence) -> Option<u32>,
-    ) -> Option<u32> {
-        let mut fence = self.fence.lock().unwrap_or_else(|p| p.into_inner());
-        let attempt = decide(&mut fence)?;
+        decide: impl FnOnce(&mut StreamFence, &[u32], Duration) -> Option<u32>,
+    ) -> Option<Continue> {
+        let shared = self.shared.clone();
+        let mut d = shared.lock().unwrap_or_else(|p| p.into_inner());
+        let Delivered {
+            fence,
+            tokens,
+            progress,
+            ..
+        } = &mut *d;
+        let attempt = decide(fence, tokens, progress.elapsed())?;
         self.attempt = attempt;
-        Some(attempt)
+        d.progress = Instant::now();
+        Some(Continue {
+            tokens: d.tokens.clone(),
+            rng_word_pos: d.rng_word_pos,
+        })
     }
 
     /// Whether the client cancelled or dropped its stream.
@@ -154,13 +204,7 @@ impl EventSink for ClientSink {
     /// The client left, or this sink's attempt was fenced off (its request started
     /// again elsewhere): either way nobody reads what it computes.
     fn cancelled(&self) -> bool {
-        self.is_cancelled()
-            || self
-                .fence
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .attempt()
-                != self.attempt
+        self.is_cancelled() || self.lock().fence.attempt() != self.attempt
     }
 }
 
@@ -239,7 +283,12 @@ pub fn request_channel() -> (ClientSink, RequestStream) {
         ClientSink {
             tx,
             cancel: cancel.clone(),
-            fence: Arc::new(Mutex::new(StreamFence::default())),
+            shared: Arc::new(Mutex::new(Delivered {
+                fence: StreamFence::default(),
+                tokens: Vec::new(),
+                rng_word_pos: 0,
+                progress: Instant::now(),
+            })),
             attempt: 0,
             _release: Some(ReleaseGuard(Some(rtx))),
         },

@@ -1,20 +1,25 @@
-//! Starting a request again on other nodes before its first token (issue 36).
+//! Starting a request again on other nodes when a node fails (issue 36): from the
+//! beginning before its first token, as a continuation after it.
 //!
 //! Two pure machines decide it; the coordinator's driver only carries out the answer:
 //! - [`StreamFence`], one per client stream: which attempt may write to the client
 //!   and whether a token already reached it. Deciding a restart and admitting a
 //!   token are one step each on the same fence, so a token of a failed attempt can
 //!   never follow the decision to start again (the driver holds the fence under one
-//!   lock);
+//!   lock), and a continuation starts from exactly the tokens the client has;
 //! - [`Attempts`], one per request: whether the outcome of a released attempt is one
 //!   another pair may cure (the node failed, not the request), within a bounded
 //!   number of attempts and a deadline, and which nodes the next pair must avoid.
 //!
 //! A request is started again only when every node let go of the failed attempt
-//! (`Released`: nothing is held for it anywhere) and the client has had no token, so
-//! the client sees one answer, from one attempt. Usage is billed from the answer that
-//! reached the client (its `Done`); an attempt lost to a node's failure is not billed
-//! (docs/transfer-protocol.md, "Retry before the first token").
+//! (`Released`: nothing is held for it anywhere). Without tokens it starts from the
+//! beginning; after tokens, when the driver can continue it (the engine's
+//! `Resume`: the prompt plus the tokens the client has, the sampler's RNG position),
+//! it continues where the client's stream stands, so the client sees one answer with
+//! no duplicate and no gap. Usage is billed from the answer that reached the client
+//! (its `Done`, which counts the whole request); the compute an attempt lost to a
+//! node's failure used is not billed (docs/transfer-protocol.md, "Retry and
+//! continuation").
 //!
 //! `backend/transfer/tests/retry_model.rs` model-checks both with stateright: tokens
 //! from one attempt only, in order, at most one end, bounded attempts, and every
@@ -67,9 +72,11 @@ impl StreamFence {
     }
 
     /// Fences off the current attempt so that another may start: the new attempt's
-    /// number, or `None` once a token reached the client or the stream ended.
-    pub fn restart(&mut self) -> Option<u32> {
-        if self.streamed || self.ended {
+    /// number, or `None` once the stream ended, or once a token reached the client
+    /// unless the request can be continued (`continuable`: the next attempt resumes
+    /// after the tokens the client has).
+    pub fn restart(&mut self, continuable: bool) -> Option<u32> {
+        if self.ended || (self.streamed && !continuable) {
             return None;
         }
         self.attempt += 1;
@@ -85,12 +92,13 @@ pub struct RetryPolicy {
     /// Refusals by draining nodes do not count: they computed nothing, and each
     /// draining node refuses a request at most once (it is avoided afterwards).
     pub max_failed: u32,
-    /// No restart after this much time since the request was submitted.
+    /// No restart when the client has waited this long without progress: since the
+    /// failed attempt started or since its last token, whichever is later.
     pub deadline: Duration,
 }
 
 impl Default for RetryPolicy {
-    /// Two restarts after failures, within 30 s of submission.
+    /// Two restarts after failures, each within 30 s of the last progress.
     fn default() -> Self {
         Self {
             max_failed: 2,
@@ -178,16 +186,18 @@ impl Attempts {
 
     /// Decides on a released attempt that ran on `(prefill, decode)` and ended with
     /// `outcome`: [`Retry::Restart`] when the outcome has a [`Cause`], the client is
-    /// still there and has had no token (`fence`, which is then moved to the new
-    /// attempt), the failed attempts stay within the policy and `elapsed` (since
-    /// submission) is before its deadline; [`Retry::Fail`] otherwise. The failed node
-    /// is avoided from then on either way.
+    /// still there, its stream can go on (`fence`, which is then moved to the new
+    /// attempt: no token yet, or `continuable`), the failed attempts stay within the
+    /// policy and `waited` (since the attempt started or the client's last token,
+    /// whichever is later) is before the deadline; [`Retry::Fail`] otherwise. The
+    /// failed node is avoided from then on either way.
     pub fn after_release(
         &mut self,
         outcome: &Outcome,
         (prefill, decode): (usize, usize),
         client_gone: bool,
-        elapsed: Duration,
+        waited: Duration,
+        continuable: bool,
         fence: &mut StreamFence,
     ) -> Retry {
         let Some(cause) = Cause::of(outcome) else {
@@ -204,10 +214,10 @@ impl Attempts {
         if cause.counts {
             self.failed += 1;
         }
-        if client_gone || self.failed > self.policy.max_failed || elapsed >= self.policy.deadline {
+        if client_gone || self.failed > self.policy.max_failed || waited >= self.policy.deadline {
             return Retry::Fail;
         }
-        match fence.restart() {
+        match fence.restart(continuable) {
             Some(attempt) => Retry::Restart { attempt },
             None => Retry::Fail,
         }
@@ -229,7 +239,7 @@ mod tests {
     fn the_fence_passes_only_the_current_attempt_and_one_end() {
         let mut f = StreamFence::default();
         assert_eq!(
-            f.restart(),
+            f.restart(false),
             Some(1),
             "nothing streamed: attempt 0 is fenced off"
         );
@@ -237,13 +247,13 @@ mod tests {
         assert!(!f.admit(0, StreamItem::End));
         assert!(f.admit(1, StreamItem::Token));
         assert!(f.streamed());
-        assert_eq!(f.restart(), None, "a token reached the client");
+        assert_eq!(f.restart(false), None, "a token reached the client");
         assert!(f.admit(1, StreamItem::End));
         assert!(!f.admit(1, StreamItem::Token), "nothing after the end");
         assert!(!f.admit(1, StreamItem::End));
         let mut f = StreamFence::default();
         assert!(f.admit(0, StreamItem::End));
-        assert_eq!(f.restart(), None, "an ended stream is not restarted");
+        assert_eq!(f.restart(false), None, "an ended stream is not restarted");
     }
 
     #[test]
@@ -285,12 +295,12 @@ mod tests {
     fn failed_attempts_are_bounded_and_avoided() {
         let mut a = Attempts::new(RetryPolicy::default());
         let mut f = StreamFence::default();
-        let r = a.after_release(&down(Role::Decode), (0, 1), false, NOW, &mut f);
+        let r = a.after_release(&down(Role::Decode), (0, 1), false, NOW, false, &mut f);
         assert_eq!(r, Retry::Restart { attempt: 1 });
         assert!(a.avoids(Role::Decode, 1) && !a.avoids(Role::Prefill, 0));
-        let r = a.after_release(&down(Role::Prefill), (0, 2), false, NOW, &mut f);
+        let r = a.after_release(&down(Role::Prefill), (0, 2), false, NOW, false, &mut f);
         assert_eq!(r, Retry::Restart { attempt: 2 });
-        let r = a.after_release(&down(Role::Decode), (1, 2), false, NOW, &mut f);
+        let r = a.after_release(&down(Role::Decode), (1, 2), false, NOW, false, &mut f);
         assert_eq!(r, Retry::Fail, "a third failed attempt ends the request");
         assert_eq!(a.failed(), 3);
         assert_eq!(f.attempt(), 2, "the fence moves only on a restart");
@@ -305,10 +315,10 @@ mod tests {
         let mut f = StreamFence::default();
         for i in 0..4 {
             let drained = Outcome::Rejected(Refusal::draining(Role::Decode));
-            let r = a.after_release(&drained, (0, i), false, NOW, &mut f);
+            let r = a.after_release(&drained, (0, i), false, NOW, false, &mut f);
             assert!(matches!(r, Retry::Restart { .. }), "{i}");
         }
-        let r = a.after_release(&down(Role::Decode), (0, 9), false, NOW, &mut f);
+        let r = a.after_release(&down(Role::Decode), (0, 9), false, NOW, false, &mut f);
         assert_eq!(r, Retry::Fail);
     }
 
@@ -318,16 +328,40 @@ mod tests {
         let mut f = StreamFence::default();
         assert!(f.admit(0, StreamItem::Token));
         let mut a = Attempts::new(policy);
-        let r = a.after_release(&down(Role::Decode), (0, 0), false, NOW, &mut f);
+        let r = a.after_release(&down(Role::Decode), (0, 0), false, NOW, false, &mut f);
         assert_eq!(r, Retry::Fail, "a token reached the client");
         let mut f = StreamFence::default();
-        let r = a.after_release(&down(Role::Decode), (0, 1), false, policy.deadline, &mut f);
+        let r = a.after_release(
+            &down(Role::Decode),
+            (0, 1),
+            false,
+            policy.deadline,
+            false,
+            &mut f,
+        );
         assert_eq!(r, Retry::Fail, "past the deadline");
         let mut a = Attempts::new(policy);
-        let r = a.after_release(&down(Role::Decode), (0, 1), true, NOW, &mut f);
+        let r = a.after_release(&down(Role::Decode), (0, 1), true, NOW, false, &mut f);
         assert_eq!(r, Retry::Fail, "nobody waits");
         assert_eq!(f.attempt(), 0, "no fence moved");
-        let r = a.after_release(&Outcome::Succeeded, (0, 1), false, NOW, &mut f);
+        let r = a.after_release(&Outcome::Succeeded, (0, 1), false, NOW, false, &mut f);
         assert_eq!(r, Retry::Fail);
+    }
+
+    #[test]
+    fn after_a_token_only_a_continuation_restarts() {
+        let mut a = Attempts::new(RetryPolicy::default());
+        let mut f = StreamFence::default();
+        assert!(f.admit(0, StreamItem::Token));
+        let r = a.after_release(&down(Role::Decode), (0, 0), false, NOW, true, &mut f);
+        assert_eq!(r, Retry::Restart { attempt: 1 });
+        assert!(
+            !f.admit(0, StreamItem::Token),
+            "the failed attempt is fenced off"
+        );
+        assert!(f.admit(1, StreamItem::Token), "the continuation streams on");
+        assert!(f.admit(1, StreamItem::End));
+        let r = a.after_release(&down(Role::Decode), (0, 1), false, NOW, true, &mut f);
+        assert_eq!(r, Retry::Fail, "an ended stream is never continued");
     }
 }
