@@ -11,6 +11,7 @@
 
 mod common;
 
+use common::metrics::gateway_metric;
 use common::*;
 use serde_json::json;
 use std::time::Duration;
@@ -44,7 +45,14 @@ async fn two_decodes(links: &str, decode0_args: &[&str]) -> TwoDecodes {
     let decode0 = start_node_with(dir.path(), &config, "decode", d0, decode0_args, &[]).await;
     let _decode1 = start_node(dir.path(), &config, "decode", d1).await;
     let _prefill = start_node(dir.path(), &config, "prefill", p).await;
-    let gw = start_config_gateway(dir.path(), &config, "data", "gateway.log", &[]).await;
+    let gw = start_config_gateway(
+        dir.path(),
+        &config,
+        "data",
+        "gateway.log",
+        &["--metrics-token", METRICS_TOKEN],
+    )
+    .await;
     TwoDecodes {
         dir,
         decode0,
@@ -52,6 +60,19 @@ async fn two_decodes(links: &str, decode0_args: &[&str]) -> TwoDecodes {
         _prefill,
         gw,
     }
+}
+
+/// The gateways' `/metrics` token.
+const METRICS_TOKEN: &str = "metrics-node-loss-3f9c2a7e5b1d4c8a";
+
+/// The gateway's `tessera_request_restarts_total` series for `reason`.
+async fn restarts(gw: &Gateway, reason: &str) -> f64 {
+    let series = format!(
+        r#"tessera_request_restarts_total{{node="gateway",role="coordinator",reason="{reason}"}}"#
+    );
+    let (v, exported) = gateway_metric(gw, METRICS_TOKEN, &series).await;
+    assert!(exported, "{series} is exported");
+    v
 }
 
 /// Sends `sig` (`-STOP`, `-CONT`, `-TERM`) to `node`.
@@ -143,6 +164,8 @@ async fn a_stopped_decode_nodes_requests_continue_on_the_other_node() {
         log.contains("continuing the request on other nodes after the tokens its client has"),
         "{log}"
     );
+    assert!(restarts(&gw, "continued").await >= 1.0);
+    assert_eq!(restarts(&gw, "not_restarted").await, 0.0);
     signal(&decode0, "-CONT");
 }
 
@@ -246,6 +269,7 @@ async fn requests_on_a_node_lost_before_their_first_token_are_answered_by_anothe
         .matches("starting the request again on other nodes before its first token")
         .count();
     assert_eq!(restarts, 2, "{log}");
+    assert_eq!(self::restarts(&gw, "restarted").await, 2.0);
     signal(&decode0, "-CONT");
 }
 

@@ -223,6 +223,10 @@ impl CoordLinks for Nodes {
     fn released(&self, _req: ReqId) {
         self.counters.released.fetch_add(1, Ordering::Relaxed);
     }
+
+    fn counters(&self) -> &PdCounters {
+        &self.counters
+    }
 }
 
 /// One prefill pool and one decode pool in this process, each with one or more

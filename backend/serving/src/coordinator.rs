@@ -8,9 +8,11 @@
 //! [`StreamFence`] machines; this file picks the new pair.
 
 use crate::error::ServeError;
+use crate::links::PdCounters;
 use crate::routing::{Reach, Router};
 use crate::stream::{request_channel, ClientSink, Continue, RequestStream};
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection, Resume};
@@ -93,6 +95,9 @@ pub(crate) trait CoordLinks: Send + Sync {
     fn router(&self) -> &Router;
     /// The request is over everywhere (every node acknowledged or is down).
     fn released(&self, _req: ReqId) {}
+    /// Where restarts, continuations and the failures they could not cure are
+    /// counted.
+    fn counters(&self) -> &PdCounters;
 }
 
 /// The front of a coordinator: admission, pair choice and request ids, then the
@@ -254,8 +259,10 @@ fn after_release(
             Retry::Fail => None,
         }
     });
+    let counters = nodes.counters();
     let Some(resumed) = resumed else {
         if !gone {
+            counters.not_restarted.fetch_add(1, Ordering::Relaxed);
             r.client.fail(client_error(&outcome));
         }
         return; // dropping it ends the stream and signals release
@@ -271,6 +278,7 @@ fn after_release(
         r.affinity,
     );
     let Some((prefill, decode)) = pair else {
+        counters.not_restarted.fetch_add(1, Ordering::Relaxed);
         r.client.fail(client_error(&outcome));
         return;
     };
@@ -278,8 +286,10 @@ fn after_release(
     // A warning: operators see what a node's loss or drain cost (the lines beside it
     // name the node).
     let what = if resumed.tokens.is_empty() {
+        counters.restarted.fetch_add(1, Ordering::Relaxed);
         "starting the request again on other nodes before its first token"
     } else {
+        counters.continued.fetch_add(1, Ordering::Relaxed);
         "continuing the request on other nodes after the tokens its client has"
     };
     tracing::warn!(

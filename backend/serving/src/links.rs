@@ -83,6 +83,16 @@ pub struct PdCounters {
     pub link_violations: AtomicU64,
     /// Decode reservations whose lease ran out before their commit.
     pub leases_expired: AtomicU64,
+    /// Requests started again from the beginning on another pair after a node
+    /// failed or refused them before their first token (issue 36).
+    pub restarted: AtomicU64,
+    /// Requests continued on another pair after a node failed mid-stream, from the
+    /// tokens their client had.
+    pub continued: AtomicU64,
+    /// Requests a node's failure ended although a restart could have cured it (no
+    /// other pair up, the attempt bound or the deadline reached, nothing left to
+    /// generate): each ended with an error.
+    pub not_restarted: AtomicU64,
 }
 
 /// A fault the next transfer suffers (tests only): each reproduces a bug class of

@@ -135,6 +135,7 @@ pub struct NodeMetrics {
     link_violations: Family<ReasonLabels, Counter>,
     frames_rejected: Family<NodeLabels, Counter>,
     peers_refused: Family<NodeLabels, Counter>,
+    request_restarts: Family<ReasonLabels, Counter>,
     /// The link counters exported from [`PdCounters`] (synced when encoded), by the
     /// series they feed.
     link_sources: Mutex<Vec<(NodeLabels, Arc<PdCounters>)>>,
@@ -161,6 +162,7 @@ impl NodeMetrics {
             link_violations: Family::default(),
             frames_rejected: Family::default(),
             peers_refused: Family::default(),
+            request_restarts: Family::default(),
             link_sources: Mutex::new(Vec::new()),
             transfer_bytes: Family::default(),
             transfer_seconds: Family::new_with_constructor(transfer_histogram),
@@ -205,6 +207,11 @@ impl NodeMetrics {
             "tessera_node_peers_refused",
             "Node-link peers refused before their first frame was served (a failed TLS handshake, a Hello whose role the certificate does not carry; on a gateway, a node that failed its identity or model check)",
             m.peers_refused.clone(),
+        );
+        r.register(
+            "tessera_request_restarts",
+            "Requests a node's failure or drain hit, by what the gateway did (node=gateway, role=coordinator): restarted (from the beginning on another pair, before the first token), continued (on another pair from the tokens the client had), not_restarted (no pair left, the attempt bound or the deadline reached: the client got an error)",
+            m.request_restarts.clone(),
         );
         r.register(
             "tessera_kv_transfer_bytes",
@@ -312,6 +319,14 @@ impl NodeMetrics {
         };
         let _ = self.frames_rejected.get_or_create(&labels);
         let _ = self.peers_refused.get_or_create(&labels);
+        // Restarts are a coordinator's decision: only a gateway exports them.
+        for reason in RESTART_KINDS.into_iter().filter(|_| role == "coordinator") {
+            let _ = self.request_restarts.get_or_create(&ReasonLabels {
+                node: node.to_string(),
+                role,
+                reason,
+            });
+        }
         self.link_sources.lock().unwrap().push((labels, counters));
     }
 
@@ -335,6 +350,29 @@ impl NodeMetrics {
                 c.inc_by(v.saturating_sub(c.get()));
             }
         }
+        let mut restarts: Vec<(ReasonLabels, u64)> = Vec::new();
+        for (labels, c) in sources.iter().filter(|(l, _)| l.role == "coordinator") {
+            for (reason, v) in [
+                ("restarted", &c.restarted),
+                ("continued", &c.continued),
+                ("not_restarted", &c.not_restarted),
+            ] {
+                let key = ReasonLabels {
+                    node: labels.node.clone(),
+                    role: labels.role,
+                    reason,
+                };
+                let v = v.load(Ordering::Relaxed);
+                match restarts.iter_mut().find(|(l, _)| *l == key) {
+                    Some(s) => s.1 += v,
+                    None => restarts.push((key, v)),
+                }
+            }
+        }
+        for (labels, v) in restarts {
+            let c = self.request_restarts.get_or_create(&labels);
+            c.inc_by(v.saturating_sub(c.get()));
+        }
     }
 
     /// Appends the OpenMetrics text of every family (no `# EOF`: the caller may
@@ -352,6 +390,9 @@ impl NodeMetrics {
         out
     }
 }
+
+/// The `reason` values of `tessera_request_restarts`.
+const RESTART_KINDS: [&str; 3] = ["restarted", "continued", "not_restarted"];
 
 /// One node's resolved metric handles (cheap to clone: each is an `Arc`).
 #[derive(Clone, Debug)]

@@ -411,6 +411,10 @@ impl CoordLinks for RemoteCoordLinks {
         self.routes.lock().unwrap().end(req);
         self.counters.released.fetch_add(1, Ordering::Relaxed);
     }
+
+    fn counters(&self) -> &PdCounters {
+        &self.counters
+    }
 }
 
 /// The gateway's view of remote prefill and decode nodes: admission against the
