@@ -336,9 +336,10 @@ async fn a_panicking_node_exits_its_requests_fail_and_a_restart_serves() {
 /// SIGTERM drains a decode node: it tells the gateway, which routes new requests
 /// to the other decode node (a request that would have gone to the draining node
 /// by load gets its solo answer from the other); the request it still runs at the
-/// drain deadline ends with an error (no `[DONE]`), and the node exits 0.
+/// drain deadline continues on the other node from the tokens its client has
+/// (issue 36) and completes with its solo text, and the node exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_drains_a_decode_node_and_ends_the_rest_at_the_deadline() {
+async fn sigterm_drains_a_decode_node_and_its_last_request_continues_elsewhere() {
     let TwoDecodes {
         dir,
         mut decode0,
@@ -348,8 +349,10 @@ async fn sigterm_drains_a_decode_node_and_ends_the_rest_at_the_deadline() {
     } = two_decodes("", &["--drain-timeout-secs", "3"]).await;
     let late = endless(400);
     let solo = gw.run_when_up(&late).await["result"].clone();
+    let cut = endless(1000);
+    let cut_solo = gw.run(&cut).await.1["result"].clone();
     // One long stream on each decode node (fewest outstanding, ties to decode 0).
-    let mut a = gw.stream(&endless(4000)).await;
+    let mut a = gw.stream(&cut).await;
     a.read_texts(2).await;
     let mut b = gw.stream(&endless(4000)).await;
     b.read_texts(2).await;
@@ -366,7 +369,13 @@ async fn sigterm_drains_a_decode_node_and_ends_the_rest_at_the_deadline() {
         "the late request was not served by the other node"
     );
     a.read_to_end().await;
-    a.assert_cut(&logs(dir.path()));
+    assert!(
+        a.has_done() && !a.has_error(),
+        "{:?}\n{}",
+        a.events,
+        logs(dir.path())
+    );
+    assert_eq!(a.text(), cut_solo["response"].as_str().unwrap());
     let status = tokio::time::timeout(START, decode0.wait())
         .await
         .expect("the drained node exits")
@@ -375,4 +384,5 @@ async fn sigterm_drains_a_decode_node_and_ends_the_rest_at_the_deadline() {
     // The other node's stream is untouched.
     b.read_until(Duration::from_secs(1), |_| false).await;
     assert!(!b.has_error(), "{:?}", b.events.last());
+    assert!(restarts(&gw, "continued").await >= 1.0);
 }

@@ -99,7 +99,8 @@ impl ServeError {
     pub fn failed(r: &FailReason) -> Self {
         let kind = match r.kind {
             FailKind::Integrity => ServeErrorKind::Integrity,
-            FailKind::Transport => ServeErrorKind::NodeDown,
+            // A drained node that no other node could take the request from.
+            FailKind::Transport | FailKind::Drained => ServeErrorKind::NodeDown,
             FailKind::Busy => ServeErrorKind::Busy,
             // The client is gone: nobody reads this, but it must not read as success.
             FailKind::ClientGone | FailKind::Internal => ServeErrorKind::Internal,

@@ -65,12 +65,14 @@ impl NodeState {
         true
     }
 
-    /// The drain: running requests finish until the deadline, the rest end with an
-    /// error; queued frames go out; then `run_node_process` returns.
+    /// The drain: running requests finish until the deadline, the rest end as
+    /// drained (their gateways continue them on other nodes); queued frames go out;
+    /// then `run_node_process` returns.
     fn drain(&self) {
         if !self.wait_idle(Instant::now() + self.drain_timeout) {
             tracing::warn!(
-                "drain deadline passed; ending the requests still running with an error"
+                "drain deadline passed; ending the requests still running (their gateways \
+                 continue them on other nodes)"
             );
             self.cmds.end_all();
             if !self.wait_idle(Instant::now() + DRAIN_GRACE) {

@@ -12,7 +12,8 @@
 //! 1: its connections close, so gateways fail its requests at once, and a supervisor
 //! restarts it as a new incarnation. Drain (SIGTERM, or `Drain` from a gateway
 //! identity): the node tells its gateways it is draining, lets running requests
-//! finish until the drain deadline, ends the rest with an error, and exits 0.
+//! finish until the drain deadline, ends the rest as drained (their gateways
+//! continue them elsewhere), and exits 0.
 
 mod drain;
 mod inbound;

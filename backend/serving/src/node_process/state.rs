@@ -39,7 +39,7 @@ impl NodeCmds {
 
     pub(super) fn end_all(&self) {
         let reason = FailReason::new(
-            FailKind::Transport,
+            FailKind::Drained,
             "the node is shutting down: its drain deadline passed before the request finished",
         );
         let _ = match self {

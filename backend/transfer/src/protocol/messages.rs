@@ -158,6 +158,10 @@ pub enum FailKind {
     /// The node had no capacity in time (a batch request that waited past its
     /// deadline); retryable.
     Busy,
+    /// The node drained: its drain deadline ended the request before it finished.
+    /// Nothing is wrong with the request; the coordinator continues it on another
+    /// node ([`crate::protocol::Cause::of`]).
+    Drained,
     /// Anything else (a bad descriptor, an engine that refused a verified sequence).
     Internal,
 }

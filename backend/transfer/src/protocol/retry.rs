@@ -25,7 +25,7 @@
 //! from one attempt only, in order, at most one end, bounded attempts, and every
 //! request answered.
 
-use super::messages::{Failure, Outcome, Role};
+use super::messages::{FailKind, Failure, Outcome, Role};
 use std::time::Duration;
 
 /// What a client stream receives, as the fence sees it.
@@ -138,6 +138,12 @@ impl Cause {
             Outcome::Failed(Failure::LeaseExpired) => Some(Self {
                 role: Role::Prefill,
                 counts: true,
+            }),
+            // A drained decode node ended a running request at its deadline: planned,
+            // so it does not count (the node is avoided afterwards).
+            Outcome::Failed(Failure::Decode(r)) if r.kind == FailKind::Drained => Some(Self {
+                role: Role::Decode,
+                counts: false,
             }),
             _ => None,
         }
@@ -267,6 +273,14 @@ mod tests {
             })
         );
         assert_eq!(Cause::of(&down(Role::Prefill)).unwrap().role, Role::Prefill);
+        let drained = FailReason::new(FailKind::Drained, "drain deadline");
+        assert_eq!(
+            Cause::of(&Outcome::Failed(Failure::Decode(drained))),
+            Some(Cause {
+                role: Role::Decode,
+                counts: false
+            })
+        );
         assert_eq!(
             Cause::of(&Outcome::Failed(Failure::LeaseExpired)),
             Some(Cause {
