@@ -23,8 +23,8 @@ use tessera_engine::{Engine, EngineError, GenerateRequest, SeqEnd};
 use tessera_model::kv::SeqId;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::protocol::{
-    DecodeEnv, DecodeNode, DecodeOutcome, FailKind, FailReason, Msg, Output, Refusal, RefusalKind,
-    ReqId, ReserveError, Role,
+    CommitError, DecodeEnv, DecodeNode, DecodeOutcome, FailKind, FailReason, Msg, Output, Refusal,
+    RefusalKind, ReqId, ReserveError, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -626,7 +626,13 @@ impl NodeLoop for DecodeLoop {
                                 .commits_rejected
                                 .fetch_add(1, Ordering::Relaxed);
                             self.metrics.commit_rejected(&e);
-                            tracing::warn!(?req, error = %e, "refused a KV transfer commit");
+                            if e == CommitError::NotAwaitingCommit {
+                                // A commit that crossed its request's abort, or a
+                                // duplicate: the protocol answered it; still counted.
+                                tracing::info!(?req, error = %e, "refused a late or duplicate KV transfer commit");
+                            } else {
+                                tracing::warn!(?req, error = %e, "refused a KV transfer commit");
+                            }
                         }
                     }
                     Msg::Renew { req } => {
