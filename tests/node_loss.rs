@@ -13,7 +13,7 @@ mod common;
 
 use common::metrics::gateway_metric;
 use common::*;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::time::Duration;
 use tokio::process::Child;
 
@@ -166,6 +166,27 @@ async fn a_stopped_decode_nodes_requests_continue_on_the_other_node() {
     );
     assert!(restarts(&gw, "continued").await >= 1.0);
     assert_eq!(restarts(&gw, "not_restarted").await, 0.0);
+    // Billed once, for the whole answer: the ledger's output tokens are the solo
+    // runs' and their continued twins' (two each), plus three more short ones.
+    let out = |v: &Value| v["usage"]["completion_tokens"].as_u64().unwrap();
+    let want = 4 * out(&solo) + 2 * (out(&long_solo) + out(&seeded_solo) + out(&mid_solo));
+    let usage: Value = reqwest::Client::new()
+        .get(format!(
+            "{}/client/v4/accounts/{}/ai/usage",
+            gw.base, gw.account
+        ))
+        .bearer_auth(&gw.key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        usage["result"]["totals"]["output_tokens"].as_u64(),
+        Some(want),
+        "{usage}"
+    );
     signal(&decode0, "-CONT");
 }
 
