@@ -229,6 +229,16 @@ pub struct LoadtestArgs {
     /// Seconds between the kill and the restart command.
     #[arg(long, default_value_t = 2.0)]
     pub fault_downtime_secs: f64,
+    /// Repeat the fault: a kill every this many seconds (the first at
+    /// `--fault-at-secs`), each followed by its restart, until the load phase
+    /// ends. Without it, one kill.
+    #[arg(long, requires = "fault_kill_cmd")]
+    pub fault_every_secs: Option<f64>,
+    /// Bearer token for the gateways' `/metrics` (their `--metrics-token`), read
+    /// before and after the load phase for `tessera_request_restarts_total`;
+    /// default: `--admin-token`.
+    #[arg(long, env = "TESSERA_METRICS_TOKEN", hide_env_values = true)]
+    pub metrics_token: Option<String>,
 
     /// No progress bar and no summary on stdout.
     #[arg(long)]
@@ -294,6 +304,17 @@ impl LoadtestArgs {
         if self.requests == Some(0) {
             return Err("--requests must be >= 1. Given: 0".into());
         }
+        if let Some(e) = self.fault_every_secs {
+            if !(e > 0.0 && e.is_finite()) {
+                return Err(format!("--fault-every-secs must be > 0. Given: {e}"));
+            }
+            if e <= self.fault_downtime_secs {
+                return Err(format!(
+                    "--fault-every-secs must be more than --fault-downtime-secs ({}). Given: {e}",
+                    self.fault_downtime_secs
+                ));
+            }
+        }
         if !(self.request_timeout_secs.is_finite() && self.request_timeout_secs > 0.0) {
             return Err(format!(
                 "--request-timeout-secs must be > 0. Given: {}",
@@ -317,5 +338,37 @@ mod tests {
         assert!("uniform:9:4".parse::<LenDist>().is_err());
         assert!("normal:3".parse::<LenDist>().is_err());
         assert!("x".parse::<LenDist>().is_err());
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: LoadtestArgs,
+    }
+
+    #[test]
+    fn fault_every_secs_parses_and_is_checked() {
+        use clap::Parser;
+        let kill = [
+            "x",
+            "--fault-kill-cmd",
+            "true",
+            "--fault-downtime-secs",
+            "3",
+        ];
+        let a = Cli::parse_from(kill.iter().chain(&["--fault-every-secs", "20"])).a;
+        assert_eq!(a.fault_every_secs, Some(20.0));
+        assert_eq!(a.validate(), Ok(()));
+        let a = Cli::parse_from(kill).a;
+        assert_eq!(a.fault_every_secs, None);
+        for bad in ["0", "3", "inf", "NaN"] {
+            let a = Cli::parse_from(kill.iter().chain(&["--fault-every-secs", bad])).a;
+            let e = a.validate().unwrap_err();
+            assert!(e.contains("--fault-every-secs"), "{e}");
+        }
+        // It needs a kill command.
+        assert!(Cli::try_parse_from(["x", "--fault-every-secs", "20"]).is_err());
+        let a = Cli::parse_from(["x", "--metrics-token", "m".repeat(32).as_str()]).a;
+        assert_eq!(a.metrics_token.as_deref().map(str::len), Some(32));
     }
 }

@@ -9,7 +9,9 @@
 //! 3. **load phase**: a seeded request sequence, open loop (Poisson arrivals at
 //!    `--rate`) or closed loop (`--concurrency` clients), with streaming,
 //!    over-long prompts and client disconnects mixed in, and optionally a node
-//!    killed and restarted by operator commands ([`fault`]);
+//!    killed and restarted by operator commands, once or every N seconds
+//!    ([`fault`]), with what that cost the clients and the gateway's restart
+//!    counters in the report's `node_loss`;
 //! 4. **checks** ([`checks`]): no response carries another tenant's canary; each
 //!    completed response equals its solo answer; over-long prompts get a 4xx; the
 //!    usage API's totals equal what the clients counted, per tenant;

@@ -7,7 +7,7 @@ use crate::checks::{CanaryReport, EqualityReport, OverlongReport, UsageReport};
 use crate::client::{End, Outcome};
 use crate::error::LoadtestError;
 use crate::fairness::{FairnessReport, PrefixCacheReport};
-use crate::fault::FaultReport;
+use crate::fault::{FaultReport, NodeLoss};
 use crate::metrics::{Bucket, Latency, Throughput};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -186,6 +186,11 @@ pub struct TargetReport {
     pub checks: Checks,
     /// Fault mix, if one ran.
     pub fault: Option<FaultReport>,
+    /// What node failures cost the clients (issue 36): failed requests by how
+    /// they ended, the gateways' restart decisions, the longest pause inside
+    /// each stream, with and without a fault.
+    #[serde(default)]
+    pub node_loss: NodeLoss,
     /// Per-tenant service, demand and TTFT of the load phase, and Jain's
     /// fairness index ([`crate::fairness`]).
     #[serde(default)]
@@ -674,7 +679,7 @@ stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens{}<
         if let Some(f) = &t.fault {
             let _ = write!(
                 h,
-                "<p>Fault: kill <code>{}</code> at {:.1} s (exit {:?}), restart at {} (exit {:?}), healthy at {}; outage {:.1} s, \
+                "<p>Fault: kill <code>{}</code> at {:.1} s (exit {:?}), restart at {} (exit {:?}), healthy at {}{}; outage {:.1} s, \
 {} requests during it, {} errors during it, {} errors outside it.</p>",
                 esc(&f.kill_cmd),
                 f.times.kill_at_s,
@@ -682,12 +687,23 @@ stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens{}<
                 f.times.restart_at_s.map(|s| format!("{s:.1} s")).unwrap_or_else(|| "-".into()),
                 f.times.restart_exit_code,
                 f.times.ready_at_s.map(|s| format!("{s:.1} s")).unwrap_or_else(|| "never".into()),
+                if f.kills > 1 {
+                    format!(
+                        "; {} kills{} at {} s",
+                        f.kills,
+                        f.every_s.map(|e| format!(" every {e} s")).unwrap_or_default(),
+                        f.cycles.iter().map(|c| format!("{:.1}", c.kill_at_s)).collect::<Vec<_>>().join(", ")
+                    )
+                } else {
+                    String::new()
+                },
                 f.outage_s,
                 f.requests_during_outage,
                 f.errors_during_outage,
                 f.errors_outside_outage
             );
         }
+        node_loss_html(&mut h, &t.node_loss);
         let details = t
             .checks
             .canary
@@ -813,6 +829,83 @@ stream {:.0}%, over-long {:.0}%, disconnects {:.0}%, context window {} tokens{}<
     h
 }
 
+/// One line of node-loss figures: failed requests by kind, the gateways'
+/// restart decisions, and the largest gap per stream.
+fn node_loss_line(n: &NodeLoss) -> String {
+    let restarts = match (&n.restarts, &n.restarts_unavailable) {
+        (Some(r), _) => format!(
+            "retried {}, continued {}, not restarted {}",
+            r.restarted, r.continued, r.not_restarted
+        ),
+        (None, Some(why)) => format!("restarts not read ({why})"),
+        (None, None) => "restarts not read".into(),
+    };
+    format!(
+        "failed {} of {} ({:.2}%): {} with an error event, {} truncated, {} transport; {} during faults, {} excused; {}; \
+largest gap per stream p50/p99 ms: all {:.0}/{:.0} (n {}), during faults {:.0}/{:.0} (n {}), outside {:.0}/{:.0}",
+        n.failed,
+        n.requests,
+        n.failed_share * 100.0,
+        n.failed_with_error_event,
+        n.truncated,
+        n.transport,
+        n.failed_during_faults,
+        n.excused,
+        restarts,
+        n.max_gap_ms.p50,
+        n.max_gap_ms.p99,
+        n.max_gap_ms.count,
+        n.max_gap_during_faults_ms.p50,
+        n.max_gap_during_faults_ms.p99,
+        n.max_gap_during_faults_ms.count,
+        n.max_gap_outside_faults_ms.p50,
+        n.max_gap_outside_faults_ms.p99,
+    )
+}
+
+/// The node-loss section of one target's HTML.
+fn node_loss_html(h: &mut String, n: &NodeLoss) {
+    let _ = write!(
+        h,
+        "<h3>Node loss</h3><table><tr><th>requests</th><th>failed</th><th>with an error event</th><th>truncated</th><th>transport</th><th>during faults</th><th>excused</th><th>not excused</th><th>completed during faults</th></tr>\
+<tr><td>{}</td><td>{} ({:.2}%)</td><td>{}</td>{}<td>{}</td><td>{}</td><td>{}</td>{}<td>{}</td></tr></table>",
+        n.requests,
+        n.failed,
+        n.failed_share * 100.0,
+        n.failed_with_error_event,
+        check_cell(n.truncated, true),
+        n.transport,
+        n.failed_during_faults,
+        n.excused,
+        check_cell(n.unexcused, true),
+        n.completed_during_faults,
+    );
+    match (&n.restarts, &n.restarts_unavailable) {
+        (Some(r), _) => {
+            let _ = write!(
+                h,
+                "<p>Gateway <code>tessera_request_restarts_total</code> over the load phase: retried (restarted) <b>{}</b>, continued <b>{}</b>, not restarted <b>{}</b>.</p>",
+                r.restarted, r.continued, r.not_restarted
+            );
+        }
+        (None, why) => {
+            let _ = write!(
+                h,
+                "<p>Restart counters not read{}.</p>",
+                why.as_deref()
+                    .map(|w| format!(": {}", esc(w)))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    h.push_str("<table><tr><th>ms</th><th>n</th><th>p50</th><th>p90</th><th>p99</th><th>max</th><th>mean</th></tr>");
+    h.push_str(&dist_row("largest gap per stream", &n.max_gap_ms));
+    h.push_str(&dist_row("… during faults", &n.max_gap_during_faults_ms));
+    h.push_str(&dist_row("… outside faults", &n.max_gap_outside_faults_ms));
+    h.push_str(&dist_row("TTFT during faults", &n.ttft_during_faults_ms));
+    h.push_str("</table>");
+}
+
 /// The summary printed after a run.
 pub fn summary(report: &Report) -> String {
     let mut s = String::new();
@@ -905,14 +998,17 @@ pub fn summary(report: &Report) -> String {
         if let Some(f) = &t.fault {
             let _ = writeln!(
                 s,
-                "{}: fault outage {:.1} s, {} requests during it ({} errors), {} errors outside it",
+                "{}: fault: {} kill(s){}, outage {:.1} s, {} requests during it ({} errors), {} errors outside it",
                 t.label,
+                f.kills,
+                f.every_s.map(|e| format!(" every {e} s")).unwrap_or_default(),
                 f.outage_s,
                 f.requests_during_outage,
                 f.errors_during_outage,
                 f.errors_outside_outage
             );
         }
+        let _ = writeln!(s, "{}: {}", t.label, node_loss_line(&t.node_loss));
     }
     let _ = writeln!(s, "{}", if report.passed { "PASSED" } else { "FAILED" });
     for f in &report.failures {
@@ -1004,6 +1100,7 @@ mod tests {
             timeline: crate::metrics::timeline(&outs, 1.0, 0.5),
             checks: Checks::default(),
             fault: None,
+            node_loss: crate::fault::node_loss(&outs, |_| false, &[]),
             fairness: fairness(&w, &[], &outs, &labels),
             prefix_cache: prefix_cache(2, &outs, &labels, Some(64)),
         };
@@ -1037,6 +1134,43 @@ mod tests {
         (r, outs)
     }
 
+    /// The node-loss section: counts, restart deltas and gaps in the JSON, the
+    /// HTML and the summary.
+    #[test]
+    fn node_loss_section_in_json_html_and_summary() {
+        let (mut r, outs) = report();
+        let t = &mut r.targets[0];
+        t.node_loss.failed = 2;
+        t.node_loss.truncated = 1;
+        t.node_loss.unexcused = 1;
+        t.node_loss.failed_with_error_event = 1;
+        t.node_loss.restarts = Some(crate::fault::RestartCounts {
+            restarted: 3,
+            continued: 5,
+            not_restarted: 1,
+        });
+        let v = serde_json::to_value(&r).unwrap();
+        let n = &v["targets"][0]["node_loss"];
+        assert_eq!(n["requests"], 4);
+        assert_eq!(n["truncated"], 1);
+        assert_eq!(n["restarts"]["continued"], 5);
+        assert_eq!(n["max_gap_ms"]["count"], 0, "one event per stream: no gap");
+        let h = html(&r, &[&outs]);
+        assert!(h.contains("<h3>Node loss</h3>"));
+        assert!(
+            h.contains("retried (restarted) <b>3</b>, continued <b>5</b>, not restarted <b>1</b>")
+        );
+        let s = summary(&r);
+        assert!(
+            s.contains("failed 2 of 4 (0.00%): 1 with an error event, 1 truncated, 0 transport"),
+            "{s}"
+        );
+        assert!(s.contains("retried 3, continued 5, not restarted 1"), "{s}");
+        r.targets[0].node_loss.restarts = None;
+        r.targets[0].node_loss.restarts_unavailable = Some("no token".into());
+        assert!(summary(&r).contains("restarts not read (no token)"));
+    }
+
     #[test]
     fn fairness_and_prefix_sections_in_json_html_and_summary() {
         let (r, outs) = report();
@@ -1053,7 +1187,7 @@ mod tests {
         assert_eq!(t["prefix_cache"]["tenants"][0]["requests_with_hit"], 1);
         // A report written before these sections existed still reads.
         let mut old = v.clone();
-        for k in ["fairness", "prefix_cache"] {
+        for k in ["fairness", "prefix_cache", "node_loss"] {
             old["targets"][0].as_object_mut().unwrap().remove(k);
         }
         old["workload"]
@@ -1063,6 +1197,7 @@ mod tests {
         let back: Report = serde_json::from_value(old).unwrap();
         assert_eq!(back.targets[0].fairness, FairnessReport::default());
         assert_eq!(back.workload.shared_prefix_tokens, None);
+        assert_eq!(back.targets[0].node_loss, NodeLoss::default());
 
         // HTML: the tables, both indices, and three bar charts beside the four plots.
         let h = html(&r, &[&outs]);

@@ -7,7 +7,7 @@ use crate::checks::{self, UsageTotals};
 use crate::client::{self, Call, End, Outcome, Target};
 use crate::error::LoadtestError;
 use crate::fairness;
-use crate::fault::{self, FaultPlan, FaultTimes};
+use crate::fault::{self, FaultPlan, FaultTimes, Window};
 use crate::metrics;
 use crate::report::{
     Checks, Comparison, Report, RequestCounts, SoloReport, TargetReport, WorkloadInfo,
@@ -128,6 +128,18 @@ async fn read_usage_all(
     Ok(out)
 }
 
+/// The gateways' restart counters now ([`fault::read_restarts`]).
+async fn restarts_now(
+    http: &reqwest::Client,
+    fleet: &[String],
+    token: Option<&str>,
+) -> Result<fault::RestartCounts, String> {
+    match token {
+        Some(t) => fault::read_restarts(http, fleet, t).await,
+        None => Err("no --metrics-token or --admin-token to read /metrics with".into()),
+    }
+}
+
 /// Sends one planned request.
 async fn send_planned(
     http: &reqwest::Client,
@@ -212,12 +224,13 @@ struct Phase {
     deadline: Option<Duration>,
 }
 
-/// The load phase. Returns the outcomes (by request index) and the fault times.
+/// The load phase. Returns the outcomes (by request index) and the times of
+/// every kill (`None`: no fault plan).
 async fn run_load(
     phase: Arc<Phase>,
     args: &LoadtestArgs,
     fault: Option<FaultPlan>,
-) -> (Vec<Outcome>, Option<FaultTimes>) {
+) -> (Vec<Outcome>, Option<Vec<FaultTimes>>) {
     let by_time = phase.deadline.is_some();
     let len = match (phase.max_requests, phase.deadline) {
         (Some(n), _) => n as u64,
@@ -226,7 +239,10 @@ async fn run_load(
     };
     let pb = progress(args, len, &phase.target.label);
     let start = Instant::now();
-    let fault_task = fault.map(|plan| tokio::spawn(fault::run(plan, start)));
+    // Repeated faults stop when the requests are done (a cycle under way still
+    // restarts its node); the first kill always runs.
+    let (stop_faults, stop_rx) = tokio::sync::watch::channel(false);
+    let fault_task = fault.map(|plan| tokio::spawn(fault::run(plan, start, stop_rx)));
     let ticker = by_time.then(|| {
         let pb = pb.clone();
         tokio::spawn(async move {
@@ -324,6 +340,7 @@ async fn run_load(
         }
     }
     while set.join_next().await.is_some() {}
+    let _ = stop_faults.send(true);
     if let Some(t) = ticker {
         t.abort();
     }
@@ -378,6 +395,7 @@ fn measure(
         timeline: metrics::timeline(outs, end, bucket),
         checks: Checks::default(),
         fault: None,
+        node_loss: fault::node_loss(outs, |o| w.prompts[o.prompt].over_long, &[]),
         fairness: fairness::fairness(w, solo, outs, labels),
         prefix_cache: fairness::prefix_cache(w.tenants(), outs, labels, shared_prefix_tokens),
     }
@@ -479,9 +497,17 @@ pub async fn run(args: LoadtestArgs) -> Result<Report, LoadtestError> {
         restart_cmd: args.fault_restart_cmd.clone(),
         at: Duration::from_secs_f64(args.fault_at_secs.max(0.0)),
         downtime: Duration::from_secs_f64(args.fault_downtime_secs.max(0.0)),
+        every: args.fault_every_secs.map(Duration::from_secs_f64),
         health_url: format!("{base}/readyz"),
+        probe_url: format!("{base}/healthz"),
         health_timeout: Duration::from_secs(300),
     });
+    // The gateways' restart decisions (issue 36), before and after the phase.
+    let metrics_token = args
+        .metrics_token
+        .as_deref()
+        .or(args.admin_token.as_deref());
+    let restarts_before = restarts_now(&http, &target.fleet, metrics_token).await;
     let phase = Arc::new(Phase {
         http: http.clone(),
         target: target.clone(),
@@ -491,6 +517,7 @@ pub async fn run(args: LoadtestArgs) -> Result<Report, LoadtestError> {
         deadline: run_length.1,
     });
     let (outs, fault_times) = run_load(phase, &args, fault_plan.clone()).await;
+    let restarts_after = restarts_now(&http, &target.fleet, metrics_token).await;
     let mut main = measure(
         &target,
         &w,
@@ -501,20 +528,23 @@ pub async fn run(args: LoadtestArgs) -> Result<Report, LoadtestError> {
     );
     main.solo = solo_report;
 
-    // Outage window, for excusing failures a dead node explains.
+    // Outage windows, for excusing failures a dead node explains.
     let phase_end = outs
         .iter()
         .map(|o| o.start_s + o.e2e_s)
         .fold(0.0f64, f64::max);
-    let window = fault_times.as_ref().map(|t| {
-        (
-            t.kill_at_s,
-            t.ready_at_s.unwrap_or(phase_end.max(t.kill_at_s)),
-        )
-    });
-    let in_outage = |o: &Outcome| window.is_some_and(|(a, b)| fault::overlaps(o, a, b));
+    let windows: Vec<Window> = fault_times
+        .as_deref()
+        .map(|t| fault::windows(t, phase_end))
+        .unwrap_or_default();
+    let in_outage = |o: &Outcome| fault::in_any(o, &windows);
     if let (Some(plan), Some(times)) = (&fault_plan, fault_times.clone()) {
         main.fault = Some(fault::report(plan, times, &outs, phase_end));
+    }
+    main.node_loss = fault::node_loss(&outs, |o| w.prompts[o.prompt].over_long, &windows);
+    match (&restarts_before, &restarts_after) {
+        (Ok(b), Ok(a)) => main.node_loss.restarts = Some(a.minus(b)),
+        (Err(e), _) | (_, Err(e)) => main.node_loss.restarts_unavailable = Some(e.clone()),
     }
 
     if checks_on {
@@ -550,16 +580,33 @@ pub async fn run(args: LoadtestArgs) -> Result<Report, LoadtestError> {
         main.checks.solo_equality = Some(eq);
         main.checks.over_long = Some(ol);
     }
-    // Failed normal requests outside a planned outage.
+    // Failed normal requests a planned outage does not explain: outside one, or
+    // during one without an error event while the gateway was up (truncated).
+    let unexplained = |o: &&Outcome| {
+        !w.prompts[o.prompt].over_long
+            && metrics::error_label(o).is_some()
+            && !fault::excused(o, &windows)
+    };
     let unexpected = outs
         .iter()
-        .filter(|o| !w.prompts[o.prompt].over_long)
-        .filter(|o| metrics::error_label(o).is_some() && !in_outage(o))
+        .filter(unexplained)
+        .filter(|o| !in_outage(o))
         .count();
     if unexpected > 0 {
         failures.push(format!(
             "{unexpected} requests failed outside a planned fault: {:?}",
             main.errors_by_code
+        ));
+    }
+    let silent = outs
+        .iter()
+        .filter(unexplained)
+        .filter(|o| in_outage(o))
+        .count();
+    if silent > 0 {
+        failures.push(format!(
+            "{silent} requests during a fault ended without [DONE] or an error event while the gateway was up ({} truncated streams in all)",
+            main.node_loss.truncated
         ));
     }
     if main.requests.completed == 0 {
@@ -570,9 +617,16 @@ pub async fn run(args: LoadtestArgs) -> Result<Report, LoadtestError> {
         let solo_outs: Vec<Outcome> = solo.iter().flatten().cloned().collect();
         // A node killed between answering and writing a row loses that row: the
         // clients cannot tell, so requests that ended within a second before the
-        // kill (or during the outage) have no lower bound.
-        let uncertain =
-            |o: &Outcome| window.is_some_and(|(a, b)| fault::overlaps(o, a - KILL_MARGIN_S, b));
+        // kill (or during the outage) have no lower bound. A complete answer has
+        // its row unless the fault took the gateway (which writes it) down: the
+        // gateway continues or restarts the requests a node's loss hits, and
+        // charges each once.
+        let uncertain = |o: &Outcome| {
+            windows.iter().any(|win| {
+                let near = fault::overlaps(o, win.from - KILL_MARGIN_S, win.to);
+                near && (o.end != End::Complete || win.gateway_unreachable)
+            })
+        };
         let expected = checks::expected_usage(&w, &solo, &[&solo_outs, &outs], uncertain);
         let settle = Instant::now() + USAGE_SETTLE;
         let observed = loop {
