@@ -23,7 +23,7 @@ pub use admission::{
 };
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,
-    Prefilled, SeqEnd, Usage,
+    Prefilled, SeqEnd, Speculation, Usage, SPECULATE_MAX_DECODES,
 };
 pub use scheduler::{FairnessConfig, Policy, Priority, Served};
 pub use sink::{EventSink, Gone};

@@ -12,6 +12,7 @@
 //! node's engine adopts transferred sequences and decodes them.
 
 mod seq;
+mod speculate;
 mod step;
 
 pub(crate) use seq::{accept_token, sampler_for, Accepted, Seq, SeqRole};
@@ -85,7 +86,17 @@ pub struct EngineConfig {
     /// Most prompt tokens of batch-class requests computed in one step, so that a
     /// step in flight delays an arriving interactive request only a little.
     pub batch_prefill_chunk: usize,
+    /// Prompt-lookup speculation: at most this many draft tokens per decoding
+    /// sequence and step, taken from its own prompt and output and verified in the
+    /// same forward pass (output unchanged, token for token; `speculate.rs`). Used
+    /// while a step decodes at most [`SPECULATE_MAX_DECODES`] sequences (where a
+    /// decode step reads all weights for few rows); 0 disables it.
+    pub speculate: usize,
 }
+
+/// Most decoding sequences in a step for which drafts are added: past it, a step's
+/// rows already amortize the weights it reads.
+pub const SPECULATE_MAX_DECODES: usize = 4;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -100,6 +111,7 @@ impl Default for EngineConfig {
             fairness: FairnessConfig::default(),
             batch_max_wait: Some(Duration::from_secs(60)),
             batch_prefill_chunk: 128,
+            speculate: 0,
         }
     }
 }
@@ -206,9 +218,26 @@ pub struct Engine {
     /// The model's fingerprint (part of every prefix-cache key).
     model_fp: [u8; 32],
     pub(crate) metrics: EngineMetrics,
+    /// Draft tokens proposed and accepted since the engine started.
+    pub(crate) speculation: Speculation,
+}
+
+/// Prompt-lookup speculation's counts ([`EngineConfig::speculate`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Speculation {
+    /// Draft tokens fed to forward passes.
+    pub drafted: u64,
+    /// Draft tokens that equalled the token sampled at their position (each saved
+    /// one forward pass of its sequence).
+    pub accepted: u64,
 }
 
 impl Engine {
+    /// Prompt-lookup speculation's counts so far.
+    pub fn speculation(&self) -> Speculation {
+        self.speculation
+    }
+
     /// The fingerprint of the engine's model ([`Transformer::fingerprint`], 32 bytes).
     pub fn model_fingerprint(&self) -> [u8; 32] {
         self.model_fp
@@ -245,6 +274,7 @@ impl Engine {
             prefilled: Vec::new(),
             parked: HashMap::new(),
             metrics: EngineMetrics::default(),
+            speculation: Speculation::default(),
         }
     }
 

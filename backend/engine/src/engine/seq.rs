@@ -50,6 +50,11 @@ pub(crate) struct Seq {
     /// Output tokens at the end of `prompt` that a client already received (a
     /// continuation, [`crate::Resume`]); 0 for a new request.
     pub(crate) resumed: usize,
+    /// This step's draft tokens (prompt-lookup speculation), fed after its decode
+    /// row; empty when it does not speculate.
+    pub(crate) drafts: Vec<u32>,
+    /// The position of this step's decode row, which the drafts follow.
+    pub(crate) drafts_after: usize,
 }
 
 impl Seq {
@@ -73,6 +78,8 @@ impl Seq {
             prompt_logprobs: req.output.prompt_logprobs.map(|k| k as usize),
             prompt_lp: Vec::new(),
             resumed: req.resume.map_or(0, |r| r.output_tokens),
+            drafts: Vec::new(),
+            drafts_after: 0,
             prompt: req.prompt,
             generated: Vec::new(),
             max_tokens: req.max_tokens,

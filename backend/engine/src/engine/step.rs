@@ -4,7 +4,8 @@
 use super::seq::{
     accept_token, output_logprobs, penalty_view, sampler_for, Accepted, Seq, SeqRole,
 };
-use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Waiting};
+use super::speculate::propose;
+use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Waiting, SPECULATE_MAX_DECODES};
 use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
 use crate::sink::{EngineError, Event};
 use std::time::Instant;
@@ -77,6 +78,7 @@ impl Engine {
         let waiting = self.waiting_tenants();
         self.vtc
             .forget_idle(&waiting, |t| live.contains(&t) || waiting.contains(&t));
+        self.propose_drafts(&plan.work);
         let rows = self.rows(&plan.work);
         if rows.is_empty() {
             return 0;
@@ -99,11 +101,25 @@ impl Engine {
                 }
             }
         }
+        // Sequences that ended in this step: their later draft rows are void.
+        let mut ended: Vec<SeqId> = Vec::new();
         for (row, mut logits) in out.logits {
             let (seq, pos) = (rows[row].seq, rows[row].pos);
             let Some(s) = self.running.iter_mut().find(|s| s.id == seq) else {
                 continue;
             };
+            if pos >= s.prompt.len() {
+                // A decode row, or a draft row (speculate.rs): it counts only when its
+                // position is the next one and its input the last token sampled, i.e.
+                // every earlier draft was accepted.
+                let next = pos + 1 == s.prompt.len() + s.generated.len();
+                if !next || s.generated.last() != Some(&rows[row].token) || ended.contains(&seq) {
+                    continue;
+                }
+                if !s.drafts.is_empty() && pos > s.drafts_after {
+                    self.speculation.accepted += 1;
+                }
+            }
             if pos + 1 < s.prompt.len() {
                 // A prompt position computed for its logprobs: scores the next
                 // prompt token (raw logits; nothing is sampled).
@@ -132,9 +148,15 @@ impl Engine {
             }
             match accept_token(s, tok, logprobs, &self.tokenizer, &self.stop_ids) {
                 Accepted::Continue => {}
-                Accepted::Finished(ev) => finished.push((seq, SeqEnd::Completed, Some(ev))),
+                Accepted::Finished(ev) => {
+                    ended.push(seq);
+                    finished.push((seq, SeqEnd::Completed, Some(ev)))
+                }
                 // The receiver is gone (client disconnected): abort and free.
-                Accepted::Disconnected => finished.push((seq, SeqEnd::ClientGone, None)),
+                Accepted::Disconnected => {
+                    ended.push(seq);
+                    finished.push((seq, SeqEnd::ClientGone, None))
+                }
             }
         }
         for p in prefilled {
@@ -308,7 +330,37 @@ impl Engine {
         self.running.push(s);
     }
 
-    /// The forward pass's rows for the planned work.
+    /// Sets each decoding sequence's drafts for this step (prompt-lookup
+    /// speculation, `speculate.rs`): while the step decodes at most
+    /// [`SPECULATE_MAX_DECODES`] sequences, up to `speculate` tokens each, and never
+    /// more than it may still generate, less one (the drafts' positions stay inside
+    /// the pages reserved for prompt + `max_tokens`).
+    fn propose_drafts(&mut self, work: &[Work]) {
+        for s in self.running.iter_mut() {
+            s.drafts.clear();
+        }
+        let decodes = work
+            .iter()
+            .filter(|w| matches!(w, Work::Decode { .. }))
+            .count();
+        if self.cfg.speculate == 0 || decodes > SPECULATE_MAX_DECODES {
+            return;
+        }
+        for w in work {
+            let Work::Decode { seq, pos } = *w else {
+                continue;
+            };
+            let s = &mut self.running[seq];
+            let left = s.max_tokens.saturating_sub(s.generated.len());
+            let k = self.cfg.speculate.min(left.saturating_sub(1));
+            s.drafts = propose(&s.prompt, &s.generated, k);
+            s.drafts_after = pos;
+            self.speculation.drafted += s.drafts.len() as u64;
+        }
+    }
+
+    /// The forward pass's rows for the planned work: a decoding sequence's drafts
+    /// follow its decode row at the next positions.
     fn rows(&self, work: &[Work]) -> Vec<BatchRow> {
         let mut rows = Vec::new();
         for w in work {
@@ -321,6 +373,14 @@ impl Engine {
                         pos,
                         want_logits: true,
                     });
+                    for (j, &token) in s.drafts.iter().enumerate() {
+                        rows.push(BatchRow {
+                            seq: s.id,
+                            token,
+                            pos: pos + 1 + j,
+                            want_logits: true,
+                        });
+                    }
                 }
                 Work::Prefill { seq, start, end } => {
                     let s = &self.running[seq];

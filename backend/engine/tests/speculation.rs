@@ -1,0 +1,110 @@
+//! Prompt-lookup speculation (issue 37) with the real model: the output with drafts
+//! is token for token (ids, text, RNG positions, log probabilities) the output
+//! without them, for greedy decoding, seeded sampling with every penalty, stop
+//! strings and a JSON format, alone and in batches of 2 and 16; drafts are accepted
+//! where the output copies the prompt.
+
+use tessera_engine::testing::*;
+use tessera_engine::{Engine, EngineConfig, Event, GenerateRequest};
+use tessera_model::grammar::ResponseFormat;
+use tessera_model::sampling::SamplingParams;
+use tessera_model::LoadedModel;
+
+fn engine_with(m: &LoadedModel, speculate: usize) -> Engine {
+    engine(
+        m,
+        EngineConfig {
+            speculate,
+            ..EngineConfig::default()
+        },
+    )
+}
+
+/// Every event of each request, in order, run together on `e`.
+fn run_all(e: &mut Engine, reqs: &[GenerateRequest]) -> Vec<Vec<Event>> {
+    let mut rxs = enqueue_all(e, reqs);
+    e.run_to_completion();
+    rxs.iter_mut()
+        .map(|rx| {
+            let mut evs = Vec::new();
+            while let Ok(mut ev) = rx.try_recv() {
+                if let Event::Done { usage, .. } = &mut ev {
+                    usage.ttft = Default::default();
+                    usage.tpot = Default::default();
+                }
+                evs.push(ev);
+            }
+            evs
+        })
+        .collect()
+}
+
+fn requests(m: &LoadedModel) -> Vec<(&'static str, GenerateRequest)> {
+    let text = "The quick brown fox jumps over the lazy dog. A journey of a thousand \
+                miles begins with a single step. To be or not to be, that is the question.";
+    let copy = chat_prompt(m, &format!("Repeat this text exactly, twice:\n{text}"));
+    let poem = chat_prompt(m, "Write a short poem about the sea, then explain it.");
+    let mut out = vec![
+        ("copy, greedy", greedy(copy.clone(), 80)),
+        ("poem, greedy", greedy(poem.clone(), 48)),
+    ];
+    let mut seeded = greedy(copy.clone(), 80);
+    seeded.sampling = SamplingParams {
+        temperature: 0.7,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(11),
+        repetition_penalty: 1.05,
+        frequency_penalty: 0.2,
+        presence_penalty: 0.1,
+    };
+    out.push(("copy, seeded with penalties", seeded));
+    let mut stops = greedy(copy, 80);
+    stops.stop = vec!["single step. To".into()];
+    out.push(("copy, stop string", stops));
+    let mut json = greedy(
+        chat_prompt(m, "Describe a cat as a JSON object with a name and an age."),
+        40,
+    );
+    json.output.format = Some(ResponseFormat::JsonObject);
+    json.output.logprobs = Some(3);
+    out.push(("JSON object with logprobs", json));
+    out
+}
+
+#[test]
+fn drafts_change_nothing_alone_and_are_accepted_on_copies() {
+    let m = load();
+    for (what, req) in requests(&m) {
+        let plain = run_all(&mut engine_with(&m, 0), std::slice::from_ref(&req));
+        let mut e = engine_with(&m, 4);
+        let spec = run_all(&mut e, std::slice::from_ref(&req));
+        assert_eq!(spec, plain, "{what}");
+        let s = e.speculation();
+        assert!(s.accepted <= s.drafted, "{what}: {s:?}");
+        if what.starts_with("copy, greedy") {
+            assert!(s.accepted >= 10, "{what}: the copy accepts drafts: {s:?}");
+        }
+        println!("{what}: {s:?}");
+    }
+}
+
+#[test]
+fn drafts_change_nothing_in_batches() {
+    let m = load();
+    let reqs: Vec<GenerateRequest> = requests(&m).into_iter().map(|(_, r)| r).collect();
+    let solo: Vec<Vec<Event>> = reqs
+        .iter()
+        .map(|r| run_all(&mut engine_with(&m, 0), std::slice::from_ref(r)).remove(0))
+        .collect();
+    // Two at a time (drafts for both), and all of them three times over (16 and
+    // more: drafts only once few are left).
+    for pair in reqs.chunks(2).zip(solo.chunks(2)) {
+        assert_eq!(run_all(&mut engine_with(&m, 4), pair.0), pair.1);
+    }
+    let many: Vec<GenerateRequest> = reqs.iter().cycle().take(16).cloned().collect();
+    let want: Vec<Vec<Event>> = solo.iter().cycle().take(16).cloned().collect();
+    let mut e = engine_with(&m, 4);
+    assert_eq!(run_all(&mut e, &many), want);
+    assert!(e.speculation().drafted > 0, "{:?}", e.speculation());
+}
