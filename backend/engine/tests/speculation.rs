@@ -108,3 +108,34 @@ fn drafts_change_nothing_in_batches() {
     assert_eq!(run_all(&mut e, &many), want);
     assert!(e.speculation().drafted > 0, "{:?}", e.speculation());
 }
+
+/// Drafts come from the request's own tokens only: tenant B's prompt ends with the
+/// start of a phrase that only tenant A's prompt continues; B drafts exactly as
+/// many tokens batched with A as alone (a draft table shared across requests would
+/// propose A's continuation to B), and each output is its solo output.
+#[test]
+fn a_tenants_drafts_never_come_from_another_tenants_text() {
+    let m = load();
+    let secret = "the vault code is seven four one nine two eight";
+    let mut a = greedy(
+        chat_prompt(&m, &format!("Repeat after me: {secret}. Again: {secret}.")),
+        48,
+    );
+    a.tenant = 1;
+    let mut b = greedy(
+        chat_prompt(&m, "Say: the vault code is. Then: the vault code is"),
+        48,
+    );
+    b.tenant = 2;
+    let alone = |r: &GenerateRequest| {
+        let mut e = engine_with(&m, 4);
+        let out = run_all(&mut e, std::slice::from_ref(r)).remove(0);
+        (out, e.speculation().drafted)
+    };
+    let (out_a, drafted_a) = alone(&a);
+    let (out_b, drafted_b) = alone(&b);
+    let mut e = engine_with(&m, 4);
+    let both = run_all(&mut e, &[a, b]);
+    assert_eq!(both, [out_a, out_b]);
+    assert_eq!(e.speculation().drafted, drafted_a + drafted_b);
+}
