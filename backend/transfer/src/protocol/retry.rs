@@ -119,9 +119,10 @@ pub struct Cause {
 
 impl Cause {
     /// The cause of `outcome` when another pair may cure it: a drain refusal, a node
-    /// that died or went silent past the failure detector's limit, or a decode
+    /// that died or went silent past the failure detector's limit, a decode
     /// reservation whose lease ran out before the prefill node committed (a stalled
-    /// or overloaded prefill node). `None` for everything else: success, aborts,
+    /// or overloaded prefill node), a transfer into the decode node that failed, or
+    /// a drained decode node's deadline. `None` for everything else: success, aborts,
     /// admission refusals (another node would refuse as well), integrity failures
     /// (a refused commit must surface, not be hidden by a retry) and failures the
     /// node reported itself.
@@ -137,6 +138,13 @@ impl Cause {
             }),
             Outcome::Failed(Failure::LeaseExpired) => Some(Self {
                 role: Role::Prefill,
+                counts: true,
+            }),
+            // The prefill node's page writes or flush into the decode node failed
+            // (most often: that decode node died while its transfer ran, before the
+            // failure detector said so). Another decode node is tried.
+            Outcome::Failed(Failure::Prefill(r)) if r.kind == FailKind::Transport => Some(Self {
+                role: Role::Decode,
                 counts: true,
             }),
             // A drained decode node ended a running request at its deadline: planned,
@@ -273,6 +281,14 @@ mod tests {
             })
         );
         assert_eq!(Cause::of(&down(Role::Prefill)).unwrap().role, Role::Prefill);
+        let lost = FailReason::new(FailKind::Transport, "page write failed");
+        assert_eq!(
+            Cause::of(&Outcome::Failed(Failure::Prefill(lost))),
+            Some(Cause {
+                role: Role::Decode,
+                counts: true
+            })
+        );
         let drained = FailReason::new(FailKind::Drained, "drain deadline");
         assert_eq!(
             Cause::of(&Outcome::Failed(Failure::Decode(drained))),
