@@ -257,6 +257,7 @@ pub fn validate(
         ignore_eos: false,
         output,
         resume: None,
+        speculate: None,
     };
     limits
         .admit(request.clone())

@@ -318,6 +318,7 @@ pub fn raw_prealloc(
         ignore_eos: true,
         output: Default::default(),
         resume: None,
+        speculate: None,
     };
     frame(
         &json!({"control": {

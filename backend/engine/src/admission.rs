@@ -53,7 +53,16 @@ pub struct GenerateRequest {
     /// node failed mid-stream, issue 36); `None` for every new request.
     #[serde(default)]
     pub resume: Option<Resume>,
+    /// Prompt-lookup speculation for this request: at most this many draft tokens a
+    /// step (capped at [`MAX_SPECULATE`]; 0: none); `None`: the engine's
+    /// [`EngineConfig::speculate`](crate::EngineConfig::speculate). The output is the
+    /// same either way; only its speed changes.
+    #[serde(default)]
+    pub speculate: Option<u32>,
 }
+
+/// Most draft tokens a request may ask for per step.
+pub const MAX_SPECULATE: u32 = 8;
 
 /// A request that continues output a client already received: its `prompt` is the
 /// original prompt followed by that output's `output_tokens` ids, prefilled like the
@@ -153,6 +162,7 @@ impl GenerateRequest {
             ignore_eos: false,
             output: OutputOptions::default(),
             resume: None,
+            speculate: None,
         }
     }
 }

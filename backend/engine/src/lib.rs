@@ -19,7 +19,7 @@ pub mod testing;
 
 pub use admission::{
     AdmissionLimits, Admitted, CacheNamespace, GenerateRequest, OutputOptions, PdAdmission,
-    Rejection, Resume,
+    Rejection, Resume, MAX_SPECULATE,
 };
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,

@@ -139,3 +139,19 @@ fn a_tenants_drafts_never_come_from_another_tenants_text() {
     assert_eq!(both, [out_a, out_b]);
     assert_eq!(e.speculation().drafted, drafted_a + drafted_b);
 }
+
+/// A request's own `speculate` overrides the engine's: on with the engine's off, off
+/// with the engine's on; the output is the same.
+#[test]
+fn a_request_turns_drafts_on_or_off_for_itself() {
+    let m = load();
+    let (_, copy) = requests(&m).remove(0);
+    let plain = run_all(&mut engine_with(&m, 0), std::slice::from_ref(&copy));
+    for (engine_k, request_k, drafts) in [(0, Some(4), true), (4, Some(0), false)] {
+        let mut r = copy.clone();
+        r.speculate = request_k;
+        let mut e = engine_with(&m, engine_k);
+        assert_eq!(run_all(&mut e, std::slice::from_ref(&r)), plain);
+        assert_eq!(e.speculation().drafted > 0, drafts, "{request_k:?}");
+    }
+}

@@ -55,6 +55,8 @@ pub(crate) struct Seq {
     pub(crate) drafts: Vec<u32>,
     /// The position of this step's decode row, which the drafts follow.
     pub(crate) drafts_after: usize,
+    /// The request's own draft limit, if it set one ([`GenerateRequest::speculate`]).
+    pub(crate) speculate: Option<usize>,
 }
 
 impl Seq {
@@ -80,6 +82,9 @@ impl Seq {
             resumed: req.resume.map_or(0, |r| r.output_tokens),
             drafts: Vec::new(),
             drafts_after: 0,
+            speculate: req
+                .speculate
+                .map(|k| k.min(crate::admission::MAX_SPECULATE) as usize),
             prompt: req.prompt,
             generated: Vec::new(),
             max_tokens: req.max_tokens,

@@ -332,7 +332,8 @@ impl Engine {
 
     /// Sets each decoding sequence's drafts for this step (prompt-lookup
     /// speculation, `speculate.rs`): while the step decodes at most
-    /// [`SPECULATE_MAX_DECODES`] sequences, up to `speculate` tokens each, and never
+    /// [`SPECULATE_MAX_DECODES`] sequences, up to the request's `speculate` (else the
+    /// engine's) tokens each, and never
     /// more than it may still generate, less one (the drafts' positions stay inside
     /// the pages reserved for prompt + `max_tokens`).
     fn propose_drafts(&mut self, work: &[Work]) {
@@ -343,7 +344,7 @@ impl Engine {
             .iter()
             .filter(|w| matches!(w, Work::Decode { .. }))
             .count();
-        if self.cfg.speculate == 0 || decodes > SPECULATE_MAX_DECODES {
+        if decodes > SPECULATE_MAX_DECODES {
             return;
         }
         for w in work {
@@ -352,7 +353,10 @@ impl Engine {
             };
             let s = &mut self.running[seq];
             let left = s.max_tokens.saturating_sub(s.generated.len());
-            let k = self.cfg.speculate.min(left.saturating_sub(1));
+            let k = s
+                .speculate
+                .unwrap_or(self.cfg.speculate)
+                .min(left.saturating_sub(1));
             s.drafts = propose(&s.prompt, &s.generated, k);
             s.drafts_after = pos;
             self.speculation.drafted += s.drafts.len() as u64;
