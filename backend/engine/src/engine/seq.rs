@@ -57,6 +57,12 @@ pub(crate) struct Seq {
     pub(crate) drafts_after: usize,
     /// The request's own draft limit, if it set one ([`GenerateRequest::speculate`]).
     pub(crate) speculate: Option<usize>,
+    /// Drafts accepted in this step.
+    pub(crate) accepted_now: usize,
+    /// Steps in a row whose drafts were all rejected, and steps left to wait before
+    /// drafting again (backing off where the output does not repeat its input).
+    pub(crate) draft_misses: u32,
+    pub(crate) draft_wait: u32,
 }
 
 impl Seq {
@@ -82,6 +88,9 @@ impl Seq {
             resumed: req.resume.map_or(0, |r| r.output_tokens),
             drafts: Vec::new(),
             drafts_after: 0,
+            accepted_now: 0,
+            draft_misses: 0,
+            draft_wait: 0,
             speculate: req
                 .speculate
                 .map(|k| k.min(crate::admission::MAX_SPECULATE) as usize),

@@ -118,6 +118,7 @@ impl Engine {
                 }
                 if !s.drafts.is_empty() && pos > s.drafts_after {
                     self.speculation.accepted += 1;
+                    s.accepted_now += 1;
                 }
             }
             if pos + 1 < s.prompt.len() {
@@ -338,7 +339,18 @@ impl Engine {
     /// the pages reserved for prompt + `max_tokens`).
     fn propose_drafts(&mut self, work: &[Work]) {
         for s in self.running.iter_mut() {
+            // Back off where drafts miss: after n steps in a row whose drafts were all
+            // rejected, wait 2^n steps (at most 32) before drafting again.
+            if !s.drafts.is_empty() {
+                if s.accepted_now == 0 {
+                    s.draft_misses += 1;
+                    s.draft_wait = 1 << s.draft_misses.min(5);
+                } else {
+                    s.draft_misses = 0;
+                }
+            }
             s.drafts.clear();
+            s.accepted_now = 0;
         }
         let decodes = work
             .iter()
@@ -352,6 +364,10 @@ impl Engine {
                 continue;
             };
             let s = &mut self.running[seq];
+            if s.draft_wait > 0 {
+                s.draft_wait -= 1;
+                continue;
+            }
             let left = s.max_tokens.saturating_sub(s.generated.len());
             let k = s
                 .speculate
