@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 use std::path::Path;
-use tessera_config::{DeploymentConfig, LinkIdentity, ModelEntry, PoolConfig, Role};
+use tessera_config::{DeploymentConfig, LinkIdentity, ModelEntry, NodeRole, PoolConfig};
 use tessera_serving::remote::{NodeLinks, RemoteNodes};
 
 /// Loads the deployment file at `path`. Errors: unreadable, unparsable, or
@@ -43,7 +43,7 @@ pub(crate) fn pool_model<'a>(
 /// The pools of `role` that serve model `id`, in file order.
 pub(crate) fn pools_of<'a>(
     cfg: &'a DeploymentConfig,
-    role: Role,
+    role: NodeRole,
     id: &'a str,
 ) -> impl Iterator<Item = &'a PoolConfig> + 'a {
     cfg.pools_with_role(role).filter(move |p| p.serves(id))
@@ -53,7 +53,7 @@ pub(crate) fn pools_of<'a>(
 /// that model and the gateway's cluster for it both index (so an index names the
 /// same node on both sides, and never a node of another model).
 pub(crate) fn decode_nodes(cfg: &DeploymentConfig, id: &str) -> Vec<String> {
-    pools_of(cfg, Role::Decode, id)
+    pools_of(cfg, NodeRole::Decode, id)
         .flat_map(|p| p.nodes.iter().cloned())
         .collect()
 }
@@ -77,14 +77,14 @@ pub(crate) fn remote_deployment(
         NodeLinks::from_deployment(&cfg, &LinkIdentity::Gateway, insecure_node_links, None)?;
     let mut out = Vec::new();
     for pool in cfg
-        .pools_with_role(Role::Prefill)
-        .chain(cfg.pools_with_role(Role::Decode))
+        .pools_with_role(NodeRole::Prefill)
+        .chain(cfg.pools_with_role(NodeRole::Decode))
     {
         pool_model(&cfg, pool)?;
     }
     for m in &cfg.models {
-        let prefill: Vec<&PoolConfig> = pools_of(&cfg, Role::Prefill, &m.id).collect();
-        let decode: Vec<&PoolConfig> = pools_of(&cfg, Role::Decode, &m.id).collect();
+        let prefill: Vec<&PoolConfig> = pools_of(&cfg, NodeRole::Prefill, &m.id).collect();
+        let decode: Vec<&PoolConfig> = pools_of(&cfg, NodeRole::Decode, &m.id).collect();
         if prefill.is_empty() || decode.is_empty() {
             bail!(
                 "{}: model {} needs at least one prefill and one decode pool for a disaggregated gateway",

@@ -13,7 +13,7 @@
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use std::path::Path;
-use tessera_config::Role;
+use tessera_config::NodeRole;
 
 /// `--device`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -51,7 +51,7 @@ impl DeviceArgs {
         &self,
         model_id: &str,
         model: &Path,
-        engines: &[(Role, &str)],
+        engines: &[(NodeRole, &str)],
     ) -> Result<()> {
         match self.device {
             Device::Cpu => Ok(()),
@@ -61,7 +61,7 @@ impl DeviceArgs {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_: &DeviceArgs, _: &str, _: &Path, _: &[(Role, &str)]) -> Result<()> {
+fn cuda(_: &DeviceArgs, _: &str, _: &Path, _: &[(NodeRole, &str)]) -> Result<()> {
     anyhow::bail!(
         "--device cuda: this tessera binary was built without CUDA support; rebuild it with \
          `cargo build --release --features cuda` (no CUDA toolkit is needed to build: the \
@@ -70,7 +70,7 @@ fn cuda(_: &DeviceArgs, _: &str, _: &Path, _: &[(Role, &str)]) -> Result<()> {
 }
 
 #[cfg(feature = "cuda")]
-fn cuda(a: &DeviceArgs, model_id: &str, model: &Path, engines: &[(Role, &str)]) -> Result<()> {
+fn cuda(a: &DeviceArgs, model_id: &str, model: &Path, engines: &[(NodeRole, &str)]) -> Result<()> {
     use tessera_kernels::cuda::{pool_pages, CudaDevice};
     use tessera_model::cuda::{CudaLlama, CudaOptions, PoolSize};
     let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("--device cuda: {e}");

@@ -6,11 +6,12 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::time::Duration;
-use tessera_config::{LinkIdentity, ModelEntry, Role};
+use tessera_config::{LinkIdentity, ModelEntry, NodeRole};
 use tessera_model::LoadedModel;
 use tessera_serving::remote::{
-    drain_node, run_node_process, NodeLinks, NodeOptions, ProtocolRole, TestPanic, TransportKind,
+    drain_node, run_node_process, NodeLinks, NodeOptions, TestPanic, TransportKind,
 };
+use tessera_transfer::protocol::Role;
 
 /// Test-only: makes a node panic on purpose (`engine` or `connection`), for the
 /// supervision tests. Read once at start; never set it in a deployment.
@@ -18,7 +19,7 @@ const TEST_PANIC_ENV: &str = "TESSERA_TEST_NODE_PANIC";
 
 /// A node's role on the command line.
 #[derive(Clone, Copy, Debug, ValueEnum)]
-pub(crate) enum RoleArg {
+pub(crate) enum NodeRoleArg {
     /// Computes prompts and writes their KV into decode nodes.
     Prefill,
     /// Reserves pages, verifies transfers and generates.
@@ -33,7 +34,7 @@ pub(crate) struct NodeArgs {
     command: Option<NodeCommand>,
     /// The node's role.
     #[arg(long, required = true)]
-    role: Option<RoleArg>,
+    role: Option<NodeRoleArg>,
     /// The deployment file (pools, nodes, models, node links).
     #[arg(long, required = true)]
     config: Option<PathBuf>,
@@ -111,16 +112,16 @@ impl NodeArgs {
     pub(crate) fn role_name(&self) -> &'static str {
         match (&self.command, self.role) {
             (Some(_), _) | (None, None) => "node",
-            (None, Some(RoleArg::Prefill)) => "prefill",
-            (None, Some(RoleArg::Decode)) => "decode",
+            (None, Some(NodeRoleArg::Prefill)) => "prefill",
+            (None, Some(NodeRoleArg::Decode)) => "decode",
         }
     }
 }
 
-fn protocol_role(role: Role) -> ProtocolRole {
+fn protocol_role(role: NodeRole) -> Role {
     match role {
-        Role::Prefill => ProtocolRole::Prefill,
-        _ => ProtocolRole::Decode,
+        NodeRole::Prefill => Role::Prefill,
+        _ => Role::Decode,
     }
 }
 
@@ -130,7 +131,9 @@ fn drain(a: DrainArgs) -> Result<()> {
     let pool = cfg
         .pools
         .iter()
-        .find(|p| matches!(p.role, Role::Prefill | Role::Decode) && p.nodes.contains(&a.addr))
+        .find(|p| {
+            matches!(p.role, NodeRole::Prefill | NodeRole::Decode) && p.nodes.contains(&a.addr)
+        })
         .with_context(|| {
             format!(
                 "no prefill or decode pool in {} lists node {}",
@@ -165,8 +168,8 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     };
     let cfg = load_config(&config)?;
     let role = match role {
-        RoleArg::Prefill => Role::Prefill,
-        RoleArg::Decode => Role::Decode,
+        NodeRoleArg::Prefill => NodeRole::Prefill,
+        NodeRoleArg::Decode => NodeRole::Decode,
     };
     let pool = match &a.listen {
         Some(addr) => cfg

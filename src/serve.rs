@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tessera_config::secret_files::{check_token_file_mode, create_private_dir, create_secret_file};
-use tessera_config::{check_pool_fits, Role};
+use tessera_config::{check_pool_fits, NodeRole};
 use tessera_gateway::catalog::{CatalogEntry, Dated};
 use tessera_gateway::{
-    check_token, AppState, ConnLimits, Deadlines, GatewayConfig, ServedModel, Server, TlsMode,
+    check_token, AppState, ConnLimits, Deadlines, GatewayOptions, ServedModel, Server, TlsMode,
     UsageConfig,
 };
 use tessera_model::gguf::DEFAULT_MODEL_ID;
@@ -381,7 +381,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     };
     let secs = Duration::from_secs;
     let default_limits = a.defaults.limits();
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         listen,
         admin_listen: a.admin_listen,
         tls: tls.clone(),
@@ -414,7 +414,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         metrics_top_tenants: a.metrics_top_tenants,
         log_request_text: a.log_request_text,
         private_models_as_404: a.private_models_as_404,
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let state = AppState::with_models(store.clone(), served, &cfg)
         .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
@@ -599,12 +599,12 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
                 context,
             ),
         );
-        let pools: &[(Role, &str, usize)] = if a.colocated {
-            &[(Role::Colocated, "colocated", decode_tokens)]
+        let pools: &[(NodeRole, &str, usize)] = if a.colocated {
+            &[(NodeRole::Colocated, "colocated", decode_tokens)]
         } else {
             &[
-                (Role::Prefill, "prefill", prefill_tokens),
-                (Role::Decode, "decode", decode_tokens),
+                (NodeRole::Prefill, "prefill", prefill_tokens),
+                (NodeRole::Decode, "decode", decode_tokens),
             ]
         };
         // I2: refuse to start with a pool that cannot hold one full context window.
@@ -687,10 +687,10 @@ fn device_check(a: &ServeArgs) -> Result<()> {
     }
     let models: Vec<(String, PathBuf)> =
         model_args(a)?.into_iter().map(|m| (m.id, m.path)).collect();
-    let engines: &[(Role, &str)] = if a.colocated {
-        &[(Role::Colocated, "colocated")]
+    let engines: &[(NodeRole, &str)] = if a.colocated {
+        &[(NodeRole::Colocated, "colocated")]
     } else {
-        &[(Role::Prefill, "prefill"), (Role::Decode, "decode")]
+        &[(NodeRole::Prefill, "prefill"), (NodeRole::Decode, "decode")]
     };
     for (id, path) in &models {
         a.device.prepare(id, path, engines)?;

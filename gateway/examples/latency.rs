@@ -24,7 +24,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_gateway::{AppState, GatewayConfig, Server};
+use tessera_gateway::{AppState, GatewayOptions, Server};
 use tessera_model::chat::ChatMessage;
 use tessera_model::LoadedModel;
 use tessera_serving::{EngineConfig, EngineHandle, GenerateRequest, StreamEvent};
@@ -81,9 +81,9 @@ async fn main() -> anyhow::Result<()> {
     });
     let model = LoadedModel::load(model_path.as_ref())?;
     let engine = EngineHandle::spawn(&model, EngineConfig::default());
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         listen: "127.0.0.1:0".parse()?,
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let state = AppState::new(store.clone(), model.clone(), engine.clone(), &cfg);
     let server = Server::bind(&cfg, state.clone()).await?;

@@ -41,7 +41,7 @@ pub(crate) const RELEASE_WAIT: Duration = Duration::from_secs(30);
 /// Messages from the driver to the HTTP side, in order: text, then one `Done` or
 /// `Error`.
 #[derive(Debug)]
-pub(crate) enum Msg {
+pub(crate) enum ResponseEvent {
     /// Newly completed text (never empty without `logprobs`), and the log
     /// probabilities of the token that completed it when the request asked.
     Text {
@@ -144,7 +144,7 @@ impl Drop for BatchCharge {
 }
 
 /// What an admitted request holds until its row is written.
-pub(crate) struct Held {
+pub(crate) struct RequestHoldings {
     /// Its limits (slot, token allowances, daily reservation).
     pub(crate) charge: Charge,
     /// Its registration among the requests in flight (revocation aborts it).
@@ -180,13 +180,13 @@ pub(crate) fn spawn(
     state: Arc<AppState>,
     ctx: Ctx,
     mut stream: RequestStream,
-    held: Held,
+    held: RequestHoldings,
     prompt_tokens: usize,
-) -> UnboundedReceiver<Msg> {
+) -> UnboundedReceiver<ResponseEvent> {
     let (tx, rx) = unbounded_channel();
     let inflight = state.inflight_guard();
     let mut abort = state.abort_signal();
-    let Held { charge, mut live } = held;
+    let RequestHoldings { charge, mut live } = held;
     let started = tokio::time::Instant::from_std(ctx.started);
     let first_deadline = started + state.deadlines.first_token;
     let total_deadline = started + state.deadlines.total;
@@ -221,7 +221,7 @@ pub(crate) fn spawn(
                             if let Some(o) = &mut output_text {
                                 o.push_str(&text);
                             }
-                            let _ = tx.send(Msg::Text { text, logprobs });
+                            let _ = tx.send(ResponseEvent::Text { text, logprobs });
                         }
                     }
                     Some(StreamEvent::Done { reason, usage }) => break End::Done(reason, usage),
@@ -263,7 +263,7 @@ pub(crate) fn spawn(
         );
         if aborted {
             if let Some(e) = &abort_error {
-                let _ = tx.send(Msg::Error(e.clone()));
+                let _ = tx.send(ResponseEvent::Error(e.clone()));
             }
             // Abort on every node holding the request (I6).
             stream.cancel();
@@ -319,7 +319,7 @@ pub(crate) fn spawn(
                         u.ttft.as_micros() as i64,
                     )
                 },
-                Some(Msg::Done {
+                Some(ResponseEvent::Done {
                     reason,
                     tokens: TokenCounts {
                         prompt: u.prompt_tokens,
@@ -340,7 +340,7 @@ pub(crate) fn spawn(
                         generated,
                         ttft_us,
                     ),
-                    Some(Msg::Error(err)),
+                    Some(ResponseEvent::Error(err)),
                 )
             }
             End::Aborted => (

@@ -62,6 +62,6 @@ pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES, MIN_TOKEN_DISTINCT_BYT
 pub use error::{ApiError, ErrorKind};
 pub use server::{Server, StartError};
 pub use state::{
-    AppState, ConnLimits, Deadlines, GatewayConfig, Reload, ServedModel, UsageConfig, MAX_ID_BYTES,
+    AppState, ConnLimits, Deadlines, GatewayOptions, Reload, ServedModel, UsageConfig, MAX_ID_BYTES,
 };
 pub use tls::{TlsError, TlsMode};

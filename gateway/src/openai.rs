@@ -2,7 +2,7 @@
 //! formatter shared with the Workers AI shape. The model catalog's endpoints are in
 //! `models_api`.
 
-use crate::driver::{finish_label, Msg, TokenCounts};
+use crate::driver::{finish_label, ResponseEvent, TokenCounts};
 use crate::http::{sse, Shape};
 use crate::tools::{openai_calls, workers_ai_calls, CallScanner, ToolCall};
 use crate::workers_ai;
@@ -264,7 +264,7 @@ impl Formatter {
     }
 
     /// The SSE bytes for one driver message.
-    pub(crate) fn frame(&mut self, m: Msg) -> String {
+    pub(crate) fn frame(&mut self, m: ResponseEvent) -> String {
         let mut out = String::new();
         if !self.started && self.shape == Shape::Chat {
             let first = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
@@ -272,7 +272,7 @@ impl Formatter {
         }
         self.started = true;
         match (self.shape, m) {
-            (Shape::WorkersAi, Msg::Text { text, .. }) => {
+            (Shape::WorkersAi, ResponseEvent::Text { text, .. }) => {
                 let text = match &mut self.tools {
                     Some(scanner) => scanner.push(&text),
                     None => text,
@@ -281,7 +281,7 @@ impl Formatter {
                     out.push_str(&workers_ai::text_frame(&text))
                 }
             }
-            (Shape::WorkersAi, Msg::Done { tokens, .. }) => {
+            (Shape::WorkersAi, ResponseEvent::Done { tokens, .. }) => {
                 if let Some(scanner) = self.tools.take() {
                     let (tail, calls) = scanner.finish();
                     if !tail.is_empty() {
@@ -293,8 +293,10 @@ impl Formatter {
                 }
                 out.push_str(&workers_ai::done_frames(tokens))
             }
-            (Shape::WorkersAi, Msg::Error(e)) => out.push_str(&workers_ai::error_frame(&e)),
-            (_, Msg::Text { text, logprobs }) => {
+            (Shape::WorkersAi, ResponseEvent::Error(e)) => {
+                out.push_str(&workers_ai::error_frame(&e))
+            }
+            (_, ResponseEvent::Text { text, logprobs }) => {
                 let text = match &mut self.tools {
                     Some(scanner) => scanner.push(&text),
                     None => text,
@@ -305,7 +307,7 @@ impl Formatter {
                     self.text_chunks(&text, logprobs, &mut out)
                 }
             }
-            (_, Msg::Done { reason, tokens }) => {
+            (_, ResponseEvent::Done { reason, tokens }) => {
                 if let Some(echo) = self.echo.take() {
                     let echo = self.delta(Some(&echo), None, Value::Null);
                     out.push_str(&self.chunk(Some(echo), None));
@@ -331,7 +333,7 @@ impl Formatter {
                 }
                 out.push_str("data: [DONE]\n\n");
             }
-            (_, Msg::Error(e)) => {
+            (_, ResponseEvent::Error(e)) => {
                 let (ty, code) = e.kind.openai();
                 out.push_str(&sse(&json!({"error": {"message": e.message, "type": ty, "param": null, "code": code}})));
             }
@@ -364,8 +366,8 @@ mod tests {
         }
     }
 
-    fn done() -> Msg {
-        Msg::Done {
+    fn done() -> ResponseEvent {
+        ResponseEvent::Done {
             reason: FinishReason::Stop,
             tokens: TokenCounts {
                 prompt: 10,
@@ -396,7 +398,7 @@ mod tests {
         let mut f = formatter(Shape::Chat);
         let mut sse = String::new();
         for t in QWEN_CALL {
-            sse.push_str(&f.frame(Msg::Text {
+            sse.push_str(&f.frame(ResponseEvent::Text {
                 text: t.into(),
                 logprobs: None,
             }));

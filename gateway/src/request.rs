@@ -12,7 +12,7 @@
 //! wrote theirs. This module imports neither `server` nor `batch`.
 
 use crate::cpu::Lane;
-use crate::driver::{self, Charge, Held, Msg};
+use crate::driver::{self, Charge, RequestHoldings, ResponseEvent};
 use crate::error::{ApiError, ErrorKind};
 use crate::http::{limit_error, Shape};
 use crate::model_check::{self, TenantContext, Validated};
@@ -187,7 +187,7 @@ pub(crate) async fn reserve(
 /// A started request: the driver's messages and the formatter of its answer.
 pub(crate) struct Started {
     /// The driver's messages: text, then one `Done` or `Error`.
-    pub(crate) out: UnboundedReceiver<Msg>,
+    pub(crate) out: UnboundedReceiver<ResponseEvent>,
     /// Renders the answer in the endpoint's shape.
     pub(crate) fmt: Formatter,
 }
@@ -227,7 +227,7 @@ pub(crate) async fn start(
         state.clone(),
         ctx.clone(),
         events,
-        Held { charge, live },
+        RequestHoldings { charge, live },
         prompt_tokens,
     );
     let echo_logprobs = v.echo.is_some() && v.request.output.prompt_logprobs.is_some();
@@ -257,14 +257,16 @@ pub(crate) async fn collect(started: Started) -> Result<Value, ApiError> {
     let mut lp = Collected::default();
     while let Some(m) = out.recv().await {
         match m {
-            Msg::Text { text: t, logprobs } => {
+            ResponseEvent::Text { text: t, logprobs } => {
                 text.push_str(&t);
                 if let Some(l) = logprobs {
                     lp.push(*l);
                 }
             }
-            Msg::Done { reason, tokens } => return Ok(fmt.complete(&text, reason, tokens, &lp)),
-            Msg::Error(e) => return Err(e),
+            ResponseEvent::Done { reason, tokens } => {
+                return Ok(fmt.complete(&text, reason, tokens, &lp))
+            }
+            ResponseEvent::Error(e) => return Err(e),
         }
     }
     Err(ApiError::new(

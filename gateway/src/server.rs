@@ -3,11 +3,11 @@
 //! on loopback, or TLS by rustls; connection limits in [`crate::listener`]). The
 //! state and settings are in `state`, the shared HTTP pieces in `http`.
 
-pub use crate::state::{AppState, Deadlines, GatewayConfig, UsageConfig, MAX_ID_BYTES};
+pub use crate::state::{AppState, Deadlines, GatewayOptions, UsageConfig, MAX_ID_BYTES};
 
 use crate::catalog::{now_secs, Lookup};
 use crate::cpu::Lane;
-use crate::driver::{Charge, Msg};
+use crate::driver::{Charge, ResponseEvent};
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{authenticate, read_body_in_time, Shape};
 use crate::model_check::{self, Validated};
@@ -233,7 +233,7 @@ async fn generate_in_span(
     // error frame after a 200.
     let first = if v.request.priority == Priority::Batch {
         match out.recv().await {
-            Some(Msg::Error(e)) => {
+            Some(ResponseEvent::Error(e)) => {
                 return with_lifecycle(e.into_response_as(ctx.flavor, &ctx.rid), entry)
             }
             m => m,
@@ -292,8 +292,8 @@ fn session_affinity(headers: &HeaderMap, tenant_id: &str) -> Option<u64> {
 fn stream_response(
     ctx: &Ctx,
     fmt: Formatter,
-    first: Option<Msg>,
-    out: UnboundedReceiver<Msg>,
+    first: Option<ResponseEvent>,
+    out: UnboundedReceiver<ResponseEvent>,
 ) -> Response {
     let s = futures_util::stream::unfold(Some((fmt, first, out)), |st| async move {
         let (mut fmt, first, mut out) = st?;
@@ -301,7 +301,7 @@ fn stream_response(
             Some(m) => m,
             None => out.recv().await?,
         };
-        let last = !matches!(m, Msg::Text { .. });
+        let last = !matches!(m, ResponseEvent::Text { .. });
         let bytes = fmt.frame(m);
         Some((
             Ok::<Bytes, std::convert::Infallible>(Bytes::from(bytes)),
@@ -575,7 +575,7 @@ impl Server {
     /// # Errors
     /// A short or empty admin or metrics token, plain HTTP on a non-loopback
     /// address without `allow_insecure_http`, a bind or TLS failure.
-    pub async fn bind(cfg: &GatewayConfig, state: Arc<AppState>) -> Result<Self, StartError> {
+    pub async fn bind(cfg: &GatewayOptions, state: Arc<AppState>) -> Result<Self, StartError> {
         for (what, t) in [
             ("admin token", &cfg.admin_token),
             ("metrics token", &cfg.metrics_token),

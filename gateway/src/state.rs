@@ -1,6 +1,6 @@
 //! The gateway's state and settings: [`AppState`] (one per process) with its
 //! in-flight count and guard, the per-request context [`Ctx`], the configuration
-//! ([`GatewayConfig`], [`Deadlines`], [`UsageConfig`], [`ConnLimits`]), the store of
+//! ([`GatewayOptions`], [`Deadlines`], [`UsageConfig`], [`ConnLimits`]), the store of
 //! async batches ([`Batches`], run by `batch`) and the length limit on ids. Every
 //! other module takes these from here; this one imports neither the server nor the
 //! batch module (no import circle).
@@ -110,9 +110,11 @@ impl Default for ConnLimits {
     }
 }
 
-/// Server settings.
+/// The gateway server's runtime options (`tessera serve` builds them from its
+/// command line; the deployment file's `[gateway]` section is
+/// `tessera_config::GatewaySection`).
 #[derive(Clone, Debug)]
-pub struct GatewayConfig {
+pub struct GatewayOptions {
     /// Address to listen on (port 0 picks a free port).
     pub listen: SocketAddr,
     /// Serve the admin API and `/metrics` on this address instead (then the public
@@ -161,7 +163,7 @@ pub struct GatewayConfig {
     pub shared_limits: Option<tessera_tenancy::limits::SharedLimits>,
 }
 
-impl Default for GatewayConfig {
+impl Default for GatewayOptions {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
@@ -280,7 +282,7 @@ impl AppState {
         store: Store,
         model: LoadedModel,
         engine: EngineHandle,
-        cfg: &GatewayConfig,
+        cfg: &GatewayOptions,
     ) -> Arc<Self> {
         let served = ServedModel::new(tessera_model::gguf::DEFAULT_MODEL_ID, model, engine);
         Self::with_models(store, vec![served], cfg).expect("one model is a valid catalog")
@@ -294,7 +296,7 @@ impl AppState {
     pub fn with_models(
         store: Store,
         models: Vec<ServedModel>,
-        cfg: &GatewayConfig,
+        cfg: &GatewayOptions,
     ) -> Result<Arc<Self>, String> {
         let catalog = Catalog::new(models.iter().map(|m| m.entry.clone()).collect())?;
         let first = models.first().ok_or("a gateway needs at least one model")?;

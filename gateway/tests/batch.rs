@@ -11,7 +11,7 @@ mod common;
 use common::{start, start_with, TestServer, MODEL};
 use serde_json::{json, Value};
 use std::time::Duration;
-use tessera_gateway::GatewayConfig;
+use tessera_gateway::GatewayOptions;
 use tessera_tenancy::Limits;
 
 fn batch_url(s: &TestServer, account: &str) -> String {
@@ -459,9 +459,9 @@ async fn malformed_batches_are_refused_naming_the_field_and_run_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_batches_per_tenant_are_bounded_and_results_expire() {
-    let s = start_with(GatewayConfig {
+    let s = start_with(GatewayOptions {
         batch_retention: Duration::from_secs(3),
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     })
     .await;
     let long = json!([{"prompt": "Count from 1 to 500.", "max_tokens": 160},

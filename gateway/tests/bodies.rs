@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 use tessera_gateway::catalog::Catalog;
 use tessera_gateway::{model_check, validation};
-use tessera_gateway::{Deadlines, GatewayConfig};
+use tessera_gateway::{Deadlines, GatewayOptions};
 use tessera_model::LoadedModel;
 use tessera_serving::admission::AdmissionLimits;
 
@@ -282,12 +282,12 @@ fn the_live_server_answers_every_body_with_a_4xx_naming_the_field() {
         .build()
         .unwrap();
     // A valid body generates; a short deadline bounds it (408 is a 4xx too).
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         deadlines: Deadlines {
             total: Duration::from_secs(1),
             ..Deadlines::default()
         },
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = rt.block_on(start_with(cfg));
     let urls = [

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use std::time::{Duration, Instant};
-use tessera_gateway::{ConnLimits, GatewayConfig, TlsMode};
+use tessera_gateway::{ConnLimits, GatewayOptions, TlsMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -28,13 +28,13 @@ async fn closed_by(c: &mut TcpStream, deadline: Instant) -> Option<Instant> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_slowloris_sockets_are_closed_within_the_header_timeout() {
     let header = Duration::from_secs(2);
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         conn: ConnLimits {
             header_read: header,
             keepalive_idle: Duration::from_secs(60),
             ..ConnLimits::default()
         },
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let mut socks = Vec::new();
@@ -102,13 +102,13 @@ async fn two_hundred_slowloris_sockets_are_closed_within_the_header_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_keepalive_connections_and_stalled_tls_handshakes_are_closed() {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         conn: ConnLimits {
             header_read: Duration::from_secs(30),
             keepalive_idle: Duration::from_millis(500),
             ..ConnLimits::default()
         },
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let mut c = TcpStream::connect(s.addr).await.unwrap();
@@ -131,7 +131,7 @@ async fn idle_keepalive_connections_and_stalled_tls_handshakes_are_closed() {
         .contains("tessera_connection_timeouts_total{phase=\"idle\"} 1"));
     drop(s);
 
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         tls: TlsMode::SelfSigned(None),
         conn: ConnLimits {
             tls_handshake: Duration::from_millis(500),
@@ -139,7 +139,7 @@ async fn idle_keepalive_connections_and_stalled_tls_handshakes_are_closed() {
             keepalive_idle: Duration::from_secs(30),
             ..ConnLimits::default()
         },
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let mut c = TcpStream::connect(s.addr).await.unwrap();
@@ -158,14 +158,14 @@ async fn idle_keepalive_connections_and_stalled_tls_handshakes_are_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_connection_cap_holds_new_clients_until_a_slot_frees() {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         conn: ConnLimits {
             max_connections: 4,
             header_read: Duration::from_secs(30),
             keepalive_idle: Duration::from_secs(30),
             ..ConnLimits::default()
         },
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let mut held = Vec::new();

@@ -10,7 +10,7 @@ use futures_util::StreamExt;
 use reqwest::Method;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
-use tessera_gateway::{Deadlines, GatewayConfig, UsageConfig};
+use tessera_gateway::{Deadlines, GatewayOptions, UsageConfig};
 use tessera_tenancy::{Limits, NewKey, Scopes, TenantStatus, UsageRecord};
 
 fn db_bytes(s: &TestServer) -> u64 {
@@ -28,9 +28,9 @@ const METRICS_TOKEN: &str = "metrics-only-token-0123456789abcdef";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_or_empty_tokens_are_refused_and_empty_authorization_never_matches() {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         metrics_token: Some(METRICS_TOKEN.into()),
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     // Binding with an empty or short token fails, naming the token.
@@ -40,11 +40,11 @@ async fn short_or_empty_tokens_are_refused_and_empty_authorization_never_matches
         (Some("short-admin-token"), None),
         (Some(ADMIN), Some("short")),
     ] {
-        let cfg = GatewayConfig {
+        let cfg = GatewayOptions {
             listen: "127.0.0.1:0".parse().unwrap(),
             admin_token: admin.map(String::from),
             metrics_token: metrics.map(String::from),
-            ..GatewayConfig::default()
+            ..GatewayOptions::default()
         };
         let err = tessera_gateway::Server::bind(&cfg, s.state.clone())
             .await
@@ -132,9 +132,9 @@ async fn short_or_empty_tokens_are_refused_and_empty_authorization_never_matches
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_listener_takes_the_admin_api_and_metrics_off_the_public_port() {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         admin_listen: Some("127.0.0.1:0".parse().unwrap()),
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let admin_base = s.admin_base.clone().expect("admin listener");
@@ -209,9 +209,9 @@ async fn every_admin_action_appends_one_audit_row_and_new_tenants_get_default_li
         max_concurrent: 7,
         daily_tokens: 70_000,
     };
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         default_limits: defaults,
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let mut want: Vec<(String, String, String)> = Vec::new(); // (action, target, request id)
@@ -597,7 +597,7 @@ async fn a_request_abandoned_before_its_prefill_is_dropped_uncomputed_and_free()
         max_running: 1,
         ..tessera_serving::EngineConfig::default()
     };
-    let s = start_with_engine(GatewayConfig::default(), engine).await;
+    let s = start_with_engine(GatewayOptions::default(), engine).await;
     let lim = Limits {
         max_concurrent: 4,
         daily_tokens: 1_000_000,
@@ -675,9 +675,9 @@ async fn a_request_abandoned_before_its_prefill_is_dropped_uncomputed_and_free()
 
 /// A server whose request deadlines are `d`.
 async fn with_deadlines(d: Deadlines) -> TestServer {
-    start_with(GatewayConfig {
+    start_with(GatewayOptions {
         deadlines: d,
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     })
     .await
 }
@@ -963,12 +963,12 @@ async fn key_scopes_and_expiry_are_enforced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_api_has_its_own_rate_limit_and_a_bounded_range() {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         usage: UsageConfig {
             queries_per_minute: 3,
             ..UsageConfig::default()
         },
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let url = |q: &str| s.account_url(&format!("usage{q}"));
@@ -1011,13 +1011,13 @@ async fn usage_api_has_its_own_rate_limit_and_a_bounded_range() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_rows_past_the_retention_are_pruned() {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         usage: UsageConfig {
             retention: Some(Duration::from_secs(86_400)),
             prune_interval: Duration::from_millis(100),
             ..UsageConfig::default()
         },
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     let now = tessera_tenancy::now_ms();

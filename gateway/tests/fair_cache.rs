@@ -10,7 +10,7 @@ use common::*;
 use reqwest::Method;
 use serde_json::{json, Value};
 use std::time::Duration;
-use tessera_gateway::GatewayConfig;
+use tessera_gateway::GatewayOptions;
 use tessera_serving::EngineConfig;
 use tessera_tenancy::Limits;
 
@@ -145,7 +145,7 @@ async fn a_tenant_cannot_lift_itself_above_its_class_and_expired_batch_work_gets
         batch_max_wait: Some(Duration::ZERO),
         ..EngineConfig::default()
     };
-    let s = start_with_engine(GatewayConfig::default(), engine).await;
+    let s = start_with_engine(GatewayOptions::default(), engine).await;
     let a = s.tenant.id.clone();
     let url = s.run_url(&a);
     let ask = |p: Option<&str>| {
@@ -365,7 +365,7 @@ async fn a_busy_503_charges_nothing() {
         batch_max_wait: Some(Duration::ZERO),
         ..EngineConfig::default()
     };
-    let s = start_with_engine(GatewayConfig::default(), engine).await;
+    let s = start_with_engine(GatewayOptions::default(), engine).await;
     let lim = Limits {
         daily_tokens: 100_000,
         ..Limits::UNLIMITED

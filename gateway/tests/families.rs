@@ -13,7 +13,7 @@ mod common;
 
 use common::*;
 use serde_json::json;
-use tessera_gateway::{GatewayConfig, ServedModel};
+use tessera_gateway::{GatewayOptions, ServedModel};
 use tessera_model::chat::ChatMessage;
 use tessera_model::testing::{greedy_with_logits, load_family, FAMILY_MODEL_FILES};
 use tessera_model::LoadedModel;
@@ -42,7 +42,7 @@ async fn families() -> (TestServer, LoadedModel, LoadedModel) {
         ServedModel::new(QWEN, qwen.clone(), pd(&qwen)),
     ];
     (
-        start_models(GatewayConfig::default(), served).await,
+        start_models(GatewayOptions::default(), served).await,
         gemma,
         qwen,
     )

@@ -10,7 +10,7 @@ use common::{model_path, MODEL};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_gateway::{AppState, GatewayConfig, ServedModel, Server};
+use tessera_gateway::{AppState, GatewayOptions, ServedModel, Server};
 use tessera_model::LoadedModel;
 use tessera_serving::{EngineConfig, EngineHandle};
 use tessera_tenancy::limits::{FailMode, SharedLimits};
@@ -29,11 +29,11 @@ async fn gateway(
     engine: &EngineHandle,
     limits: Option<SharedLimits>,
 ) -> Gateway {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         listen: "127.0.0.1:0".parse().unwrap(),
         admin_token: Some(common::ADMIN.into()),
         shared_limits: limits,
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let served = vec![ServedModel::new(MODEL, model.clone(), engine.clone())];
     let state = AppState::with_models(store.clone(), served, &cfg).unwrap();

@@ -570,7 +570,7 @@ async fn admin_api_manages_tenants_keys_and_limits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_end_to_end() {
     let (_pg, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
-    let s = start_with_store(tessera_gateway::GatewayConfig::default(), Some(url)).await;
+    let s = start_with_store(tessera_gateway::GatewayOptions::default(), Some(url)).await;
     assert_eq!(s.store().backend(), "postgres");
     let (st, rid, v) = s
         .post(
@@ -612,9 +612,9 @@ async fn postgres_store_end_to_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_then_aborts_with_usage_rows() {
-    let cfg = tessera_gateway::GatewayConfig {
+    let cfg = tessera_gateway::GatewayOptions {
         drain_timeout: Duration::from_millis(100),
-        ..tessera_gateway::GatewayConfig::default()
+        ..tessera_gateway::GatewayOptions::default()
     };
     let mut s = start_with(cfg).await;
     let long = json!({"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 2000, "stream": true});

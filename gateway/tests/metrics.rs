@@ -10,7 +10,7 @@ use common::*;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use tessera_gateway::GatewayConfig;
+use tessera_gateway::GatewayOptions;
 use tessera_serving::TransferFault;
 use tessera_tenancy::Limits;
 
@@ -89,9 +89,9 @@ async fn until(s: &TestServer, key: &str, want: f64) -> Scrape {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_counter_moves_by_exactly_what_the_requests_explain() {
-    let s = start_pd(GatewayConfig {
+    let s = start_pd(GatewayOptions {
         metrics_top_tenants: 1,
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     })
     .await;
     let cluster = s.state.engine.cluster().expect("in-process PD");
@@ -337,7 +337,7 @@ async fn every_counter_moves_by_exactly_what_the_requests_explain() {
 /// count), and every alert links a runbook that exists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_and_alert_queries_name_exported_metrics_and_runbooks_exist() {
-    let s = start_pd(GatewayConfig::default()).await;
+    let s = start_pd(GatewayOptions::default()).await;
     let text = s.metrics_text().await;
     // Families with series show in the scrape; labelled families stay silent until
     // their first series, so the names registered in the metrics modules count too.

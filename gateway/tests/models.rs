@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use serde_json::{json, Value};
-use tessera_gateway::{GatewayConfig, ServedModel};
+use tessera_gateway::{GatewayOptions, ServedModel};
 use tessera_model::gguf_write::{write_random_llama, RandomLlama};
 use tessera_model::LoadedModel;
 use tessera_serving::{EngineConfig, EngineHandle};
@@ -39,7 +39,7 @@ async fn two_models(dir: &std::path::Path) -> TestServer {
         ServedModel::new(MODEL, base.clone(), pd(&base, 8192)),
         ServedModel::new(TINY, tiny.clone(), pd(&tiny, 4096)),
     ];
-    start_models(GatewayConfig::default(), served).await
+    start_models(GatewayOptions::default(), served).await
 }
 
 fn run_url(s: &TestServer, model: &str) -> String {
@@ -198,7 +198,7 @@ async fn the_catalog_lists_metadata_resolves_aliases_and_retires_models() {
         ServedModel::with_entry(b, tiny.clone(), pd(&tiny, 4096)),
         ServedModel::with_entry(c, tiny.clone(), EngineHandle::spawn(&tiny, small)),
     ];
-    let s = start_models(GatewayConfig::default(), served).await;
+    let s = start_models(GatewayOptions::default(), served).await;
 
     // The OpenAI list: every model not past its sunset, with its metadata.
     let (status, _, v) = s.get(&format!("{}/v1/models", s.base), Some(&s.key)).await;
@@ -515,9 +515,9 @@ async fn private_models_can_answer_as_unknown_ones() {
     let path = dir.path().join("tiny.gguf");
     write_random_llama(&model_path(), &path, &RandomLlama::SMALL).unwrap();
     let tiny = LoadedModel::load(&path).unwrap();
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         private_models_as_404: true,
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_models(
         cfg,

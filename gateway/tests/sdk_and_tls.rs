@@ -7,7 +7,7 @@ use common::*;
 use rustls::pki_types::pem::PemObject;
 use serde_json::Value;
 use std::sync::Arc;
-use tessera_gateway::{GatewayConfig, TlsMode};
+use tessera_gateway::{GatewayOptions, TlsMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn usage(v: &Value) -> (i64, i64) {
@@ -212,9 +212,9 @@ async fn openai_python_sdk_against_the_live_server() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_self_signed_handshake_and_request() {
-    let cfg = GatewayConfig {
+    let cfg = GatewayOptions {
         tls: TlsMode::SelfSigned(None),
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let s = start_with(cfg).await;
     assert!(s.base.starts_with("https://"));
@@ -260,9 +260,9 @@ async fn tls_self_signed_handshake_and_request() {
     .with_root_certificates(rustls::RootCertStore::empty())
     .with_no_client_auth();
     // Plain HTTP is refused on a non-loopback address unless allowed.
-    let public = GatewayConfig {
+    let public = GatewayOptions {
         listen: "0.0.0.0:0".parse().unwrap(),
-        ..GatewayConfig::default()
+        ..GatewayOptions::default()
     };
     let err = tessera_gateway::Server::bind(&public, s.state.clone())
         .await
@@ -275,7 +275,7 @@ async fn tls_self_signed_handshake_and_request() {
         matches!(err, tessera_gateway::StartError::PlainHttp(a) if a == public.listen),
         "{err:?}"
     );
-    let allowed = GatewayConfig {
+    let allowed = GatewayOptions {
         allow_insecure_http: true,
         ..public
     };

@@ -3,7 +3,7 @@
 
 use crate::context_window::ContextError;
 use crate::node_links::{is_loopback_address, LinkIdentity};
-use crate::schema::{parse_date, DeploymentConfig, ModelEntry, Role, MAX_MODEL_ID_BYTES};
+use crate::schema::{parse_date, DeploymentConfig, ModelEntry, NodeRole, MAX_MODEL_ID_BYTES};
 use crate::violation::Violation;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -98,7 +98,7 @@ pub struct PoolFit {
     /// Pool name.
     pub pool: String,
     /// Pool role.
-    pub role: Role,
+    pub role: NodeRole,
     /// Usable KV tokens of one node of the pool.
     pub usable_tokens: usize,
 }
@@ -274,7 +274,7 @@ impl DeploymentConfig {
                 None => {}
             }
             let served = self.models_served_by(p).count();
-            if matches!(p.role, Role::Prefill | Role::Decode) && served > 1 {
+            if matches!(p.role, NodeRole::Prefill | NodeRole::Decode) && served > 1 {
                 out.push(Violation::PoolModels {
                     pool: p.name.clone(),
                     role: p.role,
@@ -300,10 +300,10 @@ impl DeploymentConfig {
         let mut seen = HashSet::new();
         for m in self.models.iter().filter(|m| seen.insert(m.id.as_str())) {
             let has = |role| self.pools_with_role(role).any(|p| p.serves(&m.id));
-            if has(Role::Colocated) {
+            if has(NodeRole::Colocated) {
                 continue;
             }
-            for role in [Role::Prefill, Role::Decode] {
+            for role in [NodeRole::Prefill, NodeRole::Decode] {
                 if !has(role) {
                     out.push(Violation::MissingRole {
                         model: m.id.clone(),

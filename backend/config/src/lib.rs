@@ -52,7 +52,7 @@ pub use node_links::{
     is_loopback_address, LinkCredentials, LinkFileError, LinkIdentity, NodeLinksConfig,
 };
 pub use schema::{
-    check_pool_fits, parse_date, DeploymentConfig, GatewayConfig, ModelEntry, PoolConfig,
-    PoolTooSmall, Role, UnknownRole, DEFAULT_PAGE_SIZE, MAX_MODEL_ID_BYTES,
+    check_pool_fits, parse_date, DeploymentConfig, GatewaySection, ModelEntry, NodeRole,
+    PoolConfig, PoolTooSmall, UnknownRole, DEFAULT_PAGE_SIZE, MAX_MODEL_ID_BYTES,
 };
 pub use violation::Violation;

@@ -36,7 +36,7 @@
 //! uses, and matches the key), which is what a node does at start and what
 //! `tessera ops check-config` does for every identity.
 
-use crate::{check_host_port, Role};
+use crate::{check_host_port, NodeRole};
 use rustls::client::danger::ServerCertVerifier;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
@@ -131,7 +131,7 @@ pub enum LinkIdentity {
     /// lists it.
     Node {
         /// The node's pool role.
-        role: Role,
+        role: NodeRole,
         /// Its `host:port` from the pool's `nodes`.
         address: String,
     },
@@ -466,7 +466,7 @@ pub fn name_of(name: &str) -> Result<ServerName<'static>, String> {
 mod tests {
     use super::*;
 
-    fn node(role: Role, address: &str) -> LinkIdentity {
+    fn node(role: NodeRole, address: &str) -> LinkIdentity {
         LinkIdentity::Node {
             role,
             address: address.into(),
@@ -477,17 +477,17 @@ mod tests {
     fn identity_names_and_file_stems_follow_the_documented_rule() {
         let cases = [
             (
-                node(Role::Decode, "10.0.0.2:9201"),
+                node(NodeRole::Decode, "10.0.0.2:9201"),
                 "decode-9201.10.0.0.2.tessera",
                 "decode-10.0.0.2-9201",
             ),
             (
-                node(Role::Prefill, "PF-A.internal:9101"),
+                node(NodeRole::Prefill, "PF-A.internal:9101"),
                 "prefill-9101.pf-a.internal.tessera",
                 "prefill-pf-a.internal-9101",
             ),
             (
-                node(Role::Decode, "[fd00::2]:9201"),
+                node(NodeRole::Decode, "[fd00::2]:9201"),
                 "decode-9201.ip6-fd00-0-0-0-0-0-0-2.tessera",
                 "decode-ip6-fd00-0-0-0-0-0-0-2-9201",
             ),
@@ -500,11 +500,11 @@ mod tests {
             name_of(name).unwrap();
         }
         // Same host, other port or role: other identities.
-        let a = node(Role::Decode, "127.0.0.1:1").name().unwrap();
-        let b = node(Role::Decode, "127.0.0.1:2").name().unwrap();
-        let c = node(Role::Prefill, "127.0.0.1:1").name().unwrap();
+        let a = node(NodeRole::Decode, "127.0.0.1:1").name().unwrap();
+        let b = node(NodeRole::Decode, "127.0.0.1:2").name().unwrap();
+        let c = node(NodeRole::Prefill, "127.0.0.1:1").name().unwrap();
         assert!(a != b && a != c && b != c);
-        let err = node(Role::Decode, "nohost").name().unwrap_err();
+        let err = node(NodeRole::Decode, "nohost").name().unwrap_err();
         assert_eq!(err.address, "nohost");
     }
 

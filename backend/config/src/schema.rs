@@ -17,7 +17,7 @@ pub const DEFAULT_PAGE_SIZE: usize = 16;
 #[serde(deny_unknown_fields)]
 pub struct DeploymentConfig {
     /// The public gateway.
-    pub gateway: GatewayConfig,
+    pub gateway: GatewaySection,
     /// Models served (`[[models]]`), at least one.
     pub models: Vec<ModelEntry>,
     /// Node pools (`[[pools]]`).
@@ -29,10 +29,11 @@ pub struct DeploymentConfig {
     pub node_links: Option<NodeLinksConfig>,
 }
 
-/// `[gateway]`.
+/// The deployment file's `[gateway]` section (the gateway process's own runtime
+/// options are `tessera_gateway::GatewayOptions`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct GatewayConfig {
+pub struct GatewaySection {
     /// Socket address the gateway listens on (`ip:port`).
     pub listen: SocketAddr,
 }
@@ -116,10 +117,12 @@ pub fn parse_date(s: &str) -> Result<i64, String> {
     Ok((era * 146_097 + doe - 719_468) * 86_400)
 }
 
-/// Which part of the request a node pool runs.
+/// A node pool's role in the deployment file: which part of the request its nodes
+/// run (the transfer protocol's roles, which add the coordinator, are
+/// `tessera_transfer::protocol::Role`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Role {
+pub enum NodeRole {
     /// Computes prompts' KV and sends it to a decode node.
     Prefill,
     /// Receives KV and generates tokens.
@@ -128,21 +131,21 @@ pub enum Role {
     Colocated,
 }
 
-impl Role {
+impl NodeRole {
     /// Every role.
-    pub const ALL: [Role; 3] = [Role::Prefill, Role::Decode, Role::Colocated];
+    pub const ALL: [NodeRole; 3] = [NodeRole::Prefill, NodeRole::Decode, NodeRole::Colocated];
 
     /// The lowercase name used in the file and on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Colocated => "colocated",
+            NodeRole::Prefill => "prefill",
+            NodeRole::Decode => "decode",
+            NodeRole::Colocated => "colocated",
         }
     }
 }
 
-impl fmt::Display for Role {
+impl fmt::Display for NodeRole {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
@@ -153,11 +156,11 @@ impl fmt::Display for Role {
 #[error("unknown role `{0}` (expected prefill, decode or colocated)")]
 pub struct UnknownRole(pub String);
 
-impl FromStr for Role {
+impl FromStr for NodeRole {
     type Err = UnknownRole;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Role::ALL
+        NodeRole::ALL
             .into_iter()
             .find(|r| r.as_str() == s)
             .ok_or_else(|| UnknownRole(s.to_string()))
@@ -175,7 +178,7 @@ pub struct PoolConfig {
     /// Unique pool name (used in messages and by `tessera node`).
     pub name: String,
     /// What the pool's nodes run.
-    pub role: Role,
+    pub role: NodeRole,
     /// Tokens per KV page (> 0; default [`DEFAULT_PAGE_SIZE`]).
     #[serde(default = "default_page_size")]
     pub page_size: usize,
@@ -231,7 +234,7 @@ pub struct PoolTooSmall {
     /// The model's context window, tokens.
     pub context: usize,
     /// The pool's role.
-    pub role: Role,
+    pub role: NodeRole,
     /// Pool name.
     pub pool: String,
     /// Usable KV tokens of one node of the pool (whole pages).
@@ -246,7 +249,7 @@ pub struct PoolTooSmall {
 pub fn check_pool_fits(
     model_id: &str,
     context: usize,
-    role: Role,
+    role: NodeRole,
     pool: &str,
     usable_tokens: usize,
 ) -> Result<(), PoolTooSmall> {
@@ -270,7 +273,7 @@ impl DeploymentConfig {
     }
 
     /// Pools with `role`, in file order.
-    pub fn pools_with_role(&self, role: Role) -> impl Iterator<Item = &PoolConfig> {
+    pub fn pools_with_role(&self, role: NodeRole) -> impl Iterator<Item = &PoolConfig> {
         self.pools.iter().filter(move |p| p.role == role)
     }
 
@@ -301,7 +304,7 @@ impl DeploymentConfig {
         let nodes = self
             .pools
             .iter()
-            .filter(|p| matches!(p.role, Role::Prefill | Role::Decode))
+            .filter(|p| matches!(p.role, NodeRole::Prefill | NodeRole::Decode))
             .flat_map(|p| {
                 p.nodes.iter().map(|a| LinkIdentity::Node {
                     role: p.role,

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 const MODEL: &str = "@cf/huggingfacetb/smollm2-135m-instruct";
 
-fn pool(name: &str, role: Role, kv_pool_tokens: usize, node: &str) -> PoolConfig {
+fn pool(name: &str, role: NodeRole, kv_pool_tokens: usize, node: &str) -> PoolConfig {
     PoolConfig {
         name: name.into(),
         role,
@@ -29,13 +29,13 @@ fn model(id: &str, context: Option<usize>) -> ModelEntry {
 /// One prefill and one decode pool of 16384 tokens, one model with context 8192.
 fn pd() -> DeploymentConfig {
     DeploymentConfig {
-        gateway: GatewayConfig {
+        gateway: GatewaySection {
             listen: "127.0.0.1:8787".parse().unwrap(),
         },
         models: vec![model(MODEL, Some(8192))],
         pools: vec![
-            pool("prefill", Role::Prefill, 16384, "127.0.0.1:9101"),
-            pool("decode", Role::Decode, 16384, "127.0.0.1:9201"),
+            pool("prefill", NodeRole::Prefill, 16384, "127.0.0.1:9101"),
+            pool("decode", NodeRole::Decode, 16384, "127.0.0.1:9201"),
         ],
         node_links: None,
     }
@@ -51,7 +51,7 @@ fn labels(v: &[Violation]) -> Vec<&'static str> {
 
 #[test]
 fn usable_tokens_is_whole_pages() {
-    let mut p = pool("p", Role::Decode, 16384, "h:1");
+    let mut p = pool("p", NodeRole::Decode, 16384, "h:1");
     assert_eq!(p.usable_tokens(), 16384);
     p.kv_pool_tokens = 16383;
     assert_eq!(p.usable_tokens(), 16368);
@@ -66,26 +66,29 @@ fn usable_tokens_is_whole_pages() {
 
 #[test]
 fn role_parses_and_prints() {
-    for r in Role::ALL {
-        assert_eq!(r.to_string().parse::<Role>(), Ok(r));
+    for r in NodeRole::ALL {
+        assert_eq!(r.to_string().parse::<NodeRole>(), Ok(r));
     }
-    assert_eq!(Role::Prefill.to_string(), "prefill");
-    assert_eq!("Decode".parse::<Role>(), Err(UnknownRole("Decode".into())));
+    assert_eq!(NodeRole::Prefill.to_string(), "prefill");
+    assert_eq!(
+        "Decode".parse::<NodeRole>(),
+        Err(UnknownRole("Decode".into()))
+    );
 }
 
 #[test]
 fn i2_boundary_usable_equal_to_context_passes_one_page_less_fails() {
     assert_eq!(
-        check_pool_fits(MODEL, 8192, Role::Decode, "d", 8192),
+        check_pool_fits(MODEL, 8192, NodeRole::Decode, "d", 8192),
         Ok(())
     );
-    let err = check_pool_fits(MODEL, 8192, Role::Decode, "decode-a", 8192 - 16).unwrap_err();
+    let err = check_pool_fits(MODEL, 8192, NodeRole::Decode, "decode-a", 8192 - 16).unwrap_err();
     assert_eq!(
         err,
         PoolTooSmall {
             model: MODEL.into(),
             context: 8192,
-            role: Role::Decode,
+            role: NodeRole::Decode,
             pool: "decode-a".into(),
             usable_tokens: 8176,
         }
@@ -103,7 +106,7 @@ fn i2_boundary_usable_equal_to_context_passes_one_page_less_fails() {
 #[test]
 fn i2_uses_whole_pages_of_the_pool() {
     // 8200 tokens configured, but only 512 whole pages (8192 tokens) are usable.
-    let mut p = pool("prefill", Role::Prefill, 8200, "h:1");
+    let mut p = pool("prefill", NodeRole::Prefill, 8200, "h:1");
     assert_eq!(p.check_fits(MODEL, 8192), Ok(()));
     assert!(p.check_fits(MODEL, 8193).is_err());
     // A context that is not a page multiple needs the next whole page.
@@ -134,7 +137,7 @@ fn every_small_pool_is_reported_not_just_the_first() {
     };
     assert_eq!(
         (e.role, e.usable_tokens, e.context),
-        (Role::Decode, 8176, 8192)
+        (NodeRole::Decode, 8176, 8192)
     );
     let err = v.into_result().unwrap_err().to_string();
     assert!(
@@ -149,7 +152,7 @@ fn structural_violations_each_reported() {
     let mut c = pd();
     c.models.push(model(MODEL, None));
     c.pools
-        .push(pool("decode", Role::Decode, 16384, "127.0.0.1:9301"));
+        .push(pool("decode", NodeRole::Decode, 16384, "127.0.0.1:9301"));
     c.pools[0].page_size = 0;
     c.pools[1].models = Some(vec!["@cf/nope".into()]);
     c.pools[2].nodes = vec![];
@@ -192,7 +195,7 @@ fn pd_needs_prefill_and_decode_unless_colocated() {
         v.violations,
         [Violation::MissingRole {
             model: MODEL.into(),
-            role: Role::Decode
+            role: NodeRole::Decode
         }]
     );
     assert!(v.violations[0].to_string().contains("has no decode pool"));
@@ -208,18 +211,18 @@ fn pd_needs_prefill_and_decode_unless_colocated() {
         [
             Violation::MissingRole {
                 model: MODEL.into(),
-                role: Role::Prefill
+                role: NodeRole::Prefill
             },
             Violation::MissingRole {
                 model: "@cf/other".into(),
-                role: Role::Decode
+                role: NodeRole::Decode
             },
         ]
     );
 
     // One colocated pool serves everything alone.
     let mut c = pd();
-    c.pools = vec![pool("all", Role::Colocated, 8192, "127.0.0.1:9000")];
+    c.pools = vec![pool("all", NodeRole::Colocated, 8192, "127.0.0.1:9000")];
     assert!(c.check(fixed(8192)).is_ok());
 }
 
@@ -457,8 +460,8 @@ fn parses_the_documented_schema() {
     assert_eq!(c.pools[0].page_size, DEFAULT_PAGE_SIZE);
     assert_eq!(c.pools[0].models, None);
     assert_eq!(c.pools[1].page_size, 32);
-    assert_eq!(c.pools[1].role, Role::Decode);
-    assert_eq!(c.pools_with_role(Role::Decode).count(), 1);
+    assert_eq!(c.pools[1].role, NodeRole::Decode);
+    assert_eq!(c.pools_with_role(NodeRole::Decode).count(), 1);
     assert_eq!(c.pool("decode").unwrap().nodes, ["127.0.0.1:9201"]);
     let served: Vec<_> = c.models_served_by(&c.pools[1]).map(|m| &m.id).collect();
     assert_eq!(served, [MODEL]);

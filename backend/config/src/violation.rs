@@ -1,6 +1,6 @@
 //! [`Violation`]: one problem with a deployment file, with a stable machine label.
 
-use crate::schema::{PoolTooSmall, Role};
+use crate::schema::{NodeRole, PoolTooSmall};
 
 /// One problem with a deployment file. Every variant makes nodes refuse to start and
 /// `tessera ops check-config` exit non-zero.
@@ -76,7 +76,7 @@ pub enum Violation {
         /// Model id.
         model: String,
         /// The missing role.
-        role: Role,
+        role: NodeRole,
     },
     /// The context window could not be determined.
     #[error("cannot determine the context window of model {model}: {reason}")]
@@ -127,7 +127,7 @@ pub enum Violation {
         /// Pool name.
         pool: String,
         /// Its role.
-        role: Role,
+        role: NodeRole,
         /// How many models it serves.
         count: usize,
     },

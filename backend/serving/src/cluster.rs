@@ -6,7 +6,7 @@
 //! machine), one transfer worker per (prefill, decode) pair that moves pages, and the
 //! coordinator thread. Messages between them go over FIFO channels.
 
-use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
+use crate::coordinator::{coordinate, Attachment, CoordCmd, CoordLinks, Submitter};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
 use crate::error::ServeError;
 use crate::links::{CommitExtra, PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
@@ -169,9 +169,9 @@ impl PrefillLinks for InprocPrefill {
 }
 
 impl CoordLinks for Nodes {
-    fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool {
+    fn to_decode(&self, index: usize, msg: Msg, extra: Attachment) -> bool {
         let body = match extra {
-            Extra::Decode {
+            Attachment::Decode {
                 body,
                 client,
                 submitted,
@@ -193,9 +193,9 @@ impl CoordLinks for Nodes {
         })
     }
 
-    fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
+    fn to_prefill(&self, index: usize, msg: Msg, extra: Attachment) -> bool {
         let body = match extra {
-            Extra::Prefill {
+            Attachment::Prefill {
                 body,
                 decode,
                 trace,

@@ -20,11 +20,13 @@ pub(crate) type Cut = Box<dyn FnOnce() + Send>;
 pub(crate) struct HeadGate {
     max_open: usize,
     max_heads: usize,
-    inner: Mutex<Inner>,
+    slots: Mutex<GateSlots>,
 }
 
+/// A [`HeadGate`]'s slot book: who holds a slot and which connections are still in
+/// their head.
 #[derive(Default)]
-struct Inner {
+struct GateSlots {
     next: u64,
     /// Connections holding a slot (in their head or past it).
     open: usize,
@@ -46,7 +48,7 @@ impl HeadGate {
         Arc::new(Self {
             max_open,
             max_heads: max_heads.min(max_open),
-            inner: Mutex::new(Inner::default()),
+            slots: Mutex::new(GateSlots::default()),
         })
     }
 
@@ -54,7 +56,7 @@ impl HeadGate {
     /// later. Cuts the oldest head first when a cap is reached; `None` (refuse the
     /// connection) when every slot is held by a connection past its head.
     pub(crate) fn admit(self: &Arc<Self>, cut: Cut) -> Option<Ticket> {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         while g.heads.len() >= self.max_heads || g.open >= self.max_open {
             let (_, oldest) = g.heads.pop_front()?;
             g.open -= 1;
@@ -74,7 +76,7 @@ impl HeadGate {
     /// Connections holding a slot and, of them, those in their head.
     #[cfg(test)]
     fn counts(&self) -> (usize, usize) {
-        let g = self.inner.lock().unwrap();
+        let g = self.slots.lock().unwrap();
         (g.open, g.heads.len())
     }
 }
@@ -86,7 +88,7 @@ impl Ticket {
         if !self.in_head {
             return true;
         }
-        let mut g = self.gate.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.gate.slots.lock().unwrap_or_else(|e| e.into_inner());
         match g.heads.iter().position(|(id, _)| *id == self.id) {
             Some(i) => {
                 g.heads.remove(i);
@@ -100,7 +102,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut g = self.gate.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.gate.slots.lock().unwrap_or_else(|e| e.into_inner());
         if !self.in_head {
             g.open -= 1;
         } else if let Some(i) = g.heads.iter().position(|(id, _)| *id == self.id) {

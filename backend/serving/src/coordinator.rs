@@ -23,7 +23,7 @@ use tessera_transfer::protocol::{
 /// What travels with a protocol message besides the message: the request body
 /// (prompt ids, sampling) that the protocol leaves out, where its events go, and the
 /// decode node chosen for the prefill.
-pub(crate) enum Extra {
+pub(crate) enum Attachment {
     None,
     /// With `Prealloc`: the request, its stream (without the release guard) and the
     /// prefill node assigned to write its pages.
@@ -71,9 +71,9 @@ pub(crate) enum CoordCmd {
 /// take a message now is one the failure detector reports.
 pub(crate) trait CoordLinks: Send + Sync {
     /// Sends to decode node `index`; `false` when unreachable.
-    fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool;
+    fn to_decode(&self, index: usize, msg: Msg, extra: Attachment) -> bool;
     /// Sends to prefill node `index`; `false` when unreachable.
-    fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool;
+    fn to_prefill(&self, index: usize, msg: Msg, extra: Attachment) -> bool;
     /// Whether the node is known dead (its thread exited, its connection closed).
     fn is_down(&self, role: Role, index: usize) -> bool;
     /// The node's current link epoch: it changes whenever the link is replaced (a
@@ -466,14 +466,14 @@ fn execute(
                 msg,
             } => {
                 let extra = match msg {
-                    Msg::Prealloc { .. } => Extra::Decode {
+                    Msg::Prealloc { .. } => Attachment::Decode {
                         body: r.attempt_body.as_ref().unwrap_or(&r.body).clone(),
                         client: r.client.detached(),
                         submitted: r.submitted,
                         prefill: r.prefill,
                         trace: r.trace.clone(),
                     },
-                    _ => Extra::None,
+                    _ => Attachment::None,
                 };
                 // Never onto a later link of the node: it does not know the request.
                 if lost(nodes, Role::Decode, r.decode, r.decode_epoch) {
@@ -488,12 +488,12 @@ fn execute(
                 msg,
             } => {
                 let extra = match msg {
-                    Msg::Prefill { .. } => Extra::Prefill {
+                    Msg::Prefill { .. } => Attachment::Prefill {
                         body: r.attempt_body.as_ref().unwrap_or(&r.body).clone(),
                         decode: r.decode,
                         trace: r.trace.clone(),
                     },
-                    _ => Extra::None,
+                    _ => Attachment::None,
                 };
                 if lost(nodes, Role::Prefill, r.prefill, r.prefill_epoch) {
                     continue;

@@ -23,8 +23,8 @@ use tessera_engine::{Engine, EngineError, GenerateRequest, SeqEnd};
 use tessera_model::kv::SeqId;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::protocol::{
-    CommitError, DecodeEnv, DecodeNode, DecodeOutcome, FailKind, FailReason, Msg, Output, Refusal,
-    RefusalKind, ReqId, ReserveError, Role,
+    CommitError, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, FailKind, FailReason,
+    Msg, Output, Refusal, RefusalKind, ReqId, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -125,14 +125,14 @@ fn seq_of(req: ReqId) -> SeqId {
 }
 
 /// The decode node's [`DecodeEnv`] over its engine.
-struct EngineEnv<'a> {
+struct DecodeEngineEnv<'a> {
     engine: &'a mut Engine,
     records: &'a mut HashMap<ReqId, DecodeRecord>,
     commit: CommitExtra,
     gone_writers: &'a HashSet<String>,
 }
 
-impl DecodeEnv for EngineEnv<'_> {
+impl DecodeEnv for DecodeEngineEnv<'_> {
     fn admit(
         &mut self,
         req: ReqId,
@@ -173,10 +173,10 @@ impl DecodeEnv for EngineEnv<'_> {
         tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
-    ) -> Result<Vec<DestPage>, ReserveError> {
+    ) -> Result<Vec<DestPage>, DecodeReserveError> {
         let tokens = prompt_tokens as usize + max_tokens as usize;
         if !self.engine.kv().can_reserve(tokens) {
-            return Err(ReserveError::NoRoomYet);
+            return Err(DecodeReserveError::NoRoomYet);
         }
         self.engine
             .reserve_import(
@@ -186,7 +186,7 @@ impl DecodeEnv for EngineEnv<'_> {
                 max_tokens as usize,
             )
             .map_err(|e| {
-                ReserveError::Refused(Refusal {
+                DecodeReserveError::Refused(Refusal {
                     kind: RefusalKind::Busy,
                     message: e.to_string(),
                 })
@@ -310,11 +310,11 @@ impl DecodeLoop {
         req: ReqId,
         reply: Option<&ReplyTo>,
         commit: CommitExtra,
-        f: impl FnOnce(&mut DecodeNode, &mut EngineEnv<'_>, &mut Vec<Output>) -> R,
+        f: impl FnOnce(&mut DecodeNode, &mut DecodeEngineEnv<'_>, &mut Vec<Output>) -> R,
     ) -> R {
         let mut out = Vec::new();
         let r = {
-            let mut env = EngineEnv {
+            let mut env = DecodeEngineEnv {
                 engine: &mut *engine,
                 records: &mut self.records,
                 commit,
@@ -367,7 +367,7 @@ impl DecodeLoop {
         }
         let mut out = Vec::new();
         {
-            let mut env = EngineEnv {
+            let mut env = DecodeEngineEnv {
                 engine,
                 records: &mut self.records,
                 commit: CommitExtra::default(),
@@ -431,7 +431,7 @@ impl DecodeLoop {
         self.last_ask = Instant::now();
         let mut out = Vec::new();
         {
-            let mut env = EngineEnv {
+            let mut env = DecodeEngineEnv {
                 engine,
                 records: &mut self.records,
                 commit: CommitExtra::default(),

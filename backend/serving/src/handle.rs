@@ -27,11 +27,13 @@ struct Submit {
 /// `submit`, `limits` and `stats` either way.
 #[derive(Clone)]
 pub struct EngineHandle {
-    inner: Inner,
+    backend: EngineBackend,
 }
 
+/// The engines an [`EngineHandle`] submits to: one co-located engine's thread, an
+/// in-process [`PdCluster`], or a [`RemoteCluster`] of nodes.
 #[derive(Clone)]
-enum Inner {
+enum EngineBackend {
     Colocated {
         tx: mpsc::Sender<Submit>,
         limits: AdmissionLimits,
@@ -82,7 +84,7 @@ impl EngineHandle {
             .spawn(move || run_node(engine, Colocated, rx, &sh))
             .expect("spawn engine thread");
         Self {
-            inner: Inner::Colocated {
+            backend: EngineBackend::Colocated {
                 tx,
                 limits,
                 shared,
@@ -98,7 +100,9 @@ impl EngineHandle {
         decode: &[EngineConfig],
     ) -> Self {
         Self {
-            inner: Inner::Disaggregated(Arc::new(PdCluster::spawn(model, prefill, decode))),
+            backend: EngineBackend::Disaggregated(Arc::new(PdCluster::spawn(
+                model, prefill, decode,
+            ))),
         }
     }
 
@@ -114,7 +118,7 @@ impl EngineHandle {
     ) -> Self {
         let c = PdCluster::spawn_in(model, prefill, decode, metrics, prefix);
         Self {
-            inner: Inner::Disaggregated(Arc::new(c)),
+            backend: EngineBackend::Disaggregated(Arc::new(c)),
         }
     }
 
@@ -122,14 +126,14 @@ impl EngineHandle {
     #[doc(hidden)]
     pub fn from_cluster(cluster: PdCluster) -> Self {
         Self {
-            inner: Inner::Disaggregated(Arc::new(cluster)),
+            backend: EngineBackend::Disaggregated(Arc::new(cluster)),
         }
     }
 
     /// Coordinates remote prefill and decode nodes ([`RemoteCluster::connect`]).
     pub fn connect_remote(model: &LoadedModel, nodes: RemoteNodes) -> Self {
         Self {
-            inner: Inner::Remote(Arc::new(RemoteCluster::connect(model, nodes))),
+            backend: EngineBackend::Remote(Arc::new(RemoteCluster::connect(model, nodes))),
         }
     }
 
@@ -142,31 +146,31 @@ impl EngineHandle {
     ) -> Self {
         let c = RemoteCluster::connect_in(model, nodes, metrics);
         Self {
-            inner: Inner::Remote(Arc::new(c)),
+            backend: EngineBackend::Remote(Arc::new(c)),
         }
     }
 
     /// Whether requests can be served now: a remote deployment needs at least one
     /// reachable prefill and one reachable decode node; in-process engines always can.
     pub fn ready(&self) -> bool {
-        match &self.inner {
-            Inner::Remote(c) => c.ready(),
+        match &self.backend {
+            EngineBackend::Remote(c) => c.ready(),
             _ => true,
         }
     }
 
     /// The in-process prefill/decode cluster behind this handle, if any.
     pub fn cluster(&self) -> Option<&PdCluster> {
-        match &self.inner {
-            Inner::Disaggregated(c) => Some(c),
+        match &self.backend {
+            EngineBackend::Disaggregated(c) => Some(c),
             _ => None,
         }
     }
 
     /// The remote nodes behind this handle, if any.
     pub fn remote(&self) -> Option<&RemoteCluster> {
-        match &self.inner {
-            Inner::Remote(c) => Some(c),
+        match &self.backend {
+            EngineBackend::Remote(c) => Some(c),
             _ => None,
         }
     }
@@ -189,10 +193,10 @@ impl EngineHandle {
         req: GenerateRequest,
         affinity: Option<u64>,
     ) -> Result<RequestStream, ServeError> {
-        let (tx, limits) = match &self.inner {
-            Inner::Colocated { tx, limits, .. } => (tx, limits),
-            Inner::Disaggregated(c) => return c.submit(req, affinity),
-            Inner::Remote(c) => return c.submit(req, affinity),
+        let (tx, limits) = match &self.backend {
+            EngineBackend::Colocated { tx, limits, .. } => (tx, limits),
+            EngineBackend::Disaggregated(c) => return c.submit(req, affinity),
+            EngineBackend::Remote(c) => return c.submit(req, affinity),
         };
         let req = limits.admit(req)?;
         let (client, stream) = request_channel();
@@ -206,28 +210,28 @@ impl EngineHandle {
     /// The metrics of the engines in this process; for remote nodes (each serves
     /// its own on `--metrics-listen`) the gateway's node-link counters.
     pub fn node_metrics(&self) -> Option<&NodeMetrics> {
-        match &self.inner {
-            Inner::Colocated { metrics, .. } => Some(metrics),
-            Inner::Disaggregated(c) => Some(c.metrics()),
-            Inner::Remote(c) => Some(c.metrics()),
+        match &self.backend {
+            EngineBackend::Colocated { metrics, .. } => Some(metrics),
+            EngineBackend::Disaggregated(c) => Some(c.metrics()),
+            EngineBackend::Remote(c) => Some(c.metrics()),
         }
     }
 
     /// The limits admission checks against.
     pub fn limits(&self) -> AdmissionLimits {
-        match &self.inner {
-            Inner::Colocated { limits, .. } => *limits,
-            Inner::Disaggregated(c) => c.admission().limits,
-            Inner::Remote(c) => c.admission().limits,
+        match &self.backend {
+            EngineBackend::Colocated { limits, .. } => *limits,
+            EngineBackend::Disaggregated(c) => c.admission().limits,
+            EngineBackend::Remote(c) => c.admission().limits,
         }
     }
 
     /// Current counters (summed over nodes when disaggregated).
     pub fn stats(&self) -> EngineStats {
-        match &self.inner {
-            Inner::Colocated { shared, .. } => shared.snapshot(),
-            Inner::Disaggregated(c) => c.stats(),
-            Inner::Remote(c) => c.stats(),
+        match &self.backend {
+            EngineBackend::Colocated { shared, .. } => shared.snapshot(),
+            EngineBackend::Disaggregated(c) => c.stats(),
+            EngineBackend::Remote(c) => c.stats(),
         }
     }
 }

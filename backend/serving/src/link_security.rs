@@ -18,7 +18,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tessera_config::node_links::name_of;
 use tessera_config::{
-    is_loopback_address, DeploymentConfig, LinkFileError, LinkIdentity, Role as PoolRole,
+    is_loopback_address, DeploymentConfig, LinkFileError, LinkIdentity, NodeRole,
 };
 use tessera_transfer::protocol::Role;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -85,8 +85,11 @@ struct Tls {
     client: Arc<rustls::ClientConfig>,
 }
 
+/// What [`NodeLinks`] shares between its clones: how links authenticate (TLS or
+/// plain), their timings, and whom they accept (the gateway's and prefill nodes'
+/// identities, the model's fingerprint).
 #[derive(Clone)]
-struct Inner {
+struct LinkPolicy {
     /// `None`: plain TCP (loopback only, checked at construction).
     tls: Option<Tls>,
     settings: LinkSettings,
@@ -106,7 +109,7 @@ struct Inner {
 
 /// How this process's node links authenticate, and their timings. Cheap to clone.
 #[derive(Clone)]
-pub struct NodeLinks(Arc<Inner>);
+pub struct NodeLinks(Arc<LinkPolicy>);
 
 impl std::fmt::Debug for NodeLinks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -124,17 +127,17 @@ pub(crate) type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
 /// The peer's end-entity certificate (TLS links).
 pub(crate) type PeerCert = Option<rustls::pki_types::CertificateDer<'static>>;
 
-fn pool_role(role: Role) -> PoolRole {
+fn node_role(role: Role) -> NodeRole {
     match role {
-        Role::Prefill => PoolRole::Prefill,
-        _ => PoolRole::Decode,
+        Role::Prefill => NodeRole::Prefill,
+        _ => NodeRole::Decode,
     }
 }
 
 /// The identity name of node `address` of `role` (what a dialer asks for).
 pub(crate) fn node_name(role: Role, address: &str) -> io::Result<String> {
     LinkIdentity::Node {
-        role: pool_role(role),
+        role: node_role(role),
         address: address.to_string(),
     }
     .name()
@@ -171,7 +174,7 @@ impl NodeLinks {
             }
             (Some(_), false) => Some(tls_configs(&links.load(me)?)?),
         };
-        Ok(Self(Arc::new(Inner {
+        Ok(Self(Arc::new(LinkPolicy {
             tls,
             settings: LinkSettings {
                 heartbeat: Duration::from_millis(links.heartbeat_ms),
@@ -203,9 +206,9 @@ impl NodeLinks {
     /// its links say so in `Hello` and `Welcome` and refuse a peer that names
     /// another model.
     pub fn for_model(self, fingerprint: [u8; 32]) -> Self {
-        let mut inner = (*self.0).clone();
-        inner.model = Some(fingerprint_hex(&fingerprint));
-        Self(Arc::new(inner))
+        let mut policy = (*self.0).clone();
+        policy.model = Some(fingerprint_hex(&fingerprint));
+        Self(Arc::new(policy))
     }
 
     /// The model fingerprint these links serve (hex), if set.
@@ -230,9 +233,9 @@ impl NodeLinks {
     /// `context`-token window (prompt ids as JSON): at least [`DEFAULT_MAX_HEADER`],
     /// else 16 bytes per token.
     pub fn with_context(self, context: usize) -> Self {
-        let mut inner = (*self.0).clone();
-        inner.settings.max_header = DEFAULT_MAX_HEADER.max(context.saturating_mul(16));
-        Self(Arc::new(inner))
+        let mut policy = (*self.0).clone();
+        policy.settings.max_header = DEFAULT_MAX_HEADER.max(context.saturating_mul(16));
+        Self(Arc::new(policy))
     }
 
     /// Timings and caps.
@@ -389,12 +392,12 @@ fn prefill_names(cfg: &DeploymentConfig, me: &LinkIdentity) -> HashMap<String, S
     // with its own pool (KV of one model never lands in another's pages).
     let my_models: Option<Vec<&str>> = match me {
         LinkIdentity::Node {
-            role: PoolRole::Decode,
+            role: NodeRole::Decode,
             address,
         } => cfg
             .pools
             .iter()
-            .find(|p| p.role == PoolRole::Decode && p.nodes.contains(address))
+            .find(|p| p.role == NodeRole::Decode && p.nodes.contains(address))
             .map(|p| cfg.models_served_by(p).map(|m| m.id.as_str()).collect()),
         _ => None,
     };
@@ -409,7 +412,7 @@ fn prefill_names(cfg: &DeploymentConfig, me: &LinkIdentity) -> HashMap<String, S
                 })
         })
     };
-    let names = |role: PoolRole| -> HashMap<String, String> {
+    let names = |role: NodeRole| -> HashMap<String, String> {
         cfg.link_identities()
             .into_iter()
             .filter_map(|i| match &i {
@@ -420,7 +423,7 @@ fn prefill_names(cfg: &DeploymentConfig, me: &LinkIdentity) -> HashMap<String, S
             })
             .collect()
     };
-    names(PoolRole::Prefill)
+    names(NodeRole::Prefill)
 }
 
 /// rustls configurations for one identity: a server that requires client

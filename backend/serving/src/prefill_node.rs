@@ -202,7 +202,7 @@ enum Computed {
 }
 
 /// The prefill node's [`PrefillEnv`] over its engine and transfer workers.
-struct EngineEnv<'a> {
+struct PrefillEngineEnv<'a> {
     engine: &'a mut Engine,
     records: &'a mut HashMap<ReqId, PrefillRecord>,
     node: &'a mut NodeIo,
@@ -244,7 +244,7 @@ impl NodeIo {
     }
 }
 
-impl PrefillEnv for EngineEnv<'_> {
+impl PrefillEnv for PrefillEngineEnv<'_> {
     fn pages_for(&self, tokens: u32) -> usize {
         self.engine.kv().pages_for(tokens as usize)
     }
@@ -371,11 +371,11 @@ impl PrefillLoop {
         engine: &mut Engine,
         req: ReqId,
         reply: Option<&ReplyTo>,
-        f: impl FnOnce(&mut PrefillNode, &mut EngineEnv<'_>, &mut Vec<Output>),
+        f: impl FnOnce(&mut PrefillNode, &mut PrefillEngineEnv<'_>, &mut Vec<Output>),
     ) {
         let mut out = Vec::new();
         {
-            let mut env = EngineEnv {
+            let mut env = PrefillEngineEnv {
                 engine: &mut *engine,
                 records: &mut self.records,
                 node: &mut self.io,
@@ -387,7 +387,7 @@ impl PrefillLoop {
             for (req, result) in std::mem::take(&mut self.io.drained_now) {
                 let mut out = Vec::new();
                 {
-                    let mut env = EngineEnv {
+                    let mut env = PrefillEngineEnv {
                         engine: &mut *engine,
                         records: &mut self.records,
                         node: &mut self.io,

@@ -12,7 +12,7 @@
 //! any other request (another node's, or one never routed) is a violation that is
 //! counted (`tessera_node_link_violations_total{reason}`) and cuts that link.
 
-use crate::coordinator::{coordinate, CoordCmd, CoordLinks, Extra, Submitter};
+use crate::coordinator::{coordinate, Attachment, CoordCmd, CoordLinks, Submitter};
 use crate::error::ServeError;
 use crate::link_security::node_name;
 use crate::links::{PdCounters, TOMBSTONE_TTL_MS};
@@ -35,8 +35,6 @@ pub use crate::link_security::{LinkSettings, LinkSetupError, NodeLinks, DEFAULT_
 pub use crate::node_process::{
     drain_node, pool_engine_config, run_node_process, NodeOptions, TestPanic, TransportKind,
 };
-/// A node's role in the transfer protocol.
-pub use tessera_transfer::protocol::Role as ProtocolRole;
 
 /// How often the gateway retries nodes it lost.
 const RECONNECT_INTERVAL: Duration = Duration::from_secs(1);
@@ -305,9 +303,9 @@ impl RemoteCoordLinks {
 }
 
 impl CoordLinks for RemoteCoordLinks {
-    fn to_decode(&self, index: usize, msg: Msg, extra: Extra) -> bool {
+    fn to_decode(&self, index: usize, msg: Msg, extra: Attachment) -> bool {
         let (body, prefill, trace) = match extra {
-            Extra::Decode {
+            Attachment::Decode {
                 body,
                 client,
                 prefill,
@@ -336,9 +334,9 @@ impl CoordLinks for RemoteCoordLinks {
         )
     }
 
-    fn to_prefill(&self, index: usize, msg: Msg, extra: Extra) -> bool {
+    fn to_prefill(&self, index: usize, msg: Msg, extra: Attachment) -> bool {
         let (body, decode, decode_node, trace) = match extra {
-            Extra::Prefill {
+            Attachment::Prefill {
                 body,
                 decode,
                 trace,

@@ -75,9 +75,9 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Instant;
 use tessera_kernels::PageTag;
 use tessera_transfer::protocol::{
-    Coordinator, DecodeEnv, DecodeNode, DecodeOutcome, DecodeState, FailKind, FailReason, Flaws,
-    Msg, Outcome, Output, PrefillEnv, PrefillNode, Quarantine, Refusal, RefusalKind, ReqId,
-    RequestState, ReserveError, Role,
+    Coordinator, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, DecodeState, FailKind,
+    FailReason, Flaws, Msg, Outcome, Output, PrefillEnv, PrefillNode, Quarantine, Refusal,
+    RefusalKind, ReqId, RequestState, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -165,17 +165,17 @@ impl DecodeEnv for DPool {
         tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
-    ) -> Result<Vec<DestPage>, ReserveError> {
+    ) -> Result<Vec<DestPage>, DecodeReserveError> {
         let need = (prompt_tokens + max_tokens).div_ceil(self.page_size) as usize;
         let held: Vec<bool> = self.pages.iter().map(|p| p.held.is_some()).collect();
         let free = match claim(&held, need, "decode") {
             Ok(free) => free,
             Err(r) if r.kind == RefusalKind::Busy && self.queue_when_busy => {
-                return Err(ReserveError::NoRoomYet)
+                return Err(DecodeReserveError::NoRoomYet)
             }
             Err(r) => {
                 self.refused.push(req);
-                return Err(ReserveError::Refused(r));
+                return Err(DecodeReserveError::Refused(r));
             }
         };
         let transfer = prompt_tokens.div_ceil(self.page_size) as usize;

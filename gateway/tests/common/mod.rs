@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_gateway::{AppState, GatewayConfig, ServedModel, Server, TlsMode};
+use tessera_gateway::{AppState, GatewayOptions, ServedModel, Server, TlsMode};
 use tessera_model::LoadedModel;
 use tessera_serving::EngineConfig;
 use tessera_serving::EngineHandle;
@@ -43,26 +43,26 @@ pub struct TestServer {
 }
 
 pub async fn start() -> TestServer {
-    start_with(GatewayConfig::default()).await
+    start_with(GatewayOptions::default()).await
 }
 
-pub async fn start_with(cfg: GatewayConfig) -> TestServer {
+pub async fn start_with(cfg: GatewayOptions) -> TestServer {
     start_with_store(cfg, None).await
 }
 
 /// Starts the server on the store at `url` (default: a SQLite file in a temp dir).
-pub async fn start_with_store(cfg: GatewayConfig, url: Option<String>) -> TestServer {
+pub async fn start_with_store(cfg: GatewayOptions, url: Option<String>) -> TestServer {
     start_full(cfg, url, EngineConfig::default(), false).await
 }
 
 /// Starts the server with a co-located engine configured as `engine`.
-pub async fn start_with_engine(cfg: GatewayConfig, engine: EngineConfig) -> TestServer {
+pub async fn start_with_engine(cfg: GatewayOptions, engine: EngineConfig) -> TestServer {
     start_full(cfg, None, engine, false).await
 }
 
 /// Starts the server with a prefill and a decode engine in this process (the
 /// `tessera serve` default), each with a pool of one context window.
-pub async fn start_pd(cfg: GatewayConfig) -> TestServer {
+pub async fn start_pd(cfg: GatewayOptions) -> TestServer {
     let engine = EngineConfig {
         kv_pool_tokens: 8192,
         ..EngineConfig::default()
@@ -71,7 +71,7 @@ pub async fn start_pd(cfg: GatewayConfig) -> TestServer {
 }
 
 async fn start_full(
-    cfg: GatewayConfig,
+    cfg: GatewayOptions,
     url: Option<String>,
     ecfg: EngineConfig,
     pd: bool,
@@ -91,12 +91,12 @@ async fn start_full(
 
 /// Starts the server with `models`, each served by its own engines, on a SQLite
 /// file in a temp dir.
-pub async fn start_models(cfg: GatewayConfig, models: Vec<ServedModel>) -> TestServer {
+pub async fn start_models(cfg: GatewayOptions, models: Vec<ServedModel>) -> TestServer {
     start_served(cfg, None, models).await
 }
 
 async fn start_served(
-    mut cfg: GatewayConfig,
+    mut cfg: GatewayOptions,
     url: Option<String>,
     models: Vec<ServedModel>,
 ) -> TestServer {

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Why the decode node could not reserve pages for a request now.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum ReserveError {
+pub enum DecodeReserveError {
     /// Refused for good (terminal, S3).
     Refused(Refusal),
     /// The request fits the pool but not right now: it waits (FIFO) until pages are
@@ -22,7 +22,7 @@ pub enum ReserveError {
     NoRoomYet,
 }
 
-impl From<Refusal> for ReserveError {
+impl From<Refusal> for DecodeReserveError {
     fn from(r: Refusal) -> Self {
         Self::Refused(r)
     }
@@ -52,7 +52,7 @@ pub trait DecodeEnv {
         tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
-    ) -> Result<Vec<DestPage>, ReserveError>;
+    ) -> Result<Vec<DestPage>, DecodeReserveError>;
 
     /// Checksum of the bytes now in `dest.page`, or `None` unless the page is held by
     /// `req` and carries exactly `dest.tag` (I3).
@@ -375,8 +375,8 @@ impl DecodeNode {
                 tokens: prompt_tokens,
                 dest,
             },
-            Err(ReserveError::Refused(refusal)) => DecodeState::Refused(refusal),
-            Err(ReserveError::NoRoomYet) => return false,
+            Err(DecodeReserveError::Refused(refusal)) => DecodeState::Refused(refusal),
+            Err(DecodeReserveError::NoRoomYet) => return false,
         };
         self.set(req, state);
         self.resend(req, out);

@@ -18,7 +18,7 @@ mod wire;
 
 pub use coordinator::{CoordPhase, Coordinator};
 pub use decode::{
-    verify_commit, DecodeEnv, DecodeNode, DecodeState, PageWrite, Quarantine, ReserveError,
+    verify_commit, DecodeEnv, DecodeNode, DecodeReserveError, DecodeState, PageWrite, Quarantine,
 };
 #[cfg(any(test, feature = "test-util"))]
 pub use flaws::Flaws;

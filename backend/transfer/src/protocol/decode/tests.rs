@@ -41,13 +41,13 @@ impl DecodeEnv for FakeDecode {
         _tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
-    ) -> Result<Vec<DestPage>, ReserveError> {
+    ) -> Result<Vec<DestPage>, DecodeReserveError> {
         let pages = (prompt_tokens + max_tokens).div_ceil(16);
         if pages > self.free {
             if self.wait_when_full {
-                return Err(ReserveError::NoRoomYet);
+                return Err(DecodeReserveError::NoRoomYet);
             }
-            return Err(ReserveError::Refused(Refusal {
+            return Err(DecodeReserveError::Refused(Refusal {
                 kind: RefusalKind::Busy,
                 message: "no pages".into(),
             }));
