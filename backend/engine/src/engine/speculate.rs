@@ -18,8 +18,9 @@
 
 /// Longest suffix matched against the history.
 const MAX_NGRAM: usize = 3;
-/// Shortest suffix matched: a single token matches too often to be worth a row.
-const MIN_NGRAM: usize = 2;
+/// Shortest suffix matched: shorter ones match too often in open-ended text to be
+/// worth their rows (2: open-ended prompts 0.95x, 3: 0.99-1.01x, same run).
+const MIN_NGRAM: usize = 3;
 /// How far back the lookup searches (tokens), bounding its cost per step.
 const LOOKBACK: usize = 4096;
 
@@ -60,35 +61,28 @@ mod tests {
 
     #[test]
     fn drafts_continue_the_latest_earlier_occurrence() {
-        // "a b c d a b" -> after the earlier "a b" came "c d a b".
-        let p = [1, 2, 3, 4, 1, 2];
-        assert_eq!(propose(&p, &[], 2), [3, 4]);
+        // "1 2 3 4 5 1 2 3" -> after the earlier "1 2 3" came "4 5 1 2 3".
+        let p = [1, 2, 3, 4, 5, 1, 2, 3];
+        assert_eq!(propose(&p, &[], 2), [4, 5]);
         assert_eq!(
             propose(&p, &[], 8),
-            [3, 4, 1, 2],
+            [4, 5, 1, 2, 3],
             "up to the end of the history"
         );
-        // The latest earlier occurrence wins: "1 2 7 ... 1 2 9 ... 1 2".
-        assert_eq!(propose(&[1, 2, 7, 1, 2, 9], &[1, 2], 1), [9]);
+        // The latest earlier occurrence wins.
+        assert_eq!(propose(&[1, 2, 3, 7, 1, 2, 3, 9], &[1, 2, 3], 1), [9]);
         // Prompt and output are one history.
-        assert_eq!(propose(&[5, 6, 7, 8], &[5, 6], 2), [7, 8]);
-    }
-
-    #[test]
-    fn the_longest_suffix_that_occurs_is_used() {
-        // The 3-gram "2 3 4" occurred once (followed by 5); the 2-gram "3 4" more
-        // recently (followed by 9).
-        let p = [2, 3, 4, 5, 3, 4, 9, 2, 3, 4];
-        assert_eq!(propose(&p, &[], 1), [5]);
+        assert_eq!(propose(&[5, 6, 7, 8, 9], &[5, 6, 7], 2), [8, 9]);
     }
 
     #[test]
     fn nothing_to_propose() {
         assert!(propose(&[1, 2, 3, 4], &[], 4).is_empty(), "no repeat");
-        assert!(propose(&[1, 2, 1, 2], &[], 0).is_empty(), "k = 0");
+        assert!(propose(&[1, 2, 3, 1, 2, 3], &[], 0).is_empty(), "k = 0");
         assert!(propose(&[1], &[], 4).is_empty());
         assert!(propose(&[], &[], 4).is_empty());
-        // A single repeated token is below the shortest n-gram.
-        assert!(propose(&[7, 1, 2, 7], &[], 4).is_empty());
+        // Two repeated tokens are below the shortest n-gram (they match too often in
+        // open-ended text to be worth a row).
+        assert!(propose(&[1, 2, 9, 1, 2], &[], 4).is_empty());
     }
 }
