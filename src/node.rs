@@ -45,6 +45,12 @@ pub(crate) struct NodeArgs {
     /// Zero KV pages when they are freed.
     #[arg(long)]
     kv_scrub: bool,
+    /// Prompt-lookup speculation: draft tokens per decoding request and step (0:
+    /// off, at most 8), for requests that do not set `speculative` themselves. Drafts
+    /// come from each request's own prompt and output; the output is the same with or
+    /// without them (faster where answers repeat their input, e.g. code edits).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
+    speculate: u32,
     #[command(flatten)]
     device: crate::device::DeviceArgs,
     /// Serve Prometheus metrics at `GET /metrics` (plain HTTP, read-only) on this
@@ -205,6 +211,7 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("refusing to start: {e}"))?;
     let mut engine = tessera_serving::remote::pool_engine_config(pool);
     engine.kv_scrub = a.kv_scrub;
+    engine.speculate = a.speculate as usize;
     let tls = if links.is_tls() {
         "mutual TLS"
     } else {

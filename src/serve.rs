@@ -64,6 +64,12 @@ pub(crate) struct ServeArgs {
     /// freed pages unreadable).
     #[arg(long)]
     kv_scrub: bool,
+    /// Prompt-lookup speculation: draft tokens per decoding request and step (0:
+    /// off, at most 8), for requests that do not set `speculative` themselves. Drafts
+    /// come from each request's own prompt and output; the output is the same with or
+    /// without them (faster where answers repeat their input, e.g. code edits).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
+    speculate: u32,
     #[command(flatten)]
     device: crate::device::DeviceArgs,
     /// TLS: `off`, or `self-signed` (a fresh certificate for localhost, written to
@@ -573,6 +579,7 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
     let engine_cfg = |tokens: usize| EngineConfig {
         kv_pool_tokens: tokens,
         kv_scrub: a.kv_scrub,
+        speculate: a.speculate as usize,
         ..EngineConfig::default()
     };
     // Unset sizes follow each model's context window (I2) above their floors.

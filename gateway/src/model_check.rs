@@ -257,7 +257,7 @@ pub fn validate(
         ignore_eos: false,
         output,
         resume: None,
-        speculate: None,
+        speculate: p.speculative,
     };
     limits
         .admit(request.clone())

@@ -11,7 +11,7 @@ use tessera_model::chat::ChatMessage;
 use tessera_model::detok::{MAX_STOPS, MAX_STOP_BYTES};
 use tessera_model::grammar::ResponseFormat;
 use tessera_model::sampling::{SamplingError, SamplingParams, MAX_TOP_K, MAX_TOP_LOGPROBS};
-use tessera_serving::Priority;
+use tessera_serving::{Priority, MAX_SPECULATE};
 
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -68,6 +68,9 @@ pub struct ParsedRequest {
     /// `tools` and `tool_choice` (chat and Workers AI); `None`: no tools, or
     /// `tool_choice: "none"`.
     pub tools: Option<Tools>,
+    /// `speculative`: draft tokens per step for prompt-lookup speculation (0: off);
+    /// `None`: the model's setting (`tessera serve --speculate`).
+    pub speculative: Option<u32>,
 }
 
 /// Parses a JSON object body.
@@ -447,7 +450,68 @@ pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, 
         echo: false,
         format: response_format(o, false)?,
         tools: tools::parse(o, false)?,
+        speculative: speculative(o)?,
     })
+}
+
+/// `speculative`: `{"mode": "ngram", "k": N}` (both keys optional: mode `ngram`, k 4;
+/// `k` in `0..=`[`MAX_SPECULATE`], 0 turns speculation off for the request). Drafts
+/// come from the request's own prompt and output only, and the output is the same
+/// with or without them. `"mode": "draft"` (a draft model) is refused: not served.
+fn speculative(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    const F: &str = "speculative";
+    let Some(v) = present(o, F) else {
+        return Ok(None);
+    };
+    let Value::Object(sp) = v else {
+        return Err(ApiError::field(
+            F,
+            format!(
+                "`{F}` must be an object like {{\"mode\": \"ngram\", \"k\": 4}}. Given: {}",
+                type_name(v)
+            ),
+        ));
+    };
+    if let Some(k) = sp.keys().find(|k| !matches!(k.as_str(), "mode" | "k")) {
+        return Err(ApiError::field(
+            F,
+            format!("`{F}` has an unknown key `{k}` (known: `mode`, `k`)"),
+        ));
+    }
+    match present(sp, "mode") {
+        None => {}
+        Some(Value::String(m)) if m == "ngram" => {}
+        Some(Value::String(m)) if m == "draft" => {
+            return Err(ApiError::field(
+                F,
+                "`speculative.mode` \"draft\" (a draft model) is not served; use \"ngram\" \
+                 (prompt lookup)",
+            ))
+        }
+        Some(v) => {
+            return Err(ApiError::field(
+                F,
+                format!("`speculative.mode` must be \"ngram\". Given: {v}"),
+            ))
+        }
+    }
+    match present(sp, "k") {
+        None => Ok(Some(4)),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(k) if k <= u64::from(MAX_SPECULATE) => Ok(Some(k as u32)),
+            _ => Err(ApiError::field(
+                F,
+                format!("`speculative.k` must be an integer from 0 to {MAX_SPECULATE}. Given: {n}"),
+            )),
+        },
+        Some(v) => Err(ApiError::field(
+            F,
+            format!(
+                "`speculative.k` must be an integer from 0 to {MAX_SPECULATE}. Given: {}",
+                type_name(v)
+            ),
+        )),
+    }
 }
 
 /// `response_format`: `{"type": "text"}` (free text, as if absent), `{"type":
@@ -630,6 +694,7 @@ fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, 
         echo: false,
         format: response_format(o, true)?,
         tools: None,
+        speculative: speculative(o)?,
     })
 }
 

@@ -662,3 +662,56 @@ async fn shutdown_drains_then_aborts_with_usage_rows() {
         .await
         .is_err());
 }
+
+/// `speculative` (issue 37) on both API shapes: with drafts the answer is the same
+/// as without (a prompt whose answer repeats it, greedy); malformed values are 400s
+/// naming the field, and the draft-model mode is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_changes_nothing_but_speed_and_is_validated() {
+    let s = start().await;
+    let text = "red green blue red green blue red green blue";
+    let msgs = json!([{"role": "user", "content": format!("Repeat exactly: {text}")}]);
+    let chat = format!("{}/v1/chat/completions", s.base);
+    let run = s.run_url(&s.tenant.id);
+    let answer = |v: &Value| v["choices"][0]["message"]["content"].clone();
+    let body = |extra: Value| {
+        let mut b = json!({"model": MODEL, "messages": msgs, "max_tokens": 40, "temperature": 0});
+        if !extra.is_null() {
+            b["speculative"] = extra;
+        }
+        b
+    };
+    let (st, _, plain) = s.post(&chat, Some(&s.key), &body(Value::Null)).await;
+    assert_eq!(st, 200, "{plain}");
+    for sp in [
+        json!({"mode": "ngram", "k": 4}),
+        json!({}),
+        json!({"k": 0}),
+        json!({"k": 8}),
+    ] {
+        let (st, _, v) = s.post(&chat, Some(&s.key), &body(sp.clone())).await;
+        assert_eq!(st, 200, "{sp}: {v}");
+        assert_eq!(answer(&v), answer(&plain), "{sp}");
+    }
+    let wai = |extra: Value| json!({"messages": msgs, "max_tokens": 40, "speculative": extra});
+    let (st, _, a) = s.post(&run, Some(&s.key), &wai(json!({"k": 4}))).await;
+    assert_eq!(st, 200, "{a}");
+    assert_eq!(a["result"]["response"], answer(&plain));
+    for (sp, says) in [
+        (json!({"mode": "draft"}), "not served"),
+        (json!({"mode": "eagle"}), "must be \"ngram\""),
+        (json!({"k": 9}), "from 0 to 8"),
+        (json!({"k": -1}), "from 0 to 8"),
+        (json!({"k": "4"}), "from 0 to 8"),
+        (json!({"depth": 2}), "unknown key `depth`"),
+        (json!(4), "must be an object"),
+    ] {
+        for (url, b) in [(&chat, body(sp.clone())), (&run, wai(sp.clone()))] {
+            let (st, _, v) = s.post(url, Some(&s.key), &b).await;
+            assert_eq!(st, 400, "{sp}: {v}");
+            let text = v.to_string().replace("\\\"", "\"");
+            assert!(text.contains(says), "{sp}: {v}");
+            assert!(text.contains("speculative"), "{sp}: {v}");
+        }
+    }
+}

@@ -40,4 +40,5 @@ pub use stream::{RequestStream, StreamEvent};
 pub use tessera_engine::admission;
 pub use tessera_engine::{
     EngineConfig, FairnessConfig, FinishReason, GenerateRequest, Policy, Priority, Usage,
+    MAX_SPECULATE,
 };

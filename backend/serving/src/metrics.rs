@@ -136,6 +136,8 @@ pub struct NodeMetrics {
     frames_rejected: Family<NodeLabels, Counter>,
     peers_refused: Family<NodeLabels, Counter>,
     request_restarts: Family<ReasonLabels, Counter>,
+    spec_drafted: Family<NodeLabels, Counter>,
+    spec_accepted: Family<NodeLabels, Counter>,
     /// The link counters exported from [`PdCounters`] (synced when encoded), by the
     /// series they feed.
     link_sources: Mutex<Vec<(NodeLabels, Arc<PdCounters>)>>,
@@ -163,6 +165,8 @@ impl NodeMetrics {
             frames_rejected: Family::default(),
             peers_refused: Family::default(),
             request_restarts: Family::default(),
+            spec_drafted: Family::default(),
+            spec_accepted: Family::default(),
             link_sources: Mutex::new(Vec::new()),
             transfer_bytes: Family::default(),
             transfer_seconds: Family::new_with_constructor(transfer_histogram),
@@ -212,6 +216,16 @@ impl NodeMetrics {
             "tessera_request_restarts",
             "Requests a node's failure or drain hit, by what the gateway did (node=gateway, role=coordinator): restarted (from the beginning on another pair, before the first token), continued (on another pair from the tokens the client had), not_restarted (no pair left, the attempt bound or the deadline reached: the client got an error)",
             m.request_restarts.clone(),
+        );
+        r.register(
+            "tessera_spec_drafted_tokens",
+            "Draft tokens from prompt-lookup speculation fed to a decoding engine's forward passes (each from its own request's prompt and output)",
+            m.spec_drafted.clone(),
+        );
+        r.register(
+            "tessera_spec_accepted_tokens",
+            "Draft tokens accepted: each equalled the token sampled at its position and saved its request one forward pass (accepted / drafted is the acceptance rate)",
+            m.spec_accepted.clone(),
         );
         r.register(
             "tessera_kv_transfer_bytes",
@@ -269,6 +283,8 @@ impl NodeMetrics {
             engine: EngineMetrics {
                 attention_tag_mismatches: reader("attention"),
                 transfer_source_tag_mismatches: reader("transfer_source"),
+                spec_drafted: self.spec_drafted.get_or_create_owned(&labels),
+                spec_accepted: self.spec_accepted.get_or_create_owned(&labels),
             },
             sink_tag_mismatches: decode.then(|| reader("transfer_sink")),
             commits,

@@ -43,6 +43,10 @@ pub struct EngineMetrics {
     /// Pages whose tag did not match when a prefill's pages were exported for
     /// transfer ([`Engine::export_pages`]): one per failed export.
     pub transfer_source_tag_mismatches: Counter,
+    /// Draft tokens fed to forward passes (prompt-lookup speculation).
+    pub spec_drafted: Counter,
+    /// Draft tokens accepted (each equalled the token sampled at its position).
+    pub spec_accepted: Counter,
 }
 
 /// How a pool's pages are held right now, in pages; the three sum to the capacity.

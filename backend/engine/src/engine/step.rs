@@ -118,6 +118,7 @@ impl Engine {
                 }
                 if !s.drafts.is_empty() && pos > s.drafts_after {
                     self.speculation.accepted += 1;
+                    self.metrics.spec_accepted.inc();
                     s.accepted_now += 1;
                 }
             }
@@ -376,6 +377,7 @@ impl Engine {
             s.drafts = propose(&s.prompt, &s.generated, k);
             s.drafts_after = pos;
             self.speculation.drafted += s.drafts.len() as u64;
+            self.metrics.spec_drafted.inc_by(s.drafts.len() as u64);
         }
     }
 
