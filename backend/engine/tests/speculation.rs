@@ -97,14 +97,21 @@ fn drafts_change_nothing_in_batches() {
         .iter()
         .map(|r| run_all(&mut engine_with(&m, 0), std::slice::from_ref(r)).remove(0))
         .collect();
-    // Two at a time (drafts for both), and all of them three times over (16 and
-    // more: drafts only once few are left).
+    // Two at a time (drafts for both), and 16 at once (drafts for all of them).
     for pair in reqs.chunks(2).zip(solo.chunks(2)) {
         assert_eq!(run_all(&mut engine_with(&m, 4), pair.0), pair.1);
     }
     let many: Vec<GenerateRequest> = reqs.iter().cycle().take(16).cloned().collect();
     let want: Vec<Vec<Event>> = solo.iter().cycle().take(16).cloned().collect();
-    let mut e = engine_with(&m, 4);
+    // Drafts for all 16 (the default stands down above 2 decoding sequences).
+    let mut e = engine(
+        &m,
+        EngineConfig {
+            speculate: 4,
+            speculate_max_decodes: 16,
+            ..EngineConfig::default()
+        },
+    );
     assert_eq!(run_all(&mut e, &many), want);
     assert!(e.speculation().drafted > 0, "{:?}", e.speculation());
 }

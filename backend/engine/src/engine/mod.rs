@@ -93,14 +93,20 @@ pub struct EngineConfig {
     /// Prompt-lookup speculation: at most this many draft tokens per decoding
     /// sequence and step, taken from its own prompt and output and verified in the
     /// same forward pass (output unchanged, token for token; `speculate.rs`). Used
-    /// while a step decodes at most [`SPECULATE_MAX_DECODES`] sequences (where a
+    /// while a step decodes at most `speculate_max_decodes` sequences (where a
     /// decode step reads all weights for few rows); 0 disables it.
     pub speculate: usize,
+    /// Most decoding sequences in a step for which drafts are added (default
+    /// [`SPECULATE_MAX_DECODES`]): past it a step's rows already amortize the
+    /// weights it reads, and draft rows cost more than they save.
+    pub speculate_max_decodes: usize,
 }
 
-/// Most decoding sequences in a step for which drafts are added: past it, a step's
-/// rows already amortize the weights it reads.
-pub const SPECULATE_MAX_DECODES: usize = 4;
+/// Most decoding sequences in a step for which drafts are added by default: past it,
+/// a step's rows already amortize the weights it reads. Measured (Qwen2.5-Coder
+/// 0.5B, 2 threads, drafting for every stream, docs/benchmarks.md): 2 streams
+/// 1.17x, 4 streams 0.91x.
+pub const SPECULATE_MAX_DECODES: usize = 2;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -116,6 +122,7 @@ impl Default for EngineConfig {
             batch_max_wait: Some(Duration::from_secs(60)),
             batch_prefill_chunk: 128,
             speculate: 0,
+            speculate_max_decodes: SPECULATE_MAX_DECODES,
         }
     }
 }

@@ -5,7 +5,7 @@ use super::seq::{
     accept_token, output_logprobs, penalty_view, sampler_for, Accepted, Seq, SeqRole,
 };
 use super::speculate::propose;
-use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Waiting, SPECULATE_MAX_DECODES};
+use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Waiting};
 use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
 use crate::sink::{EngineError, Event};
 use std::time::Instant;
@@ -334,7 +334,7 @@ impl Engine {
 
     /// Sets each decoding sequence's drafts for this step (prompt-lookup
     /// speculation, `speculate.rs`): while the step decodes at most
-    /// [`SPECULATE_MAX_DECODES`] sequences, up to the request's `speculate` (else the
+    /// `speculate_max_decodes` sequences, up to the request's `speculate` (else the
     /// engine's) tokens each, and never
     /// more than it may still generate, less one (the drafts' positions stay inside
     /// the pages reserved for prompt + `max_tokens`).
@@ -357,7 +357,7 @@ impl Engine {
             .iter()
             .filter(|w| matches!(w, Work::Decode { .. }))
             .count();
-        if decodes > SPECULATE_MAX_DECODES {
+        if decodes > self.cfg.speculate_max_decodes {
             return;
         }
         for w in work {
