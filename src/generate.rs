@@ -17,9 +17,16 @@ pub(crate) struct GenerateArgs {
     /// Prompt text.
     #[arg(long)]
     prompt: String,
-    /// Wrap the prompt as a user message in the model's chat template.
+    /// Wrap the prompt as a user message in the model's chat template (its text
+    /// then stays plain text, as a chat message's content does at the server).
     #[arg(long)]
     chat: bool,
+    /// Tokenize control-token text in the prompt (`<|im_start|>`, ...) as plain
+    /// text. Without it a prompt without `--chat` is read as the server reads a raw
+    /// prompt (`raw: true`, `/v1/completions`) and as llama.cpp's CLI does: that
+    /// text becomes the control tokens.
+    #[arg(long)]
+    no_parse_special: bool,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -88,7 +95,10 @@ pub(crate) fn run(a: GenerateArgs) -> Result<()> {
             true,
         )?
     } else {
-        m.tokenizer.encode_with_bos_eos(&a.prompt, false)?
+        // As the server reads a raw prompt (gateway model_check): control-token
+        // text becomes the control tokens, unless --no-parse-special.
+        m.tokenizer
+            .encode_with_bos_eos(&a.prompt, !a.no_parse_special)?
     };
     let mut engine = Engine::new(
         m.transformer.clone(),
