@@ -11,8 +11,24 @@ mod common;
 use common::links::*;
 use common::metrics::*;
 use common::*;
-use serde_json::json;
+use serde_json::{json, Value};
 use std::time::{Duration, Instant};
+
+/// `r` is a node's refusal of new work because it drains: rejected by `by`
+/// (`Decode`, `Prefill`) as busy (retryable), its message saying so.
+#[track_caller]
+fn assert_refused_as_draining(r: &Value, by: &str) {
+    assert_eq!(r["type"], "rejected", "{r}");
+    assert_eq!(r["by"], by, "{r}");
+    assert_eq!(r["reason"]["kind"], "Busy", "{r}");
+    assert!(
+        r["reason"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("draining"),
+        "{r}"
+    );
+}
 
 /// A decode node refuses new work once its drain began, and the gateway serves what
 /// it refused on the other decode node. Decode 0's pool is full (one request holds
@@ -67,12 +83,7 @@ async fn a_draining_decode_node_refuses_new_work_and_the_other_serves_it() {
     let as_gateway = client(&certs.join("ca.pem"), Some(&identity(&certs, "gateway")));
     let mut raw = Raw::open(d0, &node_name("decode", d0), &as_gateway, "Coordinator").await;
 
-    let pid = decode0.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
+    signal(&decode0, "-TERM");
     // The waiting request: refused at decode 0, served by decode 1.
     let (status, v) = tokio::time::timeout(REQUEST, c).await.unwrap().unwrap();
     assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
@@ -90,16 +101,7 @@ async fn a_draining_decode_node_refuses_new_work_and_the_other_serves_it() {
     ))
     .await;
     let r = raw.reply(req).await;
-    assert_eq!(r["type"], "rejected", "{r}");
-    assert_eq!(r["by"], "Decode", "{r}");
-    assert_eq!(r["reason"]["kind"], "Busy", "{r}");
-    assert!(
-        r["reason"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("draining"),
-        "{r}"
-    );
+    assert_refused_as_draining(&r, "Decode");
     // Requests sent during the drain.
     for _ in 0..3 {
         let (status, v) = gw.run(&short).await;
@@ -168,16 +170,7 @@ async fn a_draining_prefill_node_refuses_new_work_and_finishes_what_it_holds() {
     );
     raw.send(&raw_prefill(late)).await;
     let r = raw.reply(late).await;
-    assert_eq!(r["type"], "rejected", "{r}");
-    assert_eq!(r["by"], "Prefill", "{r}");
-    assert_eq!(r["reason"]["kind"], "Busy", "{r}");
-    assert!(
-        r["reason"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("draining"),
-        "{r}"
-    );
+    assert_refused_as_draining(&r, "Prefill");
     let r = raw
         .until(|h| h["control"]["msg"]["req"] == held)
         .await

@@ -12,58 +12,32 @@
 mod common;
 
 use common::metrics::gateway_metric;
+use common::two_decodes::{TwoDecodes, METRICS_TOKEN};
 use common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
-use tokio::process::Child;
 
-/// One prefill node and two decode nodes behind a `tessera serve --config` gateway.
-/// Bind every field when taking it apart: a field left to `..` is dropped at once,
-/// and a dropped `Child` is killed.
-struct TwoDecodes {
-    dir: tempfile::TempDir,
-    /// Decode node 0 (routing's tie-break goes to it).
-    decode0: Child,
-    _decode1: Child,
-    _prefill: Child,
-    gw: Gateway,
+/// A [`TwoDecodes`] deployment (`links`: its extra `[node_links]` text) once its
+/// gateway serves: the deployment, a short greedy request and its solo result.
+async fn two_decodes_serving(links: &str) -> (TwoDecodes, Value, Value) {
+    let dep = TwoDecodes::start(links, &[]).await;
+    let short = greedy(16);
+    let solo = dep.gw.run_when_up(&short).await["result"].clone();
+    (dep, short, solo)
 }
 
-/// Starts a [`TwoDecodes`] deployment: `links` is extra `[node_links]` text (e.g.
-/// liveness settings), `decode0_args` extra `tessera node` arguments of decode 0.
-async fn two_decodes(links: &str, decode0_args: &[&str]) -> TwoDecodes {
-    let dir = tempfile::tempdir().unwrap();
-    let (p, d0, d1) = (free_port(), free_port(), free_port());
-    let config = write_config_with(
-        dir.path(),
-        free_port(),
-        p,
-        &[d0, d1],
-        (CONTEXT, CONTEXT),
-        Some(links),
+/// Reads `s` to its end: it ends with `[DONE]`, no error event, and `solo`'s text
+/// (the logs in `dir` when not).
+async fn ends_as_solo(s: &mut Sse, solo: &Value, dir: &std::path::Path) {
+    s.read_to_end().await;
+    assert!(
+        s.has_done() && !s.has_error(),
+        "{:?}\n{}",
+        s.events,
+        logs(dir)
     );
-    let decode0 = start_node_with(dir.path(), &config, "decode", d0, decode0_args, &[]).await;
-    let _decode1 = start_node(dir.path(), &config, "decode", d1).await;
-    let _prefill = start_node(dir.path(), &config, "prefill", p).await;
-    let gw = start_config_gateway(
-        dir.path(),
-        &config,
-        "data",
-        "gateway.log",
-        &["--metrics-token", METRICS_TOKEN],
-    )
-    .await;
-    TwoDecodes {
-        dir,
-        decode0,
-        _decode1,
-        _prefill,
-        gw,
-    }
+    assert_eq!(s.text(), solo["response"].as_str().unwrap());
 }
-
-/// The gateways' `/metrics` token.
-const METRICS_TOKEN: &str = "metrics-node-loss-3f9c2a7e5b1d4c8a";
 
 /// The gateway's `tessera_request_restarts_total` series for `reason`.
 async fn restarts(gw: &Gateway, reason: &str) -> f64 {
@@ -75,16 +49,6 @@ async fn restarts(gw: &Gateway, reason: &str) -> f64 {
     v
 }
 
-/// Sends `sig` (`-STOP`, `-CONT`, `-TERM`) to `node`.
-fn signal(node: &Child, sig: &str) {
-    let pid = node.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .unwrap()
-        .success());
-}
-
 /// Two decode nodes; one is stopped (SIGSTOP) while it streams one request and holds
 /// another (seeded sampling, not streamed), both with tokens computed: once its link
 /// is declared dead, both continue on the other node from the tokens their clients
@@ -94,15 +58,8 @@ fn signal(node: &Child, sig: &str) {
 /// gateway's log names the continuations.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_decode_nodes_requests_continue_on_the_other_node() {
-    let TwoDecodes {
-        dir,
-        decode0,
-        gw,
-        _decode1,
-        _prefill,
-    } = two_decodes(FAST_LIVENESS, &[]).await;
-    let short = greedy(16);
-    let solo = gw.run_when_up(&short).await["result"].clone();
+    let (dep, short, solo) = two_decodes_serving(FAST_LIVENESS).await;
+    let (dir, decode0, gw) = (&dep.dir, &dep.decode0, &dep.gw);
     let long = endless(300);
     let long_solo = gw.run(&long).await.1["result"].clone();
     let mut seeded = endless(300);
@@ -129,16 +86,9 @@ async fn a_stopped_decode_nodes_requests_continue_on_the_other_node() {
     assert_eq!(c.status, 200);
     let b = gw.spawn_run(&seeded);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    signal(&decode0, "-STOP");
+    signal(decode0, "-STOP");
     // The stopped node's requests continue elsewhere...
-    a.read_to_end().await;
-    assert!(
-        a.has_done() && !a.has_error(),
-        "{:?}\n{}",
-        a.events,
-        logs(dir.path())
-    );
-    assert_eq!(a.text(), long_solo["response"].as_str().unwrap());
+    ends_as_solo(&mut a, &long_solo, dir.path()).await;
     let (status, v) = tokio::time::timeout(REQUEST, b)
         .await
         .expect("b ends while the node is stopped")
@@ -146,14 +96,7 @@ async fn a_stopped_decode_nodes_requests_continue_on_the_other_node() {
     assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
     assert_eq!(answer(&v["result"]), answer(&seeded_solo));
     // ... the other node's stream completes unchanged, and new requests are served.
-    c.read_to_end().await;
-    assert!(
-        c.has_done() && !c.has_error(),
-        "{:?}\n{}",
-        c.events,
-        logs(dir.path())
-    );
-    assert_eq!(c.text(), mid_solo["response"].as_str().unwrap());
+    ends_as_solo(&mut c, &mid_solo, dir.path()).await;
     for _ in 0..3 {
         let (status, v) = gw.run(&short).await;
         assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
@@ -164,8 +107,8 @@ async fn a_stopped_decode_nodes_requests_continue_on_the_other_node() {
         log.contains("continuing the request on other nodes after the tokens its client has"),
         "{log}"
     );
-    assert!(restarts(&gw, "continued").await >= 1.0);
-    assert_eq!(restarts(&gw, "not_restarted").await, 0.0);
+    assert!(restarts(gw, "continued").await >= 1.0);
+    assert_eq!(restarts(gw, "not_restarted").await, 0.0);
     // Billed once, for the whole answer: the ledger's output tokens are the solo
     // runs' and their continued twins' (two each), plus three more short ones.
     let out = |v: &Value| v["usage"]["completion_tokens"].as_u64().unwrap();
@@ -187,7 +130,7 @@ async fn a_stopped_decode_nodes_requests_continue_on_the_other_node() {
         Some(want),
         "{usage}"
     );
-    signal(&decode0, "-CONT");
+    signal(decode0, "-CONT");
 }
 
 /// The gateway's log once it holds `requests` request lines (it is written in the
@@ -214,16 +157,9 @@ async fn wait_for_log(path: &std::path::Path, requests: usize) -> String {
 async fn a_node_that_missed_a_heartbeat_gets_no_new_requests() {
     // Heartbeat 250 ms: quiet after 500 ms of silence, dead after 3 s.
     let liveness = "heartbeat_ms = 250\ndead_after_ms = 3000\n";
-    let TwoDecodes {
-        dir,
-        decode0,
-        gw,
-        _decode1,
-        _prefill,
-    } = two_decodes(liveness, &[]).await;
-    let short = greedy(16);
-    let solo = gw.run_when_up(&short).await["result"].clone();
-    let signal = |sig: &str| signal(&decode0, sig);
+    let (dep, short, solo) = two_decodes_serving(liveness).await;
+    let (dir, decode0, gw) = (&dep.dir, &dep.decode0, &dep.gw);
+    let signal = |sig: &str| signal(decode0, sig);
     signal("-STOP");
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let started = std::time::Instant::now();
@@ -252,16 +188,9 @@ async fn requests_on_a_node_lost_before_their_first_token_are_answered_by_anothe
     // Heartbeat 1 s: a frozen node stays routable for at least 1 s (quiet after 2 s
     // of silence) and is declared dead after 3 s.
     let liveness = "heartbeat_ms = 1000\ndead_after_ms = 3000\n";
-    let TwoDecodes {
-        dir,
-        decode0,
-        gw,
-        _decode1,
-        _prefill,
-    } = two_decodes(liveness, &[]).await;
-    let short = greedy(16);
-    let solo = gw.run_when_up(&short).await["result"].clone();
-    signal(&decode0, "-STOP");
+    let (dep, short, solo) = two_decodes_serving(liveness).await;
+    let (dir, decode0, gw) = (&dep.dir, &dep.decode0, &dep.gw);
+    signal(decode0, "-STOP");
     // `a` goes to decode 0 (a tie), `b` to decode 1 (fewer outstanding), `c` to
     // decode 0 (a tie again).
     let mut a = gw.stream(&short).await;
@@ -269,14 +198,7 @@ async fn requests_on_a_node_lost_before_their_first_token_are_answered_by_anothe
     let b = gw.spawn_run(&short);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let c = gw.spawn_run(&short);
-    a.read_to_end().await;
-    assert!(
-        a.has_done() && !a.has_error(),
-        "{:?}\n{}",
-        a.events,
-        logs(dir.path())
-    );
-    assert_eq!(a.text(), solo["response"].as_str().unwrap());
+    ends_as_solo(&mut a, &solo, dir.path()).await;
     for run in [b, c] {
         let (status, v) = tokio::time::timeout(REQUEST, run)
             .await
@@ -290,8 +212,8 @@ async fn requests_on_a_node_lost_before_their_first_token_are_answered_by_anothe
         .matches("starting the request again on other nodes before its first token")
         .count();
     assert_eq!(restarts, 2, "{log}");
-    assert_eq!(self::restarts(&gw, "restarted").await, 2.0);
-    signal(&decode0, "-CONT");
+    assert_eq!(self::restarts(gw, "restarted").await, 2.0);
+    signal(decode0, "-CONT");
 }
 
 /// A node whose engine thread (decode) or connection task (prefill) panics exits
@@ -361,13 +283,8 @@ async fn a_panicking_node_exits_its_requests_fail_and_a_restart_serves() {
 /// (issue 36) and completes with its solo text, and the node exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_a_decode_node_and_its_last_request_continues_elsewhere() {
-    let TwoDecodes {
-        dir,
-        mut decode0,
-        gw,
-        _decode1,
-        _prefill,
-    } = two_decodes("", &["--drain-timeout-secs", "3"]).await;
+    let mut dep = TwoDecodes::start("", &["--drain-timeout-secs", "3"]).await;
+    let (dir, decode0, gw) = (&dep.dir, &mut dep.decode0, &dep.gw);
     let late = endless(400);
     let solo = gw.run_when_up(&late).await["result"].clone();
     let cut = endless(1000);
@@ -378,7 +295,7 @@ async fn sigterm_drains_a_decode_node_and_its_last_request_continues_elsewhere()
     let mut b = gw.stream(&endless(4000)).await;
     b.read_texts(2).await;
     assert!(a.tokens() >= 2 && b.tokens() >= 2, "{}", logs(dir.path()));
-    signal(&decode0, "-TERM");
+    signal(decode0, "-TERM");
     tokio::time::sleep(Duration::from_millis(500)).await;
     // A tie by load: it would go to decode 0, which is draining, and which would cut
     // it at its 3 s deadline.
@@ -389,14 +306,7 @@ async fn sigterm_drains_a_decode_node_and_its_last_request_continues_elsewhere()
         answer(&solo),
         "the late request was not served by the other node"
     );
-    a.read_to_end().await;
-    assert!(
-        a.has_done() && !a.has_error(),
-        "{:?}\n{}",
-        a.events,
-        logs(dir.path())
-    );
-    assert_eq!(a.text(), cut_solo["response"].as_str().unwrap());
+    ends_as_solo(&mut a, &cut_solo, dir.path()).await;
     let status = tokio::time::timeout(START, decode0.wait())
         .await
         .expect("the drained node exits")
@@ -405,5 +315,5 @@ async fn sigterm_drains_a_decode_node_and_its_last_request_continues_elsewhere()
     // The other node's stream is untouched.
     b.read_until(Duration::from_secs(1), |_| false).await;
     assert!(!b.has_error(), "{:?}", b.events.last());
-    assert!(restarts(&gw, "continued").await >= 1.0);
+    assert!(restarts(gw, "continued").await >= 1.0);
 }

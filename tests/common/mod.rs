@@ -1,7 +1,8 @@
 //! Helpers shared by the multi-process tests (`pd_nodes.rs`, `node_links.rs`, ...):
 //! free loopback ports, deployment files with their node-link certificates, `tessera
 //! node` and `tessera serve` processes, HTTP and SSE clients, and request bodies; a raw
-//! node-link client in [`links`], `/metrics` scraping in [`metrics`].
+//! node-link client in [`links`], `/metrics` scraping in [`metrics`], a prefill node
+//! and two decode nodes behind a gateway in [`two_decodes`].
 //!
 //! Every wait is bounded by a deadline; nothing asserts how fast anything runs.
 
@@ -9,6 +10,7 @@
 
 pub mod links;
 pub mod metrics;
+pub mod two_decodes;
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -638,6 +640,16 @@ pub fn logs(dir: &Path) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`, `-TERM`) to `node`.
+pub fn signal(node: &Child, sig: &str) {
+    let pid = node.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .unwrap()
+        .success());
 }
 
 /// Starts `tessera node --role ROLE` on `127.0.0.1:PORT` (log `ROLE.log`, or
