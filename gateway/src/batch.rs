@@ -15,8 +15,9 @@
 //! CPU pool's batch lane ([`crate::cpu`]), never on the async workers, and their
 //! tokens (prompt, `max_tokens`) are reserved together against the token limits and
 //! the daily quota. A refused submission gets the 429 any request gets, and writes
-//! no usage row. Each item then runs as its own request through the typed stages of
-//! `request` (the submitting key checked again, one usage row, its own request id),
+//! no usage row. Each item then runs as its own request, entering the typed stages
+//! of [`crate::pipeline`] at `Reserved` (the submitting key checked again, one usage
+//! row, its own request id),
 //! in the `batch` priority class, at most [`ITEM_PARALLELISM`] at a time per batch,
 //! on the batch's reservation, which is settled with the items' real tokens once
 //! the last one ends. An item refused by a busy engine (503 that says a retry can
@@ -30,10 +31,10 @@
 use crate::cpu::Lane;
 use crate::driver::{BatchCharge, Charge};
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::http::{authenticate, envelope, limit_error, read_body_in_time, Shape};
-use crate::model_check::{self, Validated};
-use crate::request::{self, Stop};
-use crate::state::{AppState, Ctx, Job, Progress};
+use crate::http::{envelope, limit_error, read_body_in_time, Shape};
+use crate::model_check::{self, ValidRequest};
+use crate::pipeline::{self, Authenticated, Reserved, Stop};
+use crate::state::{AppState, Ctx, Job, Progress, ServedModel};
 use crate::validation::{self, ParsedRequest};
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue};
@@ -42,7 +43,7 @@ use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tessera_tenancy::{Principal, Scope};
+use tessera_tenancy::Principal;
 use tracing::Instrument;
 
 /// Most items in one batch.
@@ -116,18 +117,11 @@ pub(crate) async fn handle(
     }
     ctx.model = model.clone();
     let (parts, body) = req.into_parts();
-    let principal = match authenticate(
-        &state,
-        &mut ctx,
-        &parts.headers,
-        Some(&account),
-        Scope::Inference,
-    )
-    .await
-    {
-        Ok(p) => p,
-        Err((reason, e)) => return ctx.refuse(&state, reason, e),
-    };
+    let principal =
+        match pipeline::authenticate(&state, &mut ctx, &parts.headers, Some(&account)).await {
+            Ok(Authenticated { principal }) => principal,
+            Err(stop) => return stop.into_error().into_response_as(ctx.flavor, &ctx.rid),
+        };
     let tenant_id = principal.tenant.id.clone();
     // A large body is a submission (a poll is a few dozen bytes): when the tenant
     // could not be admitted now, refuse it without parsing it, so that a flood of
@@ -142,27 +136,19 @@ pub(crate) async fn handle(
     }
     let parsed = match read_body_in_time(&state, &parts.headers, body).await {
         // A body of up to the size limit: parsed on the CPU pool.
-        Ok(b) => request::parse_body(&state, Lane::Batch, &tenant_id, b).await,
+        Ok(b) => pipeline::parse_body(&state, Lane::Batch, &tenant_id, b).await,
         Err(e) => Err(e),
     };
     let mut o = match parsed {
         Ok(o) => o,
         Err(e) => return ctx.refuse(&state, "batch_invalid", e),
     };
-    // The model in the path, resolved (aliases too) and open to this tenant.
-    let entry = match state.catalog.lookup(&model, crate::catalog::now_secs()) {
-        crate::catalog::Lookup::Served(e) => e,
-        crate::catalog::Lookup::Removed(e) => {
-            return ctx.refuse(&state, "batch_invalid", crate::models_api::removed(e))
-        }
-        crate::catalog::Lookup::Unknown => {
-            return ctx.refuse(&state, "batch_invalid", model_check::no_such_model(&model))
-        }
+    // The model in the path, resolved (aliases too), open to this tenant, served.
+    let served = match pipeline::route(&state, &tenant_id, &model).await {
+        Ok(s) => s,
+        Err(e) => return ctx.refuse(&state, "batch_invalid", e),
     };
-    if let Err(e) = crate::models_api::check_access(&state, &tenant_id, entry, &model).await {
-        return ctx.refuse(&state, "batch_invalid", e);
-    }
-    let model_id = entry.id.clone();
+    let model_id = served.entry.id.clone();
     let result = match (o.remove("requests"), o.get("request_id")) {
         (Some(_), Some(_)) => Err(ApiError::new(
             ErrorKind::BadRequest,
@@ -176,7 +162,7 @@ pub(crate) async fn handle(
         (None, Some(id)) => poll(&state, &tenant_id, &model_id, id),
         (Some(items), None) => {
             let auth = parts.headers.get(header::AUTHORIZATION).cloned();
-            match submit(&state, &ctx, &principal, &account, &model_id, items, auth).await {
+            match submit(&state, &ctx, principal, &account, served, items, auth).await {
                 Ok(v) => Ok(v),
                 // Counted (or its row written) by the stage that stopped it.
                 Err(stop) => return stop.into_error().into_response_as(ctx.flavor, &ctx.rid),
@@ -219,7 +205,7 @@ fn reason_of(e: &ApiError) -> &'static str {
 
 /// One item as it will run (validated), and its `external_reference`.
 #[derive(Debug)]
-struct Item<T = Validated> {
+struct Item<T = ValidRequest> {
     v: T,
     external_reference: Value,
 }
@@ -286,7 +272,7 @@ fn items<T>(
         // Queued work runs in the lowest class, whatever the item asked for.
         body.insert("priority".into(), Value::String("batch".into()));
         body.insert("stream".into(), Value::Bool(false));
-        match validation::workers_ai(model, &body).and_then(check) {
+        match crate::workers_ai::parse_run(model, &body).and_then(check) {
             Ok(v) => out.push(Item {
                 v,
                 external_reference,
@@ -381,34 +367,34 @@ fn check_room(state: &AppState, tenant_id: &str) -> Result<(), ApiError> {
 async fn submit(
     state: &Arc<AppState>,
     ctx: &Ctx,
-    principal: &Principal,
+    principal: Principal,
     account: &str,
-    model: &str,
+    served: &ServedModel,
     requests: Value,
     auth: Option<HeaderValue>,
 ) -> Result<Value, Stop> {
     let refused = |e: ApiError| Stop::refused(state, reason_of(&e), e);
-    let tenant = &principal.tenant;
     let auth =
         auth.ok_or_else(|| refused(ApiError::new(ErrorKind::Unauthenticated, "missing API key")))?;
     let n = count(&requests).map_err(refused)?;
     // Cheap caps first, so that a batch that cannot be stored spends nothing.
-    check_room(state, &tenant.id).map_err(refused)?;
-    let admission = request::admit(state, tenant, u32::try_from(n).unwrap_or(u32::MAX)).await?;
-    let (st, m, tc) = (
-        state.clone(),
-        model.to_string(),
-        request::tenant_context(tenant),
+    check_room(state, &principal.tenant.id).map_err(refused)?;
+    let requests_n = u32::try_from(n).unwrap_or(u32::MAX);
+    let limited = pipeline::limit(state, Authenticated { principal }, requests_n).await?;
+    let tenant = &limited.principal.tenant;
+    let model = served.entry.id.as_str();
+    let (entry, loaded, limits, tc) = (
+        served.entry.clone(),
+        served.model.clone(),
+        served.engine.limits(),
+        pipeline::tenant_context(tenant),
     );
+    let m = model.to_string();
     let checked = state
         .cpu
         .run(Lane::Batch, &tenant.id, move || {
-            let served = st
-                .served(&m)
-                .ok_or_else(|| model_check::no_such_model(&m))?;
-            let limits = served.engine.limits();
             items(&m, &requests, &|p| {
-                model_check::validate(p, &st.catalog, &served.model, limits, &tc)
+                model_check::validate(p, &entry, &loaded, limits, &tc)
             })
         })
         .instrument(tracing::info_span!(target: tessera_serving::telemetry::TARGET, "validation"))
@@ -422,7 +408,8 @@ async fn submit(
         input = input.saturating_add(prompt);
         output = output.saturating_add(max);
     }
-    let reservation = request::reserve(state, ctx, tenant, admission, input, output).await?;
+    let reservation =
+        pipeline::reserve(state, ctx, tenant, limited.admission, input, output).await?;
     let job = {
         let batches = &state.batches;
         let mut jobs = batches.jobs.lock().expect("batches lock");
@@ -564,14 +551,15 @@ fn errors(e: &ApiError) -> Value {
     json!([{"code": e.kind.workers_code(), "message": e.message}])
 }
 
-/// One item through the typed stages of `request` on the batch's `charge`:
+/// One item through the typed stages of [`crate::pipeline`], from `Reserved` on
+/// the batch's `charge`:
 /// `Ok(result)` or `Err(errors)` in the Workers AI shapes.
 async fn run_item(
     state: &Arc<AppState>,
     job: &Job,
     account: &str,
     model: &str,
-    v: &Validated,
+    v: &ValidRequest,
     auth: &HeaderValue,
     charge: &Arc<BatchCharge>,
 ) -> Result<Value, Value> {
@@ -600,26 +588,21 @@ async fn run_item(
         let out = async {
             // The submitting key, checked again as each item starts (revoked,
             // expired, suspended: the item's result, no row).
-            let principal =
-                authenticate(state, &mut ctx, &headers, Some(account), Scope::Inference)
-                    .await
-                    .map_err(|(reason, e)| Stop::refused(state, reason, e))?;
+            let Authenticated { principal } =
+                pipeline::authenticate(state, &mut ctx, &headers, Some(account)).await?;
             let Some(served) = state.served(model) else {
                 let e = model_check::no_such_model(model);
                 return Err(Stop::failed(state, &ctx, e).await);
             };
-            let started = request::start(
-                state,
-                &ctx,
-                Shape::WorkersAi,
+            let reserved = Reserved {
+                key_id: principal.key_id,
                 served,
-                v,
-                Charge::Batch(charge.clone()),
-                None,
-                &principal.key_id,
-            )
-            .await?;
-            request::collect(started).await.map_err(Stop::Failed)
+                request: v.clone(),
+                charge: Charge::Batch(charge.clone()),
+                affinity: None,
+            };
+            let submitted = pipeline::submit(state, &ctx, Shape::WorkersAi, reserved).await?;
+            pipeline::collect(submitted).await.map_err(Stop::Failed)
         }
         .instrument(span)
         .await;

@@ -37,10 +37,12 @@ pub mod catalog;
 pub mod error;
 pub mod metrics;
 pub mod model_check;
+pub mod openai;
 pub mod server;
 pub mod tls;
 pub mod tools;
 pub mod validation;
+pub mod workers_ai;
 
 pub mod admin;
 pub mod listener;
@@ -51,12 +53,10 @@ mod driver;
 mod http;
 mod live;
 mod models_api;
-mod openai;
-mod request;
+mod pipeline;
 mod request_log;
 mod state;
 mod usage_api;
-mod workers_ai;
 
 pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES, MIN_TOKEN_DISTINCT_BYTES};
 pub use error::{ApiError, ErrorKind};

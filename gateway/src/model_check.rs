@@ -1,10 +1,10 @@
 //! Stage 2 of a request: a [`ParsedRequest`] checked against the model that serves
-//! it, giving a [`Validated`] request (model resolved, chat rendered, prompt
+//! it, giving a [`ValidRequest`] (model resolved, chat rendered, prompt
 //! tokenized, I1 checked against the model's limits, output options bounded).
-//! Later phases accept only a [`Validated`], so nothing unchecked reaches the
+//! Later phases accept only a [`ValidRequest`], so nothing unchecked reaches the
 //! engine. Pure: nothing is allocated, nothing reaches the engine here.
 
-use crate::catalog::{Catalog, CatalogEntry};
+use crate::catalog::CatalogEntry;
 use crate::error::{ApiError, ErrorKind};
 use crate::tools::{self, Tools};
 use crate::validation::{Input, ParsedRequest};
@@ -45,7 +45,7 @@ impl TenantContext {
 
 /// A request ready for the engine: I1 checked against the model's limits.
 #[derive(Clone, Debug)]
-pub struct Validated {
+pub struct ValidRequest {
     /// Catalog entry.
     pub model: CatalogEntry,
     /// The engine request (token ids).
@@ -86,21 +86,19 @@ pub fn rejection(r: &Rejection) -> ApiError {
     }
 }
 
-/// Resolves the model, renders and tokenizes the input, and runs the I1 checks
-/// against `limits` (pure: nothing is allocated, nothing reaches the engine). The
+/// Renders and tokenizes the input for the model `entry` (resolved by the caller,
+/// once) and runs the I1 checks against `limits` (pure: nothing is allocated,
+/// nothing reaches the engine). The
 /// request runs in the class it asked for, or the tenant's ceiling if it asked for
 /// none or for a higher one; weight and cache namespace come from `tenant` alone.
 pub fn validate(
     p: ParsedRequest,
-    catalog: &Catalog,
+    entry: &CatalogEntry,
     model: &LoadedModel,
     limits: AdmissionLimits,
     tenant: &TenantContext,
-) -> Result<Validated, ApiError> {
-    let entry = catalog
-        .get(&p.model)
-        .cloned()
-        .ok_or_else(|| no_such_model(&p.model))?;
+) -> Result<ValidRequest, ApiError> {
+    let entry = entry.clone();
     // Chat input: control tokens only where the template put them (message
     // contents are plain text, so they cannot open new turns). A raw prompt is the
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
@@ -262,7 +260,7 @@ pub fn validate(
     limits
         .admit(request.clone())
         .map_err(|r| context_param(rejection(&r)))?;
-    Ok(Validated {
+    Ok(ValidRequest {
         model: entry,
         request,
         stream: p.stream,

@@ -5,20 +5,18 @@
 
 pub use crate::state::{AppState, Deadlines, GatewayOptions, UsageConfig, MAX_ID_BYTES};
 
-use crate::catalog::{now_secs, Lookup};
-use crate::cpu::Lane;
-use crate::driver::{Charge, ResponseEvent};
+pub use crate::pipeline::{PRIORITY_HEADER, SESSION_AFFINITY_HEADER};
+
+use crate::driver::ResponseEvent;
 use crate::error::{ApiError, ErrorKind, Flavor};
-use crate::http::{authenticate, read_body_in_time, Shape};
-use crate::model_check::{self, Validated};
+use crate::http::Shape;
 use crate::models_api::with_lifecycle;
 use crate::openai::Formatter;
-use crate::request;
+use crate::pipeline;
 use crate::state::{ConnLimits, Ctx};
-use crate::validation;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -28,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tessera_serving::Priority;
 use tessera_tenancy::limits::FailMode;
-use tessera_tenancy::{now_ms, Scope};
+use tessera_tenancy::now_ms;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::watch;
@@ -37,18 +35,11 @@ use tracing::Instrument;
 /// The target of the request's trace spans.
 const TRACE: &str = tessera_serving::telemetry::TARGET;
 
-/// The phases shared by every generation endpoint, in order. Phases 1-3 refuse
-/// without a usage row (counted in the metrics); from phase 4 on every outcome
+/// A generation request (any endpoint) through the typed stages of
+/// [`pipeline`]: path model length and credentials, limits, body, route, validate,
+/// reserve, submit; then the answer, whole or streamed. Refusals up to the limits
+/// write no usage row (counted in the metrics); from the body on every outcome
 /// writes exactly one row.
-///
-/// 1. model id length (path), 2. authentication, account and scope,
-/// 3. concurrency and requests/minute ([`tessera_tenancy::Limiter::admit`]),
-/// 4. body (size limit, read deadline), 5. validation (fields, model, chat
-///    template, tokenizer, I1; parsing and validation on the CPU pool, see
-///    [`crate::cpu`]), 6. token limits and the daily quota reserved
-///    ([`tessera_tenancy::Admission::reserve`]), 7. engine submit, 8. the driver.
-///    Phases 3 and 5-8 are the typed stages of `request`, which the async batch
-///    runner calls too.
 ///
 /// Runs in the request's trace span (`request`: request id, API, then tenant and
 /// model once known), with child spans `validation`, `admission` and, in the
@@ -68,7 +59,7 @@ pub(crate) async fn generate(
     };
     let ctx = Ctx::new(endpoint, flavor);
     let span = tracing::info_span!(
-        target: tessera_serving::telemetry::TARGET,
+        target: TRACE,
         "request",
         request_id = %ctx.rid,
         api = endpoint,
@@ -83,155 +74,44 @@ pub(crate) async fn generate(
 async fn generate_in_span(
     state: Arc<AppState>,
     shape: Shape,
-    mut ctx: Ctx,
+    ctx: Ctx,
     account: Option<String>,
     path_model: Option<String>,
     req: Request,
 ) -> Response {
-    let span = tracing::Span::current();
-    if let Some(m) = &path_model {
-        if let Err(e) = validation::check_len("model", m) {
-            return ctx.refuse(&state, "path_too_long", e);
-        }
-        ctx.model = m.clone();
-    }
     let (parts, body) = req.into_parts();
-    let principal = match authenticate(
-        &state,
-        &mut ctx,
-        &parts.headers,
-        account.as_deref(),
-        Scope::Inference,
-    )
-    .await
-    {
-        Ok(p) => p,
-        Err((reason, e)) => return ctx.refuse(&state, reason, e),
-    };
-    let tenant = &principal.tenant;
-    span.record("tenant", tenant.id.as_str());
-    let admission = match request::admit(&state, tenant, 1).await {
-        Ok(a) => a,
-        Err(stop) => return render(&ctx, stop),
-    };
-    let bytes = match read_body_in_time(&state, &parts.headers, body).await {
-        Ok(b) => b,
-        Err(e) => return ctx.fail(&state, e).await,
-    };
-    // Parsing (a body of up to the size limit) runs on the CPU pool.
-    let in_path = path_model.clone();
-    let (body_model, parsed) = state
-        .cpu
-        .run(Lane::Request, &tenant.id, move || {
-            let mut body_model = None;
-            let parsed = validation::parse_object(&bytes).and_then(|o| {
-                if let Some(m) = o.get("model").and_then(|m| m.as_str()) {
-                    if in_path.is_none() && m.len() <= MAX_ID_BYTES {
-                        body_model = Some(m.to_string());
-                    }
-                }
-                match shape {
-                    Shape::WorkersAi => {
-                        validation::workers_ai(in_path.as_deref().unwrap_or_default(), &o)
-                    }
-                    Shape::Chat => validation::openai_chat(&o),
-                    Shape::Completion => validation::openai_completion(&o),
-                }
-            });
-            (body_model, parsed)
-        })
-        .instrument(tracing::info_span!(target: TRACE, "validation"))
-        .await;
-    if let Some(m) = body_model {
-        ctx.model = m;
+    let mut phases =
+        pipeline::HttpPhases::new(&state, ctx, shape, account, path_model, parts.headers, body);
+    let submitted = pipeline::run(&mut phases).await;
+    let ctx = phases.ctx;
+    match submitted {
+        Ok(s) => respond(&ctx, s).await,
+        // Counted, or its row written, by the phase that stopped it.
+        Err(stop) => stop.into_error().into_response_as(ctx.flavor, &ctx.rid),
     }
-    let parsed = parsed.and_then(|mut p| {
-        // The body's `priority` wins over the header; either is capped below.
-        if p.priority.is_none() {
-            p.priority = priority_header(&parts.headers)?;
-        }
-        Ok(p)
-    });
-    // Routing: the model id (or an alias) names the one set of engines that serves
-    // it; its own tokenizer, chat template and limits validate the request. A model
-    // past its sunset is gone (404, as an unknown one).
-    let routed = parsed.and_then(|p| match state.catalog.lookup(&p.model, now_secs()) {
-        Lookup::Served(e) => Ok((p, e)),
-        Lookup::Removed(e) => Err(crate::models_api::removed(e)),
-        Lookup::Unknown => Err(model_check::no_such_model(&p.model)),
-    });
-    let (parsed, entry) = match routed {
-        Ok(x) => x,
-        Err(e) => return ctx.fail(&state, e).await,
-    };
-    // Per-tenant access: a private model serves only the accounts it lists (checked
-    // before the body's values are, so a refusal looks the same whatever the body).
-    let access = crate::models_api::check_access(&state, &tenant.id, entry, &parsed.model)
-        .instrument(tracing::info_span!(target: TRACE, "admission", step = "model_access"))
-        .await;
-    if let Err(e) = access {
-        return ctx.fail(&state, e).await;
-    }
-    let Some(served) = state.served(&entry.id) else {
-        return ctx
-            .fail(&state, model_check::no_such_model(&parsed.model))
-            .await;
-    };
-    let tc = request::tenant_context(tenant);
-    let v: Validated =
-        match request::validate(&state, Lane::Request, parsed, &entry.id, &tenant.id, tc).await {
-            Ok(v) => v,
-            Err(e) => return ctx.fail(&state, e).await,
-        };
-    ctx.model = v.model.id.clone();
-    span.record("model", ctx.model.as_str());
-    if state.log_request_text {
-        let (tok, prompt) = (served.model.tokenizer.clone(), v.request.prompt.clone());
-        let text = state
-            .cpu
-            .run(Lane::Request, &tenant.id, move || {
-                tok.decode(&prompt, false)
-            })
-            .await;
-        ctx.prompt_text = Some(text);
-    }
-    let max_tokens = u32::try_from(v.request.max_tokens).unwrap_or(u32::MAX);
-    let input = u32::try_from(v.request.prompt.len()).unwrap_or(u32::MAX);
-    let reservation =
-        match request::reserve(&state, &ctx, tenant, admission, input, max_tokens).await {
-            Ok(r) => r,
-            Err(stop) => return render(&ctx, stop),
-        };
-    let affinity = session_affinity(&parts.headers, &tenant.id);
-    let started = match request::start(
-        &state,
-        &ctx,
-        shape,
-        served,
-        &v,
-        Charge::Own(reservation),
-        affinity,
-        &principal.key_id,
-    )
-    .await
-    {
-        Ok(s) => s,
-        Err(stop) => return render(&ctx, stop),
-    };
-    let entry = &served.entry;
-    if !v.stream {
-        let r = match request::collect(started).await {
+}
+
+/// The answer of a submitted request: one JSON body, or a stream of events.
+async fn respond(ctx: &Ctx, s: pipeline::Submitted<'_>) -> Response {
+    let entry = &s.served.entry;
+    if !s.stream {
+        let r = match pipeline::collect(s).await {
             Ok(body) => ctx.header((StatusCode::OK, axum::Json(body)).into_response()),
             // The driver already wrote the usage row.
             Err(e) => e.into_response_as(ctx.flavor, &ctx.rid),
         };
         return with_lifecycle(r, entry);
     }
-    let request::Started { fmt, mut out } = started;
+    let pipeline::Submitted {
+        fmt,
+        mut out,
+        priority,
+        ..
+    } = s;
     // A batch request may wait in a queue and expire there (503): its stream's
     // status is decided by its first message, so such a failure is a status, not an
     // error frame after a 200.
-    let first = if v.request.priority == Priority::Batch {
+    let first = if priority == Priority::Batch {
         match out.recv().await {
             Some(ResponseEvent::Error(e)) => {
                 return with_lifecycle(e.into_response_as(ctx.flavor, &ctx.rid), entry)
@@ -241,51 +121,7 @@ async fn generate_in_span(
     } else {
         None
     };
-    with_lifecycle(stream_response(&ctx, fmt, first, out), entry)
-}
-
-/// A stage's stop as the response (its metric or row is already recorded).
-fn render(ctx: &Ctx, stop: request::Stop) -> Response {
-    stop.into_error().into_response_as(ctx.flavor, &ctx.rid)
-}
-
-/// The class a request asks for in the `x-tessera-priority` header (`interactive`
-/// or `batch`), if any.
-fn priority_header(headers: &HeaderMap) -> Result<Option<Priority>, ApiError> {
-    let Some(v) = headers.get(PRIORITY_HEADER) else {
-        return Ok(None);
-    };
-    let v = v.to_str().map_err(|_| {
-        ApiError::field(
-            PRIORITY_HEADER,
-            format!("`{PRIORITY_HEADER}` must be ASCII"),
-        )
-    })?;
-    validation::priority_name(PRIORITY_HEADER, v.trim()).map(Some)
-}
-
-/// The header in which a request may ask for a priority class.
-pub const PRIORITY_HEADER: &str = "x-tessera-priority";
-
-/// The header naming a client's session (Workers AI); requests of one session go
-/// to the same prefill node, where its prompt prefix is cached.
-pub const SESSION_AFFINITY_HEADER: &str = "x-session-affinity";
-
-/// The routing key of a request's session: a hash of the tenant and the
-/// `x-session-affinity` value (so two tenants' session names never pick for each
-/// other), or `None` without the header.
-fn session_affinity(headers: &HeaderMap, tenant_id: &str) -> Option<u64> {
-    use sha2::{Digest, Sha256};
-    let v = headers.get(SESSION_AFFINITY_HEADER)?.as_bytes();
-    if v.is_empty() {
-        return None;
-    }
-    let mut h = Sha256::new();
-    h.update(tenant_id.as_bytes());
-    h.update(b"\0");
-    h.update(v);
-    let d = h.finalize();
-    Some(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")))
+    with_lifecycle(stream_response(ctx, fmt, first, out), entry)
 }
 
 /// The SSE response: `first` (a message already taken from `out`), then the rest.

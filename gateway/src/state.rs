@@ -374,7 +374,11 @@ impl AppState {
 
     /// The served model a request for `id` (a catalog id or alias, any case) goes to.
     pub fn served(&self, id: &str) -> Option<&ServedModel> {
-        let entry = self.catalog.get(id)?;
+        self.served_entry(self.catalog.get(id)?)
+    }
+
+    /// The served model of the catalog entry `entry` (already resolved).
+    pub fn served_entry(&self, entry: &CatalogEntry) -> Option<&ServedModel> {
         self.models.iter().find(|m| m.entry.id == entry.id)
     }
 
@@ -532,12 +536,6 @@ impl Ctx {
             duration_us: self.started.elapsed().as_micros() as i64,
             created_ms: self.created_ms,
         }
-    }
-
-    /// Records the error's usage row (nothing was computed: 0 tokens) and renders it.
-    pub(crate) async fn fail(&self, state: &AppState, e: ApiError) -> Response {
-        self.record_failure(state, &e).await;
-        e.into_response_as(self.flavor, &self.rid)
     }
 
     /// Records the usage row of a request that failed with `e` after admission

@@ -1,25 +1,21 @@
-//! Request parsing: JSON body -> typed [`ParsedRequest`] for both API shapes
-//! (Workers AI, OpenAI chat and completions), every field read with its bounds.
-//! [`crate::model_check`] takes it on to a `Validated` request (model resolved,
-//! prompt tokenized, I1 checked). Messages name the field, the limit and the value
-//! given.
+//! The parsed request ([`ParsedRequest`]) and the field readers both API shapes
+//! share, every field read with its bounds; each shape reads its own body
+//! ([`crate::openai::parse_chat`], [`crate::openai::parse_completion`],
+//! [`crate::workers_ai::parse_run`]). [`crate::model_check`] takes it on to a
+//! `ValidRequest` (prompt rendered and tokenized, I1 checked). Messages name the
+//! field, the limit and the value given.
 
 use crate::error::{type_name, ApiError, ErrorKind};
-use crate::tools::{self, history_text, Tools};
+use crate::tools::{history_text, Tools};
 use serde_json::{Map, Value};
 use tessera_model::chat::ChatMessage;
 use tessera_model::detok::{MAX_STOPS, MAX_STOP_BYTES};
 use tessera_model::grammar::ResponseFormat;
-use tessera_model::sampling::{SamplingError, SamplingParams, MAX_TOP_K, MAX_TOP_LOGPROBS};
+use tessera_model::sampling::{SamplingError, SamplingParams, MAX_TOP_K};
 use tessera_serving::{Priority, MAX_SPECULATE};
 
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
-
-/// Most alternatives per token of completions `logprobs`: OpenAI's limit ("The
-/// maximum value for `logprobs` is 5", legacy Completions API). Chat's
-/// `top_logprobs` goes to [`MAX_TOP_LOGPROBS`] (20), as OpenAI's does.
-pub const MAX_COMPLETION_LOGPROBS: u32 = 5;
 
 /// What to feed the model.
 #[derive(Clone, Debug, PartialEq)]
@@ -91,11 +87,11 @@ pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn present<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+pub(crate) fn present<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
     o.get(k).filter(|v| !v.is_null())
 }
 
-fn opt_bool(o: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
+pub(crate) fn opt_bool(o: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
     match present(o, k) {
         None => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
@@ -106,7 +102,7 @@ fn opt_bool(o: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
     }
 }
 
-fn opt_f32(o: &Map<String, Value>, k: &str) -> Result<Option<f32>, ApiError> {
+pub(crate) fn opt_f32(o: &Map<String, Value>, k: &str) -> Result<Option<f32>, ApiError> {
     match present(o, k) {
         None => Ok(None),
         Some(Value::Number(n)) => {
@@ -132,7 +128,7 @@ fn opt_f32(o: &Map<String, Value>, k: &str) -> Result<Option<f32>, ApiError> {
 }
 
 /// A non-negative integer field; `min` is the smallest accepted value.
-fn opt_uint(o: &Map<String, Value>, k: &str, min: u64) -> Result<Option<u64>, ApiError> {
+pub(crate) fn opt_uint(o: &Map<String, Value>, k: &str, min: u64) -> Result<Option<u64>, ApiError> {
     let Some(v) = present(o, k) else {
         return Ok(None);
     };
@@ -184,7 +180,10 @@ pub fn priority_name(field: &str, v: &str) -> Result<Priority, ApiError> {
 /// The class asked for in the body: `priority` (both API shapes), or OpenAI's
 /// `service_tier` (`flex` is batch; `auto`, `default`, `priority` and `scale` ask
 /// for nothing beyond the tenant's class).
-fn requested_priority(o: &Map<String, Value>, openai: bool) -> Result<Option<Priority>, ApiError> {
+pub(crate) fn requested_priority(
+    o: &Map<String, Value>,
+    openai: bool,
+) -> Result<Option<Priority>, ApiError> {
     if let Some(p) = opt_string(o, "priority")? {
         return priority_name("priority", p).map(Some);
     }
@@ -203,7 +202,10 @@ fn requested_priority(o: &Map<String, Value>, openai: bool) -> Result<Option<Pri
     }
 }
 
-fn opt_string<'a>(o: &'a Map<String, Value>, k: &str) -> Result<Option<&'a str>, ApiError> {
+pub(crate) fn opt_string<'a>(
+    o: &'a Map<String, Value>,
+    k: &str,
+) -> Result<Option<&'a str>, ApiError> {
     match present(o, k) {
         None => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
@@ -214,7 +216,7 @@ fn opt_string<'a>(o: &'a Map<String, Value>, k: &str) -> Result<Option<&'a str>,
     }
 }
 
-fn sampling(o: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
+pub(crate) fn sampling(o: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
     let d = SamplingParams::default();
     // Workers AI's default temperature is 0.6; an absent field keeps our greedy
     // default so answers are reproducible unless a client asks otherwise.
@@ -242,7 +244,7 @@ fn sampling(o: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
 
 /// `seed`: an integer in `[0, 2^64 - 1]` (a whole float beyond it is refused, not
 /// saturated: two different seeds must not silently become one).
-fn seed(o: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
+pub(crate) fn seed(o: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
     let s = opt_uint(o, "seed", 0)?;
     if s == Some(u64::MAX) && present(o, "seed").and_then(Value::as_u64) != Some(u64::MAX) {
         return Err(ApiError::field(
@@ -257,7 +259,7 @@ fn seed(o: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
     Ok(s)
 }
 
-fn max_tokens(o: &Map<String, Value>, keys: &[&str]) -> Result<usize, ApiError> {
+pub(crate) fn max_tokens(o: &Map<String, Value>, keys: &[&str]) -> Result<usize, ApiError> {
     for k in keys {
         if let Some(n) = opt_uint(o, k, 1)? {
             return Ok(usize::try_from(n).unwrap_or(usize::MAX));
@@ -266,7 +268,7 @@ fn max_tokens(o: &Map<String, Value>, keys: &[&str]) -> Result<usize, ApiError> 
     Ok(DEFAULT_MAX_TOKENS)
 }
 
-fn content_text(v: &Value, field: &str) -> Result<String, ApiError> {
+pub(crate) fn content_text(v: &Value, field: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Array(parts) => {
@@ -294,7 +296,7 @@ fn content_text(v: &Value, field: &str) -> Result<String, ApiError> {
     }
 }
 
-fn messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+pub(crate) fn messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     let Value::Array(items) = v else {
         return Err(ApiError::field(
             "messages",
@@ -330,7 +332,7 @@ fn messages(v: &Value) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(out)
 }
 
-fn prompt_text(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+pub(crate) fn prompt_text(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
     match present(o, "prompt") {
         None => Ok(None),
         Some(Value::String(s)) if s.is_empty() => Err(ApiError::field(
@@ -358,7 +360,7 @@ fn prompt_text(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
 /// `stop`: a string or an array of at most [`MAX_STOPS`] strings, each at most
 /// [`MAX_STOP_BYTES`] bytes (the stop matcher's work per token is bounded by the
 /// longest one); empty strings are dropped.
-fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+pub(crate) fn stop(o: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     let shape = || {
         ApiError::field(
             "stop",
@@ -417,48 +419,11 @@ pub(crate) fn check_len(field: &str, v: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `POST .../ai/run/{model}`: `{prompt}` (chat-templated unless `raw`) or `{messages}`.
-pub fn workers_ai(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
-    let raw = opt_bool(o, "raw")?.unwrap_or(false);
-    let prompt = prompt_text(o)?;
-    let input = match (prompt, present(o, "messages")) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::new(
-                ErrorKind::BadRequest,
-                "give either `prompt` or `messages`, not both",
-            ))
-        }
-        (Some(text), None) => Input::Prompt { text, chat: !raw },
-        (None, Some(m)) => Input::Messages(messages(m)?),
-        (None, None) => {
-            return Err(ApiError::new(
-                ErrorKind::BadRequest,
-                "request needs `prompt` or `messages`",
-            ))
-        }
-    };
-    Ok(ParsedRequest {
-        model: model.into(),
-        input,
-        max_tokens: max_tokens(o, &["max_tokens"])?,
-        sampling: sampling(o)?,
-        stop: stop(o)?,
-        stream: opt_bool(o, "stream")?.unwrap_or(false),
-        include_usage: true,
-        priority: requested_priority(o, false)?,
-        logprobs: None,
-        echo: false,
-        format: response_format(o, false)?,
-        tools: tools::parse(o, false)?,
-        speculative: speculative(o)?,
-    })
-}
-
 /// `speculative`: `{"mode": "ngram", "k": N}` (both keys optional: mode `ngram`, k 4;
 /// `k` in `0..=`[`MAX_SPECULATE`], 0 turns speculation off for the request). Drafts
 /// come from the request's own prompt and output only, and the output is the same
 /// with or without them. `"mode": "draft"` (a draft model) is refused: not served.
-fn speculative(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+pub(crate) fn speculative(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
     const F: &str = "speculative";
     let Some(v) = present(o, F) else {
         return Ok(None);
@@ -521,7 +486,7 @@ fn speculative(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
 /// documents that shape; its wrapper form is accepted too: an object whose only
 /// schema-like key is `schema`). Only the shape is checked here; [`validate`]
 /// compiles the schema.
-fn response_format(
+pub(crate) fn response_format(
     o: &Map<String, Value>,
     openai: bool,
 ) -> Result<Option<ResponseFormat>, ApiError> {
@@ -620,7 +585,11 @@ fn response_format(
 }
 
 /// A count of alternatives per position: an integer in `0..=max`.
-fn top_count(o: &Map<String, Value>, k: &str, max: u32) -> Result<Option<u32>, ApiError> {
+pub(crate) fn top_count(
+    o: &Map<String, Value>,
+    k: &str,
+    max: u32,
+) -> Result<Option<u32>, ApiError> {
     let max = u64::from(max);
     match opt_uint(o, k, 0) {
         Ok(Some(n)) if n > max => Err(ApiError::field(
@@ -638,92 +607,11 @@ fn top_count(o: &Map<String, Value>, k: &str, max: u32) -> Result<Option<u32>, A
     }
 }
 
-/// Chat `logprobs` (boolean) and `top_logprobs` (0..=20, only with `logprobs`).
-fn chat_logprobs(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
-    let on = opt_bool(o, "logprobs")?.unwrap_or(false);
-    let top = top_count(o, "top_logprobs", MAX_TOP_LOGPROBS as u32)?;
-    match (on, top) {
-        (false, Some(_)) => Err(ApiError::field(
-            "top_logprobs",
-            "`top_logprobs` requires `logprobs: true`",
-        )),
-        (false, None) => Ok(None),
-        (true, top) => Ok(Some(top.unwrap_or(0))),
-    }
-}
-
-fn openai_common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, ApiError> {
-    let model =
-        opt_string(o, "model")?.ok_or_else(|| ApiError::field("model", "`model` is required"))?;
-    check_len("model", model)?;
-    if let Some(n) = opt_uint(o, "n", 1)? {
-        if n != 1 {
-            return Err(ApiError::field(
-                "n",
-                format!(
-                    "`n` must be 1: each request returns one choice (send n requests, \
-                     with different seeds when sampling, for n choices). Given: {n}"
-                ),
-            ));
-        }
-    }
-    let stream = opt_bool(o, "stream")?.unwrap_or(false);
-    let include_usage = match present(o, "stream_options") {
-        None => false,
-        Some(Value::Object(so)) => opt_bool(so, "include_usage")?.unwrap_or(false),
-        Some(v) => {
-            return Err(ApiError::field(
-                "stream_options",
-                format!(
-                    "`stream_options` must be an object. Given: {}",
-                    type_name(v)
-                ),
-            ))
-        }
-    };
-    Ok(ParsedRequest {
-        model: model.into(),
-        input,
-        max_tokens: max_tokens(o, &["max_completion_tokens", "max_tokens"])?,
-        sampling: sampling(o)?,
-        stop: stop(o)?,
-        stream,
-        include_usage,
-        priority: requested_priority(o, true)?,
-        logprobs: None,
-        echo: false,
-        format: response_format(o, true)?,
-        tools: None,
-        speculative: speculative(o)?,
-    })
-}
-
-/// `POST /v1/chat/completions`.
-pub fn openai_chat(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
-    let m = present(o, "messages")
-        .ok_or_else(|| ApiError::field("messages", "`messages` is required"))?;
-    let input = Input::Messages(messages(m)?);
-    Ok(ParsedRequest {
-        logprobs: chat_logprobs(o)?,
-        tools: tools::parse(o, true)?,
-        ..openai_common(o, input)?
-    })
-}
-
-/// `POST /v1/completions` (raw prompt, no chat template): also `logprobs`
-/// (alternatives per token, `0..=`[`MAX_COMPLETION_LOGPROBS`]) and `echo`.
-pub fn openai_completion(o: &Map<String, Value>) -> Result<ParsedRequest, ApiError> {
-    let text = prompt_text(o)?.ok_or_else(|| ApiError::field("prompt", "`prompt` is required"))?;
-    Ok(ParsedRequest {
-        logprobs: top_count(o, "logprobs", MAX_COMPLETION_LOGPROBS)?,
-        echo: opt_bool(o, "echo")?.unwrap_or(false),
-        ..openai_common(o, Input::Prompt { text, chat: false })?
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::openai::{parse_chat as openai_chat, parse_completion as openai_completion};
+    use crate::workers_ai::parse_run as workers_ai;
     use serde_json::json;
 
     fn obj(v: Value) -> Map<String, Value> {

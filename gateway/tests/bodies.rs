@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value};
 use std::sync::OnceLock;
 use std::time::Duration;
 use tessera_gateway::catalog::Catalog;
-use tessera_gateway::{model_check, validation};
+use tessera_gateway::{model_check, openai, validation, workers_ai};
 use tessera_gateway::{Deadlines, GatewayOptions};
 use tessera_model::LoadedModel;
 use tessera_serving::admission::AdmissionLimits;
@@ -234,14 +234,14 @@ fn validation_never_panics_and_names_the_field() {
     let check = |bytes: &[u8]| -> Result<(), TestCaseError> {
         for api in 0..3 {
             let r = validation::parse_object(bytes).and_then(|o| match api {
-                0 => validation::workers_ai(MODEL, &o),
-                1 => validation::openai_chat(&o),
-                _ => validation::openai_completion(&o),
+                0 => workers_ai::parse_run(MODEL, &o),
+                1 => openai::parse_chat(&o),
+                _ => openai::parse_completion(&o),
             });
             let r = r.and_then(|p| {
                 model_check::validate(
                     p,
-                    &catalog,
+                    catalog.get(MODEL).expect("the test model"),
                     model(),
                     limits,
                     &model_check::TenantContext::plain(7),

@@ -383,6 +383,27 @@ impl Limiter {
         }
     }
 
+    /// Loads tenant `id`'s tokens used today (UTC) from the usage ledger in
+    /// `store` when the daily counter needs it ([`Limiter::needs_daily`]), so that
+    /// [`Admission::reserve`] checks the quota against the ledger; a no-op without a
+    /// daily quota or with the counter already loaded today.
+    ///
+    /// Errors: the ledger could not be read (the caller refuses the request, 503).
+    pub async fn load_daily(
+        &self,
+        id: &str,
+        limits: Limits,
+        store: &crate::store::Store,
+    ) -> Result<(), crate::store::StoreError> {
+        if !self.needs_daily(id, limits).await {
+            return Ok(());
+        }
+        let day_start = utc_day(crate::now_ms()) * 86_400_000;
+        let used = store.tokens_since(id, day_start).await?;
+        self.set_daily_used(id, limits, used).await;
+        Ok(())
+    }
+
     fn needs_daily_at(&self, id: &str, limits: Limits, ms: i64) -> bool {
         if limits.daily_tokens == 0 {
             return false;

@@ -1,6 +1,5 @@
-//! OpenAI shapes (chat completions, completions, chunks) and the response
-//! formatter shared with the Workers AI shape. The model catalog's endpoints are in
-//! `models_api`.
+//! The response formatter of every generation endpoint: OpenAI's shapes (chat
+//! completions, completions, their chunks) here, Workers AI's through its frames.
 
 use crate::driver::{finish_label, ResponseEvent, TokenCounts};
 use crate::http::{sse, Shape};
