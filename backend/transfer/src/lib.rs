@@ -2,7 +2,7 @@
 //! node into a decode node's reserved pages, all or nothing.
 //!
 //! - [`protocol`]: the transfer protocol as pure state machines (coordinator, prefill
-//!   node, decode node), no I/O; the stateright model in `tests/protocol_model.rs`
+//!   node, decode node), no I/O; the stateright model in `tests/protocol_model/`
 //!   checks S1-S5 over the same functions production runs.
 //! - [`transport`]: the [`KvTransport`](transport::KvTransport) trait that moves page
 //!   bytes, and the destination-page handle ([`DestPage`](transport::DestPage)).

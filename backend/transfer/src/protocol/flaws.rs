@@ -1,5 +1,5 @@
 //! Deliberate protocol breakages for the model checker's failing-variant tests
-//! (`tests/protocol_model.rs`). Test builds only (`cfg(test)` or the `test-util`
+//! (`tests/protocol_model/`). Test builds only (`cfg(test)` or the `test-util`
 //! feature): a production build has no `Flaws`, no constructor taking one, and
 //! every `flaw!` check is `false`.
 
