@@ -148,7 +148,7 @@ async fn main() -> anyhow::Result<()> {
     for i in 0..n {
         let t = Instant::now();
         let req = GenerateRequest::new(i as u64, prompt.clone(), 1);
-        let mut rx = engine.submit(req).map_err(anyhow::Error::msg)?;
+        let mut rx = engine.admit_and_submit(req).map_err(anyhow::Error::msg)?;
         while let Some(ev) = rx.recv().await {
             if matches!(ev, StreamEvent::Done { .. } | StreamEvent::Error(_)) {
                 break;
@@ -209,7 +209,7 @@ async fn main() -> anyhow::Result<()> {
             let e = e.clone();
             let req = GenerateRequest::new(i as u64 % tenants as u64, p.clone(), 1);
             async move {
-                let mut rx = e.submit(req).expect("admitted");
+                let mut rx = e.admit_and_submit(req).expect("admitted");
                 while let Some(ev) = rx.recv().await {
                     if matches!(ev, StreamEvent::Done { .. } | StreamEvent::Error(_)) {
                         break;

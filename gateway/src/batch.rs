@@ -383,10 +383,10 @@ async fn submit(
     let limited = pipeline::limit(state, Authenticated { principal }, requests_n).await?;
     let tenant = &limited.principal.tenant;
     let model = served.entry.id.as_str();
-    let (entry, loaded, limits, tc) = (
+    let (entry, loaded, admission, tc) = (
         served.entry.clone(),
         served.model.clone(),
-        served.engine.limits(),
+        served.engine.admission(),
         pipeline::tenant_context(tenant),
     );
     let m = model.to_string();
@@ -394,7 +394,7 @@ async fn submit(
         .cpu
         .run(Lane::Batch, &tenant.id, move || {
             items(&m, &requests, &|p| {
-                model_check::validate(p, &entry, &loaded, limits, &tc)
+                model_check::validate(p, &entry, &loaded, admission, &tc)
             })
         })
         .instrument(tracing::info_span!(target: tessera_serving::telemetry::TARGET, "validation"))

@@ -12,8 +12,9 @@ use tessera_model::chat::{ChatError, ChatMessage};
 use tessera_model::sampling::{prompt_logprobs_wire_bytes, MAX_PROMPT_LOGPROBS_BYTES};
 use tessera_model::tokenizer::TokenizerError;
 use tessera_model::LoadedModel;
-use tessera_serving::admission::AdmissionLimits;
-use tessera_serving::admission::{GenerateRequest, OutputOptions, Rejection};
+use tessera_serving::admission::{
+    Admitted, GenerateRequest, OutputOptions, PdAdmission, Rejection,
+};
 use tessera_serving::Priority;
 
 /// What validation takes from the caller's tenant record: server-side values only,
@@ -48,8 +49,9 @@ impl TenantContext {
 pub struct ValidRequest {
     /// Catalog entry.
     pub model: CatalogEntry,
-    /// The engine request (token ids).
-    pub request: GenerateRequest,
+    /// The engine request (token ids), admitted (I1) against the engines'
+    /// [`PdAdmission`]: the proof `EngineHandle::submit` takes.
+    pub request: Admitted,
     /// Stream as server-sent events.
     pub stream: bool,
     /// OpenAI `stream_options.include_usage`.
@@ -87,15 +89,15 @@ pub fn rejection(r: &Rejection) -> ApiError {
 }
 
 /// Renders and tokenizes the input for the model `entry` (resolved by the caller,
-/// once) and runs the I1 checks against `limits` (pure: nothing is allocated,
-/// nothing reaches the engine). The
-/// request runs in the class it asked for, or the tenant's ceiling if it asked for
+/// once) and admits it (I1) against `admission`, the serving engines' limits
+/// (`EngineHandle::admission`): pure, nothing is allocated, nothing reaches the
+/// engine. The request runs in the class it asked for, or the tenant's ceiling if it asked for
 /// none or for a higher one; weight and cache namespace come from `tenant` alone.
 pub fn validate(
     p: ParsedRequest,
     entry: &CatalogEntry,
     model: &LoadedModel,
-    limits: AdmissionLimits,
+    admission: PdAdmission,
     tenant: &TenantContext,
 ) -> Result<ValidRequest, ApiError> {
     let entry = entry.clone();
@@ -123,7 +125,7 @@ pub fn validate(
         Input::Messages(m) => m.iter().map(|m| m.content.len()).sum(),
     };
     let room = if input_bytes > EARLY_REFUSAL_BYTES {
-        limits.context.saturating_sub(p.max_tokens)
+        admission.limits.context.saturating_sub(p.max_tokens)
     } else {
         usize::MAX
     };
@@ -148,7 +150,7 @@ pub fn validate(
         tools: template_tools.as_ref(),
         room,
         max_tokens: p.max_tokens,
-        context: limits.context,
+        context: admission.limits.context,
         field: input_field,
     };
     let prompt = match &p.input {
@@ -170,7 +172,7 @@ pub fn validate(
                 return Err(context_param(over_context(
                     at_least + tok.added_special_tokens(),
                     p.max_tokens,
-                    limits.context,
+                    admission.limits.context,
                 )));
             }
             tok.encode_with_bos_eos(text, true).map_err(cannot)?
@@ -186,11 +188,11 @@ pub fn validate(
             "prompt is empty after tokenization",
         ));
     }
-    if prompt.len().saturating_add(p.max_tokens) > limits.context {
+    if prompt.len().saturating_add(p.max_tokens) > admission.limits.context {
         return Err(context_param(rejection(&Rejection::ContextOverflow {
             prompt: prompt.len(),
             max_tokens: p.max_tokens,
-            context: limits.context,
+            context: admission.limits.context,
         })));
     }
     let priority = p
@@ -257,8 +259,8 @@ pub fn validate(
         resume: None,
         speculate: p.speculative,
     };
-    limits
-        .admit(request.clone())
+    let request = admission
+        .admit(request)
         .map_err(|r| context_param(rejection(&r)))?;
     Ok(ValidRequest {
         model: entry,

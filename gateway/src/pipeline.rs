@@ -292,15 +292,15 @@ pub(crate) async fn validate(
     tenant_id: &str,
     tenant: TenantContext,
 ) -> Result<ValidRequest, ApiError> {
-    let (entry, model, limits) = (
+    let (entry, model, admission) = (
         served.entry.clone(),
         served.model.clone(),
-        served.engine.limits(),
+        served.engine.admission(),
     );
     state
         .cpu
         .run(lane, tenant_id, move || {
-            model_check::validate(parsed, &entry, &model, limits, &tenant)
+            model_check::validate(parsed, &entry, &model, admission, &tenant)
         })
         .instrument(tracing::info_span!(target: TRACE, "validation"))
         .await
@@ -362,11 +362,15 @@ pub(crate) async fn submit<'s>(
         affinity,
     } = r;
     let prompt_tokens = v.request.prompt.len();
-    // The backend re-checks I1 against its own pool.
-    let events = match served
-        .engine
-        .submit_with_affinity(v.request.clone(), affinity)
-    {
+    let echo_logprobs = v.echo.is_some() && v.request.output.prompt_logprobs.is_some();
+    let logprobs = v.request.output.logprobs.map(|_| LogprobsView {
+        tokenizer: served.model.tokenizer.clone(),
+        prompt: echo_logprobs.then(|| v.request.prompt.clone()),
+        offset: 0,
+    });
+    let priority = v.request.priority;
+    // Admitted once, at validation; each node checks I1 against its own pool.
+    let events = match served.engine.submit(v.request, affinity) {
         Ok(rx) => rx,
         Err(e) => {
             charge.cancel();
@@ -382,7 +386,6 @@ pub(crate) async fn submit<'s>(
         RequestHoldings { charge, live },
         prompt_tokens,
     );
-    let echo_logprobs = v.echo.is_some() && v.request.output.prompt_logprobs.is_some();
     let fmt = Formatter {
         shape,
         rid: ctx.rid.clone(),
@@ -390,11 +393,7 @@ pub(crate) async fn submit<'s>(
         created: ctx.created_ms / 1000,
         include_usage: v.include_usage,
         started: false,
-        logprobs: v.request.output.logprobs.map(|_| LogprobsView {
-            tokenizer: served.model.tokenizer.clone(),
-            prompt: echo_logprobs.then(|| v.request.prompt.clone()),
-            offset: 0,
-        }),
+        logprobs,
         echo: v.echo,
         tools: v.tools.as_ref().map(|t| t.scanner()),
     };
@@ -403,7 +402,7 @@ pub(crate) async fn submit<'s>(
         fmt,
         served,
         stream: v.stream,
-        priority: v.request.priority,
+        priority,
     })
 }
 

@@ -16,7 +16,7 @@ use tessera_gateway::catalog::Catalog;
 use tessera_gateway::{model_check, openai, validation, workers_ai};
 use tessera_gateway::{Deadlines, GatewayOptions};
 use tessera_model::LoadedModel;
-use tessera_serving::admission::AdmissionLimits;
+use tessera_serving::admission::{AdmissionLimits, PdAdmission};
 
 /// Words a refusal may name: the request's fields, or the body itself.
 const FIELDS: &[&str] = &[
@@ -243,7 +243,10 @@ fn validation_never_panics_and_names_the_field() {
                     p,
                     catalog.get(MODEL).expect("the test model"),
                     model(),
-                    limits,
+                    PdAdmission {
+                        limits,
+                        prefill_pool_tokens: limits.pool_tokens,
+                    },
                     &model_check::TenantContext::plain(7),
                 )
             });

@@ -183,9 +183,22 @@ impl Rejection {
     }
 }
 
-/// A request that passed admission. Only [`Engine::admit`](crate::Engine::admit) makes one.
-#[derive(Debug)]
-pub struct Admitted(GenerateRequest);
+/// A request that passed admission (I1): the proof travels with the request, so a
+/// stage that takes an `Admitted` need not check again. Only the `admit` functions
+/// ([`AdmissionLimits::admit`], [`PdAdmission::admit`], [`Engine::admit`](crate::Engine::admit))
+/// make one; it reads as the request ([`Deref`](std::ops::Deref)) but cannot be
+/// changed, and a clone is the same admitted request (an async batch item may be
+/// submitted again after a busy refusal).
+#[derive(Clone, Debug)]
+pub struct Admitted(GenerateRequest, AdmissionLimits);
+
+impl std::ops::Deref for Admitted {
+    type Target = GenerateRequest;
+
+    fn deref(&self) -> &GenerateRequest {
+        &self.0
+    }
+}
 
 impl Admitted {
     /// The validated request.
@@ -196,6 +209,12 @@ impl Admitted {
     /// The validated request, by value (the proof of admission ends here).
     pub fn into_request(self) -> GenerateRequest {
         self.0
+    }
+
+    /// The limits it was admitted against: an engine with other limits checks it
+    /// again before it queues it.
+    pub fn limits(&self) -> AdmissionLimits {
+        self.1
     }
 }
 
@@ -223,7 +242,7 @@ impl AdmissionLimits {
             self.page_size,
             self.vocab,
         )?;
-        Ok(Admitted(req))
+        Ok(Admitted(req, *self))
     }
 }
 

@@ -18,7 +18,7 @@ use crate::stream::RequestStream;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
-use tessera_engine::{AdmissionLimits, Engine, EngineConfig, GenerateRequest, PdAdmission};
+use tessera_engine::{AdmissionLimits, Admitted, Engine, EngineConfig, PdAdmission};
 use tessera_model::LoadedModel;
 use tessera_transfer::inproc::{InprocTransport, PageLanding};
 use tessera_transfer::protocol::{Msg, ReqId, Role};
@@ -178,7 +178,7 @@ impl CoordLinks for Nodes {
                 prefill,
                 trace,
             } => Some(Box::new(RequestBody {
-                req: body,
+                req: Some(body),
                 sink: Box::new(client),
                 submitted,
                 writer: Some(prefill_name(prefill)),
@@ -401,19 +401,18 @@ impl PdCluster {
         Self { nodes, submitter }
     }
 
-    /// Admits `req` (I1, against the decode pools for prompt + `max_tokens` and the
-    /// prefill pools for the prompt), picks a (prefill, decode) pair and starts the
-    /// transfer protocol. Cancel or drop the stream to abort (the abort reaches both
+    /// Picks a (prefill, decode) pair for `req` (admitted against
+    /// [`Self::admission`]) and starts the transfer protocol. Cancel or drop the stream to abort (the abort reaches both
     /// nodes and is acknowledged before any page is freed, I6).
     ///
     /// `affinity` (a session's routing key) prefers the prefill node that served
     /// the session before (see the routing policy).
     ///
-    /// Errors: the admission rejection; [`ServeErrorKind::NodeDown`](crate::ServeErrorKind)
-    /// when every node of a role is down.
+    /// Errors: [`ServeErrorKind::NodeDown`](crate::ServeErrorKind) when every node of
+    /// a role is down.
     pub fn submit(
         &self,
-        req: GenerateRequest,
+        req: Admitted,
         affinity: Option<u64>,
     ) -> Result<RequestStream, ServeError> {
         self.submitter.submit(&*self.nodes, req, affinity)

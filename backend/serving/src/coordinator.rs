@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-use tessera_engine::{EngineError, GenerateRequest, PdAdmission, Rejection, Resume};
+use tessera_engine::{Admitted, EngineError, GenerateRequest, PdAdmission, Rejection, Resume};
 use tessera_transfer::protocol::{
     Attempts, Cause, Coordinator, Msg, Outcome, Output, ReqId, Retry, RetryPolicy, Role,
 };
@@ -100,15 +100,17 @@ pub(crate) trait CoordLinks: Send + Sync {
     fn counters(&self) -> &PdCounters;
 }
 
-/// The front of a coordinator: admission, pair choice and request ids, then the
-/// request goes to the coordinator thread.
+/// The front of a coordinator: pair choice and request ids, then the request goes to
+/// the coordinator thread. It admits nothing itself: requests arrive [`Admitted`]
+/// against [`Submitter::admission`], and each node checks I1 against its own pool.
 pub(crate) struct Submitter {
     tx: mpsc::Sender<CoordCmd>,
     admission: PdAdmission,
 }
 
 impl Submitter {
-    /// Submits to the coordinator thread behind `tx`, admitting against `admission`.
+    /// Submits to the coordinator thread behind `tx`; callers admit against
+    /// `admission`.
     pub(crate) fn new(tx: mpsc::Sender<CoordCmd>, admission: PdAdmission) -> Self {
         Self { tx, admission }
     }
@@ -118,19 +120,19 @@ impl Submitter {
         self.admission
     }
 
-    /// Admits `req` (I1, against the decode pools for prompt + `max_tokens` and the
-    /// prefill pools for the prompt), picks a (prefill, decode) pair among the nodes
-    /// `links` reports up (`affinity`: a session's routing key), and starts the
-    /// transfer protocol.
+    /// Picks a (prefill, decode) pair for `req` (admitted against
+    /// [`Self::admission`]: the decode pools for prompt + `max_tokens`, the prefill
+    /// pools for the prompt) among the nodes `links` reports up (`affinity`: a
+    /// session's routing key), and starts the transfer protocol.
     ///
-    /// Errors: the admission rejection; `NodeDown` when no node of a role is up.
+    /// Errors: `Unavailable` when no node of a role is up.
     pub(crate) fn submit(
         &self,
         links: &dyn CoordLinks,
-        req: GenerateRequest,
+        req: Admitted,
         affinity: Option<u64>,
     ) -> Result<RequestStream, ServeError> {
-        let body = self.admission.admit(req)?.into_request();
+        let body = req.into_request();
         let (prefill, decode) = links
             .router()
             .assign_by(|role, i| links.reach(role, i), affinity)

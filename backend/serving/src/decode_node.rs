@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_engine::kv_transfer::Import;
 use tessera_engine::sink::EventSink;
-use tessera_engine::{Engine, EngineError, GenerateRequest, SeqEnd};
+use tessera_engine::{Admitted, Engine, EngineError, GenerateRequest, SeqEnd};
 use tessera_model::kv::SeqId;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::protocol::{
@@ -31,7 +31,8 @@ use tessera_transfer::transport::DestPage;
 /// A request's body as the decode node receives it with `Prealloc`: what it admits,
 /// later decodes, and where the tokens go.
 pub(crate) struct RequestBody {
-    pub(crate) req: GenerateRequest,
+    /// Taken when the node admits it (the proof is kept in the record instead).
+    pub(crate) req: Option<GenerateRequest>,
     pub(crate) sink: Box<dyn EventSink>,
     pub(crate) submitted: Instant,
     /// The prefill node the coordinator assigned (its writer), when known: pages and
@@ -108,6 +109,9 @@ struct DecodeRecord {
     reply: ReplyTo,
     /// Until adopted.
     body: Option<RequestBody>,
+    /// The body's request once this node admitted it (I1 against its own pool),
+    /// until adopted: the one admission of the request on this node.
+    admitted: Option<Admitted>,
     /// The assigned prefill node, if the coordinator named one.
     writer: Option<String>,
     /// When the reservation's lease was last granted or renewed.
@@ -140,31 +144,35 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
         prompt_tokens: u32,
         max_tokens: u32,
     ) -> Result<(), Refusal> {
-        let Some(body) = self.records.get(&req).and_then(|r| r.body.as_ref()) else {
-            return Err(Refusal {
-                kind: RefusalKind::Invalid,
-                message: "prealloc without a request body".into(),
-            });
+        let no_body = || Refusal {
+            kind: RefusalKind::Invalid,
+            message: "prealloc without a request body".into(),
+        };
+        let Some(record) = self.records.get_mut(&req) else {
+            return Err(no_body());
+        };
+        if record.admitted.is_some() {
+            return Ok(());
+        }
+        let Some(body) = record.body.as_mut().and_then(|b| b.req.take()) else {
+            return Err(no_body());
         };
         // The counts the protocol carries must be the body's (a frame cannot claim a
         // small reservation for a large request).
-        if body.req.prompt.len() != prompt_tokens as usize
-            || body.req.max_tokens != max_tokens as usize
-        {
+        if body.prompt.len() != prompt_tokens as usize || body.max_tokens != max_tokens as usize {
             return Err(Refusal {
                 kind: RefusalKind::Invalid,
                 message: format!(
                     "prealloc for {prompt_tokens} prompt + {max_tokens} output tokens carries a body of {} + {}",
-                    body.req.prompt.len(),
-                    body.req.max_tokens
+                    body.prompt.len(),
+                    body.max_tokens
                 ),
             });
         }
-        // I1 on this node, against its own pool.
-        self.engine
-            .admit(body.req.clone())
-            .map(|_| ())
-            .map_err(|r| refusal(&r))
+        // I1 on this node, against its own pool; the proof is kept for adoption.
+        let admitted = self.engine.admit(body).map_err(|r| refusal(&r))?;
+        record.admitted = Some(admitted);
+        Ok(())
     }
 
     fn reserve(
@@ -227,15 +235,11 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
                 ),
             ));
         }
-        let body = self
+        let (body, admitted) = self
             .records
             .get_mut(&req)
-            .and_then(|r| r.body.take())
-            .ok_or_else(|| internal("no request body to decode".into()))?;
-        let admitted = self
-            .engine
-            .admit(body.req)
-            .map_err(|e| internal(format!("re-admission failed: {e}")))?;
+            .and_then(|r| Some((r.body.take()?, r.admitted.take()?)))
+            .ok_or_else(|| internal("no admitted request body to decode".into()))?;
         if let Some(r) = self.records.get_mut(&req) {
             r.span = crate::telemetry::child_span("decode", req.0, r.trace.as_deref());
         }
@@ -573,6 +577,7 @@ impl NodeLoop for DecodeLoop {
                             DecodeRecord {
                                 reply: reply.clone(),
                                 body: body.map(|b| *b),
+                                admitted: None,
                                 writer,
                                 lease_from: Instant::now(),
                                 span: crate::telemetry::child_span(

@@ -10,7 +10,8 @@ use crate::stream::{request_channel, ClientSink, RequestStream};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 use tessera_engine::{
-    AdmissionLimits, Admitted, Engine, EngineConfig, EngineError, GenerateRequest,
+    AdmissionLimits, Admitted, Engine, EngineConfig, EngineError, GenerateRequest, PdAdmission,
+    Rejection,
 };
 use tessera_model::LoadedModel;
 
@@ -175,22 +176,42 @@ impl EngineHandle {
         }
     }
 
-    /// Admits `req` (I1) and queues it. The stream yields its events; cancel or drop
-    /// it to abort; [`RequestStream::released`] says when nothing is held any more.
-    ///
-    /// Errors: the admission rejection (nothing was allocated anywhere), or a node
-    /// outage ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind)).
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
-        self.submit_with_affinity(req, None)
+    /// What [`Self::admit`] checks a request against (I1): the context window and
+    /// the smallest decode pool for prompt + `max_tokens`, the smallest prefill pool
+    /// for the prompt (a co-located engine's one pool is both).
+    pub fn admission(&self) -> PdAdmission {
+        match &self.backend {
+            EngineBackend::Colocated { limits, .. } => PdAdmission {
+                limits: *limits,
+                prefill_pool_tokens: limits.pool_tokens,
+            },
+            EngineBackend::Disaggregated(c) => c.admission(),
+            EngineBackend::Remote(c) => c.admission(),
+        }
     }
 
-    /// [`Self::submit`] for a request of a session: `affinity` (a routing key
-    /// derived from the session, e.g. Workers AI's `x-session-affinity` header)
-    /// sends the session's requests to the same prefill node, where its prompt
-    /// prefix is cached. No effect on a co-located engine.
-    pub fn submit_with_affinity(
+    /// The I1 checks of `req` against [`Self::admission`] (pure, nothing allocated):
+    /// the proof [`Self::submit`] takes.
+    ///
+    /// Errors: the [`Rejection`] naming the limit.
+    pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
+        self.admission().admit(req)
+    }
+
+    /// Queues `req`, admitted by [`Self::admit`] (it is not checked again here; each
+    /// prefill and decode node checks I1 against its own pool). `affinity` (a
+    /// routing key derived from a session, e.g. Workers AI's `x-session-affinity`
+    /// header) sends a session's requests to the same prefill node, where its prompt
+    /// prefix is cached; no effect on a co-located engine. The stream yields the
+    /// events; cancel or drop it to abort; [`RequestStream::released`] says when
+    /// nothing is held any more.
+    ///
+    /// Errors: a node outage ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind));
+    /// a co-located engine's rejection of a request admitted against other limits;
+    /// a node's own I1 refusal arrives as an error event.
+    pub fn submit(
         &self,
-        req: GenerateRequest,
+        req: Admitted,
         affinity: Option<u64>,
     ) -> Result<RequestStream, ServeError> {
         let (tx, limits) = match &self.backend {
@@ -198,13 +219,28 @@ impl EngineHandle {
             EngineBackend::Disaggregated(c) => return c.submit(req, affinity),
             EngineBackend::Remote(c) => return c.submit(req, affinity),
         };
-        let req = limits.admit(req)?;
+        // The engine queues what it is given: a proof made against other limits is
+        // checked against its own first.
+        let req = if req.limits() == *limits {
+            req
+        } else {
+            limits.admit(req.into_request())?
+        };
         let (client, stream) = request_channel();
         let at = Instant::now();
         if let Err(mpsc::SendError(s)) = tx.send(Submit { req, client, at }) {
             s.client.fail(ServeError::from(EngineError::Shutdown));
         }
         Ok(stream)
+    }
+
+    /// [`Self::admit`] then [`Self::submit`] with no session (tools, tests and
+    /// benchmarks that hold a request, not a proof).
+    ///
+    /// Errors: the admission rejection (nothing was allocated anywhere), or as
+    /// [`Self::submit`].
+    pub fn admit_and_submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
+        self.submit(self.admit(req)?, None)
     }
 
     /// The metrics of the engines in this process; for remote nodes (each serves

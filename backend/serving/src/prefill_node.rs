@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use tessera_engine::admission::prompt_fits;
 use tessera_engine::kv_transfer::{ExportError, ExportedPage};
-use tessera_engine::{Engine, EngineError, FirstToken, GenerateRequest};
+use tessera_engine::{Admitted, Engine, EngineError, FirstToken, GenerateRequest};
 use tessera_model::kv::SeqId;
 use tessera_transfer::protocol::{
     FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId,
@@ -79,7 +79,12 @@ pub(crate) enum PrefillCmd {
 /// What the driver keeps per request beside the protocol's record.
 struct PrefillRecord {
     reply: ReplyTo,
-    body: GenerateRequest,
+    /// The request as the coordinator sent it, until this node admits it.
+    body: Option<GenerateRequest>,
+    /// The request once admitted here (I1 against this node's pool, for the prompt
+    /// and its first token), until its prefill is queued: the one admission of the
+    /// request on this node.
+    admitted: Option<Admitted>,
     /// The decode node that reserved the destination pages.
     decode: usize,
     dest: Vec<DestPage>,
@@ -256,19 +261,28 @@ impl PrefillEnv for PrefillEngineEnv<'_> {
         _prompt_tokens: u32,
         _max_tokens: u32,
     ) -> Result<(), Refusal> {
-        let Some(r) = self.records.get(&req) else {
-            return Err(Refusal {
-                kind: RefusalKind::Invalid,
-                message: "prefill without a request body".into(),
-            });
+        let no_body = || Refusal {
+            kind: RefusalKind::Invalid,
+            message: "prefill without a request body".into(),
         };
-        // I1 on this node: the prompt must fit this pool (output pages live on the
-        // decode node). Pages are taken in FIFO order by the engine.
+        let Some(r) = self.records.get_mut(&req) else {
+            return Err(no_body());
+        };
+        if r.admitted.is_some() {
+            return Ok(());
+        }
+        let Some(mut body) = r.body.take() else {
+            return Err(no_body());
+        };
+        // I1 on this node: the prompt and the first token must fit this pool (the
+        // output's pages live on the decode node). Pages are taken in FIFO order by
+        // the engine.
         let limits = self.engine.limits();
-        let mut probe = r.body.clone();
-        probe.max_tokens = 1;
-        limits.admit(probe).map_err(|e| refusal(&e))?;
-        prompt_fits(&r.body, limits.page_size, limits.pool_tokens).map_err(|e| refusal(&e))
+        body.max_tokens = 1;
+        let admitted = limits.admit(body).map_err(|e| refusal(&e))?;
+        prompt_fits(&admitted, limits.page_size, limits.pool_tokens).map_err(|e| refusal(&e))?;
+        r.admitted = Some(admitted);
+        Ok(())
     }
 
     fn start_prefill(&mut self, req: ReqId, _tokens: u32, dest: &[DestPage]) {
@@ -276,10 +290,8 @@ impl PrefillEnv for PrefillEngineEnv<'_> {
         let Some(r) = self.records.get_mut(&req) else {
             return;
         };
-        let mut body = r.body.clone();
-        body.max_tokens = 1;
-        let Ok(admitted) = self.engine.limits().admit(body) else {
-            return; // admit_and_alloc ran the same check
+        let Some(admitted) = r.admitted.take() else {
+            return; // refused by admit_and_alloc: the protocol never starts it
         };
         r.dest = dest.to_vec();
         r.fault = fault;
@@ -462,8 +474,8 @@ impl PrefillLoop {
             (Some(false), Some(r)) => {
                 r.export = None;
                 r.dest = Vec::new();
-                r.body.prompt = Vec::new();
-                r.body.stop = Vec::new();
+                r.body = None;
+                r.admitted = None;
             }
             _ => {}
         }
@@ -565,7 +577,8 @@ impl NodeLoop for PrefillLoop {
                             req,
                             PrefillRecord {
                                 reply: reply.clone(),
-                                body,
+                                body: Some(body),
+                                admitted: None,
                                 decode,
                                 dest: Vec::new(),
                                 first: None,

@@ -27,7 +27,7 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
-use tessera_engine::{AdmissionLimits, GenerateRequest, PdAdmission};
+use tessera_engine::{AdmissionLimits, Admitted, PdAdmission};
 use tessera_model::LoadedModel;
 use tessera_transfer::protocol::{LinkViolation, Msg, ReqId, Role, RouteBook, Routed};
 
@@ -517,11 +517,11 @@ impl RemoteCluster {
 
     /// Like [`crate::cluster::PdCluster::submit`], over the network.
     ///
-    /// Errors: the admission rejection; [`ServeErrorKind::NodeDown`](crate::ServeErrorKind)
-    /// (retryable, 503) when no node of a role is reachable and not draining.
+    /// Errors: [`ServeErrorKind::NodeDown`](crate::ServeErrorKind) (retryable, 503)
+    /// when no node of a role is reachable and not draining.
     pub fn submit(
         &self,
-        req: GenerateRequest,
+        req: Admitted,
         affinity: Option<u64>,
     ) -> Result<RequestStream, ServeError> {
         self.submitter.submit(&*self.links, req, affinity)

@@ -122,7 +122,10 @@ fn concurrent_requests_through_prefill_and_decode_equal_their_solo_outputs() {
         })
         .collect();
     let alone: Vec<Outcome> = reqs.iter().map(|r| solo(&m, r.clone())).collect();
-    let mut rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    let mut rxs: Vec<_> = reqs
+        .iter()
+        .map(|r| h.admit_and_submit(r.clone()).unwrap())
+        .collect();
     for (i, rx) in rxs.iter_mut().enumerate() {
         assert_eq!(collect(rx), alone[i], "prompt {:?}", prompts[i]);
     }
@@ -152,7 +155,10 @@ fn family_requests_through_prefill_and_decode_equal_their_solo_outputs(file: &st
         })
         .collect();
     let alone: Vec<Outcome> = reqs.iter().map(|r| solo(&m, r.clone())).collect();
-    let mut rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    let mut rxs: Vec<_> = reqs
+        .iter()
+        .map(|r| h.admit_and_submit(r.clone()).unwrap())
+        .collect();
     for (i, rx) in rxs.iter_mut().enumerate() {
         assert_eq!(collect(rx), alone[i], "{file}: request {i}");
     }
@@ -182,7 +188,7 @@ fn prompt_over_the_prefill_pool_but_under_the_context_window_is_refused_before_a
         "{}",
         prompt.len()
     );
-    let err = h.submit(greedy(prompt, 8)).unwrap_err();
+    let err = h.admit_and_submit(greedy(prompt, 8)).unwrap_err();
     assert_eq!(err.kind(), ServeErrorKind::TooLarge, "{err:?}");
     assert!(err.message().contains("holds 256"), "{err:?}");
     assert_eq!(h.stats(), before, "nothing allocated, nothing queued");
@@ -201,7 +207,7 @@ fn prompt_plus_output_over_the_decode_pool_is_refused_before_any_transfer() {
     let m = load();
     let h = cluster(&m, 4096, 512);
     let prompt = chat_prompt(&m, "What is the capital of France?");
-    let err = h.submit(greedy(prompt, 600)).unwrap_err();
+    let err = h.admit_and_submit(greedy(prompt, 600)).unwrap_err();
     assert_eq!(err.kind(), ServeErrorKind::TooLarge, "{err:?}");
     assert!(err.message().contains("holds 512"), "{err:?}");
     assert_pools_full(&h);
@@ -221,7 +227,7 @@ fn client_abort_during_the_transfer_frees_both_pools_and_the_next_request_is_cle
         )
         .unwrap();
     assert!(long.len() > 900, "{}", long.len());
-    let rx = h.submit(greedy(long, 32)).unwrap();
+    let rx = h.admit_and_submit(greedy(long, 32)).unwrap();
     let c = h.cluster().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while c.node_stats(Role::Prefill, 0).running == 0 {
@@ -233,7 +239,7 @@ fn client_abort_during_the_transfer_frees_both_pools_and_the_next_request_is_cle
     let mut next = greedy(chat_prompt(&m, "What is 12 times 7?"), 16);
     next.tenant = 9;
     let alone = solo(&m, next.clone());
-    let mut rx = h.submit(next).unwrap();
+    let mut rx = h.admit_and_submit(next).unwrap();
     assert_eq!(collect(&mut rx), alone);
     assert_pools_full(&h);
 }
@@ -244,14 +250,14 @@ fn abort_right_after_submit_then_a_new_request_equals_its_solo_output() {
     let h = cluster(&m, 4096, 4096);
     for _ in 0..3 {
         drop(
-            h.submit(greedy(chat_prompt(&m, "Write a haiku about the sea."), 32))
+            h.admit_and_submit(greedy(chat_prompt(&m, "Write a haiku about the sea."), 32))
                 .unwrap(),
         );
     }
     let mut next = greedy(chat_prompt(&m, "List three primary colors."), 16);
     next.tenant = 5;
     let alone = solo(&m, next.clone());
-    let mut rx = h.submit(next).unwrap();
+    let mut rx = h.admit_and_submit(next).unwrap();
     assert_eq!(collect(&mut rx), alone);
     assert_pools_full(&h);
 }
@@ -264,7 +270,7 @@ fn transfer_missing_a_page_write_fails_the_request_with_an_error() {
         .unwrap()
         .inject_fault(TransferFault::DropLastWrite);
     let mut rx = h
-        .submit(greedy(chat_prompt(&m, "What is the capital of France?"), 8))
+        .admit_and_submit(greedy(chat_prompt(&m, "What is the capital of France?"), 8))
         .unwrap();
     let o = collect(&mut rx);
     assert!(o.ids.is_empty(), "no token may reach the client: {o:?}");
@@ -281,7 +287,7 @@ fn corrupted_byte_in_a_page_fails_the_request_with_an_error() {
         .unwrap()
         .inject_fault(TransferFault::CorruptByte);
     let mut rx = h
-        .submit(greedy(chat_prompt(&m, "Write a haiku about the sea."), 8))
+        .admit_and_submit(greedy(chat_prompt(&m, "Write a haiku about the sea."), 8))
         .unwrap();
     let o = collect(&mut rx);
     assert!(o.ids.is_empty(), "{o:?}");
@@ -297,7 +303,7 @@ fn duplicated_commit_is_refused_and_the_request_decodes_once() {
     c.inject_fault(TransferFault::DuplicateCommit);
     let req = greedy(chat_prompt(&m, "List three primary colors."), 12);
     let alone = solo(&m, req.clone());
-    let mut rx = h.submit(req).unwrap();
+    let mut rx = h.admit_and_submit(req).unwrap();
     assert_eq!(collect(&mut rx), alone);
     assert_pools_full(&h);
     assert_eq!(
@@ -343,7 +349,7 @@ fn commit_for_an_unknown_request_is_refused_and_changes_nothing() {
     // The node still serves.
     let req = greedy(chat_prompt(&m, "Hi"), 8);
     let alone = solo(&m, req.clone());
-    assert_eq!(collect(&mut h.submit(req).unwrap()), alone);
+    assert_eq!(collect(&mut h.admit_and_submit(req).unwrap()), alone);
 }
 
 #[test]
@@ -353,7 +359,7 @@ fn late_write_after_the_request_ended_is_dropped_and_the_new_owner_is_untouched(
     let c = h.cluster().unwrap();
     c.tap_writes();
     let mut first = h
-        .submit(greedy(chat_prompt(&m, "What is the capital of France?"), 4))
+        .admit_and_submit(greedy(chat_prompt(&m, "What is the capital of France?"), 4))
         .unwrap();
     collect(&mut first);
     assert_pools_full(&h);
@@ -364,7 +370,7 @@ fn late_write_after_the_request_ended_is_dropped_and_the_new_owner_is_untouched(
     let mut next = greedy(chat_prompt(&m, "Write a haiku about the sea."), 24);
     next.tenant = 77;
     let alone = solo(&m, next.clone());
-    let mut rx = h.submit(next).unwrap();
+    let mut rx = h.admit_and_submit(next).unwrap();
     // Wait until it decodes (its prompt pages are in place), then replay.
     while c.node_stats(Role::Decode, 0).running == 0 {
         std::thread::sleep(Duration::from_millis(1));
@@ -395,7 +401,7 @@ fn prefill_node_killed_mid_transfer_fails_the_request_and_frees_the_decode_pool(
             false,
         )
         .unwrap();
-    let mut rx = h.submit(greedy(long, 16)).unwrap();
+    let mut rx = h.admit_and_submit(greedy(long, 16)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     while c.node_stats(Role::Prefill, 0).running == 0 {
         assert!(Instant::now() < deadline);
@@ -426,7 +432,7 @@ fn decode_node_killed_mid_stream_ends_the_stream_with_an_error_and_prefill_is_fu
     let c = h.cluster().unwrap();
     let mut req = greedy(chat_prompt(&m, "Write a long story about the sea."), 400);
     req.ignore_eos = true;
-    let mut rx = h.submit(req).unwrap();
+    let mut rx = h.admit_and_submit(req).unwrap();
     // Wait for a few streamed tokens.
     let mut got = 0;
     while got < 3 {
@@ -460,9 +466,9 @@ fn a_request_waiting_for_decode_pages_past_the_retransmit_interval_completes() {
     let second = greedy(chat_prompt(&m, "What is the capital of France?"), 16);
     let alone = solo(&m, second.clone());
     let started = Instant::now();
-    let mut a = h.submit(first).unwrap();
+    let mut a = h.admit_and_submit(first).unwrap();
     std::thread::sleep(Duration::from_millis(200));
-    let mut b = h.submit(second).unwrap();
+    let mut b = h.admit_and_submit(second).unwrap();
     let out_a = collect(&mut a);
     assert!(
         matches!(out_a.last, Some(StreamEvent::Done { .. })),
@@ -488,7 +494,7 @@ fn a_cancelled_request_is_released_only_after_both_nodes_acknowledged() {
     let c = h.cluster().unwrap();
     let mut req = greedy(chat_prompt(&m, "Write a long story about the sea."), 400);
     req.ignore_eos = true;
-    let mut rx = h.submit(req).unwrap();
+    let mut rx = h.admit_and_submit(req).unwrap();
     let mut got = 0;
     while got < 3 {
         match rx.blocking_recv() {
@@ -533,9 +539,9 @@ fn the_prefill_node_caches_prompt_pages_and_a_session_returns_to_its_node() {
     let n = req.prompt.len();
     let alone = solo(&m, greedy(req.prompt.clone(), 4));
     for key in 0..6u64 {
-        let mut first = h.submit_with_affinity(req.clone(), Some(key)).unwrap();
+        let mut first = h.submit(h.admit(req.clone()).unwrap(), Some(key)).unwrap();
         let first = collect(&mut first);
-        let mut again = h.submit_with_affinity(req.clone(), Some(key)).unwrap();
+        let mut again = h.submit(h.admit(req.clone()).unwrap(), Some(key)).unwrap();
         let again = collect(&mut again);
         for o in [&first, &again] {
             assert_eq!(
@@ -580,7 +586,7 @@ fn a_commit_with_a_first_token_outside_the_vocabulary_fails_only_that_request() 
     let c = h.cluster().unwrap();
     c.inject_fault(TransferFault::FirstTokenOutOfVocab);
     let mut rx = h
-        .submit(greedy(chat_prompt(&m, "What is the capital of France?"), 8))
+        .admit_and_submit(greedy(chat_prompt(&m, "What is the capital of France?"), 8))
         .unwrap();
     let o = collect(&mut rx);
     assert!(o.ids.is_empty(), "{o:?}");
@@ -589,7 +595,7 @@ fn a_commit_with_a_first_token_outside_the_vocabulary_fails_only_that_request() 
     assert_pools_full(&h);
     let req = greedy(chat_prompt(&m, "Hi"), 8);
     let alone = solo(&m, req.clone());
-    assert_eq!(collect(&mut h.submit(req).unwrap()), alone);
+    assert_eq!(collect(&mut h.admit_and_submit(req).unwrap()), alone);
 }
 
 /// KV never moves between models: a cluster whose prefill engine runs one model and
@@ -614,7 +620,7 @@ fn a_commit_of_kv_computed_by_another_model_is_refused() {
         &[(b.clone(), cfg(4096))],
     ));
     let req = greedy(chat_prompt(&a, "What is the capital of France?"), 8);
-    let o = collect(&mut mixed.submit(req.clone()).unwrap());
+    let o = collect(&mut mixed.admit_and_submit(req.clone()).unwrap());
     assert!(o.ids.is_empty(), "{o:?}");
     let e = serve_error(&o, ServeErrorKind::Integrity);
     assert!(e.contains("another model"), "{e}");
@@ -624,7 +630,7 @@ fn a_commit_of_kv_computed_by_another_model_is_refused() {
         &[(b.clone(), cfg(4096))],
     ));
     assert_eq!(
-        collect(&mut same.submit(req.clone()).unwrap()),
+        collect(&mut same.admit_and_submit(req.clone()).unwrap()),
         solo(&b, req)
     );
 }
@@ -641,7 +647,7 @@ fn a_write_into_pages_already_committed_fails_that_request_and_is_not_applied() 
     c.tap_writes();
     let mut req = greedy(chat_prompt(&m, "Write a long story about the sea."), 400);
     req.ignore_eos = true;
-    let mut rx = h.submit(req).unwrap();
+    let mut rx = h.admit_and_submit(req).unwrap();
     let mut got = 0;
     while got < 3 {
         match rx.blocking_recv() {
@@ -670,7 +676,7 @@ fn a_write_into_pages_already_committed_fails_that_request_and_is_not_applied() 
     assert_pools_full(&h);
     let other = greedy(chat_prompt(&m, "Hi"), 8);
     let alone = solo(&m, other.clone());
-    assert_eq!(collect(&mut h.submit(other).unwrap()), alone);
+    assert_eq!(collect(&mut h.admit_and_submit(other).unwrap()), alone);
 }
 
 /// Issue 10: the assigned writer of a reserved request aims a page write at a page
@@ -687,7 +693,7 @@ fn a_write_aimed_at_another_requests_pages_is_refused_and_the_victim_is_untouche
     let mut victim = greedy(chat_prompt(&m, "Write a long story about the sea."), 200);
     victim.ignore_eos = true;
     let alone = solo(&m, victim.clone());
-    let mut victim_rx = h.submit(victim).unwrap();
+    let mut victim_rx = h.admit_and_submit(victim).unwrap();
     let mut first = match victim_rx.blocking_recv() {
         Some(StreamEvent::Token { id, text, .. }) => (vec![id], text),
         other => panic!("unexpected {other:?}"),
@@ -703,7 +709,7 @@ fn a_write_aimed_at_another_requests_pages_is_refused_and_the_victim_is_untouche
             false,
         )
         .unwrap();
-    let mut writer_rx = h.submit(greedy(long, 4)).unwrap();
+    let mut writer_rx = h.admit_and_submit(greedy(long, 4)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     let writer_req = loop {
         if let Some(w) = c.tapped_writes().into_iter().find(|w| w.req != victim_req) {
@@ -848,7 +854,7 @@ fn forged_writer_traffic_never_panics_the_decode_node_and_its_pool_recovers() {
                     }
                 }
                 assert_pools_full(&h);
-                let got = collect(&mut h.submit(req.clone()).unwrap());
+                let got = collect(&mut h.admit_and_submit(req.clone()).unwrap());
                 proptest::prop_assert!(got == alone, "{got:?}");
                 assert_pools_full(&h);
                 Ok(())

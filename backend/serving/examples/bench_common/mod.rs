@@ -27,7 +27,10 @@ pub(crate) fn spawn_pd(model: &LoadedModel) -> EngineHandle {
 /// Submits every request at once and returns output tokens per second.
 pub(crate) fn run(h: &EngineHandle, reqs: &[GenerateRequest]) -> f64 {
     let start = Instant::now();
-    let mut rxs: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    let mut rxs: Vec<_> = reqs
+        .iter()
+        .map(|r| h.admit_and_submit(r.clone()).unwrap())
+        .collect();
     let mut tokens = 0usize;
     for rx in &mut rxs {
         loop {

@@ -277,7 +277,7 @@ impl NodeState {
                         }
                         tracing::debug!(?req, "a new request from a gateway");
                         Some(Box::new(RequestBody {
-                            req: body,
+                            req: Some(body),
                             sink: Box::new(ConnSink {
                                 conn: link.conn.clone(),
                                 req,
