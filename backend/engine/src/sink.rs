@@ -113,8 +113,11 @@ pub struct Usage {
 }
 
 /// What a request's stream receives, in order: tokens, then one `Done` or `Error`.
+/// The one event type from the engine to the client's formatter: the serving layer
+/// carries it as `Event<ServeError>` (`tessera_serving::StreamEvent`), which differs
+/// only in its error ([`Event::map_error`]).
 #[derive(Clone, Debug, PartialEq)]
-pub enum Event {
+pub enum Event<E = EngineError> {
     /// A generated token and the text it completed (may be empty mid-character or
     /// while a possible stop string is held back).
     Token {
@@ -137,6 +140,27 @@ pub enum Event {
         /// Counts and timings.
         usage: Usage,
     },
-    /// Abnormal end; no further tokens.
-    Error(EngineError),
+    /// Abnormal end; no further tokens (I8: never a partial answer as success).
+    Error(E),
+}
+
+impl<E> Event<E> {
+    /// The same event with its error (if it is one) mapped by `f`.
+    pub fn map_error<F>(self, f: impl FnOnce(E) -> F) -> Event<F> {
+        match self {
+            Self::Token {
+                id,
+                text,
+                logprobs,
+                rng_word_pos,
+            } => Event::Token {
+                id,
+                text,
+                logprobs,
+                rng_word_pos,
+            },
+            Self::Done { reason, usage } => Event::Done { reason, usage },
+            Self::Error(e) => Event::Error(f(e)),
+        }
+    }
 }

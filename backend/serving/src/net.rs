@@ -257,7 +257,7 @@ pub(crate) enum WireEvent {
 impl WireEvent {
     /// An engine event as the decode node sends it.
     pub(crate) fn from_event(e: Event) -> Self {
-        match StreamEvent::from(e) {
+        match e.map_error(ServeError::from) {
             StreamEvent::Token {
                 id,
                 text,

@@ -15,58 +15,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tessera_engine::sink::{EventSink, Gone};
-use tessera_engine::{Event, FinishReason, Usage};
-use tessera_model::sampling::Logprobs;
+use tessera_engine::Event;
 use tessera_transfer::protocol::{StreamFence, StreamItem};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
 
 /// What a request's stream receives, in order: tokens, then one `Done` or `Error`
-/// (none when the request was cancelled).
-#[derive(Clone, Debug, PartialEq)]
-pub enum StreamEvent {
-    /// A generated token and the text it completed (may be empty mid-character or
-    /// while a possible stop string is held back).
-    Token {
-        /// Token id.
-        id: u32,
-        /// Newly completed text.
-        text: String,
-        /// Log probabilities, when the request asked (see [`Event::Token`]).
-        logprobs: Option<Box<Logprobs>>,
-        /// The sampler's RNG word position after the token (see [`Event::Token`]).
-        rng_word_pos: u64,
-    },
-    /// Normal end.
-    Done {
-        /// Why.
-        reason: FinishReason,
-        /// Counts and timings.
-        usage: Usage,
-    },
-    /// Abnormal end; no further tokens (I8: never a partial answer as success).
-    Error(ServeError),
-}
-
-impl From<Event> for StreamEvent {
-    fn from(e: Event) -> Self {
-        match e {
-            Event::Token {
-                id,
-                text,
-                logprobs,
-                rng_word_pos,
-            } => Self::Token {
-                id,
-                text,
-                logprobs,
-                rng_word_pos,
-            },
-            Event::Done { reason, usage } => Self::Done { reason, usage },
-            Event::Error(e) => Self::Error(e.into()),
-        }
-    }
-}
+/// (none when the request was cancelled): the engine's [`Event`] with the serving
+/// layer's error.
+pub type StreamEvent = Event<ServeError>;
 
 /// Signals release when dropped: its owner held the last resource of the request.
 #[derive(Debug)]
@@ -194,7 +151,7 @@ impl ClientSink {
 
 impl EventSink for ClientSink {
     fn send(&mut self, event: Event) -> Result<(), Gone> {
-        if self.send_event(event.into()) {
+        if self.send_event(event.map_error(ServeError::from)) {
             Ok(())
         } else {
             Err(Gone)

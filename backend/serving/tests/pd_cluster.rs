@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use tessera_engine::testing::*;
 use tessera_engine::{EngineConfig, GenerateRequest};
 use tessera_model::LoadedModel;
-use tessera_serving::{EngineHandle, RequestStream, ServeErrorKind, StreamEvent, TransferFault};
+use tessera_serving::{
+    EngineHandle, RequestStream, ServeError, ServeErrorKind, StreamEvent, TransferFault,
+};
 use tessera_transfer::protocol::{Msg, PageCommit, ReqId, Role};
 use tessera_transfer::transport::DestPage;
 
@@ -38,7 +40,7 @@ impl PartialEq<Outcome> for Streamed {
     fn eq(&self, o: &Outcome) -> bool {
         self.ids == o.ids
             && self.text == o.text
-            && self.last == o.last.clone().map(StreamEvent::from)
+            && self.last == o.last.clone().map(|e| e.map_error(ServeError::from))
     }
 }
 
