@@ -3,7 +3,9 @@
 //! from the same run:
 //! - prefill tokens/s of one prompt (time to its first token) at `--prompt-tokens`
 //!   and at each of `--prefill-lengths` (default 512, 2,048, 6,000);
-//! - decode tokens/s at batch 1 (after the `--prompt-tokens` prompt) and batch N;
+//! - decode tokens/s at batch 1 (after the `--prompt-tokens` prompt) and batch N,
+//!   and the time until all N sequences have their first token (`batch_ttft_ms`:
+//!   N 16-token prompts prefilled in one step, as at a server's 16 streams);
 //! - decode TPOT at `--tpot-context` tokens of context (default 4,000): one
 //!   sequence, `--tpot-tokens` tokens generated after a prompt of that length.
 
@@ -152,7 +154,7 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
     }
 
     for batch in [1, a.batch].into_iter().filter(|_| !a.long_only) {
-        let mut rates = Vec::new();
+        let (mut rates, mut ttfts) = (Vec::new(), Vec::new());
         for rep in 0..a.reps {
             // Batch 1 continues after a full-length prompt, batch N after 16-token
             // prompts: the same shapes scripts/bench_llamacpp.sh gives llama.cpp.
@@ -160,8 +162,18 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
             let reqs = (0..batch)
                 .map(|i| request(prompt(&m, plen, rep * 100 + i), a.decode_tokens))
                 .collect();
-            let (_, decode, tokens) = run_batch(&mut engine, reqs);
+            let (ttft, decode, tokens) = run_batch(&mut engine, reqs);
             rates.push(tokens as f64 / decode.as_secs_f64());
+            ttfts.push(ttft.as_secs_f64() * 1e3);
+        }
+        if batch > 1 {
+            // The first step of the batch: its N prompts prefilled together, the
+            // output matrix applied to their N last tokens.
+            emit(
+                "batch_ttft_ms",
+                serde_json::json!({"batch": batch, "prompt_tokens": 16}),
+                median(ttfts),
+            );
         }
         emit(
             "decode_tok_s",
