@@ -1,6 +1,6 @@
 //! Speed of the quantized matmul alone, for kernel work (not a benchmark of
 //! record: `tessera bench` is). One `[rows, cols]` weight matrix of random blocks
-//! in `FORMAT` (`q4_0`, `q4_1`, `q8_0`) against `N` activation rows, on the
+//! in `FORMAT` (`q4_0`, `q4_1`, `q8_0`, `q5_0`, `q4_k`, `q5_k`, `q6_k`) against `N` activation rows, on the
 //! global pool (`TESSERA_THREADS` sets its size):
 //! `cargo run --release -p tessera-kernels --example matmul_speed -- q4_1 1536 576 512`
 //! (the default: the default model's gate projection over a 512-token chunk).
@@ -12,6 +12,7 @@
 
 use half::f16;
 use std::time::Instant;
+use tessera_kernels::quant::QFormat;
 use tessera_kernels::{Activations, QMatrix};
 
 fn main() {
@@ -26,31 +27,42 @@ fn main() {
         x ^= x << 5;
         x
     };
-    let blocks = rows * cols / 32;
+    let qf = match format.as_str() {
+        "q4_0" => QFormat::Q4_0,
+        "q4_1" => QFormat::Q4_1,
+        "q8_0" => QFormat::Q8_0,
+        "q5_0" => QFormat::Q5_0,
+        "q4_k" => QFormat::Q4K,
+        "q5_k" => QFormat::Q5K,
+        "q6_k" => QFormat::Q6K,
+        f => panic!("format {f}: q4_0, q4_1, q8_0, q5_0, q4_k, q5_k or q6_k"),
+    };
+    let blocks = rows * cols / qf.block_values();
     let mut bytes = Vec::new();
     for _ in 0..blocks {
         let d = f16::from_f32(0.01 + (rnd() % 100) as f32 * 1e-4).to_le_bytes();
-        match format.as_str() {
-            "q4_0" | "q4_1" => {
+        let start = bytes.len();
+        match qf {
+            // Q6_K keeps its f16 d last.
+            QFormat::Q6K => {
+                bytes.extend((0..208).map(|_| rnd() as u8));
+                bytes.extend(f16::from_f32(0.001).to_le_bytes());
+            }
+            QFormat::Q4K | QFormat::Q5K => {
+                bytes.extend(f16::from_f32(0.002).to_le_bytes());
+                bytes.extend(f16::from_f32(0.001).to_le_bytes());
+            }
+            _ => {
                 bytes.extend(d);
-                if format == "q4_1" {
+                if qf == QFormat::Q4_1 {
                     bytes.extend(f16::from_f32(-0.05).to_le_bytes());
                 }
-                bytes.extend((0..16).map(|_| rnd() as u8));
             }
-            "q8_0" => {
-                bytes.extend(d);
-                bytes.extend((0..32).map(|_| rnd() as u8));
-            }
-            f => panic!("format {f}: q4_0, q4_1 or q8_0"),
         }
+        let rest = qf.block_bytes() - (bytes.len() - start);
+        bytes.extend((0..rest).map(|_| rnd() as u8));
     }
-    let w = match format.as_str() {
-        "q4_0" => QMatrix::from_q4_0_bytes(&bytes, rows, cols),
-        "q4_1" => QMatrix::from_q4_1_bytes(&bytes, rows, cols),
-        _ => QMatrix::from_q8_0_bytes(&bytes, rows, cols),
-    }
-    .expect("matrix");
+    let w = QMatrix::from_gguf_bytes(qf, &bytes, rows, cols).expect("matrix");
     let xs: Vec<f32> = (0..n * cols)
         .map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0)
         .collect();
