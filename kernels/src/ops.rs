@@ -3,14 +3,80 @@
 
 /// RMSNorm (Zhang & Sennrich 2019): `out = x / sqrt(mean(x^2) + eps) * w`, per row.
 /// `x` and `out` are `[n, w.len()]`.
+///
+/// Each row's sum of squares is one left-to-right `f32` chain (`((x0^2 + x1^2) +
+/// x2^2) + ...`), as [`rms_norm_row`] computes it. That chain is latency-bound, so
+/// rows are taken [`NORM_ROWS`] at a time with one chain each (the same operations
+/// per row, interleaved), and many rows are split over the pool: the result of
+/// every row is [`rms_norm_row`]'s, bit for bit, whatever `n`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let inv = 1.0 / (ss + eps).sqrt();
-        for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
-            *o = xv * inv * wv;
+    assert_eq!(x.len(), out.len(), "rms_norm shapes");
+    if d == 0 {
+        return;
+    }
+    let n = x.len() / d;
+    let pool = crate::pool::global();
+    // Pool regions cost microseconds: only batches of rows are split.
+    let per = n.div_ceil(pool.threads()).max(32);
+    let base = RowsPtr(out.as_mut_ptr());
+    let rows = |c: usize| {
+        let (r0, r1) = (c * per, ((c + 1) * per).min(n));
+        // SAFETY: rows r0..r1 of `out` are in bounds and written by this task only.
+        let o = unsafe { std::slice::from_raw_parts_mut(base.at(r0 * d), (r1 - r0) * d) };
+        rms_norm_rows(&x[r0 * d..r1 * d], w, eps, o);
+    };
+    match n.div_ceil(per) {
+        0 => {}
+        1 => rows(0),
+        chunks => pool.parallel_for(chunks, rows),
+    }
+}
+
+/// Rows whose sums of squares run as interleaved chains in [`rms_norm`].
+const NORM_ROWS: usize = 8;
+
+/// [`rms_norm`] of rows `[n, w.len()]` on this thread.
+fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    let mut xg = x.chunks_exact(NORM_ROWS * d);
+    let mut og = out.chunks_exact_mut(NORM_ROWS * d);
+    for (xs, os) in (&mut xg).zip(&mut og) {
+        let rows: [&[f32]; NORM_ROWS] = std::array::from_fn(|j| &xs[j * d..(j + 1) * d]);
+        // `Sum` for `f32` folds from -0.0; with squares (>= +0) the first addition
+        // gives the same value as from +0.0, so this is `rms_norm_row`'s chain.
+        let mut ss = [-0.0f32; NORM_ROWS];
+        for k in 0..d {
+            for j in 0..NORM_ROWS {
+                ss[j] += rows[j][k] * rows[j][k];
+            }
         }
+        for (j, or) in os.chunks_exact_mut(d).enumerate() {
+            scale_row(rows[j], ss[j], w, eps, or);
+        }
+    }
+    for (xr, or) in xg
+        .remainder()
+        .chunks_exact(d)
+        .zip(og.into_remainder().chunks_exact_mut(d))
+    {
+        rms_norm_row(xr, w, eps, or);
+    }
+}
+
+/// RMSNorm of one row: the reference arithmetic of [`rms_norm`].
+fn rms_norm_row(xr: &[f32], w: &[f32], eps: f32, or: &mut [f32]) {
+    let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>();
+    scale_row(xr, ss, w, eps, or);
+}
+
+/// `or = xr / sqrt(ss / d + eps) * w` given the row's sum of squares `ss`.
+#[inline]
+fn scale_row(xr: &[f32], ss: f32, w: &[f32], eps: f32, or: &mut [f32]) {
+    let ss = ss / w.len() as f32;
+    let inv = 1.0 / (ss + eps).sqrt();
+    for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
+        *o = xv * inv * wv;
     }
 }
 
@@ -168,6 +234,44 @@ pub fn gelu_tanh(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The interleaved, pooled `rms_norm` against the original one-row loop, bit
+    /// for bit, for row counts around the interleave and the pool split.
+    #[test]
+    fn rms_norm_equals_the_one_row_loop_bitwise() {
+        let reference = |x: &[f32], w: &[f32], eps: f32, out: &mut [f32]| {
+            let d = w.len();
+            for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                let inv = 1.0 / (ss + eps).sqrt();
+                for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
+                    *o = xv * inv * wv;
+                }
+            }
+        };
+        let mut state = 0x9e37_79b9u32;
+        let mut rnd = move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state % 20_001) as f32 / 1000.0 - 10.0
+        };
+        for d in [1, 7, 64, 256, 640] {
+            let w: Vec<f32> = (0..d).map(|_| rnd()).collect();
+            for n in [0, 1, 7, 8, 9, 31, 33, 64, 100] {
+                let mut x: Vec<f32> = (0..n * d).map(|_| rnd() * rnd()).collect();
+                if n > 2 {
+                    x[d..2 * d].fill(0.0);
+                    x[2 * d] = -0.0;
+                }
+                let (mut got, mut want) = (vec![0f32; n * d], vec![0f32; n * d]);
+                rms_norm(&x, &w, 1e-6, &mut got);
+                reference(&x, &w, 1e-6, &mut want);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "d {d}, n {n}");
+            }
+        }
+    }
 
     #[test]
     fn rms_norm_of_constant_row_is_weight() {
