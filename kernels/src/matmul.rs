@@ -93,18 +93,28 @@ impl Activations {
         assert_eq!(cols % QK, 0, "cols must be a multiple of {QK}");
         self.n = n;
         self.cols = cols;
-        self.f32.clear();
-        self.f32.extend_from_slice(x);
         let bpr = cols / QK;
-        self.qs.resize(n * cols, 0);
-        self.d.resize(n * bpr, 0.0);
-        self.s.resize(n * bpr, 0.0);
-        self.sum.resize(n * bpr, 0);
-        self.sum16.resize(n * bpr * 2, 0);
+        // The buffers only grow (rows are read by their own ranges): one forward
+        // pass alternates widths (hidden, attention, FFN), and shrinking then
+        // growing zero-filled the difference on every call. The f32 copy (read
+        // by f32 weights only) is filled row by row in the parallel loop below,
+        // while each row is in cache for its quantization.
+        fn grow<T: Copy>(v: &mut Vec<T>, len: usize, zero: T) {
+            if v.len() < len {
+                v.resize(len, zero);
+            }
+        }
+        grow(&mut self.f32, n * cols, 0.0);
+        grow(&mut self.qs, n * cols, 0);
+        grow(&mut self.d, n * bpr, 0.0);
+        grow(&mut self.s, n * bpr, 0.0);
+        grow(&mut self.sum, n * bpr, 0);
+        grow(&mut self.sum16, n * bpr * 2, 0);
         // Rows are independent: split them over the pool when there are many.
         let pool = crate::pool::global();
         let per = n.div_ceil(pool.threads()).max(16);
-        let (qs, d, s, sum, sum16) = (
+        let (f, qs, d, s, sum, sum16) = (
+            SyncPtr(self.f32.as_mut_ptr()),
             SyncPtr(self.qs.as_mut_ptr()),
             SyncPtr(self.d.as_mut_ptr()),
             SyncPtr(self.s.as_mut_ptr()),
@@ -124,7 +134,11 @@ impl Activations {
                         sum16: std::slice::from_raw_parts_mut(sum16.at(2 * r * bpr), 2 * bpr),
                     }
                 };
-                quantize_row_q8_split(&x[r * cols..(r + 1) * cols], out);
+                let xr = &x[r * cols..(r + 1) * cols];
+                // SAFETY: as above, row r of the f32 copy.
+                unsafe { std::slice::from_raw_parts_mut(f.at(r * cols), cols) }
+                    .copy_from_slice(xr);
+                quantize_row_q8_split(xr, out);
             }
         };
         let chunks = n.div_ceil(per);
