@@ -213,8 +213,158 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
 
 /// GeGLU gate: `gate[i] = gelu_tanh(gate[i]) * up[i]` ([`gelu_tanh`]).
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::isa() == crate::isa::Isa::Avx512Vnni {
+        // SAFETY: `isa()` verified avx512f (and avx2, fma).
+        return unsafe { expf_avx512::geglu(gate, up) };
+    }
+    geglu_scalar(gate, up);
+}
+
+/// [`geglu`] one value at a time, with the C library's `expf`.
+fn geglu_scalar(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = gelu_tanh(*g) * u;
+    }
+}
+
+/// [`geglu`] 8 values at a time with an `expf` that gives glibc's bits: the
+/// algorithm of glibc's `expf` (sysdeps/ieee754/flt-32/e_expf.c, from Arm's
+/// optimized-routines; glibc 2.27 and later) with the operations, fused
+/// multiply-adds included, of its `__expf_fma` build, which `f32::exp` calls on
+/// x86-64 with FMA, and its table and constants (`__exp2f_data`). Arguments
+/// outside its main path (`|x| >= 88`, infinities, NaN) take the scalar path for
+/// their 8 values. `geglu_matches_the_scalar_loop_bitwise` checks the two paths
+/// agree; the `#[ignore]`d `vector_expf_equals_libm_expf_for_every_float` checks
+/// every `f32` of the main path against `f32::exp`.
+#[cfg(target_arch = "x86_64")]
+mod expf_avx512 {
+    use std::arch::x86_64::*;
+
+    /// `__exp2f_data.tab`: `2^(i/32)`'s bits less `i << 47`.
+    const TAB: [u64; 32] = [
+        0x3ff0000000000000,
+        0x3fefd9b0d3158574,
+        0x3fefb5586cf9890f,
+        0x3fef9301d0125b51,
+        0x3fef72b83c7d517b,
+        0x3fef54873168b9aa,
+        0x3fef387a6e756238,
+        0x3fef1e9df51fdee1,
+        0x3fef06fe0a31b715,
+        0x3feef1a7373aa9cb,
+        0x3feedea64c123422,
+        0x3feece086061892d,
+        0x3feebfdad5362a27,
+        0x3feeb42b569d4f82,
+        0x3feeab07dd485429,
+        0x3feea47eb03a5585,
+        0x3feea09e667f3bcd,
+        0x3fee9f75e8ec5f74,
+        0x3feea11473eb0187,
+        0x3feea589994cce13,
+        0x3feeace5422aa0db,
+        0x3feeb737b0cdc5e5,
+        0x3feec49182a3f090,
+        0x3feed503b23e255d,
+        0x3feee89f995ad3ad,
+        0x3feeff76f2fb5e47,
+        0x3fef199bdd85529c,
+        0x3fef3720dcef9069,
+        0x3fef5818dcfba487,
+        0x3fef7c97337b9b5f,
+        0x3fefa4afa2a490da,
+        0x3fefd0765b6e4540,
+    ];
+    /// `__exp2f_data.invln2_scaled` (32 / ln 2), `.shift` (1.5 * 2^52) and
+    /// `.poly_scaled`.
+    const INV_LN2_N: u64 = 0x40471547652b82fe;
+    const SHIFT: u64 = 0x4338000000000000;
+    const C: [u64; 3] = [0x3ebc6af84b912394, 0x3f2ebfce50fac4f3, 0x3f962e42ff0c52d6];
+
+    /// `expf` of 8 values, each with `|x| < 88` (the main path: bits 20..31 of
+    /// `|x|` at most 0x42a).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn expf8(x: __m256) -> __m256 {
+        let f = |b: u64| _mm512_set1_pd(f64::from_bits(b));
+        let (inv_ln2_n, shift) = (f(INV_LN2_N), f(SHIFT));
+        // SAFETY: 32 u64, four registers of 8.
+        let tab: [__m512i; 4] =
+            std::array::from_fn(|i| unsafe { _mm512_loadu_si512(TAB[8 * i..].as_ptr().cast()) });
+        let xd = _mm512_cvtps_pd(x);
+        // kd = round(x * N / ln 2) through the shift; r = x * N / ln 2 - kd, fused.
+        let kd = _mm512_fmadd_pd(inv_ln2_n, xd, shift);
+        let ki = _mm512_castpd_si512(kd);
+        let kd = _mm512_sub_pd(kd, shift);
+        let r = _mm512_fmsub_pd(inv_ln2_n, xd, kd);
+        // t = tab[ki % 32] + (ki << 47): entries 0..16 and 16..32, chosen by bit 4.
+        let lo = _mm512_permutex2var_epi64(tab[0], ki, tab[1]);
+        let hi = _mm512_permutex2var_epi64(tab[2], ki, tab[3]);
+        let upper = _mm512_test_epi64_mask(ki, _mm512_set1_epi64(16));
+        let t = _mm512_mask_blend_epi64(upper, lo, hi);
+        let s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64::<47>(ki)));
+        // s * (C0 r^3 + C1 r^2 + C2 r + 1), as glibc's FMA build orders it.
+        let z = _mm512_fmadd_pd(r, f(C[0]), f(C[1]));
+        let r2 = _mm512_mul_pd(r, r);
+        let y = _mm512_fmadd_pd(r, f(C[2]), _mm512_set1_pd(1.0));
+        let y = _mm512_fmadd_pd(z, r2, y);
+        _mm512_cvtpd_ps(_mm512_mul_pd(y, s))
+    }
+
+    /// Whether every lane of `x` is on [`expf8`]'s main path.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn main_path(x: __m256) -> bool {
+        let top = _mm256_and_si256(
+            _mm256_srli_epi32::<20>(_mm256_castps_si256(x)),
+            _mm256_set1_epi32(0x7ff),
+        );
+        _mm256_movemask_epi8(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))) == 0
+    }
+
+    /// `expf` of 8 values, glibc's bits for every input.
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) fn expf8_checked(x: [f32; 8]) -> [f32; 8] {
+        // SAFETY: 8 floats.
+        let v = unsafe { _mm256_loadu_ps(x.as_ptr()) };
+        if !main_path(v) {
+            return x.map(f32::exp);
+        }
+        let mut out = [0f32; 8];
+        // SAFETY: 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), expf8(v)) };
+        out
+    }
+
+    /// [`super::geglu`]: per value [`super::gelu_tanh`]'s operations in its order.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) fn geglu(gate: &mut [f32], up: &[f32]) {
+        let n = gate.len().min(up.len());
+        let (a, c) = (
+            _mm256_set1_ps(0.044_715),
+            _mm256_set1_ps(-super::TWO_SQRT_2_OVER_PI),
+        );
+        let one = _mm256_set1_ps(1.0);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n <= both lengths.
+            let x = unsafe { _mm256_loadu_ps(gate.as_ptr().add(i)) };
+            let u = unsafe { _mm256_loadu_ps(up.as_ptr().add(i)) };
+            // -C * (x + ((0.044715 * x) * x) * x)
+            let x3 = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(a, x), x), x);
+            let arg = _mm256_mul_ps(c, _mm256_add_ps(x, x3));
+            if main_path(arg) {
+                let g = _mm256_div_ps(x, _mm256_add_ps(one, expf8(arg)));
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(g, u)) };
+            } else {
+                super::geglu_scalar(&mut gate[i..i + 8], &up[i..i + 8]);
+            }
+            i += 8;
+        }
+        super::geglu_scalar(&mut gate[i..n], &up[i..n]);
     }
 }
 
@@ -227,9 +377,11 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
 /// (whose libm form calls `expm1`), and GeGLU was a tenth of Gemma's prefill.
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
-    const TWO_SQRT_2_OVER_PI: f32 = 2.0 * 0.797_884_6;
     x / (1.0 + (-TWO_SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).exp())
 }
+
+/// `2 sqrt(2 / pi)` of [`gelu_tanh`].
+const TWO_SQRT_2_OVER_PI: f32 = 2.0 * 0.797_884_6;
 
 #[cfg(test)]
 mod tests {
@@ -271,6 +423,74 @@ mod tests {
                 assert_eq!(bits(&got), bits(&want), "d {d}, n {n}");
             }
         }
+    }
+
+    #[test]
+    fn geglu_matches_the_scalar_loop_bitwise() {
+        let mut state = 0x2545_f491u32;
+        let mut rnd = move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        let specials = [
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            30.0,
+            -30.0,
+            1e30,
+            -1e30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ];
+        for len in [0, 1, 7, 8, 9, 64, 1000, 2048] {
+            for round in 0..20 {
+                let gate: Vec<f32> = (0..len)
+                    .map(|_| match rnd() % 16 {
+                        0 => specials[rnd() as usize % specials.len()],
+                        1 => f32::from_bits(rnd()),
+                        k => (rnd() % 200_001) as f32 / 1e4 * (k as f32 - 7.5),
+                    })
+                    .collect();
+                let up: Vec<f32> = (0..len)
+                    .map(|_| (rnd() % 20_001) as f32 / 1e3 - 10.0)
+                    .collect();
+                let (mut got, mut want) = (gate.clone(), gate.clone());
+                geglu(&mut got, &up);
+                geglu_scalar(&mut want, &up);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "len {len}, round {round}");
+            }
+        }
+    }
+
+    /// Every `f32` (about 2^31 values of the main path, all others through the
+    /// fallback): about two minutes in a release build.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore = "exhaustive; run with --release --run-ignored all"]
+    fn vector_expf_equals_libm_expf_for_every_float() {
+        if !is_x86_feature_detected!("avx512f") || !is_x86_feature_detected!("fma") {
+            return;
+        }
+        let mut bad = 0u64;
+        for hi in 0..(1u64 << 29) {
+            let xs: [f32; 8] = std::array::from_fn(|k| f32::from_bits((hi * 8 + k as u64) as u32));
+            // SAFETY: features detected above.
+            let got = unsafe { expf_avx512::expf8_checked(xs) };
+            for (x, g) in xs.iter().zip(got) {
+                let w = x.exp();
+                if g.to_bits() != w.to_bits() && !(g.is_nan() && w.is_nan()) {
+                    bad += 1;
+                    assert!(bad < 10, "expf({x:e}): {g:e} vs {w:e}");
+                }
+            }
+        }
+        assert_eq!(bad, 0);
     }
 
     #[test]
