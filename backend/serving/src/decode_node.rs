@@ -4,13 +4,17 @@
 //! into protocol calls, gives the protocol the engine as its [`DecodeEnv`], and sends
 //! what the protocol emits to the request's coordinator.
 //!
-//! Per request the node keeps one [`DecodeRecord`] (its reply link and, until it is
-//! adopted, its body and event sink) next to the protocol's own record, and drops it
-//! as soon as the protocol's record is terminal.
+//! Per request the node keeps one record, the protocol's ([`Records`]): its
+//! lifecycle state, with a [`DecodeRecord`] attached (its reply link and, until it
+//! is adopted, its body and event sink). The body, the admission proof and the trace
+//! span go when the state turns terminal ([`Attachment::on_end`]); the reply link and
+//! the writer's name stay with the tombstone until the protocol forgets it.
+//!
+//! [`Records`]: tessera_transfer::protocol::Records
 
 use crate::error::refusal;
 use crate::link_security::short_fingerprint;
-use crate::links::{settle, CommitExtra, ExpiryClock, PdCounters, ReplyTo, WriterLink};
+use crate::links::{CommitExtra, ExpiryClock, PdCounters, ReplyTo, WriterLink};
 use crate::metrics::NodeHandles;
 use crate::node_loop::NodeLoop;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -23,8 +27,8 @@ use tessera_engine::{Admitted, Engine, EngineError, GenerateRequest, SeqEnd};
 use tessera_model::kv::SeqId;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::protocol::{
-    CommitError, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, FailKind, FailReason,
-    Msg, Output, Refusal, RefusalKind, ReqId, Role,
+    Attachment, CommitError, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, FailKind,
+    FailReason, Msg, Output, Refusal, RefusalKind, ReqId, RequestState, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -128,18 +132,28 @@ fn seq_of(req: ReqId) -> SeqId {
     SeqId(req.0)
 }
 
+impl Attachment for DecodeRecord {
+    fn on_end(&mut self) {
+        self.body = None;
+        self.admitted = None;
+        self.span = None;
+    }
+}
+
 /// The decode node's [`DecodeEnv`] over its engine.
 struct DecodeEngineEnv<'a> {
     engine: &'a mut Engine,
-    records: &'a mut HashMap<ReqId, DecodeRecord>,
     commit: CommitExtra,
     gone_writers: &'a HashSet<String>,
 }
 
 impl DecodeEnv for DecodeEngineEnv<'_> {
+    type Attached = DecodeRecord;
+
     fn admit(
         &mut self,
-        req: ReqId,
+        _req: ReqId,
+        record: Option<&mut DecodeRecord>,
         _tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
@@ -148,7 +162,7 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
             kind: RefusalKind::Invalid,
             message: "prealloc without a request body".into(),
         };
-        let Some(record) = self.records.get_mut(&req) else {
+        let Some(record) = record else {
             return Err(no_body());
         };
         if record.admitted.is_some() {
@@ -208,6 +222,7 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
     fn start_decode(
         &mut self,
         req: ReqId,
+        record: Option<&mut DecodeRecord>,
         _tokens: u32,
         first_token: u32,
         _pages: &[DestPage],
@@ -235,14 +250,13 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
                 ),
             ));
         }
-        let (body, admitted) = self
-            .records
-            .get_mut(&req)
-            .and_then(|r| Some((r.body.take()?, r.admitted.take()?)))
+        let record = record.ok_or_else(|| internal("no record of the request".into()))?;
+        let (body, admitted) = record
+            .body
+            .take()
+            .zip(record.admitted.take())
             .ok_or_else(|| internal("no admitted request body to decode".into()))?;
-        if let Some(r) = self.records.get_mut(&req) {
-            r.span = crate::telemetry::child_span("decode", req.0, r.trace.as_deref());
-        }
+        record.span = crate::telemetry::child_span("decode", req.0, record.trace.as_deref());
         self.engine.adopt(
             seq_of(req),
             Import {
@@ -263,9 +277,8 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
         self.engine.release_seq(seq_of(req));
     }
 
-    fn writer_gone(&self, req: ReqId) -> bool {
-        self.records
-            .get(&req)
+    fn writer_gone(&self, _req: ReqId, record: Option<&DecodeRecord>) -> bool {
+        record
             .and_then(|r| r.writer.as_ref())
             .is_some_and(|w| self.gone_writers.contains(w))
     }
@@ -273,8 +286,7 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
 
 /// A decode node's protocol loop.
 pub(crate) struct DecodeLoop {
-    proto: DecodeNode,
-    records: HashMap<ReqId, DecodeRecord>,
+    proto: DecodeNode<DecodeRecord>,
     counters: Arc<PdCounters>,
     metrics: NodeHandles,
     crashed: bool,
@@ -292,8 +304,7 @@ impl DecodeLoop {
     /// `metrics` (this node's series).
     pub(crate) fn new(counters: Arc<PdCounters>, metrics: NodeHandles) -> Self {
         Self {
-            proto: DecodeNode::new(),
-            records: HashMap::new(),
+            proto: DecodeNode::with_attachments(),
             counters,
             metrics,
             crashed: false,
@@ -306,21 +317,20 @@ impl DecodeLoop {
     }
 
     /// Runs `f` on the protocol with the engine as its environment, then sends what it
-    /// emitted (to `reply`, else to the request's recorded coordinator), offers freed
-    /// pages to waiting requests and drops the driver record of an ended request.
+    /// emitted (to `reply`, else to the request's recorded coordinator) and offers
+    /// freed pages to waiting requests.
     fn with_proto<R>(
         &mut self,
         engine: &mut Engine,
         req: ReqId,
         reply: Option<&ReplyTo>,
         commit: CommitExtra,
-        f: impl FnOnce(&mut DecodeNode, &mut DecodeEngineEnv<'_>, &mut Vec<Output>) -> R,
+        f: impl FnOnce(&mut DecodeNode<DecodeRecord>, &mut DecodeEngineEnv<'_>, &mut Vec<Output>) -> R,
     ) -> R {
         let mut out = Vec::new();
         let r = {
             let mut env = DecodeEngineEnv {
                 engine: &mut *engine,
-                records: &mut self.records,
                 commit,
                 gone_writers: &self.gone_writers,
             };
@@ -328,9 +338,8 @@ impl DecodeLoop {
         };
         let reply = reply
             .cloned()
-            .or_else(|| self.records.get(&req).map(|r| r.reply.clone()));
+            .or_else(|| self.proto.records().attached(req).map(|r| r.reply.clone()));
         self.emit(reply.as_ref(), out);
-        self.settle(req);
         self.offer_capacity(engine);
         r
     }
@@ -338,7 +347,7 @@ impl DecodeLoop {
     /// Ends a request's `queue` span once its pages are reserved.
     fn reserved(&mut self, msg: &Msg) {
         if let Msg::Descriptor { req, .. } = msg {
-            if let Some(r) = self.records.get_mut(req) {
+            if let Some(r) = self.proto.records_mut().attached_mut(*req) {
                 r.span = None;
             }
         }
@@ -373,7 +382,6 @@ impl DecodeLoop {
         {
             let mut env = DecodeEngineEnv {
                 engine,
-                records: &mut self.records,
                 commit: CommitExtra::default(),
                 gone_writers: &self.gone_writers,
             };
@@ -383,7 +391,7 @@ impl DecodeLoop {
     }
 
     /// Sends each message to its own request's coordinator (outputs about several
-    /// requests) and drops the driver record of each request that ended.
+    /// requests).
     fn reply_each(&mut self, out: Vec<Output>) {
         for o in out {
             if let Output::Send { to, msg } = o {
@@ -392,11 +400,10 @@ impl DecodeLoop {
                     self.to_writer(msg);
                 } else {
                     self.reserved(&msg);
-                    if let Some(r) = self.records.get(&req) {
+                    if let Some(r) = self.proto.records().attached(req) {
                         r.reply.send(msg);
                     }
                 }
-                self.settle(req);
             }
         }
     }
@@ -405,7 +412,7 @@ impl DecodeLoop {
     /// newest open link; when it has none, the node asks again once one opens.
     fn to_writer(&self, msg: Msg) {
         let req = msg.req();
-        let writer = self.records.get(&req).and_then(|r| r.writer.as_ref());
+        let writer = self.live_record(req).and_then(|r| r.writer.as_ref());
         let link = writer
             .and_then(|w| self.writer_links.get(w))
             .and_then(|links| links.values().next_back());
@@ -417,13 +424,31 @@ impl DecodeLoop {
         }
     }
 
-    /// The requests whose assigned writer is `name`.
+    /// The live requests whose assigned writer is `name`.
     fn written_by(&self, name: &str) -> Vec<ReqId> {
-        self.records
-            .iter()
-            .filter(|(_, r)| r.writer.as_deref() == Some(name))
-            .map(|(req, _)| *req)
+        self.proto
+            .records()
+            .live()
+            .filter(|(_, _, r)| r.writer.as_deref() == Some(name))
+            .map(|(req, _, _)| req)
             .collect()
+    }
+
+    /// The requests whose state is not terminal.
+    fn live_reqs(&self) -> impl Iterator<Item = ReqId> + '_ {
+        self.proto
+            .records()
+            .states()
+            .filter(|(_, s)| !s.is_terminal())
+            .map(|(req, _)| req)
+    }
+
+    /// What the node keeps for `req` while it is live (not for a tombstone).
+    fn live_record(&self, req: ReqId) -> Option<&DecodeRecord> {
+        let live = self.proto.records().state(req)?;
+        (!live.is_terminal())
+            .then(|| self.proto.records().attached(req))
+            .flatten()
     }
 
     /// Once every [`ASK_EVERY`]: asks the writer of every reservation quarantined for a
@@ -437,17 +462,12 @@ impl DecodeLoop {
         {
             let mut env = DecodeEngineEnv {
                 engine,
-                records: &mut self.records,
                 commit: CommitExtra::default(),
                 gone_writers: &self.gone_writers,
             };
             self.proto.ask_writers(&mut env, &mut out);
         }
         self.reply_each(out);
-    }
-
-    fn settle(&mut self, req: ReqId) {
-        settle(self.proto.records(), &mut self.records, req);
     }
 
     fn expire_tombstones(&mut self) {
@@ -464,10 +484,11 @@ impl DecodeLoop {
         }
         self.last_lease_check = Instant::now();
         let expired: Vec<ReqId> = self
-            .records
-            .iter()
-            .filter(|(req, r)| self.proto.accepts_writes(**req) && r.lease_from.elapsed() > LEASE)
-            .map(|(req, _)| *req)
+            .proto
+            .records()
+            .live()
+            .filter(|(req, _, r)| self.proto.accepts_writes(*req) && r.lease_from.elapsed() > LEASE)
+            .map(|(req, _, _)| req)
             .collect();
         for req in expired {
             self.counters.leases_expired.fetch_add(1, Ordering::Relaxed);
@@ -543,8 +564,7 @@ impl DecodeLoop {
     /// Whether `from` may write for `req`: the assigned writer, or any when the
     /// coordinator named none.
     fn is_writer(&self, req: ReqId, from: &WriterLink) -> bool {
-        self.records
-            .get(&req)
+        self.live_record(req)
             .and_then(|r| r.writer.as_ref())
             .is_none_or(|w| *w == from.name)
     }
@@ -565,29 +585,24 @@ impl NodeLoop for DecodeLoop {
                     tracing::warn!(?req, "a coordinator may only send Prealloc, Abort or Poll");
                     return;
                 }
-                match self.records.get_mut(&req) {
+                let mut attached = None;
+                let known = self.proto.records().state(req).is_some();
+                match self.proto.records_mut().attached_mut(req) {
                     // The latest link to the coordinator; a re-sent Prealloc never
                     // replaces the body and stream the request already has.
                     Some(r) => r.reply = reply.clone(),
-                    None if self.proto.records().state(req).is_none() => {
+                    None if !known && matches!(msg, Msg::Prealloc { .. }) => {
                         let writer = body.as_ref().and_then(|b| b.writer.clone());
                         let trace = body.as_ref().and_then(|b| b.trace.clone());
-                        self.records.insert(
-                            req,
-                            DecodeRecord {
-                                reply: reply.clone(),
-                                body: body.map(|b| *b),
-                                admitted: None,
-                                writer,
-                                lease_from: Instant::now(),
-                                span: crate::telemetry::child_span(
-                                    "queue",
-                                    req.0,
-                                    trace.as_deref(),
-                                ),
-                                trace,
-                            },
-                        );
+                        attached = Some(DecodeRecord {
+                            reply: reply.clone(),
+                            body: body.map(|b| *b),
+                            admitted: None,
+                            writer,
+                            lease_from: Instant::now(),
+                            span: crate::telemetry::child_span("queue", req.0, trace.as_deref()),
+                            trace,
+                        });
                     }
                     None => {} // a tombstone answers from the protocol's record
                 }
@@ -596,7 +611,7 @@ impl NodeLoop for DecodeLoop {
                     req,
                     Some(&reply),
                     CommitExtra::default(),
-                    |p, env, out| p.on_msg(msg, env, out),
+                    |p, env, out| p.on_msg_attached(msg, attached, env, out),
                 );
             }
             DecodeCmd::FromPrefill { msg, extra, from } => {
@@ -641,7 +656,7 @@ impl NodeLoop for DecodeLoop {
                         }
                     }
                     Msg::Renew { req } => {
-                        if let Some(r) = self.records.get_mut(&req) {
+                        if let Some(r) = self.proto.records_mut().attached_mut(req) {
                             r.lease_from = Instant::now();
                         }
                     }
@@ -724,7 +739,7 @@ impl NodeLoop for DecodeLoop {
                 self.reply_each(out);
             }
             DecodeCmd::EndAll(reason) => {
-                let live: Vec<ReqId> = self.records.keys().copied().collect();
+                let live: Vec<ReqId> = self.live_reqs().collect();
                 for req in live {
                     // Ignored unless running; then the record is gone.
                     let outcome = DecodeOutcome::Failed {
@@ -733,7 +748,7 @@ impl NodeLoop for DecodeLoop {
                     self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
                         p.on_decode_finished(req, outcome, env, out)
                     });
-                    if self.records.contains_key(&req) {
+                    if self.live_record(req).is_some() {
                         self.with_proto(
                             engine,
                             req,
@@ -757,11 +772,11 @@ impl NodeLoop for DecodeLoop {
     }
 
     fn timer(&self) -> Option<Duration> {
-        (!self.records.is_empty()).then_some(TIMER)
+        (self.proto.records().live_len() > 0).then_some(TIMER)
     }
 
     fn live(&self) -> usize {
-        self.records.len()
+        self.proto.records().live_len()
     }
 
     fn queued(&self) -> usize {
@@ -771,17 +786,13 @@ impl NodeLoop for DecodeLoop {
     fn quarantined_pages(&self, engine: &Engine) -> usize {
         use tessera_transfer::protocol::DecodeState;
         let kv = engine.kv();
-        // Live requests only (the driver drops a record once the protocol's is
-        // terminal), so this is cheap per step.
-        self.records
-            .keys()
-            .filter(|req| {
-                matches!(
-                    self.proto.records().state(**req),
-                    Some(DecodeState::Quarantined(_))
-                )
-            })
-            .filter_map(|req| kv.table(seq_of(*req)))
+        // One pass over the records (tombstones included: a few thousand at most,
+        // microseconds per step).
+        self.proto
+            .records()
+            .states()
+            .filter(|(_, s)| matches!(s, DecodeState::Quarantined(_)))
+            .filter_map(|(req, _)| kv.table(seq_of(req)))
             .map(|t| t.iter().filter(|r| !kv.pool().is_cached(r.page)).count())
             .sum()
     }

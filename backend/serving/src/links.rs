@@ -2,12 +2,11 @@
 //! a request's replies go, the protocol-level counters, and the transfer faults the
 //! in-process tests inject.
 
-use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 use tessera_model::sampling::Logprobs;
-use tessera_transfer::protocol::{Msg, Records, ReqId, RequestState};
+use tessera_transfer::protocol::Msg;
 
 /// Where a node sends one request's replies: the link to its coordinator. Must not
 /// block (queue the message; a link that cannot take it is broken, and the
@@ -115,7 +114,8 @@ pub enum TransferFault {
 /// retransmissions included.
 pub(crate) const TOMBSTONE_TTL_MS: u64 = 60_000;
 
-/// The node loops' clock for [`Records::expire`], read at most once a second.
+/// The node loops' clock for
+/// [`Records::expire`](tessera_transfer::protocol::Records::expire), read at most once a second.
 pub(crate) struct ExpiryClock {
     started: Instant,
     last: Instant,
@@ -137,17 +137,5 @@ impl ExpiryClock {
         }
         self.last = Instant::now();
         expire(self.started.elapsed().as_millis() as u64, TOMBSTONE_TTL_MS);
-    }
-}
-
-/// Drops a node loop's own record of `req` once the protocol's record is terminal or
-/// gone: the driver holds I/O handles only for live requests.
-pub(crate) fn settle<S: RequestState, R>(
-    proto: &Records<S>,
-    records: &mut HashMap<ReqId, R>,
-    req: ReqId,
-) {
-    if proto.state(req).is_none_or(|s| s.is_terminal()) {
-        records.remove(&req);
     }
 }

@@ -22,8 +22,8 @@ use tessera_engine::kv_transfer::{ExportError, ExportedPage};
 use tessera_engine::{Admitted, Engine, EngineError, FirstToken, GenerateRequest};
 use tessera_model::kv::SeqId;
 use tessera_transfer::protocol::{
-    FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId,
-    RequestState, Role,
+    Attachment, FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind,
+    ReqId, Role,
 };
 use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
 
@@ -76,7 +76,10 @@ pub(crate) enum PrefillCmd {
     Crash,
 }
 
-/// What the driver keeps per request beside the protocol's record.
+/// What the driver keeps per request, attached to the protocol's record
+/// ([`tessera_transfer::protocol::Records`]) until the protocol forgets it: to the
+/// end the decode node's index (a late `WriterQuiet` needs it) and the commit's
+/// extras.
 struct PrefillRecord {
     reply: ReplyTo,
     /// The request as the coordinator sent it, until this node admits it.
@@ -209,8 +212,17 @@ enum Computed {
 /// The prefill node's [`PrefillEnv`] over its engine and transfer workers.
 struct PrefillEngineEnv<'a> {
     engine: &'a mut Engine,
-    records: &'a mut HashMap<ReqId, PrefillRecord>,
     node: &'a mut NodeIo,
+}
+
+impl Attachment for PrefillRecord {
+    fn on_end(&mut self) {
+        self.export = None;
+        self.dest = Vec::new();
+        self.body = None;
+        self.admitted = None;
+        self.span = None;
+    }
 }
 
 /// The node's I/O handles (workers, its own command queue, drains done at once).
@@ -250,13 +262,16 @@ impl NodeIo {
 }
 
 impl PrefillEnv for PrefillEngineEnv<'_> {
+    type Attached = PrefillRecord;
+
     fn pages_for(&self, tokens: u32) -> usize {
         self.engine.kv().pages_for(tokens as usize)
     }
 
     fn admit_and_alloc(
         &mut self,
-        req: ReqId,
+        _req: ReqId,
+        record: Option<&mut PrefillRecord>,
         _tenant: u64,
         _prompt_tokens: u32,
         _max_tokens: u32,
@@ -265,7 +280,7 @@ impl PrefillEnv for PrefillEngineEnv<'_> {
             kind: RefusalKind::Invalid,
             message: "prefill without a request body".into(),
         };
-        let Some(r) = self.records.get_mut(&req) else {
+        let Some(r) = record else {
             return Err(no_body());
         };
         if r.admitted.is_some() {
@@ -285,9 +300,15 @@ impl PrefillEnv for PrefillEngineEnv<'_> {
         Ok(())
     }
 
-    fn start_prefill(&mut self, req: ReqId, _tokens: u32, dest: &[DestPage]) {
+    fn start_prefill(
+        &mut self,
+        req: ReqId,
+        record: Option<&mut PrefillRecord>,
+        _tokens: u32,
+        dest: &[DestPage],
+    ) {
         let fault = self.node.links.take_fault();
-        let Some(r) = self.records.get_mut(&req) else {
+        let Some(r) = record else {
             return;
         };
         let Some(admitted) = r.admitted.take() else {
@@ -298,16 +319,16 @@ impl PrefillEnv for PrefillEngineEnv<'_> {
         self.engine.enqueue_prefill(admitted, seq_of(req));
     }
 
-    fn stop_prefill(&mut self, req: ReqId) {
-        if let Some(r) = self.records.get(&req) {
+    fn stop_prefill(&mut self, req: ReqId, record: Option<&mut PrefillRecord>) {
+        if let Some(r) = record {
             r.cancel.store(true, Ordering::Release);
         }
         // Nothing was put yet while computing: its pages can go at once.
         self.engine.release_prefill(seq_of(req));
     }
 
-    fn flush(&mut self, req: ReqId) {
-        let job = self.records.get_mut(&req).and_then(|r| {
+    fn flush(&mut self, req: ReqId, record: Option<&mut PrefillRecord>) {
+        let job = record.and_then(|r| {
             let pages = r.export.take()?;
             Some((
                 r.decode,
@@ -339,8 +360,7 @@ impl PrefillEnv for PrefillEngineEnv<'_> {
 
 /// A prefill node's protocol loop.
 pub(crate) struct PrefillLoop {
-    proto: PrefillNode,
-    records: HashMap<ReqId, PrefillRecord>,
+    proto: PrefillNode<PrefillRecord>,
     io: NodeIo,
     crashed: bool,
     last_renew: std::time::Instant,
@@ -361,8 +381,7 @@ impl PrefillLoop {
     ) -> Self {
         Self {
             model,
-            proto: PrefillNode::new(),
-            records: HashMap::new(),
+            proto: PrefillNode::with_attachments(),
             io: NodeIo {
                 links,
                 workers: HashMap::new(),
@@ -381,44 +400,41 @@ impl PrefillLoop {
     fn with_proto(
         &mut self,
         engine: &mut Engine,
-        req: ReqId,
         reply: Option<&ReplyTo>,
-        f: impl FnOnce(&mut PrefillNode, &mut PrefillEngineEnv<'_>, &mut Vec<Output>),
+        f: impl FnOnce(&mut PrefillNode<PrefillRecord>, &mut PrefillEngineEnv<'_>, &mut Vec<Output>),
     ) {
         let mut out = Vec::new();
         {
             let mut env = PrefillEngineEnv {
                 engine: &mut *engine,
-                records: &mut self.records,
                 node: &mut self.io,
             };
             f(&mut self.proto, &mut env, &mut out);
         }
-        self.emit(req, reply, out);
+        self.emit(reply, out);
         while !self.io.drained_now.is_empty() {
             for (req, result) in std::mem::take(&mut self.io.drained_now) {
                 let mut out = Vec::new();
                 {
                     let mut env = PrefillEngineEnv {
                         engine: &mut *engine,
-                        records: &mut self.records,
                         node: &mut self.io,
                     };
                     self.proto.on_drained(req, result, &mut env, &mut out);
                 }
-                self.emit(req, None, out);
+                self.emit(None, out);
             }
         }
     }
 
-    fn emit(&mut self, req: ReqId, reply: Option<&ReplyTo>, out: Vec<Output>) {
+    fn emit(&mut self, reply: Option<&ReplyTo>, out: Vec<Output>) {
         for o in out {
             let Output::Send { to, msg } = o else {
                 continue;
             };
             match to {
                 Role::Decode => {
-                    let Some(r) = self.records.get(&msg.req()) else {
+                    let Some(r) = self.proto.records().attached(msg.req()) else {
                         continue;
                     };
                     let decode = r.decode;
@@ -450,34 +466,15 @@ impl PrefillLoop {
                     }
                 }
                 _ => {
-                    let link = reply
-                        .cloned()
-                        .or_else(|| self.records.get(&msg.req()).map(|r| r.reply.clone()));
+                    let link = reply.cloned().or_else(|| {
+                        let r = self.proto.records().attached(msg.req());
+                        r.map(|r| r.reply.clone())
+                    });
                     if let Some(l) = link {
                         l.send(msg);
                     }
                 }
             }
-        }
-        self.settle(req);
-    }
-
-    /// Drops what a request's record holds once it is terminal, and the record once
-    /// the protocol forgot it: until then the node may still have to tell the decode
-    /// node `WriterQuiet` (its coordinator lost), which needs the decode node's index.
-    fn settle(&mut self, req: ReqId) {
-        let live = self.proto.records().state(req).map(|s| !s.is_terminal());
-        match (live, self.records.get_mut(&req)) {
-            (None, _) => {
-                self.records.remove(&req);
-            }
-            (Some(false), Some(r)) => {
-                r.export = None;
-                r.dest = Vec::new();
-                r.body = None;
-                r.admitted = None;
-            }
-            _ => {}
         }
     }
 
@@ -492,9 +489,8 @@ impl PrefillLoop {
         let working: Vec<(ReqId, usize)> = self
             .proto
             .records()
-            .states()
-            .filter(|(_, s)| !s.is_terminal())
-            .filter_map(|(req, _)| self.records.get(&req).map(|r| (req, r.decode)))
+            .live()
+            .map(|(req, _, r)| (req, r.decode))
             .collect();
         for (req, decode) in working {
             let job = Job::Send {
@@ -510,7 +506,7 @@ impl PrefillLoop {
     fn computed(&mut self, engine: &mut Engine) {
         for done in engine.take_prefilled() {
             let req = ReqId(done.seq.0);
-            let Some(r) = self.records.get_mut(&req) else {
+            let Some(r) = self.proto.records_mut().attached_mut(req) else {
                 engine.release_prefill(done.seq);
                 continue;
             };
@@ -528,7 +524,7 @@ impl PrefillLoop {
                     let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
                     r.export = Some(pages);
                     r.span = crate::telemetry::child_span("transfer", req.0, r.trace.as_deref());
-                    self.with_proto(engine, req, None, |p, env, out| {
+                    self.with_proto(engine, None, |p, env, out| {
                         p.on_computed(req, first_token, &sums, env, out)
                     });
                 }
@@ -540,7 +536,7 @@ impl PrefillLoop {
                         _ => FailKind::Internal,
                     };
                     let reason = FailReason::new(kind, e.to_string());
-                    self.with_proto(engine, req, None, |p, env, out| {
+                    self.with_proto(engine, None, |p, env, out| {
                         p.on_compute_failed(req, reason, env, out)
                     });
                 }
@@ -568,49 +564,44 @@ impl NodeLoop for PrefillLoop {
                     tracing::warn!(?req, "a coordinator may only send Prefill or Abort");
                     return;
                 }
-                match (self.records.get_mut(&req), body) {
+                let mut attached = None;
+                let known = self.proto.records().state(req).is_some();
+                match (self.proto.records_mut().attached_mut(req), body) {
                     (Some(r), _) => r.reply = reply.clone(),
                     (None, Some((body, decode, trace)))
-                        if self.proto.records().state(req).is_none() =>
+                        if !known && matches!(msg, Msg::Prefill { .. }) =>
                     {
-                        self.records.insert(
-                            req,
-                            PrefillRecord {
-                                reply: reply.clone(),
-                                body: Some(body),
-                                admitted: None,
-                                decode,
-                                dest: Vec::new(),
-                                first: None,
-                                cached_tokens: 0,
-                                export: None,
-                                cancel: Arc::new(AtomicBool::new(false)),
-                                fault: None,
-                                span: crate::telemetry::child_span(
-                                    "prefill",
-                                    req.0,
-                                    trace.as_deref(),
-                                ),
-                                trace,
-                            },
-                        );
+                        attached = Some(PrefillRecord {
+                            reply: reply.clone(),
+                            body: Some(body),
+                            admitted: None,
+                            decode,
+                            dest: Vec::new(),
+                            first: None,
+                            cached_tokens: 0,
+                            export: None,
+                            cancel: Arc::new(AtomicBool::new(false)),
+                            fault: None,
+                            span: crate::telemetry::child_span("prefill", req.0, trace.as_deref()),
+                            trace,
+                        });
                     }
                     _ => {}
                 }
-                self.with_proto(engine, req, Some(&reply), |p, env, out| {
-                    p.on_msg(msg, env, out)
+                self.with_proto(engine, Some(&reply), |p, env, out| {
+                    p.on_msg_attached(msg, attached, env, out)
                 });
             }
             PrefillCmd::Drained(req, result) => {
-                if let Some(r) = self.records.get_mut(&req) {
+                if let Some(r) = self.proto.records_mut().attached_mut(req) {
                     r.span = None;
                 }
-                self.with_proto(engine, req, None, |p, env, out| {
+                self.with_proto(engine, None, |p, env, out| {
                     p.on_drained(req, result, env, out)
                 });
             }
             PrefillCmd::CoordinatorLost(req) => {
-                self.with_proto(engine, req, None, |p, env, out| {
+                self.with_proto(engine, None, |p, env, out| {
                     p.on_coordinator_lost(req, env, out)
                 });
             }
@@ -629,13 +620,19 @@ impl NodeLoop for PrefillLoop {
                         }
                     }
                 }
-                self.settle(req);
             }
             PrefillCmd::Drain => self.proto.begin_drain(),
             PrefillCmd::EndAll => {
-                let live: Vec<ReqId> = self.records.keys().copied().collect();
-                for req in live {
-                    self.with_proto(engine, req, None, |p, env, out| {
+                // Every request that came with a body, tombstones included (each is
+                // told to its decode node as quiet again).
+                let records = self.proto.records();
+                let held: Vec<ReqId> = records
+                    .states()
+                    .filter(|(req, _)| records.attached(*req).is_some())
+                    .map(|(req, _)| req)
+                    .collect();
+                for req in held {
+                    self.with_proto(engine, None, |p, env, out| {
                         p.on_coordinator_lost(req, env, out)
                     });
                 }
@@ -650,16 +647,8 @@ impl NodeLoop for PrefillLoop {
     }
 
     fn live(&self) -> usize {
-        // A record whose protocol state is terminal (or gone) holds nothing.
-        self.records
-            .keys()
-            .filter(|r| {
-                self.proto
-                    .records()
-                    .state(**r)
-                    .is_some_and(|s| !s.is_terminal())
-            })
-            .count()
+        // A record whose protocol state is terminal holds nothing.
+        self.proto.records().live_len()
     }
 
     fn after_step(&mut self, engine: &mut Engine) {

@@ -8,7 +8,7 @@ use super::flaws::Flaws;
 use super::messages::{
     send, CommitError, DecodeOutcome, FailReason, Msg, Output, PageCommit, Refusal, ReqId, Role,
 };
-use super::records::{Records, RequestState};
+use super::records::{Attachment, Records, RequestState};
 use crate::transport::DestPage;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -30,12 +30,17 @@ impl From<Refusal> for DecodeReserveError {
 
 /// The decode node's pool and engine as the protocol sees them.
 pub trait DecodeEnv {
+    /// What the node's driver keeps with each request's record ([`Records`]): `()`
+    /// under the model checker.
+    type Attached: Attachment;
+
     /// Admission (I1) of a new request, before any page is touched: whether it can
-    /// ever be served by this node. The default admits everything (then
-    /// [`reserve`](Self::reserve) refuses).
+    /// ever be served by this node. `attached` is what came with its `Prealloc`. The
+    /// default admits everything (then [`reserve`](Self::reserve) refuses).
     fn admit(
         &mut self,
         _req: ReqId,
+        _attached: Option<&mut Self::Attached>,
         _tenant: u64,
         _prompt_tokens: u32,
         _max_tokens: u32,
@@ -61,11 +66,12 @@ pub trait DecodeEnv {
     /// Adds the verified sequence to the running batch: `tokens` prompt tokens of KV in
     /// `pages` (the reservation's transfer pages, exactly as the descriptor named
     /// them), next input `first_token`. Report its end with
-    /// [`DecodeNode::on_decode_finished`]. An error fails the request (its pages are
-    /// then released).
+    /// [`DecodeNode::on_decode_finished`]. `attached` is the request's attachment. An
+    /// error fails the request (its pages are then released).
     fn start_decode(
         &mut self,
         req: ReqId,
+        attached: Option<&mut Self::Attached>,
         tokens: u32,
         first_token: u32,
         pages: &[DestPage],
@@ -75,10 +81,22 @@ pub trait DecodeEnv {
     fn release(&mut self, req: ReqId);
 
     /// Whether the node that writes `req`'s pages is known gone (its link closed): then
-    /// nothing it issued can still land. The default knows nothing.
-    fn writer_gone(&self, _req: ReqId) -> bool {
+    /// nothing it issued can still land. `attached` is the request's attachment. The
+    /// default knows nothing.
+    fn writer_gone(&self, _req: ReqId, _attached: Option<&Self::Attached>) -> bool {
         false
     }
+}
+
+/// What a `Prealloc` asks the decode node to hold for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReservationAsk {
+    /// Owning tenant.
+    pub tenant: u64,
+    /// Prompt tokens the prefill will transfer.
+    pub prompt_tokens: u32,
+    /// Tokens the decode may generate.
+    pub max_tokens: u32,
 }
 
 /// A request's state on the decode node.
@@ -156,10 +174,11 @@ pub enum PageWrite {
     Refuse(&'static str),
 }
 
-/// The decode side of the protocol for every request on one decode node.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct DecodeNode {
-    reqs: Records<DecodeState>,
+/// The decode side of the protocol for every request on one decode node; `A` is what
+/// the node's driver keeps with each request's record (`()` under the model checker).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DecodeNode<A = ()> {
+    reqs: Records<DecodeState, A>,
     /// Admitted requests waiting for pages, oldest first (FIFO: none overtakes).
     waiting: VecDeque<ReqId>,
     /// Requests whose prefill side already said it is quiet (before they were
@@ -175,8 +194,22 @@ pub struct DecodeNode {
     flaws: Flaws,
 }
 
+impl<A> Default for DecodeNode<A> {
+    fn default() -> Self {
+        Self {
+            reqs: Records::default(),
+            waiting: VecDeque::new(),
+            quiet: BTreeMap::new(),
+            foreign_writes: BTreeMap::new(),
+            draining: false,
+            #[cfg(any(test, feature = "test-util"))]
+            flaws: Flaws::default(),
+        }
+    }
+}
+
 impl DecodeNode {
-    /// An empty node.
+    /// An empty node whose requests carry no attachment (the model checker's).
     pub fn new() -> Self {
         Self::default()
     }
@@ -190,6 +223,13 @@ impl DecodeNode {
             ..Self::default()
         }
     }
+}
+
+impl<A: Attachment> DecodeNode<A> {
+    /// An empty node whose requests carry an attachment of type `A`.
+    pub fn with_attachments() -> Self {
+        Self::default()
+    }
 
     /// Requests admitted and waiting for pages, oldest first.
     pub fn waiting(&self) -> impl Iterator<Item = ReqId> + '_ {
@@ -197,24 +237,52 @@ impl DecodeNode {
     }
 
     /// Every request's record (state machine, then tombstone).
-    pub fn records(&self) -> &Records<DecodeState> {
+    pub fn records(&self) -> &Records<DecodeState, A> {
         &self.reqs
     }
 
-    /// Mutable records, to [`Records::forget`] tombstones.
-    pub fn records_mut(&mut self) -> &mut Records<DecodeState> {
+    /// Mutable records, to [`Records::forget`] tombstones and reach attachments.
+    pub fn records_mut(&mut self) -> &mut Records<DecodeState, A> {
         &mut self.reqs
     }
 
     /// Dispatches a message addressed to the decode node.
-    pub fn on_msg(&mut self, msg: Msg, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+    pub fn on_msg(
+        &mut self,
+        msg: Msg,
+        env: &mut impl DecodeEnv<Attached = A>,
+        out: &mut Vec<Output>,
+    ) {
+        self.on_msg_attached(msg, None, env, out)
+    }
+
+    /// [`on_msg`](Self::on_msg), with what the driver attaches to the request's
+    /// record if this message creates it (a `Prealloc` for a request the node has no
+    /// record of; dropped otherwise).
+    pub fn on_msg_attached(
+        &mut self,
+        msg: Msg,
+        attached: Option<A>,
+        env: &mut impl DecodeEnv<Attached = A>,
+        out: &mut Vec<Output>,
+    ) {
         match msg {
             Msg::Prealloc {
                 req,
                 tenant,
                 prompt_tokens,
                 max_tokens,
-            } => self.on_prealloc(req, tenant, prompt_tokens, max_tokens, env, out),
+            } => self.on_prealloc(
+                req,
+                ReservationAsk {
+                    tenant,
+                    prompt_tokens,
+                    max_tokens,
+                },
+                attached,
+                env,
+                out,
+            ),
             Msg::Commit {
                 req,
                 tokens,
@@ -260,11 +328,17 @@ impl DecodeNode {
 
     /// Records `state` for `req` (and forgets a quiet note once it left `Reserved`).
     fn set(&mut self, req: ReqId, state: DecodeState) {
+        self.set_first(req, state, None);
+    }
+
+    /// The transition function: `req` is now in `state` (a request's first state takes
+    /// the driver's attachment).
+    fn set_first(&mut self, req: ReqId, state: DecodeState, attached: Option<A>) {
         if state.is_terminal() {
             self.quiet.remove(&req);
             self.foreign_writes.remove(&req);
         }
-        self.reqs.insert(req, state);
+        self.reqs.insert(req, state, attached);
     }
 
     /// Advances the driver's clock to `now` (milliseconds) and forgets what is older
@@ -317,14 +391,13 @@ impl DecodeNode {
     /// `Prealloc`: admission (I1) and reservation for a new request, or a place in
     /// the FIFO of requests waiting for pages; a duplicate re-sends the latest reply; a
     /// tombstone ignores it. A draining node refuses every new request
-    /// ([`Refusal::draining`]).
+    /// ([`Refusal::draining`]). `attached` goes into the request's new record.
     pub fn on_prealloc(
         &mut self,
         req: ReqId,
-        tenant: u64,
-        prompt_tokens: u32,
-        max_tokens: u32,
-        env: &mut impl DecodeEnv,
+        asked: ReservationAsk,
+        attached: Option<A>,
+        env: &mut impl DecodeEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         match self.reqs.get(&req) {
@@ -332,13 +405,20 @@ impl DecodeNode {
             Some(DecodeState::Aborted) => return,
             Some(_) => return self.resend(req, out),
         }
+        let mut attached = attached;
         if self.draining {
             // Before admission: nothing is looked at or held for it here.
-            self.set(req, DecodeState::Refused(Refusal::draining(Role::Decode)));
+            let refused = DecodeState::Refused(Refusal::draining(Role::Decode));
+            self.set_first(req, refused, attached);
             return self.resend(req, out);
         }
-        if let Err(refusal) = env.admit(req, tenant, prompt_tokens, max_tokens) {
-            self.set(req, DecodeState::Refused(refusal));
+        let ReservationAsk {
+            tenant,
+            prompt_tokens,
+            max_tokens,
+        } = asked;
+        if let Err(refusal) = env.admit(req, attached.as_mut(), tenant, prompt_tokens, max_tokens) {
+            self.set_first(req, DecodeState::Refused(refusal), attached);
             return self.resend(req, out);
         }
         let waiting = DecodeState::Waiting {
@@ -346,17 +426,33 @@ impl DecodeNode {
             prompt_tokens,
             max_tokens,
         };
-        if !self.waiting.is_empty() {
-            // Behind older requests: no overtaking.
-            self.set(req, waiting);
-            self.waiting.push_back(req);
-            return;
+        // Behind older requests: no overtaking.
+        if self.waiting.is_empty() {
+            match env.reserve(req, tenant, prompt_tokens, max_tokens) {
+                Err(DecodeReserveError::NoRoomYet) => {}
+                reserved => {
+                    self.set_first(req, Self::reserved(prompt_tokens, reserved), attached);
+                    return self.resend(req, out);
+                }
+            }
         }
-        if self.try_reserve(req, tenant, prompt_tokens, max_tokens, env, out) {
-            return;
-        }
-        self.set(req, waiting);
+        self.set_first(req, waiting, attached);
         self.waiting.push_back(req);
+    }
+
+    /// The state a reservation attempt that did not say "no room yet" leads to.
+    fn reserved(
+        prompt_tokens: u32,
+        reserved: Result<Vec<DestPage>, DecodeReserveError>,
+    ) -> DecodeState {
+        match reserved {
+            Ok(dest) => DecodeState::Reserved {
+                tokens: prompt_tokens,
+                dest,
+            },
+            Err(DecodeReserveError::Refused(refusal)) => DecodeState::Refused(refusal),
+            Err(DecodeReserveError::NoRoomYet) => unreachable!("waits instead"),
+        }
     }
 
     /// Reserves for `req` and answers, or returns false (nothing changed) when the pool
@@ -364,28 +460,22 @@ impl DecodeNode {
     fn try_reserve(
         &mut self,
         req: ReqId,
-        tenant: u64,
-        prompt_tokens: u32,
-        max_tokens: u32,
-        env: &mut impl DecodeEnv,
+        asked: ReservationAsk,
+        env: &mut impl DecodeEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) -> bool {
-        let state = match env.reserve(req, tenant, prompt_tokens, max_tokens) {
-            Ok(dest) => DecodeState::Reserved {
-                tokens: prompt_tokens,
-                dest,
-            },
-            Err(DecodeReserveError::Refused(refusal)) => DecodeState::Refused(refusal),
-            Err(DecodeReserveError::NoRoomYet) => return false,
-        };
-        self.set(req, state);
+        let reserved = env.reserve(req, asked.tenant, asked.prompt_tokens, asked.max_tokens);
+        if reserved == Err(DecodeReserveError::NoRoomYet) {
+            return false;
+        }
+        self.set(req, Self::reserved(asked.prompt_tokens, reserved));
         self.resend(req, out);
         true
     }
 
     /// Pages were freed: reserves for waiting requests in arrival order until one does
     /// not fit (it stays first in line).
-    pub fn on_capacity(&mut self, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+    pub fn on_capacity(&mut self, env: &mut impl DecodeEnv<Attached = A>, out: &mut Vec<Output>) {
         while let Some(&req) = self.waiting.front() {
             let Some(&DecodeState::Waiting {
                 tenant,
@@ -396,7 +486,12 @@ impl DecodeNode {
                 self.waiting.pop_front(); // aborted meanwhile
                 continue;
             };
-            if !self.try_reserve(req, tenant, prompt_tokens, max_tokens, env, out) {
+            let asked = ReservationAsk {
+                tenant,
+                prompt_tokens,
+                max_tokens,
+            };
+            if !self.try_reserve(req, asked, env, out) {
                 return;
             }
             self.waiting.pop_front();
@@ -439,7 +534,7 @@ impl DecodeNode {
         tokens: u32,
         pages: &[PageCommit],
         first_token: u32,
-        env: &mut impl DecodeEnv,
+        env: &mut impl DecodeEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) -> Result<(), CommitError> {
         let Some(state) = self.reqs.get(&req) else {
@@ -493,7 +588,13 @@ impl DecodeNode {
             }
         };
         match &verdict {
-            Ok(()) => match env.start_decode(req, table_tokens, first_token, &table) {
+            Ok(()) => match env.start_decode(
+                req,
+                self.reqs.attached_mut(req),
+                table_tokens,
+                first_token,
+                &table,
+            ) {
                 Ok(()) => self.set(req, DecodeState::Running),
                 Err(reason) => {
                     // Verified, but the engine would not run it: fail it, free its pages.
@@ -516,7 +617,12 @@ impl DecodeNode {
 
     /// `Abort`: frees whatever the request holds, leaves a tombstone, acknowledges.
     /// The coordinator sends it only once the prefill side is quiet (S2).
-    pub fn on_abort(&mut self, req: ReqId, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+    pub fn on_abort(
+        &mut self,
+        req: ReqId,
+        env: &mut impl DecodeEnv<Attached = A>,
+        out: &mut Vec<Output>,
+    ) {
         match self.reqs.get(&req) {
             // A quarantined reservation too: the coordinator aborts the decode side only
             // once the prefill side acknowledged (or is dead), so nothing can land.
@@ -559,13 +665,13 @@ impl DecodeNode {
     pub fn on_coordinator_lost(
         &mut self,
         req: ReqId,
-        env: &mut impl DecodeEnv,
+        env: &mut impl DecodeEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         match self.reqs.get(&req) {
             Some(DecodeState::Reserved { .. })
                 if !self.quiet.contains_key(&req)
-                    && !env.writer_gone(req)
+                    && !env.writer_gone(req, self.reqs.attached(req))
                     && !flaw!(self, decode_frees_on_coordinator_lost) =>
             {
                 self.set(req, DecodeState::Quarantined(Quarantine::CoordinatorLost));
@@ -593,7 +699,12 @@ impl DecodeNode {
     /// (`QuietQuery`; the first one went out with the quarantine, and any may be
     /// lost). The pages stay quarantined until the answer: a timer alone never frees
     /// them (S2). Ignored otherwise.
-    pub fn ask_writer(&mut self, req: ReqId, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+    pub fn ask_writer(
+        &mut self,
+        req: ReqId,
+        env: &mut impl DecodeEnv<Attached = A>,
+        out: &mut Vec<Output>,
+    ) {
         if self.reqs.get(&req) != Some(&DecodeState::Quarantined(Quarantine::CoordinatorLost)) {
             return;
         }
@@ -608,7 +719,7 @@ impl DecodeNode {
     /// [`ask_writer`](Self::ask_writer) for every reservation quarantined because its
     /// coordinator is gone (the driver's retry timer). Each `Send` goes to the writer
     /// of its `msg.req()`.
-    pub fn ask_writers(&mut self, env: &mut impl DecodeEnv, out: &mut Vec<Output>) {
+    pub fn ask_writers(&mut self, env: &mut impl DecodeEnv<Attached = A>, out: &mut Vec<Output>) {
         let asked: Vec<ReqId> = self
             .reqs
             .states()
@@ -627,7 +738,7 @@ impl DecodeNode {
     pub fn on_lease_expired(
         &mut self,
         req: ReqId,
-        env: &mut impl DecodeEnv,
+        env: &mut impl DecodeEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         if !matches!(self.reqs.get(&req), Some(DecodeState::Reserved { .. })) {
@@ -648,7 +759,7 @@ impl DecodeNode {
     pub fn on_writer_quiet(
         &mut self,
         req: ReqId,
-        env: &mut impl DecodeEnv,
+        env: &mut impl DecodeEnv<Attached = A>,
         _out: &mut Vec<Output>,
     ) {
         match self.reqs.get(&req) {
@@ -669,7 +780,7 @@ impl DecodeNode {
         &mut self,
         req: ReqId,
         outcome: DecodeOutcome,
-        env: &mut impl DecodeEnv,
+        env: &mut impl DecodeEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         if self.reqs.get(&req) != Some(&DecodeState::Running) {
@@ -684,13 +795,13 @@ impl DecodeNode {
 /// The I4 check of a commit against a reservation: tokens covered == reserved, the
 /// committed pages are exactly the reserved pages (each once, each with its reserved
 /// tag), and the bytes that landed in each page match the committed checksum.
-pub fn verify_commit(
+pub fn verify_commit<A: Attachment>(
     req: ReqId,
     reserved_tokens: u32,
     reserved: &[DestPage],
     tokens: u32,
     pages: &[PageCommit],
-    env: &impl DecodeEnv,
+    env: &impl DecodeEnv<Attached = A>,
 ) -> Result<(), CommitError> {
     if tokens != reserved_tokens {
         return Err(CommitError::TokenCount {

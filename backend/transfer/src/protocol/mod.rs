@@ -19,6 +19,7 @@ mod wire;
 pub use coordinator::{CoordPhase, Coordinator};
 pub use decode::{
     verify_commit, DecodeEnv, DecodeNode, DecodeReserveError, DecodeState, PageWrite, Quarantine,
+    ReservationAsk,
 };
 #[cfg(any(test, feature = "test-util"))]
 pub use flaws::Flaws;
@@ -26,7 +27,7 @@ pub use messages::{
     CommitError, DecodeOutcome, FailKind, FailReason, Failure, Msg, Outcome, Output, PageCommit,
     Refusal, RefusalKind, ReqId, Role,
 };
-pub use prefill::{AfterDrain, PrefillEnv, PrefillNode, PrefillState};
-pub use records::{Records, RequestState};
+pub use prefill::{AfterDrain, PrefillAsk, PrefillEnv, PrefillNode, PrefillState};
+pub use records::{Attachment, Records, RequestState};
 pub use retry::{Attempts, Cause, Retry, RetryPolicy, StreamFence, StreamItem};
 pub use routes::{LinkViolation, RouteBook, Routed};

@@ -7,18 +7,24 @@ use super::flaws::flaw;
 #[cfg(any(test, feature = "test-util"))]
 use super::flaws::Flaws;
 use super::messages::{send, FailKind, FailReason, Msg, Output, PageCommit, Refusal, ReqId, Role};
-use super::records::{Records, RequestState};
+use super::records::{Attachment, Records, RequestState};
 use crate::transport::DestPage;
 
 /// The prefill node's pool, engine and transport as the protocol sees them.
 pub trait PrefillEnv {
+    /// What the node's driver keeps with each request's record ([`Records`]): `()`
+    /// under the model checker.
+    type Attached: Attachment;
+
     /// Pages needed to hold `tokens` tokens (the descriptor must name that many).
     fn pages_for(&self, tokens: u32) -> usize;
 
-    /// Admission (I1) and allocation of source pages, all or nothing.
+    /// Admission (I1) and allocation of source pages, all or nothing. `attached` is
+    /// what came with the request's `Prefill`.
     fn admit_and_alloc(
         &mut self,
         req: ReqId,
+        attached: Option<&mut Self::Attached>,
         tenant: u64,
         prompt_tokens: u32,
         max_tokens: u32,
@@ -27,18 +33,38 @@ pub trait PrefillEnv {
     /// Starts computing the prompt's KV (`tokens` tokens); page `i` is put into
     /// `dest[i]` through the transport once computed. Report the end with
     /// [`PrefillNode::on_computed`] or [`PrefillNode::on_compute_failed`].
-    fn start_prefill(&mut self, req: ReqId, tokens: u32, dest: &[DestPage]);
+    /// `attached` is the request's attachment.
+    fn start_prefill(
+        &mut self,
+        req: ReqId,
+        attached: Option<&mut Self::Attached>,
+        tokens: u32,
+        dest: &[DestPage],
+    );
 
     /// Stops computing `req`: once this returns no further put for it is issued
     /// (puts already issued may still be in flight).
-    fn stop_prefill(&mut self, req: ReqId);
+    fn stop_prefill(&mut self, req: ReqId, attached: Option<&mut Self::Attached>);
 
     /// Asks the transport to drain every put issued so far; report completion with
     /// [`PrefillNode::on_drained`].
-    fn flush(&mut self, req: ReqId);
+    fn flush(&mut self, req: ReqId, attached: Option<&mut Self::Attached>);
 
     /// Frees `req`'s source pages. Called only once its writes are drained (I5).
     fn release(&mut self, req: ReqId);
+}
+
+/// What a `Prefill` asks the prefill node to compute and write.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PrefillAsk {
+    /// Owning tenant.
+    pub tenant: u64,
+    /// Prompt tokens to prefill.
+    pub prompt_tokens: u32,
+    /// The request's output budget (admission counts the first token here).
+    pub max_tokens: u32,
+    /// The decode node's reserved pages, in logical block order.
+    pub dest: Vec<DestPage>,
 }
 
 /// What the prefill node does once the drain it waits for completes.
@@ -85,18 +111,31 @@ impl RequestState for PrefillState {
     }
 }
 
-/// The prefill side of the protocol for every request on one prefill node.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct PrefillNode {
-    reqs: Records<PrefillState>,
+/// The prefill side of the protocol for every request on one prefill node; `A` is
+/// what the node's driver keeps with each request's record (`()` under the model
+/// checker).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PrefillNode<A = ()> {
+    reqs: Records<PrefillState, A>,
     /// The node drains ([`PrefillNode::begin_drain`]): new requests are refused.
     draining: bool,
     #[cfg(any(test, feature = "test-util"))]
     flaws: Flaws,
 }
 
+impl<A> Default for PrefillNode<A> {
+    fn default() -> Self {
+        Self {
+            reqs: Records::default(),
+            draining: false,
+            #[cfg(any(test, feature = "test-util"))]
+            flaws: Flaws::default(),
+        }
+    }
+}
+
 impl PrefillNode {
-    /// An empty node.
+    /// An empty node whose requests carry no attachment (the model checker's).
     pub fn new() -> Self {
         Self::default()
     }
@@ -109,6 +148,13 @@ impl PrefillNode {
             flaws,
             ..Self::default()
         }
+    }
+}
+
+impl<A: Attachment> PrefillNode<A> {
+    /// An empty node whose requests carry an attachment of type `A`.
+    pub fn with_attachments() -> Self {
+        Self::default()
     }
 
     /// The node starts draining: from now on every new request is refused with
@@ -125,17 +171,35 @@ impl PrefillNode {
     }
 
     /// Every request's record (state machine, then tombstone).
-    pub fn records(&self) -> &Records<PrefillState> {
+    pub fn records(&self) -> &Records<PrefillState, A> {
         &self.reqs
     }
 
-    /// Mutable records, to [`Records::forget`] tombstones.
-    pub fn records_mut(&mut self) -> &mut Records<PrefillState> {
+    /// Mutable records, to [`Records::forget`] tombstones and reach attachments.
+    pub fn records_mut(&mut self) -> &mut Records<PrefillState, A> {
         &mut self.reqs
     }
 
     /// Dispatches a message addressed to the prefill node.
-    pub fn on_msg(&mut self, msg: Msg, env: &mut impl PrefillEnv, out: &mut Vec<Output>) {
+    pub fn on_msg(
+        &mut self,
+        msg: Msg,
+        env: &mut impl PrefillEnv<Attached = A>,
+        out: &mut Vec<Output>,
+    ) {
+        self.on_msg_attached(msg, None, env, out)
+    }
+
+    /// [`on_msg`](Self::on_msg), with what the driver attaches to the request's
+    /// record if this message creates it (a `Prefill` for a request the node has no
+    /// record of; dropped otherwise).
+    pub fn on_msg_attached(
+        &mut self,
+        msg: Msg,
+        attached: Option<A>,
+        env: &mut impl PrefillEnv<Attached = A>,
+        out: &mut Vec<Output>,
+    ) {
         match msg {
             Msg::Prefill {
                 req,
@@ -143,7 +207,15 @@ impl PrefillNode {
                 prompt_tokens,
                 max_tokens,
                 dest,
-            } => self.on_prefill(req, tenant, prompt_tokens, max_tokens, dest, env, out),
+            } => {
+                let ask = PrefillAsk {
+                    tenant,
+                    prompt_tokens,
+                    max_tokens,
+                    dest,
+                };
+                self.on_prefill(req, ask, attached, env, out)
+            }
             Msg::Abort { req } => self.on_abort(req, env, out),
             Msg::QuietQuery { req } => self.on_quiet_query(req, out),
             _ => {}
@@ -173,7 +245,7 @@ impl PrefillNode {
                     "the decode node gave up the reservation (its coordinator link closed) \
                      before this prefill node heard of the request",
                 );
-                self.reqs.insert(req, PrefillState::Failed(reason));
+                self.set(req, PrefillState::Failed(reason));
             }
             _ => {}
         }
@@ -183,16 +255,13 @@ impl PrefillNode {
     /// `Prefill`: descriptor check, admission (I1) and allocation, then compute. A
     /// duplicate re-sends the latest reply (`Commit`, `PrefillFailed`, `Rejected`); a
     /// tombstone ignores it. A draining node refuses every new request
-    /// ([`Refusal::draining`]).
-    #[allow(clippy::too_many_arguments)]
+    /// ([`Refusal::draining`]). `attached` goes into the request's new record.
     pub fn on_prefill(
         &mut self,
         req: ReqId,
-        tenant: u64,
-        prompt_tokens: u32,
-        max_tokens: u32,
-        dest: Vec<DestPage>,
-        env: &mut impl PrefillEnv,
+        ask: PrefillAsk,
+        attached: Option<A>,
+        env: &mut impl PrefillEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         match self.reqs.get(&req) {
@@ -215,10 +284,16 @@ impl PrefillNode {
             }
             Some(_) => return, // working on it, or aborted (tombstone)
         }
+        let PrefillAsk {
+            tenant,
+            prompt_tokens,
+            max_tokens,
+            dest,
+        } = ask;
+        let mut attached = attached;
         if self.draining {
             let refusal = Refusal::draining(Role::Prefill);
-            self.reqs
-                .insert(req, PrefillState::Refused(refusal.clone()));
+            self.set_first(req, PrefillState::Refused(refusal.clone()), attached);
             let msg = Msg::Rejected {
                 req,
                 by: Role::Prefill,
@@ -235,34 +310,33 @@ impl PrefillNode {
                     dest.len()
                 ),
             );
-            self.reqs.insert(req, PrefillState::Failed(reason.clone()));
+            self.set_first(req, PrefillState::Failed(reason.clone()), attached);
             return send(out, Role::Coordinator, Msg::PrefillFailed { req, reason });
         }
-        match env.admit_and_alloc(req, tenant, prompt_tokens, max_tokens) {
+        match env.admit_and_alloc(req, attached.as_mut(), tenant, prompt_tokens, max_tokens) {
             Ok(()) => {
-                env.start_prefill(req, prompt_tokens, &dest);
-                self.reqs.insert(
-                    req,
-                    PrefillState::Computing {
-                        tokens: prompt_tokens,
-                        dest,
-                    },
-                );
+                env.start_prefill(req, attached.as_mut(), prompt_tokens, &dest);
+                let computing = PrefillState::Computing {
+                    tokens: prompt_tokens,
+                    dest,
+                };
+                self.set_first(req, computing, attached);
             }
             Err(refusal) => {
                 if flaw!(self, prefill_placeholder_on_refusal)
                     && !dest.is_empty()
-                    && env.admit_and_alloc(req, tenant, 1, 1).is_ok()
+                    && env
+                        .admit_and_alloc(req, attached.as_mut(), tenant, 1, 1)
+                        .is_ok()
                 {
                     // The incident: a one-token placeholder rides through the batch.
-                    env.start_prefill(req, 1, &dest[..1]);
+                    env.start_prefill(req, attached.as_mut(), 1, &dest[..1]);
                     let dest = dest[..1].to_vec();
-                    self.reqs
-                        .insert(req, PrefillState::Computing { tokens: 1, dest });
+                    let computing = PrefillState::Computing { tokens: 1, dest };
+                    self.set_first(req, computing, attached);
                     return;
                 }
-                self.reqs
-                    .insert(req, PrefillState::Refused(refusal.clone()));
+                self.set_first(req, PrefillState::Refused(refusal.clone()), attached);
                 let msg = Msg::Rejected {
                     req,
                     by: Role::Prefill,
@@ -281,7 +355,7 @@ impl PrefillNode {
         req: ReqId,
         first_token: u32,
         checksums: &[u32],
-        env: &mut impl PrefillEnv,
+        env: &mut impl PrefillEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         let Some(PrefillState::Computing { tokens, dest }) = self.reqs.get(&req) else {
@@ -296,9 +370,8 @@ impl PrefillNode {
                     dest.len()
                 ),
             );
-            env.flush(req);
-            self.reqs
-                .insert(req, PrefillState::Draining(AfterDrain::Fail(reason)));
+            env.flush(req, self.reqs.attached_mut(req));
+            self.set(req, PrefillState::Draining(AfterDrain::Fail(reason)));
             return;
         }
         let commit = Msg::Commit {
@@ -317,12 +390,11 @@ impl PrefillNode {
         if flaw!(self, prefill_commits_before_drain) {
             env.release(req);
             send(out, Role::Decode, commit.clone());
-            self.reqs.insert(req, PrefillState::Committed(commit));
+            self.set(req, PrefillState::Committed(commit));
             return;
         }
-        env.flush(req);
-        self.reqs
-            .insert(req, PrefillState::Draining(AfterDrain::Commit(commit)));
+        env.flush(req, self.reqs.attached_mut(req));
+        self.set(req, PrefillState::Draining(AfterDrain::Commit(commit)));
     }
 
     /// The engine failed computing `req` (it issues no further put): drain, then fail.
@@ -330,13 +402,12 @@ impl PrefillNode {
         &mut self,
         req: ReqId,
         reason: FailReason,
-        env: &mut impl PrefillEnv,
+        env: &mut impl PrefillEnv<Attached = A>,
         _out: &mut Vec<Output>,
     ) {
         if let Some(PrefillState::Computing { .. }) = self.reqs.get(&req) {
-            env.flush(req);
-            self.reqs
-                .insert(req, PrefillState::Draining(AfterDrain::Fail(reason)));
+            env.flush(req, self.reqs.attached_mut(req));
+            self.set(req, PrefillState::Draining(AfterDrain::Fail(reason)));
         }
     }
 
@@ -347,7 +418,7 @@ impl PrefillNode {
         &mut self,
         req: ReqId,
         result: Result<(), FailReason>,
-        env: &mut impl PrefillEnv,
+        env: &mut impl PrefillEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         let Some(PrefillState::Draining(after)) = self.reqs.get(&req) else {
@@ -358,10 +429,10 @@ impl PrefillNode {
         match (after, result) {
             (AfterDrain::Commit(commit), Ok(())) => {
                 send(out, Role::Decode, commit.clone());
-                self.reqs.insert(req, PrefillState::Committed(commit));
+                self.set(req, PrefillState::Committed(commit));
             }
             (AfterDrain::Commit(_), Err(reason)) | (AfterDrain::Fail(reason), _) => {
-                self.reqs.insert(req, PrefillState::Failed(reason.clone()));
+                self.set(req, PrefillState::Failed(reason.clone()));
                 send(out, Role::Coordinator, Msg::PrefillFailed { req, reason });
             }
             (AfterDrain::AbortAck, _) => {
@@ -379,11 +450,22 @@ impl PrefillNode {
         }
     }
 
+    /// The transition function: `req` is now in `state`.
+    fn set(&mut self, req: ReqId, state: PrefillState) {
+        self.set_first(req, state, None);
+    }
+
+    /// [`set`](Self::set) for a request's first state, which takes the driver's
+    /// attachment.
+    fn set_first(&mut self, req: ReqId, state: PrefillState, attached: Option<A>) {
+        self.reqs.insert(req, state, attached);
+    }
+
     fn tombstone(&mut self, req: ReqId) {
         if flaw!(self, prefill_forgets_aborts) {
             self.reqs.remove(&req);
         } else {
-            self.reqs.insert(req, PrefillState::Aborted);
+            self.set(req, PrefillState::Aborted);
         }
     }
 
@@ -396,19 +478,17 @@ impl PrefillNode {
     pub fn on_coordinator_lost(
         &mut self,
         req: ReqId,
-        env: &mut impl PrefillEnv,
+        env: &mut impl PrefillEnv<Attached = A>,
         out: &mut Vec<Output>,
     ) {
         match self.reqs.get(&req) {
             Some(PrefillState::Computing { .. }) => {
-                env.stop_prefill(req);
-                env.flush(req);
-                self.reqs
-                    .insert(req, PrefillState::Draining(AfterDrain::Quiet));
+                env.stop_prefill(req, self.reqs.attached_mut(req));
+                env.flush(req, self.reqs.attached_mut(req));
+                self.set(req, PrefillState::Draining(AfterDrain::Quiet));
             }
             Some(PrefillState::Draining(_)) => {
-                self.reqs
-                    .insert(req, PrefillState::Draining(AfterDrain::Quiet));
+                self.set(req, PrefillState::Draining(AfterDrain::Quiet));
             }
             // Nothing in flight: its writes drained, or it never wrote and (with a
             // tombstone) never will.
@@ -423,19 +503,22 @@ impl PrefillNode {
     /// `Abort`: stops computing, drains, releases, then acknowledges (from
     /// [`on_drained`](Self::on_drained) if writes may be in flight, at once otherwise).
     /// An unknown request gets a tombstone so a late `Prefill` is ignored.
-    pub fn on_abort(&mut self, req: ReqId, env: &mut impl PrefillEnv, out: &mut Vec<Output>) {
+    pub fn on_abort(
+        &mut self,
+        req: ReqId,
+        env: &mut impl PrefillEnv<Attached = A>,
+        out: &mut Vec<Output>,
+    ) {
         match self.reqs.get(&req) {
             Some(PrefillState::Computing { .. }) => {
-                env.stop_prefill(req);
-                env.flush(req);
-                self.reqs
-                    .insert(req, PrefillState::Draining(AfterDrain::AbortAck));
+                env.stop_prefill(req, self.reqs.attached_mut(req));
+                env.flush(req, self.reqs.attached_mut(req));
+                self.set(req, PrefillState::Draining(AfterDrain::AbortAck));
                 return;
             }
             Some(PrefillState::Draining(_)) => {
                 // Drop the pending commit or failure; ack once drained.
-                self.reqs
-                    .insert(req, PrefillState::Draining(AfterDrain::AbortAck));
+                self.set(req, PrefillState::Draining(AfterDrain::AbortAck));
                 return;
             }
             Some(PrefillState::Refused(_)) => {} // keep the refusal: nothing held
@@ -477,7 +560,7 @@ mod tests {
         node.on_msg(Msg::QuietQuery { req: R }, &mut env, &mut out);
         assert!(quiet(&out), "{out:?}");
         let mut late = Vec::new();
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut late);
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut late);
         assert!(
             matches!(
                 late.as_slice(),
@@ -497,7 +580,7 @@ mod tests {
             room: true,
             ..Default::default()
         };
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut Vec::new());
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut Vec::new());
         let mut out = Vec::new();
         node.on_quiet_query(R, &mut out);
         assert!(out.is_empty(), "{out:?}");
@@ -518,11 +601,29 @@ mod tests {
         room: bool,
     }
 
+    fn ask(tenant: u64, prompt_tokens: u32, max_tokens: u32, dest: Vec<DestPage>) -> PrefillAsk {
+        PrefillAsk {
+            tenant,
+            prompt_tokens,
+            max_tokens,
+            dest,
+        }
+    }
+
     impl PrefillEnv for FakePrefill {
+        type Attached = ();
+
         fn pages_for(&self, tokens: u32) -> usize {
             tokens.div_ceil(16) as usize
         }
-        fn admit_and_alloc(&mut self, _: ReqId, _: u64, p: u32, _: u32) -> Result<(), Refusal> {
+        fn admit_and_alloc(
+            &mut self,
+            _: ReqId,
+            _: Option<&mut ()>,
+            _: u64,
+            p: u32,
+            _: u32,
+        ) -> Result<(), Refusal> {
             self.calls.push(format!("admit {p}"));
             if self.room {
                 Ok(())
@@ -533,13 +634,13 @@ mod tests {
                 })
             }
         }
-        fn start_prefill(&mut self, _: ReqId, tokens: u32, dest: &[DestPage]) {
+        fn start_prefill(&mut self, _: ReqId, _: Option<&mut ()>, tokens: u32, dest: &[DestPage]) {
             self.calls.push(format!("start {tokens} {}", dest.len()));
         }
-        fn stop_prefill(&mut self, _: ReqId) {
+        fn stop_prefill(&mut self, _: ReqId, _: Option<&mut ()>) {
             self.calls.push("stop".into());
         }
-        fn flush(&mut self, _: ReqId) {
+        fn flush(&mut self, _: ReqId, _: Option<&mut ()>) {
             self.calls.push("flush".into());
         }
         fn release(&mut self, _: ReqId) {
@@ -555,7 +656,7 @@ mod tests {
             ..Default::default()
         };
         let mut out = Vec::new();
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut out);
         node.on_computed(R, 42, &[100, 101], &mut env, &mut out);
         assert!(out.is_empty(), "no commit before the drain");
         assert_eq!(env.calls, ["admit 20", "start 20 2", "flush"]);
@@ -577,7 +678,7 @@ mod tests {
         assert_eq!(pages, &good(&dests(2)));
         // A duplicated Prefill re-sends the commit and computes nothing.
         let mut again = Vec::new();
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut again);
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut again);
         assert_eq!(again, out);
         assert_eq!(env.calls.len(), 4);
     }
@@ -590,12 +691,12 @@ mod tests {
             ..Default::default()
         };
         let mut out = Vec::new();
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut out);
         node.begin_drain();
         assert!(node.is_draining());
         // A new request is refused before admission: nothing allocated.
         let other = ReqId(8);
-        node.on_prefill(other, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.on_prefill(other, ask(3, 20, 4, dests(2)), None, &mut env, &mut out);
         let refused = [Output::Send {
             to: Role::Coordinator,
             msg: Msg::Rejected {
@@ -608,7 +709,7 @@ mod tests {
         assert_eq!(env.calls, ["admit 20", "start 20 2"]);
         // Its duplicate gets the same refusal.
         let mut again = Vec::new();
-        node.on_prefill(other, 3, 20, 4, dests(2), &mut env, &mut again);
+        node.on_prefill(other, ask(3, 20, 4, dests(2)), None, &mut env, &mut again);
         assert_eq!(again, refused);
         // The request it computes still commits.
         let mut out = Vec::new();
@@ -634,7 +735,7 @@ mod tests {
             ..Default::default()
         };
         let mut out = Vec::new();
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut out);
         node.on_abort(R, &mut env, &mut out);
         assert!(out.is_empty(), "no ack while writes may be in flight");
         node.on_computed(R, 42, &[1, 2], &mut env, &mut out); // late: ignored
@@ -655,14 +756,14 @@ mod tests {
         );
         // A late Prefill after the abort allocates nothing.
         let mut late = Vec::new();
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut late);
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut late);
         assert!(late.is_empty());
         assert_eq!(env.calls.len(), 5);
         // Abort of an unknown request: acked at once, tombstone against a late Prefill.
         let other = ReqId(8);
         node.on_abort(other, &mut env, &mut late);
         assert_eq!(late.len(), 1);
-        node.on_prefill(other, 3, 20, 4, dests(2), &mut env, &mut late);
+        node.on_prefill(other, ask(3, 20, 4, dests(2)), None, &mut env, &mut late);
         assert_eq!(env.calls.len(), 5);
     }
 
@@ -671,7 +772,7 @@ mod tests {
         let mut node = PrefillNode::new();
         let mut env = FakePrefill::default();
         let mut out = Vec::new();
-        node.on_prefill(R, 3, 20, 4, dests(2), &mut env, &mut out);
+        node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut out);
         assert!(matches!(
             out.as_slice(),
             [Output::Send {
@@ -688,7 +789,7 @@ mod tests {
             "nothing started for a refused request"
         );
         let mut out = Vec::new();
-        node.on_prefill(ReqId(9), 3, 20, 4, dests(1), &mut env, &mut out);
+        node.on_prefill(ReqId(9), ask(3, 20, 4, dests(1)), None, &mut env, &mut out);
         assert!(matches!(
             out.as_slice(),
             [Output::Send {

@@ -78,6 +78,8 @@ pub(crate) fn claim(held: &[bool], need: usize, pool: &str) -> Result<Vec<usize>
 }
 
 impl DecodeEnv for DPool {
+    type Attached = ();
+
     fn reserve(
         &mut self,
         req: ReqId,
@@ -126,6 +128,7 @@ impl DecodeEnv for DPool {
     fn start_decode(
         &mut self,
         req: ReqId,
+        _attached: Option<&mut ()>,
         tokens: u32,
         first_token: u32,
         pages: &[DestPage],
@@ -136,7 +139,7 @@ impl DecodeEnv for DPool {
         Ok(())
     }
 
-    fn writer_gone(&self, _req: ReqId) -> bool {
+    fn writer_gone(&self, _req: ReqId, _attached: Option<&()>) -> bool {
         self.writer_gone
     }
 
@@ -174,6 +177,8 @@ pub(crate) struct PPool {
 }
 
 impl PrefillEnv for PPool {
+    type Attached = ();
+
     fn pages_for(&self, tokens: u32) -> usize {
         tokens.div_ceil(self.page_size) as usize
     }
@@ -181,6 +186,7 @@ impl PrefillEnv for PPool {
     fn admit_and_alloc(
         &mut self,
         req: ReqId,
+        _attached: Option<&mut ()>,
         _tenant: u64,
         prompt_tokens: u32,
         _max_tokens: u32,
@@ -194,15 +200,21 @@ impl PrefillEnv for PPool {
         Ok(())
     }
 
-    fn start_prefill(&mut self, req: ReqId, _tokens: u32, dest: &[DestPage]) {
+    fn start_prefill(
+        &mut self,
+        req: ReqId,
+        _attached: Option<&mut ()>,
+        _tokens: u32,
+        dest: &[DestPage],
+    ) {
         self.computing.insert(req, (0, dest.to_vec()));
     }
 
-    fn stop_prefill(&mut self, req: ReqId) {
+    fn stop_prefill(&mut self, req: ReqId, _attached: Option<&mut ()>) {
         self.computing.remove(&req);
     }
 
-    fn flush(&mut self, req: ReqId) {
+    fn flush(&mut self, req: ReqId, _attached: Option<&mut ()>) {
         self.flushing.insert(req);
     }
 

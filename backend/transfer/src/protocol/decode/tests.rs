@@ -35,6 +35,8 @@ impl FakeDecode {
 }
 
 impl DecodeEnv for FakeDecode {
+    type Attached = ();
+
     fn reserve(
         &mut self,
         req: ReqId,
@@ -73,6 +75,7 @@ impl DecodeEnv for FakeDecode {
     fn start_decode(
         &mut self,
         req: ReqId,
+        _attached: Option<&mut ()>,
         tokens: u32,
         first: u32,
         pages: &[DestPage],
@@ -96,12 +99,20 @@ impl DecodeEnv for FakeDecode {
     }
 }
 
+fn ask(tenant: u64, prompt_tokens: u32, max_tokens: u32) -> ReservationAsk {
+    ReservationAsk {
+        tenant,
+        prompt_tokens,
+        max_tokens,
+    }
+}
+
 /// A decode node with `R` reserved for 20 prompt tokens (2 pages), both landed.
 fn reserved() -> (DecodeNode, FakeDecode, Vec<DestPage>) {
     let mut node = DecodeNode::new();
     let mut env = FakeDecode::new();
     let mut out = Vec::new();
-    node.on_prealloc(R, 3, 20, 4, &mut env, &mut out);
+    node.on_prealloc(R, ask(3, 20, 4), None, &mut env, &mut out);
     let [Output::Send {
         to: Role::Coordinator,
         msg: Msg::Descriptor { pages, .. },
@@ -294,7 +305,7 @@ fn late_commit_after_abort_is_ignored() {
     assert_eq!(env.landed_checksum(R, pages[0]), None);
     // A late Prealloc after the abort reserves nothing.
     let mut out = Vec::new();
-    node.on_prealloc(R, 3, 20, 4, &mut env, &mut out);
+    node.on_prealloc(R, ask(3, 20, 4), None, &mut env, &mut out);
     assert!(out.is_empty());
     assert_eq!(env.free, 2, "one reservation only");
 }
@@ -304,7 +315,7 @@ fn refused_prealloc_is_terminal() {
     let mut node = DecodeNode::new();
     let mut env = FakeDecode::new();
     let mut out = Vec::new();
-    node.on_prealloc(R, 3, 200, 4, &mut env, &mut out);
+    node.on_prealloc(R, ask(3, 200, 4), None, &mut env, &mut out);
     assert!(matches!(
         reply(&out),
         Msg::Rejected {
@@ -319,14 +330,14 @@ fn refused_prealloc_is_terminal() {
     // Even once pages would fit, a duplicate is answered with the same refusal.
     env.free = 100;
     let mut again = Vec::new();
-    node.on_prealloc(R, 3, 200, 4, &mut env, &mut again);
+    node.on_prealloc(R, ask(3, 200, 4), None, &mut env, &mut again);
     assert_eq!(again, out);
     assert_eq!(env.free, 100);
 }
 
 fn prealloc(node: &mut DecodeNode, env: &mut FakeDecode, req: u64, prompt: u32) -> Vec<Output> {
     let mut out = Vec::new();
-    node.on_prealloc(ReqId(req), 3, prompt, 4, env, &mut out);
+    node.on_prealloc(ReqId(req), ask(3, prompt, 4), None, env, &mut out);
     out
 }
 
