@@ -136,8 +136,7 @@ impl Activations {
                 };
                 let xr = &x[r * cols..(r + 1) * cols];
                 // SAFETY: as above, row r of the f32 copy.
-                unsafe { std::slice::from_raw_parts_mut(f.at(r * cols), cols) }
-                    .copy_from_slice(xr);
+                unsafe { std::slice::from_raw_parts_mut(f.at(r * cols), cols) }.copy_from_slice(xr);
                 quantize_row_q8_split(xr, out);
             }
         };

@@ -788,9 +788,9 @@ unsafe fn quantize_avx2(x: &[f32], out: ActRowMut) {
         let q: [__m256i; 4] = std::array::from_fn(|i| {
             let p = _mm256_mul_ps(v[i], idv);
             let bias = _mm256_or_ps(_mm256_and_ps(p, sign), half);
-            let r = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(
-                _mm256_add_ps(p, bias),
-            );
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(_mm256_add_ps(
+                p, bias,
+            ));
             _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
         });
         let bytes = _mm256_packs_epi16(
