@@ -46,6 +46,8 @@ fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
         // `Sum` for `f32` folds from -0.0; with squares (>= +0) the first addition
         // gives the same value as from +0.0, so this is `rms_norm_row`'s chain.
         let mut ss = [-0.0f32; NORM_ROWS];
+        // Column k of all rows at once: each row's own chain, interleaved.
+        #[allow(clippy::needless_range_loop)]
         for k in 0..d {
             for j in 0..NORM_ROWS {
                 ss[j] += rows[j][k] * rows[j][k];

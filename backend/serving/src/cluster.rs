@@ -8,7 +8,7 @@
 
 use crate::coordinator::{coordinate, Attachment, CoordCmd, CoordLinks, Submitter};
 use crate::decode_node::{DecodeCmd, DecodeLoop, RequestBody};
-use crate::error::ServeError;
+use crate::error::{ServeError, ServeErrorKind};
 use crate::links::{CommitExtra, PdCounters, Reply, ReplyTo, TransferFault, WriterLink};
 use crate::metrics::{NodeHandles, NodeMetrics};
 use crate::node_loop::{run_node, EngineStats, NodeLoop, Shared};
@@ -451,6 +451,39 @@ impl PdCluster {
         &self.nodes.metrics
     }
 
+    /// Runs `f` on every node's engine between two of its steps and returns the
+    /// answers (prefill nodes first) once each node answered.
+    ///
+    /// Errors: [`ServeErrorKind::NodeDown`](crate::ServeErrorKind) for a node that is
+    /// down, [`ServeErrorKind::Timeout`](crate::ServeErrorKind) for one that did not
+    /// answer within [`ENGINE_ANSWER_WAIT`] (it may still run `f`).
+    pub(crate) fn ask_every_engine<T: Send + 'static>(
+        &self,
+        f: EngineQuery<T>,
+    ) -> Result<Vec<T>, ServeError> {
+        let (tx, rx) = mpsc::channel();
+        let job = |tx: mpsc::Sender<T>| {
+            let f = f.clone();
+            Box::new(move |e: &mut Engine| {
+                let _ = tx.send(f(e));
+            })
+        };
+        let mut asked = 0;
+        for (i, node) in self.nodes.prefill.iter().enumerate() {
+            if !node.send(PrefillCmd::WithEngine(job(tx.clone()))) {
+                return Err(node_down("prefill", i));
+            }
+            asked += 1;
+        }
+        for (i, node) in self.nodes.decode.iter().enumerate() {
+            if !node.send(DecodeCmd::WithEngine(job(tx.clone()))) {
+                return Err(node_down("decode", i));
+            }
+            asked += 1;
+        }
+        collect_answers(&rx, asked)
+    }
+
     /// Runs `f` on decode node `index`'s engine between two of its steps (fault
     /// injection: a planted block-table bug; tests only).
     #[doc(hidden)]
@@ -549,4 +582,34 @@ impl Drop for PdCluster {
             d.send(DecodeCmd::Crash);
         }
     }
+}
+
+/// A question for engines ([`PdCluster::ask_every_engine`]).
+pub(crate) type EngineQuery<T> = Arc<dyn Fn(&mut Engine) -> T + Send + Sync>;
+
+/// How long a question to the engines waits for each engine's answer.
+pub const ENGINE_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn node_down(role: &str, index: usize) -> ServeError {
+    ServeError::new(
+        ServeErrorKind::NodeDown,
+        format!("{role} node {index} is down and did not answer"),
+    )
+}
+
+/// `asked` engines' answers from `rx`, waiting [`ENGINE_ANSWER_WAIT`] for each.
+pub(crate) fn collect_answers<T>(
+    rx: &mpsc::Receiver<T>,
+    asked: usize,
+) -> Result<Vec<T>, ServeError> {
+    (0..asked)
+        .map(|answered| {
+            rx.recv_timeout(ENGINE_ANSWER_WAIT).map_err(|_| {
+                ServeError::new(
+                    ServeErrorKind::Timeout,
+                    format!("{answered} of {asked} engines answered in time"),
+                )
+            })
+        })
+        .collect()
 }

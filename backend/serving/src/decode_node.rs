@@ -7,7 +7,7 @@
 //! Per request the node keeps one record, the protocol's ([`Records`]): its
 //! lifecycle state, with a [`DecodeRecord`] attached (its reply link and, until it
 //! is adopted, its body and event sink). The body, the admission proof and the trace
-//! span go when the state turns terminal ([`Attachment::on_end`]); the reply link and
+//! span go when the state turns terminal ([`RequestIo::on_end`]); the reply link and
 //! the writer's name stay with the tombstone until the protocol forgets it.
 //!
 //! [`Records`]: tessera_transfer::protocol::Records
@@ -27,8 +27,8 @@ use tessera_engine::{Admitted, Engine, EngineError, GenerateRequest, SeqEnd};
 use tessera_model::kv::SeqId;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::protocol::{
-    Attachment, CommitError, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, FailKind,
-    FailReason, Msg, Output, Refusal, RefusalKind, ReqId, RequestState, Role,
+    CommitError, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, FailKind, FailReason,
+    Msg, Output, Refusal, RefusalKind, ReqId, RequestIo, RequestState, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -132,7 +132,7 @@ fn seq_of(req: ReqId) -> SeqId {
     SeqId(req.0)
 }
 
-impl Attachment for DecodeRecord {
+impl RequestIo for DecodeRecord {
     fn on_end(&mut self) {
         self.body = None;
         self.admitted = None;

@@ -13,6 +13,7 @@ use tessera_engine::{
     AdmissionLimits, Admitted, Engine, EngineConfig, EngineError, GenerateRequest, PdAdmission,
     Rejection,
 };
+use tessera_model::kv::CachePurge;
 use tessera_model::LoadedModel;
 
 /// A co-located engine's command: an admitted request and its stream.
@@ -36,7 +37,7 @@ pub struct EngineHandle {
 #[derive(Clone)]
 enum EngineBackend {
     Colocated {
-        tx: mpsc::Sender<Submit>,
+        tx: mpsc::Sender<ColocatedCmd>,
         limits: AdmissionLimits,
         shared: Arc<Shared>,
         metrics: Arc<NodeMetrics>,
@@ -45,15 +46,29 @@ enum EngineBackend {
     Remote(Arc<RemoteCluster>),
 }
 
+/// A co-located engine thread's command.
+// Moved through a channel one at a time; the request is the large variant and the
+// common one (boxing it would allocate per request for a rare admin command).
+#[allow(clippy::large_enum_variant)]
+enum ColocatedCmd {
+    /// Queue a request.
+    Submit(Submit),
+    /// Run on the engine between two steps (a tenant's cache purge).
+    WithEngine(Box<dyn FnOnce(&mut Engine) + Send>),
+}
+
 /// The co-located engine thread: submits become queued requests.
 struct Colocated;
 
 impl NodeLoop for Colocated {
-    type Cmd = Submit;
-    fn on_cmd(&mut self, engine: &mut Engine, s: Submit) {
-        // The engine owns the stream (and its release guard) from here: the guard is
-        // dropped when the request's pages are freed or it is dropped unqueued.
-        engine.enqueue_with_sink(s.req, Box::new(s.client), s.at);
+    type Cmd = ColocatedCmd;
+    fn on_cmd(&mut self, engine: &mut Engine, cmd: ColocatedCmd) {
+        match cmd {
+            // The engine owns the stream (and its release guard) from here: the guard
+            // is dropped when the request's pages are freed or it is dropped unqueued.
+            ColocatedCmd::Submit(s) => engine.enqueue_with_sink(s.req, Box::new(s.client), s.at),
+            ColocatedCmd::WithEngine(f) => f(engine),
+        }
     }
 }
 
@@ -78,7 +93,7 @@ impl EngineHandle {
         engine.set_metrics(handles.engine_metrics());
         let shared = Arc::new(Shared::with_metrics(handles));
         shared.publish(&engine, 0);
-        let (tx, rx) = mpsc::channel::<Submit>();
+        let (tx, rx) = mpsc::channel::<ColocatedCmd>();
         let sh = shared.clone();
         std::thread::Builder::new()
             .name("tessera-engine".into())
@@ -228,10 +243,69 @@ impl EngineHandle {
         };
         let (client, stream) = request_channel();
         let at = Instant::now();
-        if let Err(mpsc::SendError(s)) = tx.send(Submit { req, client, at }) {
+        if let Err(mpsc::SendError(ColocatedCmd::Submit(s))) =
+            tx.send(ColocatedCmd::Submit(Submit { req, client, at }))
+        {
             s.client.fail(ServeError::from(EngineError::Shutdown));
         }
         Ok(stream)
+    }
+
+    /// Drops `tenant`'s prefix-cache pages on every engine behind this handle
+    /// ([`Engine::purge_tenant_cache`]: unused pages freed now with a new epoch, pages
+    /// a running sequence reads poisoned and freed at its end) and returns the sum
+    /// once every engine confirmed. Blocks the caller (up to
+    /// [`ENGINE_ANSWER_WAIT`](crate::cluster::ENGINE_ANSWER_WAIT) per engine).
+    ///
+    /// Errors: as [`Self::ask_every_engine`].
+    pub fn purge_tenant_cache(&self, tenant: u64) -> Result<CachePurge, ServeError> {
+        let answers = self.ask_every_engine(Arc::new(move |e| e.purge_tenant_cache(tenant)))?;
+        Ok(answers
+            .into_iter()
+            .fold(CachePurge::default(), |a, p| CachePurge {
+                freed: a.freed + p.freed,
+                poisoned: a.poisoned + p.poisoned,
+            }))
+    }
+
+    /// Cached pages `tenant` holds on every engine behind this handle, summed
+    /// ([`KvManager::tenant_cached_pages`](tessera_model::kv::KvManager::tenant_cached_pages)).
+    /// Blocks the caller like [`Self::purge_tenant_cache`].
+    ///
+    /// Errors: as [`Self::ask_every_engine`].
+    pub fn tenant_cached_pages(&self, tenant: u64) -> Result<usize, ServeError> {
+        let answers =
+            self.ask_every_engine(Arc::new(move |e| e.kv().tenant_cached_pages(tenant)))?;
+        Ok(answers.into_iter().sum())
+    }
+
+    /// Runs `f` on every engine behind this handle between two of its steps.
+    ///
+    /// Errors: an engine down ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind) or
+    /// [`EngineError::Shutdown`]) or late ([`ServeErrorKind::Timeout`](crate::ServeErrorKind));
+    /// remote nodes ([`ServeErrorKind::Internal`](crate::ServeErrorKind): their links
+    /// carry no such frame yet, so nothing is claimed for them).
+    fn ask_every_engine<T: Send + 'static>(
+        &self,
+        f: crate::cluster::EngineQuery<T>,
+    ) -> Result<Vec<T>, ServeError> {
+        match &self.backend {
+            EngineBackend::Colocated { tx, .. } => {
+                let (rtx, rrx) = mpsc::channel();
+                let job = ColocatedCmd::WithEngine(Box::new(move |e: &mut Engine| {
+                    let _ = rtx.send(f(e));
+                }));
+                if tx.send(job).is_err() {
+                    return Err(ServeError::from(EngineError::Shutdown));
+                }
+                crate::cluster::collect_answers(&rrx, 1)
+            }
+            EngineBackend::Disaggregated(c) => c.ask_every_engine(f),
+            EngineBackend::Remote(_) => Err(ServeError::new(
+                crate::ServeErrorKind::Internal,
+                "remote nodes do not answer engine queries (cache purge, cached pages) yet",
+            )),
+        }
     }
 
     /// [`Self::admit`] then [`Self::submit`] with no session (tools, tests and

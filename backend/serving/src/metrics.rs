@@ -138,6 +138,7 @@ pub struct NodeMetrics {
     request_restarts: Family<ReasonLabels, Counter>,
     spec_drafted: Family<NodeLabels, Counter>,
     spec_accepted: Family<NodeLabels, Counter>,
+    cache_pages_purged: Family<NodeLabels, Counter>,
     /// The link counters exported from [`PdCounters`] (synced when encoded), by the
     /// series they feed.
     link_sources: Mutex<Vec<(NodeLabels, Arc<PdCounters>)>>,
@@ -167,6 +168,7 @@ impl NodeMetrics {
             request_restarts: Family::default(),
             spec_drafted: Family::default(),
             spec_accepted: Family::default(),
+            cache_pages_purged: Family::default(),
             link_sources: Mutex::new(Vec::new()),
             transfer_bytes: Family::default(),
             transfer_seconds: Family::new_with_constructor(transfer_histogram),
@@ -228,6 +230,11 @@ impl NodeMetrics {
             m.spec_accepted.clone(),
         );
         r.register(
+            "tessera_kv_cache_purged_pages",
+            "Prefix-cache pages dropped by tenant cache purges (DELETE .../ai/cache, tessera tenant purge-cache): freed at once, or poisoned and freed when the request still reading them ends",
+            m.cache_pages_purged.clone(),
+        );
+        r.register(
             "tessera_kv_transfer_bytes",
             "KV page bytes a prefill node put into decode nodes",
             m.transfer_bytes.clone(),
@@ -285,6 +292,7 @@ impl NodeMetrics {
                 transfer_source_tag_mismatches: reader("transfer_source"),
                 spec_drafted: self.spec_drafted.get_or_create_owned(&labels),
                 spec_accepted: self.spec_accepted.get_or_create_owned(&labels),
+                cache_pages_purged: self.cache_pages_purged.get_or_create_owned(&labels),
             },
             sink_tag_mismatches: decode.then(|| reader("transfer_sink")),
             commits,

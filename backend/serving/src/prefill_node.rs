@@ -22,8 +22,8 @@ use tessera_engine::kv_transfer::{ExportError, ExportedPage};
 use tessera_engine::{Admitted, Engine, EngineError, FirstToken, GenerateRequest};
 use tessera_model::kv::SeqId;
 use tessera_transfer::protocol::{
-    Attachment, FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind,
-    ReqId, Role,
+    FailKind, FailReason, Msg, Output, PrefillEnv, PrefillNode, Refusal, RefusalKind, ReqId,
+    RequestIo, Role,
 };
 use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
 
@@ -74,6 +74,8 @@ pub(crate) enum PrefillCmd {
     EndAll,
     /// Stop at once, as a crash would (tests).
     Crash,
+    /// Runs on the engine between two steps (a tenant's cache purge).
+    WithEngine(Box<dyn FnOnce(&mut Engine) + Send>),
 }
 
 /// What the driver keeps per request, attached to the protocol's record
@@ -215,7 +217,7 @@ struct PrefillEngineEnv<'a> {
     node: &'a mut NodeIo,
 }
 
-impl Attachment for PrefillRecord {
+impl RequestIo for PrefillRecord {
     fn on_end(&mut self) {
         self.export = None;
         self.dest = Vec::new();
@@ -638,6 +640,7 @@ impl NodeLoop for PrefillLoop {
                 }
             }
             PrefillCmd::Crash => self.crashed = true,
+            PrefillCmd::WithEngine(f) => f(engine),
         }
         self.expire_tombstones();
     }

@@ -25,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
-use tessera_model::kv::{KvManager, PagePool, SeqId};
+use tessera_model::kv::{CachePurge, KvManager, PagePool, SeqId};
 use tessera_model::sampling::Logprobs;
 use tessera_model::tokenizer::Tokenizer;
 use tessera_model::transformer::Transformer;
@@ -47,6 +47,9 @@ pub struct EngineMetrics {
     pub spec_drafted: Counter,
     /// Draft tokens accepted (each equalled the token sampled at its position).
     pub spec_accepted: Counter,
+    /// Prefix-cache pages dropped by tenant purges ([`Engine::purge_tenant_cache`]):
+    /// freed at once or poisoned until their reader ends.
+    pub cache_pages_purged: Counter,
 }
 
 /// How a pool's pages are held right now, in pages; the three sum to the capacity.
@@ -495,6 +498,19 @@ impl Engine {
     /// The KV manager (free-page counts for tests and metrics).
     pub fn kv(&self) -> &KvManager {
         &self.kv
+    }
+
+    /// Drops every prefix-cache page of `tenant` on this engine
+    /// ([`KvManager::purge_tenant_cache`]): unused ones are freed now, ones a running
+    /// sequence reads are poisoned and freed at its end. A request of the tenant
+    /// still running may cache its pages again when it ends (it started before the
+    /// purge).
+    pub fn purge_tenant_cache(&mut self, tenant: u64) -> CachePurge {
+        let purge = self.kv.purge_tenant_cache(tenant);
+        self.metrics
+            .cache_pages_purged
+            .inc_by((purge.freed + purge.poisoned) as u64);
+        purge
     }
 
     /// Mutable KV manager, for fault-injection tests only.

@@ -27,6 +27,16 @@ pub enum ReserveError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);
 
+/// What [`KvManager::purge_tenant_cache`] did: pages freed at once, and pages still
+/// read by a running sequence, poisoned and freed when it ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CachePurge {
+    /// Cached pages returned to the free list.
+    pub freed: usize,
+    /// Cached pages a running sequence reads: never hit again, freed at its end.
+    pub poisoned: usize,
+}
+
 /// Per-sequence block tables and the prefix cache over a [`PagePool`].
 #[derive(Debug)]
 pub struct KvManager {
@@ -328,6 +338,31 @@ impl KvManager {
         n
     }
 
+    /// Drops every cached page of `tenant` (its "erase what you cached of mine"):
+    /// unused pages go back to the free list now, their epoch bumped by the free
+    /// (I5: a stale reference to one fails its tag check); pages a running sequence
+    /// still reads are poisoned, never hit again, and freed when their last reader
+    /// ends. Other tenants' pages are untouched. Returns the counts.
+    pub fn purge_tenant_cache(&mut self, tenant: u64) -> CachePurge {
+        let mut purge = CachePurge::default();
+        while let Some(v) = self.cache.victim(Some(tenant)) {
+            self.evict(&v);
+            purge.freed += 1;
+        }
+        for h in self.cache.live_keys_of(tenant) {
+            // Pinned (every unpinned one was evicted above): freed at its last unpin.
+            self.poison(&h);
+            purge.poisoned += 1;
+        }
+        purge
+    }
+
+    /// Cached pages `tenant`'s entries hold now (poisoned ones still read by a
+    /// running sequence included).
+    pub fn tenant_cached_pages(&self, tenant: u64) -> usize {
+        self.cache.tenant_pages(tenant)
+    }
+
     /// The block table of `seq`.
     pub fn table(&self, seq: SeqId) -> Option<&[BlockRef]> {
         self.tables.get(&seq).map(|v| v.as_slice())
@@ -477,6 +512,57 @@ mod tests {
         assert_eq!(m.pool().free_pages(), 3);
         m.clear_cache();
         assert_eq!(m.pool().free_pages(), 4);
+    }
+
+    #[test]
+    fn a_tenant_purge_frees_its_cached_pages_poisons_the_read_ones_and_spares_others() {
+        let mut m = manager(8);
+        let (a, b) = (
+            keys(1, &(0..8).collect::<Vec<u32>>()),
+            keys(2, &(0..8).collect::<Vec<u32>>()),
+        );
+        for (seq, tenant, chain) in [(1, 7, &a), (2, 8, &b)] {
+            m.reserve_cached(SeqId(seq), tenant, 8, chain, 2).unwrap();
+            m.release_caching(SeqId(seq), chain, 2);
+        }
+        // Tenant 7 reads its first page again: pinned while the sequence runs.
+        assert_eq!(m.reserve_cached(SeqId(3), 7, 4, &a, 1).unwrap(), 1);
+        let pinned = m.table(SeqId(3)).unwrap()[0];
+        let freed_page = m.cache.get(&a[1]).unwrap().r;
+        assert_eq!((m.tenant_cached_pages(7), m.tenant_cached_pages(8)), (2, 2));
+        let free_before = m.pool().free_pages();
+
+        let purge = m.purge_tenant_cache(7);
+        assert_eq!(
+            purge,
+            CachePurge {
+                freed: 1,
+                poisoned: 1
+            }
+        );
+        assert_eq!(m.pool().free_pages(), free_before + 1);
+        // The freed page left the cache with a new epoch; the pinned one is never hit.
+        assert!(!m.pool().is_cached(freed_page.page));
+        assert_ne!(
+            m.pool().tags()[freed_page.page as usize].epoch,
+            freed_page.tag.epoch
+        );
+        assert_eq!(m.cached_prefix(7, &a, 2), 0);
+        assert_eq!(
+            m.tenant_cached_pages(7),
+            1,
+            "read by sequence 3 until it ends"
+        );
+        assert_eq!(
+            m.cached_prefix(8, &b, 2),
+            2,
+            "the other tenant keeps its cache"
+        );
+        m.release(SeqId(3));
+        assert_eq!(m.tenant_cached_pages(7), 0);
+        assert!(!m.pool().is_cached(pinned.page));
+        assert_eq!(m.purge_tenant_cache(7), CachePurge::default());
+        assert_eq!(m.tenant_cached_pages(8), 2);
     }
 
     #[test]

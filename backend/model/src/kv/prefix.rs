@@ -197,6 +197,15 @@ impl PrefixIndex {
         None
     }
 
+    /// The keys of `tenant`'s entries that are not poisoned.
+    pub(crate) fn live_keys_of(&self, tenant: u64) -> Vec<ChainHash> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.tenant == tenant && !e.poisoned)
+            .map(|(h, _)| *h)
+            .collect()
+    }
+
     /// The least recently used unpinned key, of `tenant` if given.
     pub(crate) fn victim(&self, tenant: Option<u64>) -> Option<ChainHash> {
         self.lru
