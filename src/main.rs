@@ -110,7 +110,7 @@ enum OpsCommand {
     /// (`POST /admin/v1/reload` with the admin token; SIGHUP does the same). A file
     /// that fails any check, or changes more than pool membership, is refused as a
     /// whole and the gateway serves on unchanged; the reason is printed.
-    Reload(reload::ReloadArgs),
+    Reload(reload::AdminCallArgs),
     /// Check a deployment file (tessera.toml): structure and I2 (every pool holds a
     /// full context window of every model it serves). Prints the full report; exits
     /// non-zero on any violation.

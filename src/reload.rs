@@ -171,9 +171,10 @@ fn reread_node_file(path: &std::path::Path, me: &LinkIdentity) -> Result<Deploym
     Ok(cfg)
 }
 
-/// Arguments of `tessera ops reload`.
+/// How a CLI command reaches a running gateway's admin API (`tessera ops reload`,
+/// `tessera tenant purge-cache`).
 #[derive(Args, Debug)]
-pub(crate) struct ReloadArgs {
+pub(crate) struct AdminCallArgs {
     /// The gateway's admin API: its `--admin-listen` address, else its `--listen`
     /// address (`http://` or `https://`, certificates checked against the system's roots).
     #[arg(long, default_value = "http://127.0.0.1:8787")]
@@ -186,8 +187,8 @@ pub(crate) struct ReloadArgs {
     /// `tessera serve` creates, with DATA_DIR from TESSERA_DATA_DIR, else .tessera].
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
-    /// Seconds to wait for the gateway's answer (it connects to every added node
-    /// first).
+    /// Seconds to wait for the gateway's answer (a reload connects to every added
+    /// node first; a purge waits for every engine).
     #[arg(long, default_value_t = 60)]
     timeout_secs: u64,
 }
@@ -201,10 +202,13 @@ fn default_token_file() -> PathBuf {
         .join("admin-token")
 }
 
-/// `tessera ops reload`: asks a running gateway (`POST /admin/v1/reload`, admin
-/// token) to re-read its deployment file and apply its node membership. Prints what
-/// changed; fails with the gateway's reason when it refused the file.
-pub(crate) fn ops_reload(a: ReloadArgs) -> Result<()> {
+/// `POST {url}{path}` on the gateway's admin API with the admin token (flag,
+/// TESSERA_ADMIN_TOKEN, the token file, else the default token file). Returns the
+/// status, the parsed body (a JSON string of the raw body when it is not JSON) and
+/// the raw body.
+///
+/// Errors: no admin token; the request failing (connection, timeout).
+pub(crate) fn admin_post(a: &AdminCallArgs, path: &str) -> Result<(u16, Value, String)> {
     let token = match (
         &a.admin_token,
         std::env::var("TESSERA_ADMIN_TOKEN"),
@@ -232,7 +236,7 @@ pub(crate) fn ops_reload(a: ReloadArgs) -> Result<()> {
             }
         }
     };
-    let url = format!("{}/admin/v1/reload", a.url.trim_end_matches('/'));
+    let url = format!("{}{path}", a.url.trim_end_matches('/'));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -244,12 +248,20 @@ pub(crate) fn ops_reload(a: ReloadArgs) -> Result<()> {
             .send()
             .await
             .with_context(|| format!("POST {url}"))?;
-        let status = resp.status();
+        let status = resp.status().as_u16();
         let body = resp.text().await?;
         anyhow::Ok((status, body))
     })?;
     let v: Value = serde_json::from_str(&body).unwrap_or(Value::String(body.clone()));
-    if status.is_success() {
+    Ok((status, v, body))
+}
+
+/// `tessera ops reload`: asks a running gateway (`POST /admin/v1/reload`, admin
+/// token) to re-read its deployment file and apply its node membership. Prints what
+/// changed; fails with the gateway's reason when it refused the file.
+pub(crate) fn ops_reload(a: AdminCallArgs) -> Result<()> {
+    let (status, v, body) = admin_post(&a, "/admin/v1/reload")?;
+    if (200..300).contains(&status) {
         println!(
             "tessera ops reload: applied: {}",
             serde_json::to_string_pretty(&v["result"]).unwrap_or(body)

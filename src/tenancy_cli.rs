@@ -219,6 +219,16 @@ pub(crate) enum TenantCommand {
         /// Account id.
         id: String,
     },
+    /// Drop every prefix-cache page of a tenant on every engine of a running
+    /// gateway (`POST /admin/v1/tenants/{id}/purge-cache` on its admin API, which
+    /// answers once each engine confirmed). Prints the pages freed per model, and
+    /// those still read by a running request (freed when it ends). Audited.
+    PurgeCache {
+        /// Account id.
+        id: String,
+        #[command(flatten)]
+        gateway: crate::reload::AdminCallArgs,
+    },
 }
 
 /// `tessera key ...`.
@@ -300,12 +310,37 @@ fn rt() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// `tessera tenant purge-cache ID`: the gateway's admin API drops the tenant's
+/// cached pages on every engine; prints its answer, or fails with its reason.
+fn purge_cache(id: &str, gateway: &crate::reload::AdminCallArgs) -> Result<()> {
+    if id.is_empty()
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        bail!("not an account id: {id:?}");
+    }
+    let path = format!("/admin/v1/tenants/{id}/purge-cache");
+    let (status, v, body) = crate::reload::admin_post(gateway, &path)?;
+    if (200..300).contains(&status) {
+        return print(v["result"].clone());
+    }
+    let reason = v["errors"][0]["message"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or(body);
+    bail!("the gateway refused the cache purge ({status}): {reason}")
+}
+
 fn print(v: serde_json::Value) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }
 
 pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
+    if let TenantCommand::PurgeCache { id, gateway } = &cmd {
+        return purge_cache(id, gateway);
+    }
     rt()?.block_on(async {
         let s = store.open().await?;
         let by = cli_actor();
@@ -362,6 +397,9 @@ pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
             TenantCommand::RotateCacheSalt { id } => {
                 admin.rotate_cache_salt(&id).await?;
                 print(json!({"id": id, "cache_salt": "rotated"}))
+            }
+            TenantCommand::PurgeCache { .. } => {
+                bail!("purge-cache asks the gateway, not the store")
             }
         }
     })

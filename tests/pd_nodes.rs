@@ -33,23 +33,7 @@ async fn greedy_output_through_nodes_equals_in_process_serve() {
 
     let local_dir = tempfile::tempdir().unwrap();
     let data = local_dir.path().join("data");
-    let local = start_gateway(
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--model",
-            model_path().to_str().unwrap(),
-            "--kv-pool-tokens",
-            "8192",
-            "--prefill-kv-pool-tokens",
-            "8192",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ],
-        &local_dir.path().join("serve.log"),
-    )
-    .await;
+    let local = start_serve(&data, &local_dir.path().join("serve.log")).await;
     let (status, solo) = local.run(&body).await;
     assert_eq!(status, 200, "{solo}");
     assert_eq!(

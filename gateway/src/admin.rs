@@ -16,6 +16,8 @@
 //!   their value, unknown fields are an error)
 //! - `POST /admin/v1/tenants/{id}/rotate-cache-salt` (a fresh prefix-cache salt:
 //!   nothing the tenant cached before is found again)
+//! - `POST /admin/v1/tenants/{id}/purge-cache` (every prefix-cache page of the
+//!   tenant dropped on every engine; answers once each engine confirmed)
 //! - `GET  /admin/v1/tenants/{id}/keys`,
 //!   `POST /admin/v1/tenants/{id}/keys` `{name?, scopes?, expires_at? | expires_in_secs?}`
 //! - `POST /admin/v1/keys/{key_id}/revoke`
@@ -35,7 +37,7 @@
 //! - `GET  /metrics` (Prometheus text format; the admin token or the metrics token)
 //!
 //! Every successful change (tenant create, suspend, activate, limits, scheduling,
-//! cache salt; key create, revoke; model access) writes one audit row in the change's transaction: time, action, target,
+//! cache salt, cache purge; key create, revoke; model access) writes one audit row in the change's transaction: time, action, target,
 //! the admin request's id (its `x-request-id`) and the peer address. Revoking a key
 //! or suspending a tenant also aborts its requests in flight.
 
@@ -161,6 +163,7 @@ pub(crate) fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
             "/admin/v1/tenants/{id}/rotate-cache-salt",
             post(rotate_cache_salt),
         )
+        .route("/admin/v1/tenants/{id}/purge-cache", post(purge_cache))
         .route(
             "/admin/v1/tenants/{id}/keys",
             get(list_keys).post(create_key),
@@ -447,6 +450,29 @@ async fn rotate_cache_salt(
 ) -> Reply {
     s.store.audited(&by.audit()).rotate_cache_salt(&id).await?;
     Ok(Done(json!({"id": id, "cache_salt": "rotated"})))
+}
+
+/// Drops every prefix-cache page of tenant `id` on every engine of every served
+/// model (`tessera tenant purge-cache`); 404 for an unknown tenant, 503 naming the
+/// models whose engines did not confirm. Audited as `tenant.cache_purge`.
+async fn purge_cache(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+) -> Reply {
+    let Some(t) = s.store.tenant(&id).await? else {
+        return Err(StoreError::NoTenant(id).into());
+    };
+    let (models, failed) = crate::cache_api::purge_engines(&s, t.engine_id()).await;
+    let detail = json!({ "models": models, "failed": failed });
+    s.store
+        .audited(&by.audit())
+        .record("tenant.cache_purge", &id, detail)
+        .await?;
+    if let Some(e) = crate::cache_api::unconfirmed(&failed) {
+        return Err(e.into());
+    }
+    Ok(Done(json!({"id": id, "models": models})))
 }
 
 /// The catalog entry `name` (id or alias) names, or a 404 (Workers AI 5007).

@@ -48,6 +48,7 @@ pub mod admin;
 pub mod listener;
 
 pub mod batch;
+mod cache_api;
 mod cpu;
 mod driver;
 mod http;

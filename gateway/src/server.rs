@@ -327,6 +327,10 @@ fn public_routes() -> Router<Arc<AppState>> {
             "/client/v4/accounts/{account_id}/ai/usage",
             get(crate::usage_api::usage),
         )
+        .route(
+            "/client/v4/accounts/{account_id}/ai/cache",
+            get(crate::cache_api::report).delete(crate::cache_api::purge),
+        )
 }
 
 fn finish(routes: Router<Arc<AppState>>, state: Arc<AppState>) -> Router {

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_tenancy::store::{parse_time, rfc3339};
-use tessera_tenancy::{GroupBy, Scope, Store, UsageGroup};
+use tessera_tenancy::{GroupBy, Principal, Scope, Store, UsageGroup};
 
 /// Parses `since`, `until` (Unix seconds, `YYYY-MM-DD` or RFC 3339 `...Z`; default:
 /// `until` is now, `since` is `until - max_range`) and `group_by` (default `model`).
@@ -121,6 +121,31 @@ pub(crate) async fn report(
     }))
 }
 
+/// Authenticates a query about the key's own account (`account` in the path, a key
+/// with `scope`) and takes one of the account's usage-API queries a minute (the
+/// usage report, the cache report and purge share that rate). Returns the caller, or
+/// the refusal already answered (401, 403, 429).
+pub(crate) async fn account_query(
+    state: &AppState,
+    ctx: &mut Ctx,
+    headers: &HeaderMap,
+    account: &str,
+    scope: Scope,
+) -> Result<Principal, Response> {
+    let p = match authenticate(state, ctx, headers, Some(account), scope).await {
+        Ok(p) => p,
+        Err((reason, e)) => return Err(ctx.refuse(state, reason, e)),
+    };
+    let t = &p.tenant;
+    if let Err(l) = state
+        .limiter
+        .usage_query(&t.id, t.limits, state.usage.queries_per_minute)
+    {
+        return Err(ctx.refuse(state, l.kind.label(), limit_error(&l)));
+    }
+    Ok(p)
+}
+
 /// Handler.
 pub(crate) async fn usage(
     State(state): State<Arc<AppState>>,
@@ -129,17 +154,11 @@ pub(crate) async fn usage(
     headers: HeaderMap,
 ) -> Response {
     let mut ctx = Ctx::new("usage", Flavor::WorkersAi);
-    let p = match authenticate(&state, &mut ctx, &headers, Some(&account), Scope::UsageRead).await {
+    let p = match account_query(&state, &mut ctx, &headers, &account, Scope::UsageRead).await {
         Ok(p) => p,
-        Err((reason, e)) => return ctx.refuse(&state, reason, e),
+        Err(refused) => return refused,
     };
     let t = &p.tenant;
-    if let Err(l) = state
-        .limiter
-        .usage_query(&t.id, t.limits, state.usage.queries_per_minute)
-    {
-        return ctx.refuse(&state, l.kind.label(), limit_error(&l));
-    }
     let res = match parse_query(&q, state.usage.max_range) {
         Ok((since, until, g)) => report(&state.store, &t.id, since, until, g).await,
         Err(e) => Err(e),

@@ -267,6 +267,28 @@ pub async fn start_gateway(args: &[&str], log: &Path) -> Gateway {
     }
 }
 
+/// `tessera serve` on the test model, in process (a prefill and a decode engine of
+/// one context window each), its store and admin token in `data`, stderr in `log`.
+pub async fn start_serve(data: &Path, log: &Path) -> Gateway {
+    start_gateway(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            model_path().to_str().unwrap(),
+            "--kv-pool-tokens",
+            "8192",
+            "--prefill-kv-pool-tokens",
+            "8192",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ],
+        log,
+    )
+    .await
+}
+
 impl Gateway {
     pub fn url(&self) -> String {
         format!(

@@ -75,6 +75,22 @@ impl Audited<'_> {
             .await
     }
 
+    /// Writes one audit row for an action that changes nothing in the store (a
+    /// tenant's cache purge on the engines): `action` on `target`, with `detail`.
+    ///
+    /// Errors: [`StoreError`] from the database.
+    pub async fn record(
+        &self,
+        action: &str,
+        target: &str,
+        detail: serde_json::Value,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.store.write_tx().await?;
+        audit_in(&mut tx, Some(self.by), action, target, detail).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// [`Store::set_status`], audited as `tenant.suspend` / `tenant.activate`.
     pub async fn set_status(&self, id: &str, status: TenantStatus) -> Result<(), StoreError> {
         self.store.set_status_as(Some(self.by), id, status).await
