@@ -8,7 +8,7 @@ use super::flaws::Flaws;
 use super::messages::{
     send, CommitError, DecodeOutcome, FailReason, Msg, Output, PageCommit, Refusal, ReqId, Role,
 };
-use super::records::{Attachment, Records, RequestState};
+use super::records::{Records, RequestIo, RequestState};
 use crate::transport::DestPage;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -32,7 +32,7 @@ impl From<Refusal> for DecodeReserveError {
 pub trait DecodeEnv {
     /// What the node's driver keeps with each request's record ([`Records`]): `()`
     /// under the model checker.
-    type Attached: Attachment;
+    type Attached: RequestIo;
 
     /// Admission (I1) of a new request, before any page is touched: whether it can
     /// ever be served by this node. `attached` is what came with its `Prealloc`. The
@@ -225,7 +225,7 @@ impl DecodeNode {
     }
 }
 
-impl<A: Attachment> DecodeNode<A> {
+impl<A: RequestIo> DecodeNode<A> {
     /// An empty node whose requests carry an attachment of type `A`.
     pub fn with_attachments() -> Self {
         Self::default()
@@ -795,7 +795,7 @@ impl<A: Attachment> DecodeNode<A> {
 /// The I4 check of a commit against a reservation: tokens covered == reserved, the
 /// committed pages are exactly the reserved pages (each once, each with its reserved
 /// tag), and the bytes that landed in each page match the committed checksum.
-pub fn verify_commit<A: Attachment>(
+pub fn verify_commit<A: RequestIo>(
     req: ReqId,
     reserved_tokens: u32,
     reserved: &[DestPage],

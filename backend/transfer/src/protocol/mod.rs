@@ -28,6 +28,6 @@ pub use messages::{
     Refusal, RefusalKind, ReqId, Role,
 };
 pub use prefill::{AfterDrain, PrefillAsk, PrefillEnv, PrefillNode, PrefillState};
-pub use records::{Attachment, Records, RequestState};
+pub use records::{Records, RequestIo, RequestState};
 pub use retry::{Attempts, Cause, Retry, RetryPolicy, StreamFence, StreamItem};
 pub use routes::{LinkViolation, RouteBook, Routed};

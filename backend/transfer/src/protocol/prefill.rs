@@ -7,14 +7,14 @@ use super::flaws::flaw;
 #[cfg(any(test, feature = "test-util"))]
 use super::flaws::Flaws;
 use super::messages::{send, FailKind, FailReason, Msg, Output, PageCommit, Refusal, ReqId, Role};
-use super::records::{Attachment, Records, RequestState};
+use super::records::{Records, RequestIo, RequestState};
 use crate::transport::DestPage;
 
 /// The prefill node's pool, engine and transport as the protocol sees them.
 pub trait PrefillEnv {
     /// What the node's driver keeps with each request's record ([`Records`]): `()`
     /// under the model checker.
-    type Attached: Attachment;
+    type Attached: RequestIo;
 
     /// Pages needed to hold `tokens` tokens (the descriptor must name that many).
     fn pages_for(&self, tokens: u32) -> usize;
@@ -151,7 +151,7 @@ impl PrefillNode {
     }
 }
 
-impl<A: Attachment> PrefillNode<A> {
+impl<A: RequestIo> PrefillNode<A> {
     /// An empty node whose requests carry an attachment of type `A`.
     pub fn with_attachments() -> Self {
         Self::default()

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 ///
 /// The state changes only through the protocol's transition function (each node's
 /// `set`); the attachment is handed in with the request's first message, told once
-/// when the request ends ([`Attachment::on_end`]: it drops what only a live request
+/// when the request ends ([`RequestIo::on_end`]: it drops what only a live request
 /// needs) and dropped with the record when it is forgotten. So no driver keeps a
 /// second map of its own in step with this one.
 ///
@@ -55,18 +55,18 @@ pub trait RequestState {
 
 /// What a node's driver keeps with a request's record (its reply link, the request
 /// body until the engine takes it, trace spans, transfer buffers).
-pub trait Attachment {
+pub trait RequestIo {
     /// The request's state just became terminal: drop what only a live request needs
     /// (the body, buffers, spans), keep what answering its late messages needs, until
     /// the record is forgotten. Called once per record.
     fn on_end(&mut self);
 }
 
-impl Attachment for () {
+impl RequestIo for () {
     fn on_end(&mut self) {}
 }
 
-impl<S: RequestState, A: Attachment> Records<S, A> {
+impl<S: RequestState, A: RequestIo> Records<S, A> {
     /// The state of `req`, if the node has a record of it.
     pub fn state(&self, req: ReqId) -> Option<&S> {
         self.reqs.get(&req).map(|r| &r.state)
@@ -153,7 +153,7 @@ impl<S: RequestState, A: Attachment> Records<S, A> {
 
     /// The one transition of a request's record: `req` is now in `state`. A first
     /// state takes `attached` (ignored for a request that has a record); on the
-    /// change to a terminal state the attachment hears [`Attachment::on_end`].
+    /// change to a terminal state the attachment hears [`RequestIo::on_end`].
     pub(super) fn insert(&mut self, req: ReqId, state: S, attached: Option<A>) {
         let terminal = state.is_terminal();
         match self.reqs.get_mut(&req) {
@@ -212,7 +212,7 @@ mod tests {
         body: Option<Vec<u32>>,
     }
 
-    impl Attachment for Io {
+    impl RequestIo for Io {
         fn on_end(&mut self) {
             self.ends += 1;
             self.body = None;
