@@ -14,7 +14,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 use tessera_config::{DeploymentConfig, LinkIdentity};
@@ -203,12 +203,16 @@ fn default_token_file() -> PathBuf {
 }
 
 /// `POST {url}{path}` on the gateway's admin API with the admin token (flag,
-/// TESSERA_ADMIN_TOKEN, the token file, else the default token file). Returns the
+/// TESSERA_ADMIN_TOKEN, the token file, else `default_token`). Returns the
 /// status, the parsed body (a JSON string of the raw body when it is not JSON) and
 /// the raw body.
 ///
 /// Errors: no admin token; the request failing (connection, timeout).
-pub(crate) fn admin_post(a: &AdminCallArgs, path: &str) -> Result<(u16, Value, String)> {
+pub(crate) fn admin_post(
+    a: &AdminCallArgs,
+    path: &str,
+    default_token: &Path,
+) -> Result<(u16, Value, String)> {
     let token = match (
         &a.admin_token,
         std::env::var("TESSERA_ADMIN_TOKEN"),
@@ -225,8 +229,8 @@ pub(crate) fn admin_post(a: &AdminCallArgs, path: &str) -> Result<(u16, Value, S
         (None, Err(_), Some(p)) => std::fs::read_to_string(p)
             .with_context(|| format!("reading the admin token file {}", p.display()))?,
         (None, Err(_), None) => {
-            let p = default_token_file();
-            match std::fs::read_to_string(&p) {
+            let p = default_token;
+            match std::fs::read_to_string(p) {
                 Ok(t) => t,
                 Err(e) => bail!(
                     "no admin token: give --admin-token-file FILE or TESSERA_ADMIN_TOKEN \
@@ -236,6 +240,9 @@ pub(crate) fn admin_post(a: &AdminCallArgs, path: &str) -> Result<(u16, Value, S
             }
         }
     };
+    if token.trim().is_empty() {
+        bail!("the admin token is empty (--admin-token, TESSERA_ADMIN_TOKEN or its file)");
+    }
     let url = format!("{}{path}", a.url.trim_end_matches('/'));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -260,7 +267,7 @@ pub(crate) fn admin_post(a: &AdminCallArgs, path: &str) -> Result<(u16, Value, S
 /// token) to re-read its deployment file and apply its node membership. Prints what
 /// changed; fails with the gateway's reason when it refused the file.
 pub(crate) fn ops_reload(a: AdminCallArgs) -> Result<()> {
-    let (status, v, body) = admin_post(&a, "/admin/v1/reload")?;
+    let (status, v, body) = admin_post(&a, "/admin/v1/reload", &default_token_file())?;
     if (200..300).contains(&status) {
         println!(
             "tessera ops reload: applied: {}",

@@ -312,7 +312,12 @@ fn rt() -> Result<tokio::runtime::Runtime> {
 
 /// `tessera tenant purge-cache ID`: the gateway's admin API drops the tenant's
 /// cached pages on every engine; prints its answer, or fails with its reason.
-fn purge_cache(id: &str, gateway: &crate::reload::AdminCallArgs) -> Result<()> {
+/// Without a token flag, the token file is `default_token` (the data dir's).
+fn purge_cache(
+    id: &str,
+    gateway: &crate::reload::AdminCallArgs,
+    default_token: &std::path::Path,
+) -> Result<()> {
     if id.is_empty()
         || !id
             .bytes()
@@ -321,7 +326,7 @@ fn purge_cache(id: &str, gateway: &crate::reload::AdminCallArgs) -> Result<()> {
         bail!("not an account id: {id:?}");
     }
     let path = format!("/admin/v1/tenants/{id}/purge-cache");
-    let (status, v, body) = crate::reload::admin_post(gateway, &path)?;
+    let (status, v, body) = crate::reload::admin_post(gateway, &path, default_token)?;
     if (200..300).contains(&status) {
         return print(v["result"].clone());
     }
@@ -339,7 +344,7 @@ fn print(v: serde_json::Value) -> Result<()> {
 
 pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
     if let TenantCommand::PurgeCache { id, gateway } = &cmd {
-        return purge_cache(id, gateway);
+        return purge_cache(id, gateway, &store.data_dir.join("admin-token"));
     }
     rt()?.block_on(async {
         let s = store.open().await?;

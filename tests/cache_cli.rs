@@ -3,7 +3,8 @@
 //! prompt hits the prefix cache, the command drops the account's pages on every
 //! engine through the admin API, and the same prompt then misses with the same
 //! answer. Refusals: an unknown account (404 from the gateway), an id that is not
-//! one (refused before any request), a wrong admin token (401).
+//! one (refused before any request), an empty admin token file (refused before any
+//! request), a wrong admin token (401).
 
 mod common;
 
@@ -17,15 +18,16 @@ fn cached_of(v: &Value) -> i64 {
         .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
 }
 
-/// `tessera tenant purge-cache ARGS...` against `gw` with the admin token file in
-/// `data`: (success, stdout, stderr).
+/// `tessera tenant purge-cache ARGS...` against `gw`, the admin token read from the
+/// gateway's data dir given as `--data-dir` (as every `tessera tenant` command takes
+/// it): (success, stdout, stderr).
 fn purge(gw: &Gateway, data: &Path, args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(BIN)
         .args(["tenant", "purge-cache"])
         .args(args)
         .args(["--url", &gw.base])
-        .arg("--admin-token-file")
-        .arg(data.join("admin-token"))
+        .arg("--data-dir")
+        .arg(data)
         .env_remove("TESSERA_ADMIN_TOKEN")
         .env_remove("TESSERA_DATA_DIR")
         .output()
@@ -72,6 +74,19 @@ async fn tenant_purge_cache_erases_the_accounts_cached_prefix_in_a_running_serve
     );
     let (ok, _, err) = purge(&gw, &data, &["../admin/v1/reload"]);
     assert!(!ok && err.contains("not an account id"), "{err}");
+    std::fs::write(dir.path().join("empty-token"), "\n").unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["tenant", "purge-cache", &gw.account, "--url", &gw.base])
+        .arg("--admin-token-file")
+        .arg(dir.path().join("empty-token"))
+        .env_remove("TESSERA_ADMIN_TOKEN")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("admin token is empty"),
+        "{err}"
+    );
     std::fs::write(dir.path().join("wrong-token"), "tadm_wrong\n").unwrap();
     let out = std::process::Command::new(BIN)
         .args(["tenant", "purge-cache", &gw.account, "--url", &gw.base])

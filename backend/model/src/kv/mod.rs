@@ -244,7 +244,12 @@ impl KvManager {
             return 0;
         };
         let pinned = self.pinned.remove(&seq).unwrap_or_default();
-        let keep = computed_pages.min(chain.len()).min(refs.len());
+        let mut keep = computed_pages.min(chain.len()).min(refs.len());
+        // A reused page poisoned meanwhile (its tenant's cache was purged): the chain
+        // is broken there, so nothing after it is cached (it could never be hit).
+        if pinned.iter().any(|h| self.cache.get(h).is_none()) {
+            keep = keep.min(pinned.len());
+        }
         let mut cached_now = 0;
         for i in pinned.len()..keep {
             let h = &chain[i];
@@ -525,8 +530,9 @@ mod tests {
             m.reserve_cached(SeqId(seq), tenant, 8, chain, 2).unwrap();
             m.release_caching(SeqId(seq), chain, 2);
         }
-        // Tenant 7 reads its first page again: pinned while the sequence runs.
-        assert_eq!(m.reserve_cached(SeqId(3), 7, 4, &a, 1).unwrap(), 1);
+        // Tenant 7 reads its first page again (pinned while the sequence runs) and
+        // computes a second one.
+        assert_eq!(m.reserve_cached(SeqId(3), 7, 8, &a, 1).unwrap(), 1);
         let pinned = m.table(SeqId(3)).unwrap()[0];
         let freed_page = m.cache.get(&a[1]).unwrap().r;
         assert_eq!((m.tenant_cached_pages(7), m.tenant_cached_pages(8)), (2, 2));
@@ -558,7 +564,9 @@ mod tests {
             2,
             "the other tenant keeps its cache"
         );
-        m.release(SeqId(3));
+        // Its own second page is not cached at its end: the page before it in the
+        // chain is poisoned, so no lookup could reach it.
+        assert_eq!(m.release_caching(SeqId(3), &a, 2), 1);
         assert_eq!(m.tenant_cached_pages(7), 0);
         assert!(!m.pool().is_cached(pinned.page));
         assert_eq!(m.purge_tenant_cache(7), CachePurge::default());
