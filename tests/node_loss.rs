@@ -190,22 +190,27 @@ async fn requests_on_a_node_lost_before_their_first_token_are_answered_by_anothe
     let liveness = "heartbeat_ms = 1000\ndead_after_ms = 3000\n";
     let (dep, short, solo) = two_decodes_serving(liveness).await;
     let (dir, decode0, gw) = (&dep.dir, &dep.decode0, &dep.gw);
+    // `b` runs long enough to still hold decode 1 when `c` is routed (a 16-token
+    // answer from a cached prefix can end within the 100 ms before `c`, and then `c`
+    // went to decode 1 and was never restarted).
+    let long = endless(300);
+    let solo_long = gw.run_when_up(&long).await["result"].clone();
     signal(decode0, "-STOP");
     // `a` goes to decode 0 (a tie), `b` to decode 1 (fewer outstanding), `c` to
     // decode 0 (a tie again).
     let mut a = gw.stream(&short).await;
     assert_eq!(a.status, 200);
-    let b = gw.spawn_run(&short);
+    let b = gw.spawn_run(&long);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let c = gw.spawn_run(&short);
     ends_as_solo(&mut a, &solo, dir.path()).await;
-    for run in [b, c] {
+    for (run, solo) in [(b, &solo_long), (c, &solo)] {
         let (status, v) = tokio::time::timeout(REQUEST, run)
             .await
             .expect("answered while the node is stopped")
             .unwrap();
         assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
-        assert_eq!(answer(&v["result"]), answer(&solo));
+        assert_eq!(answer(&v["result"]), answer(solo));
     }
     let log = wait_for_log(&dir.path().join("gateway.log"), 4).await;
     let restarts = log
