@@ -325,6 +325,33 @@ impl LoadtestArgs {
     }
 }
 
+/// `LoadtestArgs` parsed from `argv` (the program name first) as the CLI parses
+/// them, or clap's error (tests only).
+#[cfg(test)]
+pub(crate) fn try_parse_args<I, T>(argv: I) -> Result<LoadtestArgs, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: LoadtestArgs,
+    }
+    Cli::try_parse_from(argv).map(|c| c.a)
+}
+
+/// [`try_parse_args`] for arguments that parse (tests only; panics otherwise).
+#[cfg(test)]
+pub(crate) fn parse_args<I, T>(argv: I) -> LoadtestArgs
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    try_parse_args(argv).unwrap_or_else(|e| panic!("{e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,15 +367,8 @@ mod tests {
         assert!("x".parse::<LenDist>().is_err());
     }
 
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: LoadtestArgs,
-    }
-
     #[test]
     fn fault_every_secs_parses_and_is_checked() {
-        use clap::Parser;
         let kill = [
             "x",
             "--fault-kill-cmd",
@@ -356,19 +376,19 @@ mod tests {
             "--fault-downtime-secs",
             "3",
         ];
-        let a = Cli::parse_from(kill.iter().chain(&["--fault-every-secs", "20"])).a;
+        let a = parse_args(kill.iter().chain(&["--fault-every-secs", "20"]));
         assert_eq!(a.fault_every_secs, Some(20.0));
         assert_eq!(a.validate(), Ok(()));
-        let a = Cli::parse_from(kill).a;
+        let a = parse_args(kill);
         assert_eq!(a.fault_every_secs, None);
         for bad in ["0", "3", "inf", "NaN"] {
-            let a = Cli::parse_from(kill.iter().chain(&["--fault-every-secs", bad])).a;
+            let a = parse_args(kill.iter().chain(&["--fault-every-secs", bad]));
             let e = a.validate().unwrap_err();
             assert!(e.contains("--fault-every-secs"), "{e}");
         }
         // It needs a kill command.
-        assert!(Cli::try_parse_from(["x", "--fault-every-secs", "20"]).is_err());
-        let a = Cli::parse_from(["x", "--metrics-token", "m".repeat(32).as_str()]).a;
+        assert!(try_parse_args(["x", "--fault-every-secs", "20"]).is_err());
+        let a = parse_args(["x", "--metrics-token", "m".repeat(32).as_str()]);
         assert_eq!(a.metrics_token.as_deref().map(str::len), Some(32));
     }
 }

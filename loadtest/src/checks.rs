@@ -527,17 +527,10 @@ pub fn usage_check(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::args::LoadtestArgs;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: LoadtestArgs,
-    }
+    use crate::args::parse_args;
 
     fn workload() -> Workload {
-        let a = Cli::parse_from(["x", "--prompts-per-tenant", "2", "--seed", "3"]).a;
+        let a = parse_args(["x", "--prompts-per-tenant", "2", "--seed", "3"]);
         Workload::new(&a, 2, 64).unwrap()
     }
 

@@ -277,14 +277,7 @@ pub fn prefix_cache(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::args::LoadtestArgs;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: LoadtestArgs,
-    }
+    use crate::args::parse_args;
 
     fn close(a: Option<f64>, b: f64) -> bool {
         a.is_some_and(|a| (a - b).abs() < 1e-12)
@@ -313,7 +306,7 @@ mod tests {
     fn workload() -> Workload {
         // 2 tenants x 2 prompts; prompts 0, 1 are tenant 0's, 2, 3 tenant 1's,
         // 4, 5 the over-long ones.
-        let a = Cli::parse_from(["x", "--prompts-per-tenant", "2", "--output-len", "20"]).a;
+        let a = parse_args(["x", "--prompts-per-tenant", "2", "--output-len", "20"]);
         Workload::new(&a, 2, 64).unwrap()
     }
 

@@ -445,18 +445,12 @@ pub fn describe(d: &LenDist) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: LoadtestArgs,
-    }
+    use crate::args::parse_args;
 
     fn args(extra: &[&str]) -> LoadtestArgs {
         let mut v = vec!["x"];
         v.extend_from_slice(extra);
-        Cli::parse_from(v).a
+        parse_args(v)
     }
 
     #[test]

@@ -611,7 +611,7 @@ impl NodeLoop for DecodeLoop {
                     req,
                     Some(&reply),
                     CommitExtra::default(),
-                    |p, env, out| p.on_msg_attached(msg, attached, env, out),
+                    |p, env, out| p.on_msg(msg, attached, env, out),
                 );
             }
             DecodeCmd::FromPrefill { msg, extra, from } => {

@@ -591,7 +591,7 @@ impl NodeLoop for PrefillLoop {
                     _ => {}
                 }
                 self.with_proto(engine, Some(&reply), |p, env, out| {
-                    p.on_msg_attached(msg, attached, env, out)
+                    p.on_msg(msg, attached, env, out)
                 });
             }
             PrefillCmd::Drained(req, result) => {

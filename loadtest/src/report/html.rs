@@ -15,6 +15,27 @@ fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// Draws the series' legend at `at` (white, framed).
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    at: SeriesLabelPosition,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart
+        .configure_series_labels()
+        .position(at)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+}
+
+/// The chart's SVG, or a line saying why it could not be drawn.
+fn svg_or_failure(svg: String, drawn: Result<(), Box<dyn std::error::Error + '_>>) -> String {
+    match drawn {
+        Ok(()) => svg,
+        Err(e) => format!("<p>plot failed: {}</p>", esc(&e.to_string())),
+    }
+}
+
 /// A line chart as an SVG string: one series per `(name, points)`.
 fn line_chart(
     title: &str,
@@ -59,19 +80,11 @@ fn line_chart(
                     PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
         root.present()?;
         Ok(())
     })();
-    match drawn {
-        Ok(()) => svg,
-        Err(e) => format!("<p>plot failed: {}</p>", esc(&e.to_string())),
-    }
+    svg_or_failure(svg, drawn)
 }
 
 /// A small grouped bar chart as an SVG string: one group per category, one bar
@@ -129,19 +142,11 @@ fn bar_chart(
                     Rectangle::new([(x, y - 5), (x + 12, y + 5)], color.filled())
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         root.present()?;
         Ok(())
     })();
-    match drawn {
-        Ok(()) => svg,
-        Err(e) => format!("<p>plot failed: {}</p>", esc(&e.to_string())),
-    }
+    svg_or_failure(svg, drawn)
 }
 
 /// The fairness section of one target: a table per tenant, Jain's indices and

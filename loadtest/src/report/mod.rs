@@ -321,20 +321,13 @@ pub fn write(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::args::LoadtestArgs;
+    use crate::args::parse_args;
     use crate::fairness::{fairness, prefix_cache};
     use crate::workload::Workload;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: LoadtestArgs,
-    }
 
     /// A report of one target with two tenants' answers, as the runner builds it.
     fn report() -> (Report, Vec<Outcome>) {
-        let a = Cli::parse_from(["x", "--prompts-per-tenant", "1", "--output-len", "8"]).a;
+        let a = parse_args(["x", "--prompts-per-tenant", "1", "--output-len", "8"]);
         let w = Workload::new(&a, 2, 64).unwrap();
         let outs: Vec<Outcome> = (0..4)
             .map(|i| Outcome {

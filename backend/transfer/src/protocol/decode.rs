@@ -246,20 +246,11 @@ impl<A: RequestIo> DecodeNode<A> {
         &mut self.reqs
     }
 
-    /// Dispatches a message addressed to the decode node.
+    /// Dispatches a message addressed to the decode node; `attached` is what the
+    /// driver attaches to the request's record if this message creates it (a
+    /// `Prealloc` for a request the node has no record of; dropped otherwise; `None`
+    /// under the model checker).
     pub fn on_msg(
-        &mut self,
-        msg: Msg,
-        env: &mut impl DecodeEnv<Attached = A>,
-        out: &mut Vec<Output>,
-    ) {
-        self.on_msg_attached(msg, None, env, out)
-    }
-
-    /// [`on_msg`](Self::on_msg), with what the driver attaches to the request's
-    /// record if this message creates it (a `Prealloc` for a request the node has no
-    /// record of; dropped otherwise).
-    pub fn on_msg_attached(
         &mut self,
         msg: Msg,
         attached: Option<A>,

@@ -180,20 +180,11 @@ impl<A: RequestIo> PrefillNode<A> {
         &mut self.reqs
     }
 
-    /// Dispatches a message addressed to the prefill node.
+    /// Dispatches a message addressed to the prefill node; `attached` is what the
+    /// driver attaches to the request's record if this message creates it (a
+    /// `Prefill` for a request the node has no record of; dropped otherwise; `None`
+    /// under the model checker).
     pub fn on_msg(
-        &mut self,
-        msg: Msg,
-        env: &mut impl PrefillEnv<Attached = A>,
-        out: &mut Vec<Output>,
-    ) {
-        self.on_msg_attached(msg, None, env, out)
-    }
-
-    /// [`on_msg`](Self::on_msg), with what the driver attaches to the request's
-    /// record if this message creates it (a `Prefill` for a request the node has no
-    /// record of; dropped otherwise).
-    pub fn on_msg_attached(
         &mut self,
         msg: Msg,
         attached: Option<A>,
@@ -557,7 +548,7 @@ mod tests {
             ..Default::default()
         };
         let mut out = Vec::new();
-        node.on_msg(Msg::QuietQuery { req: R }, &mut env, &mut out);
+        node.on_msg(Msg::QuietQuery { req: R }, None, &mut env, &mut out);
         assert!(quiet(&out), "{out:?}");
         let mut late = Vec::new();
         node.on_prefill(R, ask(3, 20, 4, dests(2)), None, &mut env, &mut late);

@@ -531,11 +531,11 @@ impl Model for PdModel {
                                 st.ghost[req.0 as usize].asked_unheard = true;
                             }
                         }
-                        node.on_msg(msg, pool, &mut out);
+                        node.on_msg(msg, None, pool, &mut out);
                     }
                     Role::Decode => {
                         let (node, pool) = st.decode.as_mut()?;
-                        node.on_msg(msg, pool, &mut out);
+                        node.on_msg(msg, None, pool, &mut out);
                         // The driver offers freed pages to waiting requests after
                         // every call (a no-op when none waits).
                         node.on_capacity(pool, &mut out);
