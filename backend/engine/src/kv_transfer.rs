@@ -112,8 +112,8 @@ impl Engine {
         dest: &[DestPage],
     ) -> Result<Vec<ExportedPage>, ExportError> {
         let prompt = self
-            .parked
-            .get(&seq)
+            .seqs
+            .parked_by_id(seq)
             .ok_or(ExportError::Unknown(seq))?
             .prompt;
         let table = self.kv.table(seq).unwrap_or(&[]);
@@ -255,7 +255,7 @@ impl Engine {
             &self.tokenizer,
             &self.stop_ids,
         ) {
-            Accepted::Continue => self.running.push(s),
+            Accepted::Continue => self.seqs.enter(crate::engine::Stage::Running(s)),
             Accepted::Finished(ev) => {
                 self.kv.release(seq);
                 let _ = s.sink.send(ev);

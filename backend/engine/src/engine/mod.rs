@@ -13,15 +13,17 @@
 
 mod seq;
 mod speculate;
+mod stage;
 mod step;
 
 pub(crate) use seq::{accept_token, sampler_for, Accepted, Seq, SeqRole};
+pub(crate) use stage::{Sequences, Stage};
 
 use crate::admission::{AdmissionLimits, Admitted, GenerateRequest, Rejection};
 use crate::scheduler::{FairnessConfig, Served, Vtc};
 use crate::sink::EventSink;
 pub use crate::sink::{EngineError, Event, FinishReason, Usage};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
@@ -142,7 +144,7 @@ pub enum SeqEnd {
 }
 
 /// A queued request (co-located, or a prefill node's prefill-only sequence).
-struct Waiting {
+pub(crate) struct Waiting {
     req: Admitted,
     id: SeqId,
     sink: Box<dyn EventSink>,
@@ -175,6 +177,7 @@ impl Waiting {
 /// A prefill-only sequence whose compute ended, while its pages are held for export.
 #[derive(Debug)]
 pub(crate) struct Parked {
+    pub(crate) id: SeqId,
     /// Prompt tokens.
     pub(crate) prompt: usize,
     tenant: u64,
@@ -216,8 +219,8 @@ pub struct Engine {
     pub(crate) tokenizer: Arc<Tokenizer>,
     pub(crate) cfg: EngineConfig,
     pub(crate) kv: KvManager,
-    waiting: VecDeque<Waiting>,
-    pub(crate) running: Vec<Seq>,
+    /// Every sequence here, waiting, running or parked ([`Stage`]).
+    pub(crate) seqs: Sequences,
     pub(crate) stop_ids: Vec<u32>,
     next_seq: u64,
     /// Decode role: sequences that left the running batch, and how. `None` when not
@@ -226,7 +229,6 @@ pub struct Engine {
     /// Prefill role: finished prefills not yet taken, and every prefill-only
     /// sequence whose compute ended and whose pages are still held.
     prefilled: Vec<Prefilled>,
-    pub(crate) parked: HashMap<SeqId, Parked>,
     /// Virtual token counters (fair admission) and tokens served per tenant.
     vtc: Vtc,
     /// The model's fingerprint (part of every prefix-cache key).
@@ -280,13 +282,11 @@ impl Engine {
             tokenizer,
             cfg,
             kv,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
+            seqs: Sequences::default(),
             stop_ids,
             next_seq: 1,
             ended: None,
             prefilled: Vec::new(),
-            parked: HashMap::new(),
             metrics: EngineMetrics::default(),
             speculation: Speculation::default(),
         }
@@ -309,8 +309,8 @@ impl Engine {
         let free = pool.free_pages();
         let cached = pool.cached_pages();
         let in_use: usize = self
-            .running
-            .iter()
+            .seqs
+            .running()
             .filter_map(|s| self.kv.table(s.id))
             .map(|t| t.iter().filter(|r| !pool.is_cached(r.page)).count())
             .sum();
@@ -410,7 +410,7 @@ impl Engine {
         };
         let waiting: Vec<u64> = self.waiting_tenants();
         self.vtc.on_arrival(r.tenant, r.weight, &waiting);
-        self.waiting.push_back(Waiting {
+        self.seqs.enter(Stage::Waiting(Waiting {
             req,
             id,
             sink,
@@ -418,12 +418,12 @@ impl Engine {
             role,
             queued_at: Instant::now(),
             chain,
-        });
+        }));
     }
 
     fn waiting_tenants(&self) -> Vec<u64> {
-        self.waiting
-            .iter()
+        self.seqs
+            .waiting()
             .map(|w| w.req.request().tenant)
             .collect()
     }
@@ -439,22 +439,20 @@ impl Engine {
     /// namespace (the prefill node is where a disaggregated deployment caches).
     /// Returns whether it was found.
     pub fn release_prefill(&mut self, seq: SeqId) -> bool {
-        let mut found = false;
-        if let Some(i) = self.waiting.iter().position(|w| w.id == seq) {
-            self.waiting.remove(i);
-            found = true;
-        }
-        if let Some(i) = self.running.iter().position(|s| s.id == seq) {
-            let s = self.running.remove(i);
-            self.free_seq(&s, true);
-            found = true;
-        }
-        if let Some(p) = self.parked.remove(&seq) {
-            let computed = if p.ok { p.prompt } else { 0 };
-            let pages = computed / self.cfg.page_size;
-            self.kv.release_caching(seq, &p.chain, pages);
-            found = true;
-        }
+        let found = match self.seqs.take(seq) {
+            None => false,
+            Some(Stage::Waiting(_)) => true,
+            Some(Stage::Running(s)) => {
+                self.free_seq(&s, true);
+                true
+            }
+            Some(Stage::Parked(p)) => {
+                let computed = if p.ok { p.prompt } else { 0 };
+                let pages = computed / self.cfg.page_size;
+                self.kv.release_caching(seq, &p.chain, pages);
+                true
+            }
+        };
         self.prefilled.retain(|p| p.seq != seq);
         found | (self.kv.release(seq) > 0)
     }
@@ -462,9 +460,7 @@ impl Engine {
     /// Frees every page of `seq` (decode role: a reservation that will not be
     /// adopted, after commit failure or acknowledged abort). Returns pages freed.
     pub fn release_seq(&mut self, seq: SeqId) -> usize {
-        if let Some(i) = self.running.iter().position(|s| s.id == seq) {
-            self.running.remove(i);
-        }
+        self.seqs.take_running(seq);
         self.kv.release(seq)
     }
 
@@ -482,17 +478,18 @@ impl Engine {
 
     /// Requests waiting for admission to the running batch.
     pub fn waiting_len(&self) -> usize {
-        self.waiting.len()
+        self.seqs.counts().0
     }
 
     /// Requests in the running batch.
     pub fn running_len(&self) -> usize {
-        self.running.len()
+        self.seqs.counts().1
     }
 
     /// Whether any request is waiting or running.
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        let (waiting, running, _) = self.seqs.counts();
+        waiting + running > 0
     }
 
     /// The KV manager (free-page counts for tests and metrics).
@@ -538,7 +535,7 @@ impl Engine {
     /// Sequence ids of running requests in admission order (for tests).
     #[doc(hidden)]
     pub fn running_ids(&self) -> Vec<SeqId> {
-        self.running.iter().map(|s| s.id).collect()
+        self.seqs.running().map(|s| s.id).collect()
     }
 
     /// A sequence id the engine assigns itself, never one in use.
@@ -546,7 +543,7 @@ impl Engine {
         loop {
             let id = SeqId(self.next_seq);
             self.next_seq += 1;
-            if self.kv.table(id).is_none() && !self.waiting.iter().any(|w| w.id == id) {
+            if self.kv.table(id).is_none() && !self.seqs.contains(id) {
                 return id;
             }
         }

@@ -5,7 +5,7 @@ use super::seq::{
     accept_token, output_logprobs, penalty_view, sampler_for, Accepted, Seq, SeqRole,
 };
 use super::speculate::propose;
-use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Waiting};
+use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Stage, Waiting};
 use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
 use crate::sink::{EngineError, Event};
 use std::time::Instant;
@@ -26,8 +26,8 @@ impl Engine {
     /// What the scheduler sees of the queue, prefix-cache hits included.
     fn queue_view(&self, now: Instant) -> Vec<Queued> {
         let ps = self.cfg.page_size;
-        self.waiting
-            .iter()
+        self.seqs
+            .waiting()
             .map(|w| {
                 let r = w.req.request();
                 let hits = self
@@ -55,31 +55,32 @@ impl Engine {
         let now = Instant::now();
         let limits = self.step_limits();
         let admission = {
-            let running: Vec<SeqProgress> = self.running.iter().map(Seq::progress).collect();
+            let running: Vec<SeqProgress> = self.seqs.running().map(Seq::progress).collect();
             scheduler::plan(&running, &self.queue_view(now), limits, &self.vtc)
         };
         self.apply_admission(&admission, now);
         // The work is planned over the batch as it now is: a request admitted with
         // fewer cached pages than the queue view promised computes them itself.
         let plan = {
-            let running: Vec<SeqProgress> = self.running.iter().map(Seq::progress).collect();
+            let running: Vec<SeqProgress> = self.seqs.running().map(Seq::progress).collect();
             scheduler::plan(&running, &[], limits, &self.vtc)
         };
-        let charges = scheduler::computed_by_tenant(&plan, |i| self.running[i].tenant);
+        let slots = self.seqs.running_slots();
+        let charges = scheduler::computed_by_tenant(&plan, |i| self.seqs.at(slots[i]).tenant);
         for (tenant, prefill, decode) in charges {
             self.vtc.charge(tenant, prefill, decode);
         }
         let live: Vec<u64> = self
-            .running
-            .iter()
+            .seqs
+            .running()
             .map(|s| s.tenant)
-            .chain(self.parked.values().map(|p| p.tenant))
+            .chain(self.seqs.parked().map(|p| p.tenant))
             .collect();
         let waiting = self.waiting_tenants();
         self.vtc
             .forget_idle(&waiting, |t| live.contains(&t) || waiting.contains(&t));
-        self.propose_drafts(&plan.work);
-        let rows = self.rows(&plan.work);
+        self.propose_drafts(&plan.work, &slots);
+        let rows = self.rows(&plan.work, &slots);
         if rows.is_empty() {
             return 0;
         }
@@ -93,21 +94,20 @@ impl Engine {
             let e = EngineError::Integrity(*err);
             finished.push((*seq, SeqEnd::Failed(e.clone()), Some(Event::Error(e))));
         }
+        // No sequence entered or left since `slots`: the rows' sequences are there.
+        let slot_of = self.seqs.running_slot_by_id();
         // Prefill progress for rows that were not sampled.
         for r in &rows {
-            if let Some(s) = self.running.iter_mut().find(|s| s.id == r.seq) {
-                if r.pos < s.prompt.len() {
-                    s.prefilled = s.prefilled.max(r.pos + 1);
-                }
+            let s = self.seqs.at_mut(slot_of[&r.seq]);
+            if r.pos < s.prompt.len() {
+                s.prefilled = s.prefilled.max(r.pos + 1);
             }
         }
         // Sequences that ended in this step: their later draft rows are void.
         let mut ended: Vec<SeqId> = Vec::new();
         for (row, mut logits) in out.logits {
             let (seq, pos) = (rows[row].seq, rows[row].pos);
-            let Some(s) = self.running.iter_mut().find(|s| s.id == seq) else {
-                continue;
-            };
+            let s = self.seqs.at_mut(slot_of[&seq]);
             if pos >= s.prompt.len() {
                 // A decode row, or a draft row (speculate.rs): it counts only when its
                 // position is the next one and its input the last token sampled, i.e.
@@ -165,14 +165,14 @@ impl Engine {
             self.park(p);
         }
         for (id, end, ev) in finished {
-            let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            let Some(s) = self.seqs.running().find(|s| s.id == id) else {
                 continue;
             };
-            if self.running[i].role == SeqRole::Prefill {
+            if s.role == SeqRole::Prefill {
                 // An integrity error while computing the prompt: reported for export
                 // handling; the pages stay until released.
                 if let SeqEnd::Failed(e) = end {
-                    let cached_tokens = self.running[i].cached;
+                    let cached_tokens = s.cached;
                     self.park(Prefilled {
                         seq: id,
                         result: Err(e),
@@ -181,7 +181,9 @@ impl Engine {
                 }
                 continue;
             }
-            let mut s = self.running.remove(i);
+            let Some(mut s) = self.seqs.take_running(id) else {
+                continue;
+            };
             // Pages of a failed sequence are not trusted for reuse.
             self.free_seq(&s, !matches!(end, SeqEnd::Failed(_)));
             if let Some(ev) = ev {
@@ -202,17 +204,14 @@ impl Engine {
     /// Prefill role: takes a sequence whose compute ended out of the running batch,
     /// keeping its pages for export.
     fn park(&mut self, p: Prefilled) {
-        if let Some(i) = self.running.iter().position(|s| s.id == p.seq) {
-            let s = self.running.remove(i);
-            self.parked.insert(
-                s.id,
-                Parked {
-                    prompt: s.prompt.len(),
-                    tenant: s.tenant,
-                    chain: s.chain,
-                    ok: p.result.is_ok(),
-                },
-            );
+        if let Some(s) = self.seqs.take_running(p.seq) {
+            self.seqs.enter(Stage::Parked(Parked {
+                id: s.id,
+                prompt: s.prompt.len(),
+                tenant: s.tenant,
+                chain: s.chain,
+                ok: p.result.is_ok(),
+            }));
             self.prefilled.push(p);
         }
     }
@@ -220,16 +219,16 @@ impl Engine {
     /// Drops requests whose client cancelled: waiting ones are never computed, running
     /// ones stop and free their pages (computed prompt pages may be cached).
     fn drop_cancelled(&mut self) {
-        self.waiting.retain(|w| !w.sink.cancelled());
-        let mut i = 0;
-        while i < self.running.len() {
-            if !self.running[i].sink.cancelled() {
-                i += 1;
-                continue;
+        let cancelled = self.seqs.take_where(|s| match s {
+            Stage::Waiting(w) => w.sink.cancelled(),
+            Stage::Running(r) => r.sink.cancelled(),
+            Stage::Parked(_) => false,
+        });
+        for s in cancelled {
+            if let Stage::Running(s) = s {
+                self.free_seq(&s, true);
+                self.record_end(s.id, SeqEnd::ClientGone);
             }
-            let s = self.running.remove(i);
-            self.free_seq(&s, true);
-            self.record_end(s.id, SeqEnd::ClientGone);
         }
     }
 
@@ -240,9 +239,14 @@ impl Engine {
         if plan.admit.is_empty() && plan.expire.is_empty() {
             return;
         }
-        let mut slots: Vec<Option<Waiting>> = self.waiting.drain(..).map(Some).collect();
+        // The plan's indices count waiting sequences in arrival order.
+        let queue: Vec<_> = self.seqs.waiting().map(|w| w.id).collect();
+        let take = |seqs: &mut super::Sequences, i: usize| match seqs.take(queue[i]) {
+            Some(Stage::Waiting(w)) => Some(w),
+            _ => None,
+        };
         for &i in &plan.expire {
-            if let Some(w) = slots[i].take() {
+            if let Some(w) = take(&mut self.seqs, i) {
                 let limit = self.cfg.batch_max_wait.unwrap_or_default();
                 let e = EngineError::BatchQueueTimeout {
                     waited_ms: now.saturating_duration_since(w.queued_at).as_millis() as u64,
@@ -253,13 +257,12 @@ impl Engine {
         }
         let mut last = None;
         for &i in &plan.admit {
-            if let Some(w) = slots[i].take() {
+            if let Some(w) = take(&mut self.seqs, i) {
                 last = Some(w.req.request().tenant);
                 self.start_waiting(w);
             }
         }
-        self.waiting = slots.into_iter().flatten().collect();
-        if let (true, Some(t)) = (self.waiting.is_empty(), last) {
+        if let (true, Some(t)) = (self.seqs.waiting().next().is_none(), last) {
             self.vtc.on_queue_emptied(t);
         }
     }
@@ -329,7 +332,7 @@ impl Engine {
         s.cached = hits * self.cfg.page_size;
         s.prefilled = s.cached;
         s.chain = chain;
-        self.running.push(s);
+        self.seqs.enter(Stage::Running(s));
     }
 
     /// Sets each decoding sequence's drafts for this step (prompt-lookup
@@ -338,8 +341,8 @@ impl Engine {
     /// engine's) tokens each, and never
     /// more than it may still generate, less one (the drafts' positions stay inside
     /// the pages reserved for prompt + `max_tokens`).
-    fn propose_drafts(&mut self, work: &[Work]) {
-        for s in self.running.iter_mut() {
+    fn propose_drafts(&mut self, work: &[Work], slots: &[usize]) {
+        for s in self.seqs.running_mut() {
             // Back off where drafts miss: after n steps in a row whose drafts were all
             // rejected, wait 2^n steps (at most 32) before drafting again.
             if !s.drafts.is_empty() {
@@ -364,7 +367,7 @@ impl Engine {
             let Work::Decode { seq, pos } = *w else {
                 continue;
             };
-            let s = &mut self.running[seq];
+            let s = self.seqs.at_mut(slots[seq]);
             if s.draft_wait > 0 {
                 s.draft_wait -= 1;
                 continue;
@@ -383,12 +386,12 @@ impl Engine {
 
     /// The forward pass's rows for the planned work: a decoding sequence's drafts
     /// follow its decode row at the next positions.
-    fn rows(&self, work: &[Work]) -> Vec<BatchRow> {
+    fn rows(&self, work: &[Work], slots: &[usize]) -> Vec<BatchRow> {
         let mut rows = Vec::new();
         for w in work {
             match *w {
                 Work::Decode { seq, pos } => {
-                    let s = &self.running[seq];
+                    let s = self.seqs.at(slots[seq]);
                     rows.push(BatchRow {
                         seq: s.id,
                         token: *s.generated.last().expect("a decoding sequence"),
@@ -405,7 +408,7 @@ impl Engine {
                     }
                 }
                 Work::Prefill { seq, start, end } => {
-                    let s = &self.running[seq];
+                    let s = self.seqs.at(slots[seq]);
                     for pos in start..end {
                         rows.push(BatchRow {
                             seq: s.id,
