@@ -5,6 +5,7 @@ mod bench;
 mod deployment;
 mod device;
 mod generate;
+mod kv_spill;
 mod model_fetch;
 mod node;
 mod reload;

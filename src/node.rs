@@ -52,6 +52,8 @@ pub(crate) struct NodeArgs {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
     speculate: u32,
     #[command(flatten)]
+    kv_spill: crate::kv_spill::KvSpillArgs,
+    #[command(flatten)]
     device: crate::device::DeviceArgs,
     /// Serve Prometheus metrics at `GET /metrics` (plain HTTP, read-only) on this
     /// address, on a listener of its own (keep it on a private network).
@@ -212,6 +214,26 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     let mut engine = tessera_serving::remote::pool_engine_config(pool);
     engine.kv_scrub = a.kv_scrub;
     engine.speculate = a.speculate as usize;
+    if role == NodeRole::Prefill {
+        // The prefill node keeps the prefix cache: its lower tiers, per pool.
+        let page_bytes = model
+            .transformer
+            .config()
+            .kv_layout(engine.page_size)
+            .page_bytes();
+        // One directory per node: nodes of a pool may share a host and a --kv-spill-dir.
+        let name: String = format!("{}-{listen}", pool.name)
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        engine.spill = a.kv_spill.config(page_bytes, None, &name)?;
+    }
     let tls = if links.is_tls() {
         "mutual TLS"
     } else {

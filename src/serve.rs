@@ -71,6 +71,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
     speculate: u32,
     #[command(flatten)]
+    kv_spill: crate::kv_spill::KvSpillArgs,
+    #[command(flatten)]
     device: crate::device::DeviceArgs,
     /// TLS: `off`, or `self-signed` (a fresh certificate for localhost, written to
     /// DATA_DIR/tls-cert.pem).
@@ -582,6 +584,18 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
         speculate: a.speculate as usize,
         ..EngineConfig::default()
     };
+    // The engine that keeps the prefix cache (prefill, or co-located) gets the tiers.
+    let spill_default = a.store.data_dir.join("kv-spill");
+    let caching_cfg = |tokens: usize, model: &LoadedModel, name: String| -> Result<EngineConfig> {
+        let mut cfg = engine_cfg(tokens);
+        let page_bytes = model
+            .transformer
+            .config()
+            .kv_layout(cfg.page_size)
+            .page_bytes();
+        cfg.spill = a.kv_spill.config(page_bytes, Some(&spill_default), &name)?;
+        Ok(cfg)
+    };
     // Unset sizes follow each model's context window (I2) above their floors.
     let sized =
         |given: Option<usize>, floor: usize, context: usize| given.unwrap_or(floor.max(context));
@@ -626,11 +640,16 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
             String::new()
         };
         let engine = if a.colocated {
-            EngineHandle::spawn_in(&model, engine_cfg(decode_tokens), metrics.clone(), &prefix)
+            let cfg = caching_cfg(decode_tokens, &model, format!("{prefix}colocated"))?;
+            EngineHandle::spawn_in(&model, cfg, metrics.clone(), &prefix)
         } else {
             EngineHandle::spawn_disaggregated_in(
                 &model,
-                &[engine_cfg(prefill_tokens)],
+                &[caching_cfg(
+                    prefill_tokens,
+                    &model,
+                    format!("{prefix}prefill-0"),
+                )?],
                 &[engine_cfg(decode_tokens)],
                 metrics.clone(),
                 &prefix,

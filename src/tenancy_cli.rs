@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use tessera_config::secret_files::{create_private_dir, create_secret_file};
 use tessera_tenancy::store::{parse_time, rfc3339};
 use tessera_tenancy::{
-    AuditCtx, GroupBy, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling, Scopes, Store,
-    TenantStatus,
+    AuditCtx, CacheLimits, GroupBy, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling,
+    Scopes, Store, TenantStatus,
 };
 
 /// Where the store lives: `--store URL`, or a SQLite file in `--data-dir`.
@@ -213,6 +213,21 @@ pub(crate) enum TenantCommand {
         #[arg(long)]
         max_priority: Option<PriorityCeiling>,
     },
+    /// Set a tenant's own bounds on the KV engines keep cached of it (flags not
+    /// given keep their value; 0: no bound of its own). Applied by each engine from
+    /// the tenant's next request on.
+    CacheLimits {
+        /// Account id.
+        id: String,
+        /// Most prompt tokens (whole pages) each engine keeps in its pool for the
+        /// tenant; past it its least recently used pages are dropped.
+        #[arg(long)]
+        max_cached_tokens: Option<u64>,
+        /// Seconds a cached page may go unused before engines drop it (every tier;
+        /// at most 30 days).
+        #[arg(long)]
+        idle_ttl_secs: Option<u64>,
+    },
     /// Give a tenant a fresh prefix-cache salt: nothing it cached before is found
     /// again.
     RotateCacheSalt {
@@ -398,6 +413,22 @@ pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
                 };
                 admin.set_scheduling(&id, sch).await?;
                 print(json!({"id": id, "scheduling": sch}))
+            }
+            TenantCommand::CacheLimits {
+                id,
+                max_cached_tokens,
+                idle_ttl_secs,
+            } => {
+                let Some(t) = s.tenant(&id).await? else {
+                    bail!("no tenant with id {id}");
+                };
+                let c = CacheLimits {
+                    max_cached_tokens: max_cached_tokens
+                        .unwrap_or(t.cache_limits.max_cached_tokens),
+                    idle_ttl_secs: idle_ttl_secs.unwrap_or(t.cache_limits.idle_ttl_secs),
+                };
+                admin.set_cache_limits(&id, c).await?;
+                print(json!({"id": id, "cache_limits": c}))
             }
             TenantCommand::RotateCacheSalt { id } => {
                 admin.rotate_cache_salt(&id).await?;

@@ -424,3 +424,45 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
     drop(inject);
     rogue.abort();
 }
+
+/// Cache questions on node links (`cache` frames: the purge and report of the cache
+/// API): a gateway identity's question is answered by the node, a prefill identity's
+/// is refused at a decode node and cuts its link, and the tenant is served as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_gateway_identity_may_ask_a_node_about_its_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d) = (free_port(), free_port());
+    let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
+    let certs = dir.path().join("certs");
+    let (dep, _metrics) = Deployment::start_metered(dir, config, p, d).await;
+    let body = greedy(4);
+    let solo = dep.gateway.run_when_up(&body).await["result"].clone();
+    let ca = certs.join("ca.pem");
+    let as_gateway = client(&ca, Some(&identity(&certs, "gateway")));
+    let as_prefill = client(
+        &ca,
+        Some(&identity(&certs, &format!("prefill-127.0.0.1-{p}"))),
+    );
+    let ask = |id: u64, op: &str| {
+        frame(
+            &json!({"cache": {"id": id, "query": {"op": op, "tenant": 1}}}),
+            &[],
+        )
+    };
+
+    let mut gw = Raw::open(p, &node_name("prefill", p), &as_gateway, "Coordinator").await;
+    gw.send(&ask(9, "report")).await;
+    let a = gw.until(|h| h["cache_answer"]["id"] == 9).await;
+    let a = a.unwrap_or_else(|| panic!("no answer\n{}", dep.logs()));
+    assert_eq!(a["cache_answer"]["answer"]["op"], "report", "{a}");
+    assert!(a["cache_answer"]["answer"]["pool"].is_u64(), "{a}");
+
+    let mut s = Raw::open(d, &node_name("decode", d), &as_prefill, "Prefill").await;
+    s.send(&ask(1, "purge")).await;
+    s.assert_cut("a cache question from a prefill identity")
+        .await;
+
+    let (st, again) = dep.gateway.run(&body).await;
+    let answer = (st, &again["result"]["response"]);
+    assert_eq!(answer, (200, &solo["response"]), "{}", dep.logs());
+}

@@ -14,8 +14,11 @@
 //! - `PUT  /admin/v1/tenants/{id}/scheduling` `{weight?, max_priority?}` (fair-share
 //!   weight 1..=1000; highest class `interactive` | `batch`; fields not given keep
 //!   their value, unknown fields are an error)
+//! - `PUT  /admin/v1/tenants/{id}/cache-limits` `{max_cached_tokens?, idle_ttl_secs?}`
+//!   (the tenant's own bounds on its cached KV per engine; 0: none)
 //! - `POST /admin/v1/tenants/{id}/rotate-cache-salt` (a fresh prefix-cache salt:
-//!   nothing the tenant cached before is found again)
+//!   nothing the tenant cached before is found again; its old pages are purged on
+//!   every engine, spilled ones made unreadable)
 //! - `POST /admin/v1/tenants/{id}/purge-cache` (every prefix-cache page of the
 //!   tenant dropped on every engine; answers once each engine confirmed)
 //! - `GET  /admin/v1/tenants/{id}/keys`,
@@ -57,8 +60,8 @@ use std::sync::Arc;
 use subtle::ConstantTimeEq;
 use tessera_tenancy::store::parse_time;
 use tessera_tenancy::{
-    AuditCtx, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling, Scopes, StoreError,
-    TenantStatus,
+    AuditCtx, CacheLimits, Limits, LimitsPatch, NewKey, PriorityCeiling, Scheduling, Scopes,
+    StoreError, TenantStatus,
 };
 
 /// Shortest accepted admin or metrics token, in bytes.
@@ -159,6 +162,7 @@ pub(crate) fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/admin/v1/tenants/{id}/activate", post(activate))
         .route("/admin/v1/tenants/{id}/limits", put(set_limits))
         .route("/admin/v1/tenants/{id}/scheduling", put(set_scheduling))
+        .route("/admin/v1/tenants/{id}/cache-limits", put(set_cache_limits))
         .route(
             "/admin/v1/tenants/{id}/rotate-cache-salt",
             post(rotate_cache_salt),
@@ -412,6 +416,54 @@ async fn set_limits(
     Ok(Done(json!({"id": id, "limits": l})))
 }
 
+/// The JSON body of `req` as a patch of `field` (a 400 naming it when it does not
+/// parse), then tenant `id` (a 404 when there is none): what a `PUT` of one part
+/// of a tenant's record starts from.
+async fn tenant_patch<P: serde::de::DeserializeOwned>(
+    s: &AppState,
+    id: &str,
+    req: Request,
+    field: &str,
+) -> Result<(tessera_tenancy::Tenant, P), Fail> {
+    let body = json_body(s, req).await?;
+    let patch: P = serde_json::from_value(body)
+        .map_err(|e| ApiError::field(field, format!("`{field}`: {e}")))?;
+    let Some(t) = s.store.tenant(id).await? else {
+        return Err(StoreError::NoTenant(id.to_string()).into());
+    };
+    Ok((t, patch))
+}
+
+/// The body of `PUT .../cache-limits`: the fields given replace the tenant's.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CacheLimitsPatch {
+    max_cached_tokens: Option<u64>,
+    idle_ttl_secs: Option<u64>,
+}
+
+/// Sets a tenant's own bounds on its cached KV (audited as `tenant.cache_limits`);
+/// engines apply them from its next request on.
+async fn set_cache_limits(
+    State(s): State<Arc<AppState>>,
+    Extension(by): Extension<AdminReq>,
+    Path(id): Path<String>,
+    req: Request,
+) -> Reply {
+    let (t, patch): (_, CacheLimitsPatch) = tenant_patch(&s, &id, req, "cache_limits").await?;
+    let c = CacheLimits {
+        max_cached_tokens: patch
+            .max_cached_tokens
+            .unwrap_or(t.cache_limits.max_cached_tokens),
+        idle_ttl_secs: patch.idle_ttl_secs.unwrap_or(t.cache_limits.idle_ttl_secs),
+    };
+    s.store
+        .audited(&by.audit())
+        .set_cache_limits(&id, c)
+        .await?;
+    Ok(Done(json!({"id": id, "cache_limits": c})))
+}
+
 /// The body of `PUT .../scheduling`: the fields given replace the tenant's.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -426,12 +478,7 @@ async fn set_scheduling(
     Path(id): Path<String>,
     req: Request,
 ) -> Reply {
-    let body = json_body(&s, req).await?;
-    let patch: SchedulingPatch = serde_json::from_value(body)
-        .map_err(|e| ApiError::field("scheduling", format!("`scheduling`: {e}")))?;
-    let Some(t) = s.store.tenant(&id).await? else {
-        return Err(StoreError::NoTenant(id).into());
-    };
+    let (t, patch): (_, SchedulingPatch) = tenant_patch(&s, &id, req, "scheduling").await?;
     let sch = Scheduling {
         weight: patch.weight.unwrap_or(t.scheduling.weight),
         max_priority: patch.max_priority.unwrap_or(t.scheduling.max_priority),
@@ -449,7 +496,16 @@ async fn rotate_cache_salt(
     Path(id): Path<String>,
 ) -> Reply {
     s.store.audited(&by.audit()).rotate_cache_salt(&id).await?;
-    Ok(Done(json!({"id": id, "cache_salt": "rotated"})))
+    // The old salt's pages can never be hit again; dropping them now also forgets
+    // the key of the tenant's sealed pages on disk (unreadable from here on).
+    let Some(t) = s.store.tenant(&id).await? else {
+        return Err(StoreError::NoTenant(id).into());
+    };
+    // The rotation stands either way; engines that did not confirm are named.
+    let (models, failed) = crate::cache_api::purge_engines(&s, t.engine_id()).await;
+    Ok(Done(
+        json!({"id": id, "cache_salt": "rotated", "purged": models, "purge_not_confirmed": failed}),
+    ))
 }
 
 /// Drops every prefix-cache page of tenant `id` on every engine of every served

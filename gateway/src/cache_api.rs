@@ -1,11 +1,14 @@
 //! `GET /client/v4/accounts/{account_id}/ai/cache`: what the engines hold cached of
-//! the caller's account, per model (key scope `usage:read`).
+//! the caller's account, per model and tier (`engine_pool`, `host_memory`, `disk`;
+//! key scope `usage:read`).
 //!
 //! `DELETE /client/v4/accounts/{account_id}/ai/cache`: the caller erases what the
 //! platform cached of its account. Every engine of every served model drops the
 //! account's prefix-cache pages (unused ones back to the free list with a new epoch,
 //! I5; ones a running request of the account still reads poisoned, never hit again,
-//! freed when it ends), and the call answers only once each engine confirmed.
+//! freed when it ends; spilled ones dropped from host memory and disk, the disk's
+//! unreadable first: their key is forgotten), and the call answers only once each
+//! engine confirmed.
 //!
 //! Who may call: a key of that account with the `inference` scope (the scope that
 //! fills the cache); another account's key gets the 403 every account-scoped route
@@ -90,6 +93,8 @@ pub(crate) async fn purge_engines(state: &AppState, tenant: u64) -> (Vec<Value>,
                 "model": id,
                 "freed_pages": n.freed,
                 "poisoned_pages": n.poisoned,
+                "host_memory_pages": n.host,
+                "disk_pages": n.disk,
             })),
             Err(e) => failed.push(format!("{id}: {e}")),
         }
@@ -134,7 +139,7 @@ pub(crate) async fn report(
             .into_iter()
             .map(|(id, e)| {
                 let page = e.limits().page_size;
-                (id, e.tenant_cached_pages(tenant).map(|n| (n, n * page)))
+                (id, e.tenant_cache_pages(tenant).map(|n| (n, page)))
             })
             .collect::<Vec<_>>()
     })
@@ -147,12 +152,20 @@ pub(crate) async fn report(
     let mut failed = Vec::new();
     for (id, r) in counted {
         match r {
-            Ok((pages, tokens)) => models.push(json!({
-                "model": id,
-                "tier": "engine_pool",
-                "cached_pages": pages,
-                "cached_tokens": tokens,
-            })),
+            Ok((n, page)) => {
+                for (tier, pages) in [
+                    ("engine_pool", n.pool),
+                    ("host_memory", n.host),
+                    ("disk", n.disk),
+                ] {
+                    models.push(json!({
+                        "model": id,
+                        "tier": tier,
+                        "cached_pages": pages,
+                        "cached_tokens": pages * page,
+                    }));
+                }
+            }
             Err(e) => failed.push(format!("{id}: {e}")),
         }
     }

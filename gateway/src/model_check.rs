@@ -29,6 +29,8 @@ pub struct TenantContext {
     pub max_priority: Priority,
     /// The tenant's prefix-cache namespace (derived from the account and its salt).
     pub cache_namespace: Option<[u8; 32]>,
+    /// The tenant's own bounds on its cached pages (from its record).
+    pub cache_policy: tessera_serving::CachePolicy,
 }
 
 impl TenantContext {
@@ -40,6 +42,7 @@ impl TenantContext {
             weight: 1,
             max_priority: Priority::Interactive,
             cache_namespace: None,
+            cache_policy: Default::default(),
         }
     }
 }
@@ -250,6 +253,7 @@ pub fn validate(
         priority,
         weight: tenant.weight.max(1),
         cache_namespace: tenant.cache_namespace,
+        cache_policy: tenant.cache_policy,
         prompt,
         max_tokens: p.max_tokens,
         sampling: p.sampling,

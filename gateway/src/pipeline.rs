@@ -185,9 +185,9 @@ pub(crate) struct Submitted<'s> {
     pub(crate) priority: Priority,
 }
 
-/// What the engine takes from a tenant's record: engine id, weight, ceiling and the
+/// What the engine takes from a tenant's record: engine id, weight, ceiling, the
 /// prefix-cache namespace (derived from the account and its salt, never from the
-/// request).
+/// request) and the tenant's bounds on its cached pages.
 pub(crate) fn tenant_context(t: &Tenant) -> TenantContext {
     TenantContext {
         engine_id: t.engine_id(),
@@ -197,6 +197,10 @@ pub(crate) fn tenant_context(t: &Tenant) -> TenantContext {
             PriorityCeiling::Batch => Priority::Batch,
         },
         cache_namespace: Some(t.cache_namespace()),
+        cache_policy: tessera_serving::CachePolicy {
+            max_tokens: t.cache_limits.max_cached_tokens,
+            idle_ttl_secs: t.cache_limits.idle_ttl_secs,
+        },
     }
 }
 

@@ -233,3 +233,65 @@ async fn the_purge_route_refuses_strangers_other_accounts_and_narrow_keys() {
     let audit = s.store().audit_rows(0, i64::MAX, 1000).await.unwrap();
     assert!(audit.iter().all(|r| r.action != "tenant.cache_purge"));
 }
+
+/// A tenant's own cache limits (`PUT /admin/v1/tenants/{id}/cache-limits`, audited)
+/// reach the engines with its requests: with `max_cached_tokens: 32` its repeated
+/// prompt reuses exactly two pages and its report shows two; with `idle_ttl_secs: 1`
+/// its pages are dropped once idle that long (the report reaches 0 with no request
+/// in between) and the prompt then misses with the same answer. Values over their
+/// maximum and unknown fields are 400s naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_cache_limits_bound_and_expire_its_cached_pages() {
+    let s = start().await;
+    let a = s.tenant.id.clone();
+    let body = json!({"messages": [{"role": "user", "content": long_question("limits")}], "max_tokens": 4});
+    let path = format!("/admin/v1/tenants/{a}/cache-limits");
+    let put = |b: Value| s.admin(Method::PUT, &path).json(&b).send();
+
+    let r = put(json!({"max_cached_tokens": 32})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (_, _, first) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
+    assert_eq!(cached_of(&first), 0, "{first}");
+    let (_, _, again) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
+    assert_eq!(cached_of(&again), 32, "two pages kept: {again}");
+    s.wait_idle().await;
+    assert_eq!(report(&s, &a, &s.key).await, 2);
+
+    let r = put(json!({"max_cached_tokens": 0, "idle_ttl_secs": 1}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // This request carries the new limits: its whole prompt is cached at its end.
+    let (_, _, third) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
+    assert_eq!(cached_of(&third), 32, "{third}");
+    s.wait_idle().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut pages = report(&s, &a, &s.key).await;
+    while pages > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        pages = report(&s, &a, &s.key).await;
+    }
+    assert_eq!(pages, 0, "idle pages dropped");
+    let (_, _, after) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
+    assert_eq!(cached_of(&after), 0, "{after}");
+    assert_eq!(after["result"]["response"], first["result"]["response"]);
+
+    for bad in [
+        json!({"idle_ttl_secs": 31 * 86_400}),
+        json!({"max_cached_tokens": 1u64 << 50}),
+        json!({"ttl": 5}),
+    ] {
+        let r = put(bad.clone()).await.unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+        let text = r.text().await.unwrap();
+        let field = bad.as_object().unwrap().keys().next().unwrap().clone();
+        assert!(text.contains(&field), "{bad}: {text}");
+    }
+    let audit = s.store().audit_rows(0, i64::MAX, 1000).await.unwrap();
+    let set: Vec<_> = audit
+        .iter()
+        .filter(|r| r.action == "tenant.cache_limits")
+        .collect();
+    assert_eq!(set.len(), 2, "{set:?}");
+    s.wait_idle().await;
+}

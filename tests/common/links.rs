@@ -307,18 +307,14 @@ pub fn raw_prealloc(
     writer: &str,
 ) -> Vec<u8> {
     let body = GenerateRequest {
-        tenant: 77,
         priority: Priority::default(),
-        weight: 1,
-        cache_namespace: None,
-        prompt: (0..prompt as u32).map(|i| 100 + i).collect(),
-        max_tokens,
         sampling: SamplingParams::default(),
-        stop: Vec::new(),
         ignore_eos: true,
-        output: Default::default(),
-        resume: None,
-        speculate: None,
+        ..GenerateRequest::new(
+            77,
+            (0..prompt as u32).map(|i| 100 + i).collect(),
+            max_tokens,
+        )
     };
     frame(
         &json!({"control": {

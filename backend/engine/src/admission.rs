@@ -17,6 +17,20 @@ fn one() -> u32 {
     1
 }
 
+/// A tenant's own bounds on its prefix-cache pages on each engine (0: no bound of
+/// its own; the engine's share of the pool still applies).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CachePolicy {
+    /// Most tokens (whole pages) kept in an engine's pool for the tenant: past it
+    /// its least recently used pages are dropped, not spilled to a lower tier.
+    #[serde(default)]
+    pub max_tokens: u64,
+    /// Seconds a cached page of the tenant may go unused before it is dropped (in
+    /// the pool and in the lower tiers).
+    #[serde(default)]
+    pub idle_ttl_secs: u64,
+}
+
 /// A generation request as the engine sees it (token ids, not text).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
@@ -33,6 +47,10 @@ pub struct GenerateRequest {
     /// leaves cached pages.
     #[serde(default)]
     pub cache_namespace: Option<CacheNamespace>,
+    /// The tenant's own bounds on what engines keep cached of it (from its tenant
+    /// record; the latest request of a tenant sets them on the engine).
+    #[serde(default)]
+    pub cache_policy: CachePolicy,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
     /// Most tokens to generate (>= 1).
@@ -155,6 +173,7 @@ impl GenerateRequest {
             priority: Priority::Interactive,
             weight: 1,
             cache_namespace: None,
+            cache_policy: CachePolicy::default(),
             prompt,
             max_tokens,
             sampling: SamplingParams::default(),

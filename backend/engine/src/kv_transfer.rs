@@ -255,7 +255,7 @@ impl Engine {
             &self.tokenizer,
             &self.stop_ids,
         ) {
-            Accepted::Continue => self.seqs.enter(crate::engine::Stage::Running(s)),
+            Accepted::Continue => self.seqs.enter(crate::engine::Stage::Running(Box::new(s))),
             Accepted::Finished(ev) => {
                 self.kv.release(seq);
                 let _ = s.sink.send(ev);

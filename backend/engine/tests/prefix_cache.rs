@@ -7,6 +7,8 @@
 use std::time::Duration;
 use tessera_engine::testing::*;
 use tessera_engine::{CacheNamespace, Engine, EngineConfig, EngineError, Event};
+use tessera_model::kv::spill::SpillConfig;
+use tessera_model::kv::TierPages;
 use tessera_model::LoadedModel;
 
 const PAGE: usize = 16;
@@ -255,4 +257,77 @@ fn a_planted_tag_mismatch_on_a_cached_page_fails_that_request_and_evicts_the_pag
     assert_eq!((cached, again), (0, cold));
     e.kv_mut_for_test().clear_cache();
     assert_eq!(e.kv().pool().free_pages(), e.kv().pool().capacity());
+}
+
+/// Issue 39's lower tiers with the real model: a tenant's prompt pages, evicted for
+/// room, spill to host memory and sealed disk files and come back on its next
+/// request (same answer, only the tail computed); another tenant sending the same
+/// prompt gets none of them; after a purge nothing comes back, even with the files
+/// put back.
+#[test]
+fn evicted_prompt_pages_come_back_from_the_lower_tiers_for_their_tenant_only() {
+    let m = load();
+    let prompt = prompt_of(&m, 600);
+    let flood = prompt_of(&m, 950);
+    let n = prompt.len();
+    let reusable = (n - 1) / PAGE * PAGE;
+    let dir = tempfile::tempdir().unwrap();
+    let spill_dir = dir.path().join("spill");
+    let mut e = engine(
+        &m,
+        EngineConfig {
+            kv_pool_tokens: 1024,
+            prefix_cache_tenant_share: 100,
+            spill: SpillConfig {
+                host_pages: 8,
+                disk_pages: 256,
+                dir: Some(spill_dir.clone()),
+            },
+            ..EngineConfig::default()
+        },
+    );
+    let (a, b) = ([0xA1; 32], [0xB2; 32]);
+    let (cold, _, _, computed) = run(&mut e, 1, Some(a), &prompt);
+    assert_eq!(computed, n as u64);
+    assert_eq!(e.kv().tenant_cache_pages(1).pool, reusable / PAGE);
+
+    // Tenant 2's long request needs nearly the whole pool: tenant 1's pages spill.
+    run(&mut e, 2, None, &flood);
+    let t1 = e.kv().tenant_cache_pages(1);
+    assert_eq!(t1.pool + t1.host + t1.disk, reusable / PAGE, "{t1:?}");
+    assert!(t1.host == 8 && t1.disk > 0, "{t1:?}");
+    assert_eq!(std::fs::read_dir(&spill_dir).unwrap().count(), t1.disk);
+
+    // The same prompt from tenant 2 in its own namespace: a cold miss.
+    let (other, cached, _, computed) = run(&mut e, 2, Some(b), &prompt);
+    assert_eq!((cached, computed, &other), (0, n as u64, &cold));
+
+    // Tenant 1 again: its pages come back from both tiers.
+    let before = e.kv().spill_stats();
+    let (warm, cached, _, computed) = run(&mut e, 1, Some(a), &prompt);
+    let after = e.kv().spill_stats();
+    assert_eq!(cached, reusable, "every full page before the last token");
+    assert_eq!(computed, (n - reusable) as u64, "only the tail is computed");
+    assert_eq!(warm, cold, "same tokens, text and finish");
+    assert!(after.restored_host > before.restored_host, "{after:?}");
+    assert!(after.restored_disk > before.restored_disk, "{after:?}");
+    assert_eq!(after.open_failures, 0);
+
+    // Spilled again, then purged; the files copied aside and put back find nothing.
+    run(&mut e, 3, None, &flood);
+    let aside = dir.path().join("aside");
+    std::fs::create_dir(&aside).unwrap();
+    for f in std::fs::read_dir(&spill_dir).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, aside.join(f.file_name().unwrap())).unwrap();
+    }
+    let purge = e.purge_tenant_cache(1);
+    assert!(purge.host + purge.disk > 0, "{purge:?}");
+    assert_eq!(e.kv().tenant_cache_pages(1), TierPages::default());
+    for f in std::fs::read_dir(&aside).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, spill_dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let (again, cached, _, computed) = run(&mut e, 1, Some(a), &prompt);
+    assert_eq!((cached, computed, &again), (0, n as u64, &cold));
 }

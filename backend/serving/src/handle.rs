@@ -1,6 +1,7 @@
 //! [`EngineHandle`]: the one thing the gateway submits requests to, whatever the
 //! deployment shape behind it.
 
+use crate::cache_query::{CacheAnswer, CacheQuery};
 use crate::cluster::PdCluster;
 use crate::error::ServeError;
 use crate::metrics::NodeMetrics;
@@ -13,7 +14,7 @@ use tessera_engine::{
     AdmissionLimits, Admitted, Engine, EngineConfig, EngineError, GenerateRequest, PdAdmission,
     Rejection,
 };
-use tessera_model::kv::CachePurge;
+use tessera_model::kv::{CachePurge, TierPages};
 use tessera_model::LoadedModel;
 
 /// A co-located engine's command: an admitted request and its stream.
@@ -259,36 +260,39 @@ impl EngineHandle {
     ///
     /// Errors: as [`Self::ask_every_engine`].
     pub fn purge_tenant_cache(&self, tenant: u64) -> Result<CachePurge, ServeError> {
-        let answers = self.ask_every_engine(Arc::new(move |e| e.purge_tenant_cache(tenant)))?;
+        let answers = self.ask_cache(CacheQuery::Purge { tenant })?;
         Ok(answers
             .into_iter()
-            .fold(CachePurge::default(), |a, p| CachePurge {
-                freed: a.freed + p.freed,
-                poisoned: a.poisoned + p.poisoned,
-            }))
+            .filter_map(|a| match a {
+                CacheAnswer::Purged(p) => Some(p),
+                CacheAnswer::Report(_) => None,
+            })
+            .fold(CachePurge::default(), CachePurge::plus))
     }
 
-    /// Cached pages `tenant` holds on every engine behind this handle, summed
-    /// ([`KvManager::tenant_cached_pages`](tessera_model::kv::KvManager::tenant_cached_pages)).
+    /// Cached pages `tenant` holds on every engine behind this handle, per tier,
+    /// summed ([`KvManager::tenant_cache_pages`](tessera_model::kv::KvManager::tenant_cache_pages)).
     /// Blocks the caller like [`Self::purge_tenant_cache`].
     ///
     /// Errors: as [`Self::ask_every_engine`].
-    pub fn tenant_cached_pages(&self, tenant: u64) -> Result<usize, ServeError> {
-        let answers =
-            self.ask_every_engine(Arc::new(move |e| e.kv().tenant_cached_pages(tenant)))?;
-        Ok(answers.into_iter().sum())
+    pub fn tenant_cache_pages(&self, tenant: u64) -> Result<TierPages, ServeError> {
+        let answers = self.ask_cache(CacheQuery::Report { tenant })?;
+        Ok(answers
+            .into_iter()
+            .filter_map(|a| match a {
+                CacheAnswer::Report(p) => Some(p),
+                CacheAnswer::Purged(_) => None,
+            })
+            .fold(TierPages::default(), TierPages::plus))
     }
 
-    /// Runs `f` on every engine behind this handle between two of its steps.
+    /// Asks `query` of every engine behind this handle: in this process between two
+    /// of an engine's steps, on remote nodes over their links.
     ///
     /// Errors: an engine down ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind) or
-    /// [`EngineError::Shutdown`]) or late ([`ServeErrorKind::Timeout`](crate::ServeErrorKind));
-    /// remote nodes ([`ServeErrorKind::Internal`](crate::ServeErrorKind): their links
-    /// carry no such frame yet, so nothing is claimed for them).
-    fn ask_every_engine<T: Send + 'static>(
-        &self,
-        f: crate::cluster::EngineQuery<T>,
-    ) -> Result<Vec<T>, ServeError> {
+    /// [`EngineError::Shutdown`]) or late ([`ServeErrorKind::Timeout`](crate::ServeErrorKind)).
+    fn ask_cache(&self, query: CacheQuery) -> Result<Vec<CacheAnswer>, ServeError> {
+        let f: crate::cluster::EngineQuery<CacheAnswer> = Arc::new(move |e| query.run(e));
         match &self.backend {
             EngineBackend::Colocated { tx, .. } => {
                 let (rtx, rrx) = mpsc::channel();
@@ -301,10 +305,7 @@ impl EngineHandle {
                 crate::cluster::collect_answers(&rrx, 1)
             }
             EngineBackend::Disaggregated(c) => c.ask_every_engine(f),
-            EngineBackend::Remote(_) => Err(ServeError::new(
-                crate::ServeErrorKind::Internal,
-                "remote nodes do not answer engine queries (cache purge, cached pages) yet",
-            )),
+            EngineBackend::Remote(c) => c.ask_cache(query),
         }
     }
 

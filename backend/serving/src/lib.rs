@@ -12,6 +12,7 @@
 //!   small tokio runtime) and who may be on them (`link_security`: mutual TLS,
 //!   [`remote::NodeLinks`]).
 
+mod cache_query;
 pub mod cluster;
 mod conn_gate;
 mod coordinator;
@@ -39,6 +40,6 @@ pub use stream::{RequestStream, StreamEvent};
 /// Admission (I1) as the gateway runs it before submitting (the engine's types).
 pub use tessera_engine::admission;
 pub use tessera_engine::{
-    EngineConfig, FairnessConfig, FinishReason, GenerateRequest, Policy, Priority, Usage,
-    MAX_SPECULATE,
+    CachePolicy, EngineConfig, FairnessConfig, FinishReason, GenerateRequest, Policy, Priority,
+    Usage, MAX_SPECULATE,
 };

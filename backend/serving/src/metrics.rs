@@ -56,6 +56,46 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    node: String,
+    role: &'static str,
+    tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierEventLabels {
+    node: String,
+    role: &'static str,
+    tier: &'static str,
+    event: &'static str,
+}
+
+/// The `(tier, event)` labels of `tessera_kv_tier_events_total`, in the order
+/// [`tier_event_counts`] returns them.
+pub const TIER_EVENTS: [(&str, &str); 7] = [
+    ("host", "spill"),
+    ("disk", "spill"),
+    ("host", "restore"),
+    ("disk", "restore"),
+    ("disk", "open_failure"),
+    ("host", "purge"),
+    ("disk", "purge"),
+];
+
+/// An engine's lower-tier counts in [`TIER_EVENTS`] order.
+fn tier_event_counts(s: tessera_model::kv::spill::SpillStats) -> [u64; 7] {
+    [
+        s.spilled_host,
+        s.spilled_disk,
+        s.restored_host,
+        s.restored_disk,
+        s.open_failures,
+        s.purged_host,
+        s.purged_disk,
+    ]
+}
+
 type HistogramFamily<S> = Family<S, Histogram, fn() -> Histogram>;
 
 fn transfer_histogram() -> Histogram {
@@ -139,6 +179,8 @@ pub struct NodeMetrics {
     spec_drafted: Family<NodeLabels, Counter>,
     spec_accepted: Family<NodeLabels, Counter>,
     cache_pages_purged: Family<NodeLabels, Counter>,
+    tier_pages: Family<TierLabels, Gauge>,
+    tier_events: Family<TierEventLabels, Counter>,
     /// The link counters exported from [`PdCounters`] (synced when encoded), by the
     /// series they feed.
     link_sources: Mutex<Vec<(NodeLabels, Arc<PdCounters>)>>,
@@ -169,6 +211,8 @@ impl NodeMetrics {
             spec_drafted: Family::default(),
             spec_accepted: Family::default(),
             cache_pages_purged: Family::default(),
+            tier_pages: Family::default(),
+            tier_events: Family::default(),
             link_sources: Mutex::new(Vec::new()),
             transfer_bytes: Family::default(),
             transfer_seconds: Family::new_with_constructor(transfer_histogram),
@@ -235,6 +279,16 @@ impl NodeMetrics {
             m.cache_pages_purged.clone(),
         );
         r.register(
+            "tessera_kv_tier_pages",
+            "Prefix-cache pages spilled to the lower tiers (host memory, sealed files on disk), by tier",
+            m.tier_pages.clone(),
+        );
+        r.register(
+            "tessera_kv_tier_events",
+            "Prefix-cache pages moved through the lower tiers, by tier and event: spill (evicted for room from the pool or moved down from host memory), restore (brought back into the pool on a hit), open_failure (a sealed page that did not open: tampered, moved or its key forgotten; answered as a miss, any is worth a look), purge (dropped by a tenant cache purge)",
+            m.tier_events.clone(),
+        );
+        r.register(
             "tessera_kv_transfer_bytes",
             "KV page bytes a prefill node put into decode nodes",
             m.transfer_bytes.clone(),
@@ -284,8 +338,25 @@ impl NodeMetrics {
         } else {
             Vec::new()
         };
+        let tier = |tier| {
+            self.tier_pages.get_or_create_owned(&TierLabels {
+                node: node.to_string(),
+                role,
+                tier,
+            })
+        };
+        let tier_events = TIER_EVENTS.map(|(tier, event)| {
+            self.tier_events.get_or_create_owned(&TierEventLabels {
+                node: node.to_string(),
+                role,
+                tier,
+                event,
+            })
+        });
         NodeHandles {
             pages: PAGE_STATES.map(page),
+            tier_pages: [tier("host"), tier("disk")],
+            tier_events,
             queue: self.queue_depth.get_or_create_owned(&labels),
             engine: EngineMetrics {
                 attention_tag_mismatches: reader("attention"),
@@ -423,6 +494,10 @@ const RESTART_KINDS: [&str; 3] = ["restarted", "continued", "not_restarted"];
 pub(crate) struct NodeHandles {
     /// By [`PAGE_STATES`] index.
     pages: [Gauge; 5],
+    /// Spilled pages in (host, disk).
+    tier_pages: [Gauge; 2],
+    /// By [`TIER_EVENTS`] index.
+    tier_events: [Counter; 7],
     queue: Gauge,
     engine: EngineMetrics,
     sink_tag_mismatches: Option<Counter>,
@@ -453,6 +528,17 @@ impl NodeHandles {
             g.set(v as i64);
         }
         self.queue.set((e.waiting_len() + waiting_extra) as i64);
+        let (host, disk) = e.kv().spilled_pages();
+        self.tier_pages[0].set(host as i64);
+        self.tier_pages[1].set(disk as i64);
+        // The engine keeps running totals: each counter catches up to its total.
+        for (c, total) in self
+            .tier_events
+            .iter()
+            .zip(tier_event_counts(e.kv().spill_stats()))
+        {
+            c.inc_by(total.saturating_sub(c.get()));
+        }
     }
 
     /// A refused commit (decode node): by reason, and a tag mismatch at the transfer

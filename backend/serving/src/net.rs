@@ -27,6 +27,7 @@
 //!   it (about a reservation it quarantined when the coordinator was lost), and the
 //!   prefill node answers `WriterQuiet` on the same link.
 
+use crate::cache_query::{CacheAnswer, CacheQuery};
 use crate::error::{ServeError, ServeErrorKind};
 use crate::link_security::{LinkSettings, NodeLinks, ReadHalf, WriteHalf, HANDSHAKE_TIMEOUT};
 use crate::links::PdCounters;
@@ -142,6 +143,11 @@ pub(crate) enum Frame {
     Status { draining: bool },
     /// Gateway identity -> node: start draining (`tessera node drain`).
     Drain,
+    /// Gateway -> node: a question about its engine's prefix cache, answered with
+    /// a `CacheAnswer` of the same `id`.
+    Cache { id: u64, query: CacheQuery },
+    /// Node -> gateway: the answer to `Cache` `id`.
+    CacheAnswer { id: u64, answer: CacheAnswer },
 }
 
 /// A protocol message on the wire, with what the protocol leaves out: the request body
@@ -218,6 +224,8 @@ impl Frame {
             Frame::Ping => "ping",
             Frame::Status { .. } => "status",
             Frame::Drain => "drain",
+            Frame::Cache { .. } => "cache",
+            Frame::CacheAnswer { .. } => "cache_answer",
         }
     }
 }

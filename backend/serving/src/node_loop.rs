@@ -165,7 +165,13 @@ pub(crate) fn run_node<N: NodeLoop>(
             if !open {
                 return;
             }
-            let cmd = match node.timer() {
+            // An engine keeping pages with an idle time steps now and then to
+            // drop the expired ones.
+            let timer = match (node.timer(), engine.expiry_wait()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let cmd = match timer {
                 None => rx.recv().map_err(|_| ()).map(Some),
                 Some(wait) => match rx.recv_timeout(wait) {
                     Ok(c) => Ok(Some(c)),

@@ -12,6 +12,7 @@
 //! any other request (another node's, or one never routed) is a violation that is
 //! counted (`tessera_node_link_violations_total{reason}`) and cuts that link.
 
+use crate::cache_query::{CacheAnswer, CacheQuery};
 use crate::coordinator::{coordinate, Attachment, CoordCmd, CoordLinks, Submitter};
 use crate::error::ServeError;
 use crate::link_security::node_name;
@@ -113,6 +114,10 @@ struct RemoteCoordLinks {
     /// `tessera_node_link_violations_total{reason}` by [`GATEWAY_VIOLATIONS`] index.
     violations: Vec<Counter>,
     metrics: Arc<NodeMetrics>,
+    /// Cache questions awaiting a node's answer: by question id, the link epoch
+    /// it was sent on (only that link may answer) and where the answer goes.
+    cache_asks: Mutex<HashMap<u64, (u64, mpsc::Sender<CacheAnswer>)>>,
+    next_cache_ask: AtomicU64,
 }
 
 /// The `reason` label (one of [`GATEWAY_VIOLATIONS`]) of a frame a node may not
@@ -238,6 +243,19 @@ impl RemoteCoordLinks {
                         }
                         if last {
                             streams.remove(&req);
+                        }
+                    }
+                    Ok((Frame::CacheAnswer { id, answer }, _)) => {
+                        let mut asks = links.cache_asks.lock().unwrap();
+                        match asks.get(&id) {
+                            Some((asked_on, _)) if *asked_on == epoch => {
+                                let (_, tx) = asks.remove(&id).expect("just found");
+                                let _ = tx.send(answer);
+                            }
+                            // Another node's question, or one already given up on.
+                            _ => {
+                                tracing::warn!(addr = %node.addr, id, "dropped a cache answer to no question of this link")
+                            }
                         }
                     }
                     Ok((Frame::Status { draining }, _)) => {
@@ -476,6 +494,8 @@ impl RemoteCluster {
             counters: counters.clone(),
             violations: metrics.gateway_violations(),
             metrics,
+            cache_asks: Mutex::new(HashMap::new()),
+            next_cache_ask: AtomicU64::new(1),
         });
         for role in [Role::Prefill, Role::Decode] {
             for node in links.nodes(role) {
@@ -525,6 +545,55 @@ impl RemoteCluster {
         affinity: Option<u64>,
     ) -> Result<RequestStream, ServeError> {
         self.submitter.submit(&*self.links, req, affinity)
+    }
+
+    /// Asks every node of the deployment (removed ones that still hold a link
+    /// included) `query` on its current link and waits for all the answers (up to
+    /// [`ENGINE_ANSWER_WAIT`](crate::cluster::ENGINE_ANSWER_WAIT) each).
+    ///
+    /// Errors: a node with no live link ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind):
+    /// nothing can be claimed for it), or one that did not answer in time
+    /// ([`ServeErrorKind::Timeout`](crate::ServeErrorKind)).
+    pub(crate) fn ask_cache(&self, query: CacheQuery) -> Result<Vec<CacheAnswer>, ServeError> {
+        let (tx, rx) = mpsc::channel();
+        let mut asked = Vec::new();
+        let forget = |asked: &[u64]| {
+            let mut asks = self.links.cache_asks.lock().unwrap();
+            for id in asked {
+                asks.remove(id);
+            }
+        };
+        for role in [Role::Prefill, Role::Decode] {
+            for node in self.links.nodes(role) {
+                if node.dropped.load(Ordering::Acquire) {
+                    continue;
+                }
+                let id = self.links.next_cache_ask.fetch_add(1, Ordering::Relaxed);
+                let sent = node.current().is_some_and(|(conn, epoch)| {
+                    self.links
+                        .cache_asks
+                        .lock()
+                        .unwrap()
+                        .insert(id, (epoch, tx.clone()));
+                    conn.try_send(&Frame::Cache { id, query }, &[])
+                });
+                asked.push(id);
+                if !sent {
+                    forget(&asked);
+                    return Err(ServeError::new(
+                        crate::ServeErrorKind::NodeDown,
+                        format!(
+                            "{} node {} is not connected: nothing is claimed for it",
+                            role_name(role),
+                            node.addr
+                        ),
+                    ));
+                }
+            }
+        }
+        let answers = crate::cluster::collect_answers(&rx, asked.len());
+        forget(&asked);
+        answers
     }
 
     /// What [`Self::submit`] admits against (from the deployment file's pools).

@@ -4,8 +4,8 @@
 
 use super::rows::{get_i64, get_str};
 use super::types::{
-    AuditCtx, AuditRecord, KeyInfo, Limits, ModelAccess, NewKey, Scheduling, StoreError, Tenant,
-    TenantStatus,
+    AuditCtx, AuditRecord, CacheLimits, KeyInfo, Limits, ModelAccess, NewKey, Scheduling,
+    StoreError, Tenant, TenantStatus,
 };
 use super::Store;
 use sqlx::any::AnyRow;
@@ -104,6 +104,11 @@ impl Audited<'_> {
     /// [`Store::set_scheduling`], audited as `tenant.scheduling`.
     pub async fn set_scheduling(&self, id: &str, s: Scheduling) -> Result<(), StoreError> {
         self.store.set_scheduling_as(Some(self.by), id, s).await
+    }
+
+    /// [`Store::set_cache_limits`], audited as `tenant.cache_limits`.
+    pub async fn set_cache_limits(&self, id: &str, c: CacheLimits) -> Result<(), StoreError> {
+        self.store.set_cache_limits_as(Some(self.by), id, c).await
     }
 
     /// [`Store::rotate_cache_salt`], audited as `tenant.rotate_cache_salt` (the

@@ -19,9 +19,9 @@ mod usage;
 pub use audit::Audited;
 pub use dates::{days_from_civil, parse_time, rfc3339};
 pub use types::{
-    AuditCtx, AuditRecord, AuthError, GroupBy, KeyInfo, Limits, LimitsPatch, ModelAccess, NewKey,
-    Principal, PriorityCeiling, Scheduling, StoreError, Tenant, TenantStatus, UsageGroup,
-    UsageRecord,
+    AuditCtx, AuditRecord, AuthError, CacheLimits, GroupBy, KeyInfo, Limits, LimitsPatch,
+    ModelAccess, NewKey, Principal, PriorityCeiling, Scheduling, StoreError, Tenant, TenantStatus,
+    UsageGroup, UsageRecord,
 };
 
 use crate::now_ms;
@@ -45,6 +45,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         4,
         "model_access",
         include_str!("../../migrations/0004_model_access.sql"),
+    ),
+    (
+        5,
+        "cache_limits",
+        include_str!("../../migrations/0005_cache_limits.sql"),
     ),
 ];
 

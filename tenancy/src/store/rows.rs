@@ -1,6 +1,6 @@
 //! Row mapping shared by the query modules.
 
-use super::types::{KeyInfo, Limits, Scheduling, StoreError, Tenant};
+use super::types::{CacheLimits, KeyInfo, Limits, Scheduling, StoreError, Tenant};
 use crate::keys::Scopes;
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -15,7 +15,7 @@ pub(super) fn get_str(r: &AnyRow, c: &str) -> Result<String, StoreError> {
 
 pub(super) const TENANT_COLS: &str =
     "t.id, t.name, t.status, t.created_ms, t.weight, t.max_priority, \
-     t.cache_salt, l.requests_per_minute, l.input_tokens_per_minute, l.output_tokens_per_minute, \
+     t.cache_salt, t.cache_max_tokens, t.cache_idle_ttl_secs, l.requests_per_minute, l.input_tokens_per_minute, l.output_tokens_per_minute, \
      l.max_concurrent, l.daily_tokens";
 
 pub(super) fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
@@ -36,6 +36,10 @@ pub(super) fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
             max_priority: get_str(r, "max_priority")?
                 .parse()
                 .map_err(StoreError::Corrupt)?,
+        },
+        cache_limits: CacheLimits {
+            max_cached_tokens: get_i64(r, "cache_max_tokens")?.max(0) as u64,
+            idle_ttl_secs: get_i64(r, "cache_idle_ttl_secs")?.max(0) as u64,
         },
         cache_salt: get_str(r, "cache_salt")?,
     })

@@ -3,7 +3,7 @@
 
 use super::audit::{audit_in, Update};
 use super::rows::{tenant_from_row, TENANT_COLS};
-use super::types::{AuditCtx, Limits, Scheduling, StoreError, Tenant, TenantStatus};
+use super::types::{AuditCtx, CacheLimits, Limits, Scheduling, StoreError, Tenant, TenantStatus};
 use super::Store;
 use crate::now_ms;
 use serde_json::json;
@@ -28,6 +28,7 @@ impl Store {
             created_ms: now_ms(),
             limits,
             scheduling: Scheduling::default(),
+            cache_limits: CacheLimits::default(),
             cache_salt: crate::random_hex(16),
         };
         let mut tx = self.write_tx().await?;
@@ -160,6 +161,46 @@ impl Store {
             .bind(id);
         let detail = json!({"scheduling": s});
         self.update_tenant_audited(by, id, update, "tenant.scheduling", detail)
+            .await
+    }
+
+    /// Sets a tenant's own bounds on its cached KV (not audited; see
+    /// [`Store::audited`]); engines apply them from its next request on.
+    ///
+    /// Errors: [`StoreError::NoTenant`]; [`StoreError::Invalid`] for a value over
+    /// its maximum ([`CacheLimits::MAX_VALUE`], [`CacheLimits::MAX_IDLE_TTL_SECS`]).
+    pub async fn set_cache_limits(&self, id: &str, c: CacheLimits) -> Result<(), StoreError> {
+        self.set_cache_limits_as(None, id, c).await
+    }
+
+    pub(super) async fn set_cache_limits_as(
+        &self,
+        by: Option<&AuditCtx>,
+        id: &str,
+        c: CacheLimits,
+    ) -> Result<(), StoreError> {
+        if c.max_cached_tokens > CacheLimits::MAX_VALUE {
+            return Err(StoreError::Invalid(format!(
+                "`max_cached_tokens` must be at most {}. Given: {}",
+                CacheLimits::MAX_VALUE,
+                c.max_cached_tokens
+            )));
+        }
+        if c.idle_ttl_secs > CacheLimits::MAX_IDLE_TTL_SECS {
+            return Err(StoreError::Invalid(format!(
+                "`idle_ttl_secs` must be at most {}. Given: {}",
+                CacheLimits::MAX_IDLE_TTL_SECS,
+                c.idle_ttl_secs
+            )));
+        }
+        let update = sqlx::query(
+            "UPDATE tenants SET cache_max_tokens = $1, cache_idle_ttl_secs = $2 WHERE id = $3",
+        )
+        .bind(c.max_cached_tokens as i64)
+        .bind(c.idle_ttl_secs as i64)
+        .bind(id);
+        let detail = json!({"cache_limits": c});
+        self.update_tenant_audited(by, id, update, "tenant.cache_limits", detail)
             .await
     }
 

@@ -255,6 +255,27 @@ impl Default for Scheduling {
     }
 }
 
+/// A tenant's own bounds on the KV the engines keep cached of it (set by the admin;
+/// 0: no bound of its own).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheLimits {
+    /// Most prompt tokens (whole pages) each engine keeps in its pool for the
+    /// tenant, at most [`CacheLimits::MAX_VALUE`]; past it its least recently used
+    /// pages are dropped.
+    pub max_cached_tokens: u64,
+    /// Seconds a cached page may go unused before engines drop it (in every tier),
+    /// at most [`CacheLimits::MAX_IDLE_TTL_SECS`].
+    pub idle_ttl_secs: u64,
+}
+
+impl CacheLimits {
+    /// Largest accepted `max_cached_tokens`.
+    pub const MAX_VALUE: u64 = 1 << 40;
+    /// Largest accepted `idle_ttl_secs` (30 days).
+    pub const MAX_IDLE_TTL_SECS: u64 = 30 * 86_400;
+}
+
 /// A tenant (account).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Tenant {
@@ -270,6 +291,8 @@ pub struct Tenant {
     pub limits: Limits,
     /// Weight and priority ceiling.
     pub scheduling: Scheduling,
+    /// Its own bounds on its cached KV.
+    pub cache_limits: CacheLimits,
     /// Salt of the prefix-cache namespace (never shown).
     #[serde(skip)]
     pub cache_salt: String,

@@ -27,7 +27,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
-use tessera_model::kv::{CachePurge, KvManager, PagePool, SeqId};
+use tessera_model::kv::spill::SpillConfig;
+use tessera_model::kv::{CacheBounds, CachePurge, KvManager, PagePool, SeqId};
 use tessera_model::sampling::Logprobs;
 use tessera_model::tokenizer::Tokenizer;
 use tessera_model::transformer::Transformer;
@@ -50,7 +51,8 @@ pub struct EngineMetrics {
     /// Draft tokens accepted (each equalled the token sampled at its position).
     pub spec_accepted: Counter,
     /// Prefix-cache pages dropped by tenant purges ([`Engine::purge_tenant_cache`]):
-    /// freed at once or poisoned until their reader ends.
+    /// freed at once, poisoned until their reader ends, or dropped from a lower
+    /// tier.
     pub cache_pages_purged: Counter,
 }
 
@@ -105,6 +107,9 @@ pub struct EngineConfig {
     /// [`SPECULATE_MAX_DECODES`]): past it a step's rows already amortize the
     /// weights it reads, and draft rows cost more than they save.
     pub speculate_max_decodes: usize,
+    /// The prefix cache's lower tiers (host memory, sealed files on disk): pages
+    /// evicted for room spill there and come back on a hit. Default: none.
+    pub spill: SpillConfig,
 }
 
 /// Most decoding sequences in a step for which drafts are added by default: past it,
@@ -128,6 +133,7 @@ impl Default for EngineConfig {
             batch_prefill_chunk: 128,
             speculate: 0,
             speculate_max_decodes: SPECULATE_MAX_DECODES,
+            spill: SpillConfig::default(),
         }
     }
 }
@@ -236,7 +242,12 @@ pub struct Engine {
     pub(crate) metrics: EngineMetrics,
     /// Draft tokens proposed and accepted since the engine started.
     pub(crate) speculation: Speculation,
+    /// When idle cached pages were last looked for ([`KvManager::expire_idle`]).
+    pub(crate) last_expiry: Instant,
 }
+
+/// How often a step looks for cached pages past their tenant's idle time.
+pub(crate) const EXPIRY_EVERY: Duration = Duration::from_millis(250);
 
 /// Prompt-lookup speculation's counts ([`EngineConfig::speculate`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -275,6 +286,10 @@ impl Engine {
         stop_ids.dedup();
         let mut kv = KvManager::new(pool);
         kv.set_tenant_cache_share(cfg.prefix_cache_tenant_share);
+        if let Err(e) = kv.set_spill(cfg.spill.clone()) {
+            // The caller made the directory; a failure here leaves the pool's cache.
+            tracing::error!(error = %e, "the prefix cache's lower tiers are off");
+        }
         Self {
             model_fp: model.fingerprint(),
             vtc: Vtc::new(cfg.fairness),
@@ -289,6 +304,7 @@ impl Engine {
             prefilled: Vec::new(),
             metrics: EngineMetrics::default(),
             speculation: Speculation::default(),
+            last_expiry: Instant::now(),
         }
     }
 
@@ -408,9 +424,16 @@ impl Engine {
             }
             _ => Vec::new(),
         };
+        let p = r.cache_policy;
+        let policy = CacheBounds {
+            max_pages: (p.max_tokens > 0)
+                .then(|| (p.max_tokens / self.cfg.page_size as u64) as usize),
+            idle_ttl: (p.idle_ttl_secs > 0).then(|| Duration::from_secs(p.idle_ttl_secs)),
+        };
+        self.kv.set_tenant_policy(r.tenant, policy);
         let waiting: Vec<u64> = self.waiting_tenants();
         self.vtc.on_arrival(r.tenant, r.weight, &waiting);
-        self.seqs.enter(Stage::Waiting(Waiting {
+        self.seqs.enter(Stage::Waiting(Box::new(Waiting {
             req,
             id,
             sink,
@@ -418,7 +441,7 @@ impl Engine {
             role,
             queued_at: Instant::now(),
             chain,
-        }));
+        })));
     }
 
     fn waiting_tenants(&self) -> Vec<u64> {
@@ -476,6 +499,14 @@ impl Engine {
             .release_caching(s.id, &s.chain, computed / self.cfg.page_size);
     }
 
+    /// How long an idle engine may wait before a step must look for cached pages
+    /// past their tenant's idle time (`None`: no tenant here has one).
+    pub fn expiry_wait(&self) -> Option<Duration> {
+        self.kv
+            .has_idle_bounds()
+            .then(|| EXPIRY_EVERY.saturating_sub(self.last_expiry.elapsed()))
+    }
+
     /// Requests waiting for admission to the running batch.
     pub fn waiting_len(&self) -> usize {
         self.seqs.counts().0
@@ -506,7 +537,7 @@ impl Engine {
         let purge = self.kv.purge_tenant_cache(tenant);
         self.metrics
             .cache_pages_purged
-            .inc_by((purge.freed + purge.poisoned) as u64);
+            .inc_by((purge.freed + purge.poisoned + purge.host + purge.disk) as u64);
         purge
     }
 

@@ -12,10 +12,11 @@ use tessera_model::kv::SeqId;
 
 /// A sequence's stage in its engine, holding what the sequence needs there.
 pub(crate) enum Stage {
-    /// Admitted and queued for the running batch; holds no pages.
-    Waiting(Waiting),
+    /// Admitted and queued for the running batch; holds no pages. (Both large
+    /// stages are boxed: a transition moves a pointer, and the list stays small.)
+    Waiting(Box<Waiting>),
     /// In the running batch with all its pages reserved.
-    Running(Seq),
+    Running(Box<Seq>),
     /// Prefill role: its compute ended; its pages are held for export until
     /// [`Engine::release_prefill`](super::Engine::release_prefill).
     Parked(Parked),
@@ -42,7 +43,11 @@ impl Sequences {
     /// Adds a sequence at the end of its new stage's order. The caller has taken it
     /// out of its previous stage ([`Self::take`]); ids stay unique.
     pub(crate) fn enter(&mut self, stage: Stage) {
-        debug_assert!(!self.contains(stage.id()), "sequence {:?} twice", stage.id());
+        debug_assert!(
+            !self.contains(stage.id()),
+            "sequence {:?} twice",
+            stage.id()
+        );
         self.list.push(stage);
     }
 
@@ -53,7 +58,7 @@ impl Sequences {
     }
 
     /// Removes sequence `id` when it is running; leaves it where it is otherwise.
-    pub(crate) fn take_running(&mut self, id: SeqId) -> Option<Seq> {
+    pub(crate) fn take_running(&mut self, id: SeqId) -> Option<Box<Seq>> {
         let i = self
             .list
             .iter()
@@ -88,7 +93,7 @@ impl Sequences {
     /// Waiting sequences in arrival order.
     pub(crate) fn waiting(&self) -> impl Iterator<Item = &Waiting> {
         self.list.iter().filter_map(|s| match s {
-            Stage::Waiting(w) => Some(w),
+            Stage::Waiting(w) => Some(&**w),
             _ => None,
         })
     }
@@ -96,7 +101,7 @@ impl Sequences {
     /// Running sequences in admission order.
     pub(crate) fn running(&self) -> impl Iterator<Item = &Seq> {
         self.list.iter().filter_map(|s| match s {
-            Stage::Running(r) => Some(r),
+            Stage::Running(r) => Some(&**r),
             _ => None,
         })
     }
@@ -104,7 +109,7 @@ impl Sequences {
     /// Running sequences in admission order, mutable.
     pub(crate) fn running_mut(&mut self) -> impl Iterator<Item = &mut Seq> {
         self.list.iter_mut().filter_map(|s| match s {
-            Stage::Running(r) => Some(r),
+            Stage::Running(r) => Some(&mut **r),
             _ => None,
         })
     }
@@ -159,12 +164,10 @@ impl Sequences {
 
     /// Sequences per stage: (waiting, running, parked).
     pub(crate) fn counts(&self) -> (usize, usize, usize) {
-        self.list
-            .iter()
-            .fold((0, 0, 0), |(w, r, p), s| match s {
-                Stage::Waiting(_) => (w + 1, r, p),
-                Stage::Running(_) => (w, r + 1, p),
-                Stage::Parked(_) => (w, r, p + 1),
-            })
+        self.list.iter().fold((0, 0, 0), |(w, r, p), s| match s {
+            Stage::Waiting(_) => (w + 1, r, p),
+            Stage::Running(_) => (w, r + 1, p),
+            Stage::Parked(_) => (w, r, p + 1),
+        })
     }
 }

@@ -30,12 +30,13 @@ impl Engine {
             .waiting()
             .map(|w| {
                 let r = w.req.request();
-                let hits = self
-                    .kv
-                    .cached_prefix(r.tenant, &w.chain, w.max_hit_pages(ps));
+                let max_hit = w.max_hit_pages(ps);
+                let hits = self.kv.cached_prefix(r.tenant, &w.chain, max_hit);
+                // Spilled pages come back into fresh pages: compute saved, no page.
+                let spilled = self.kv.spilled_prefix(r.tenant, &w.chain, hits, max_hit);
                 Queued {
                     prompt: r.prompt.len(),
-                    cached: hits * ps,
+                    cached: (hits + spilled) * ps,
                     pages: self.kv.pages_for(w.tokens()) - hits
                         + self.kv.unpinned_hits(&w.chain, hits),
                     tenant: r.tenant,
@@ -53,6 +54,10 @@ impl Engine {
     pub fn step(&mut self) -> usize {
         self.drop_cancelled();
         let now = Instant::now();
+        if now.duration_since(self.last_expiry) >= super::EXPIRY_EVERY {
+            self.last_expiry = now;
+            self.kv.expire_idle(now);
+        }
         let limits = self.step_limits();
         let admission = {
             let running: Vec<SeqProgress> = self.seqs.running().map(Seq::progress).collect();
@@ -242,7 +247,7 @@ impl Engine {
         // The plan's indices count waiting sequences in arrival order.
         let queue: Vec<_> = self.seqs.waiting().map(|w| w.id).collect();
         let take = |seqs: &mut super::Sequences, i: usize| match seqs.take(queue[i]) {
-            Some(Stage::Waiting(w)) => Some(w),
+            Some(Stage::Waiting(w)) => Some(*w),
             _ => None,
         };
         for &i in &plan.expire {
@@ -332,7 +337,7 @@ impl Engine {
         s.cached = hits * self.cfg.page_size;
         s.prefilled = s.cached;
         s.chain = chain;
-        self.seqs.enter(Stage::Running(s));
+        self.seqs.enter(Stage::Running(Box::new(s)));
     }
 
     /// Sets each decoding sequence's drafts for this step (prompt-lookup

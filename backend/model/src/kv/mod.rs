@@ -5,10 +5,13 @@
 
 pub mod pool;
 pub mod prefix;
+pub mod spill;
 
 pub use pool::{PagePool, PoolError};
 use prefix::{cache_seq, ChainHash, PrefixIndex};
+use spill::{SpillConfig, SpillDirError, SpillStats, SpillTiers};
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 use tessera_kernels::{BlockRef, IntegrityError, KvLayout, PageTag};
 
 /// Why a reservation through the prefix cache failed. Nothing stays reserved.
@@ -27,14 +30,66 @@ pub enum ReserveError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);
 
-/// What [`KvManager::purge_tenant_cache`] did: pages freed at once, and pages still
-/// read by a running sequence, poisoned and freed when it ends.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What [`KvManager::purge_tenant_cache`] did: pages freed at once, pages still
+/// read by a running sequence, poisoned and freed when it ends, and spilled pages
+/// dropped from the lower tiers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CachePurge {
     /// Cached pages returned to the free list.
     pub freed: usize,
     /// Cached pages a running sequence reads: never hit again, freed at its end.
     pub poisoned: usize,
+    /// Spilled pages dropped from host memory.
+    pub host: usize,
+    /// Spilled pages dropped from disk (unreadable from the purge on: their key
+    /// generation is forgotten before the files are deleted).
+    pub disk: usize,
+}
+
+impl CachePurge {
+    /// The sum of two purges' counts (a purge over several engines).
+    pub fn plus(self, o: CachePurge) -> CachePurge {
+        CachePurge {
+            freed: self.freed + o.freed,
+            poisoned: self.poisoned + o.poisoned,
+            host: self.host + o.host,
+            disk: self.disk + o.disk,
+        }
+    }
+}
+
+/// A tenant's own bounds on what one engine keeps cached of it (its cache policy,
+/// carried by its requests): `None` for no bound of its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheBounds {
+    /// Most pool pages its cache entries hold (past it its least recently used are
+    /// dropped, not spilled).
+    pub max_pages: Option<usize>,
+    /// Longest a cached page of it may go unused before it is dropped, in the pool
+    /// and in the lower tiers ([`KvManager::expire_idle`]).
+    pub idle_ttl: Option<Duration>,
+}
+
+/// A tenant's cached pages per tier ([`KvManager::tenant_cache_pages`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TierPages {
+    /// In the pool's prefix cache (poisoned pages still read included).
+    pub pool: usize,
+    /// Spilled to host memory.
+    pub host: usize,
+    /// Spilled to disk, sealed.
+    pub disk: usize,
+}
+
+impl TierPages {
+    /// The sum of two counts (several engines).
+    pub fn plus(self, o: TierPages) -> TierPages {
+        TierPages {
+            pool: self.pool + o.pool,
+            host: self.host + o.host,
+            disk: self.disk + o.disk,
+        }
+    }
 }
 
 /// Per-sequence block tables and the prefix cache over a [`PagePool`].
@@ -48,6 +103,10 @@ pub struct KvManager {
     pinned: HashMap<SeqId, Vec<ChainHash>>,
     /// Most pages one tenant's cache entries may hold.
     tenant_cache_pages: usize,
+    /// Where evicted cache pages go instead of away (`None`: no lower tiers).
+    spill: Option<SpillTiers>,
+    /// Tenants' own bounds (tenants without any are absent).
+    policies: HashMap<u64, CacheBounds>,
 }
 
 impl KvManager {
@@ -62,7 +121,79 @@ impl KvManager {
             cache: PrefixIndex::default(),
             pinned: HashMap::new(),
             tenant_cache_pages,
+            spill: None,
+            policies: HashMap::new(),
         }
+    }
+
+    /// Sets `tenant`'s own bounds on its cached pages here (replacing earlier
+    /// ones). A lower page cap applies from the tenant's next cached page on; an
+    /// idle time from the next [`Self::expire_idle`].
+    pub fn set_tenant_policy(&mut self, tenant: u64, policy: CacheBounds) {
+        if policy == CacheBounds::default() {
+            self.policies.remove(&tenant);
+        } else {
+            self.policies.insert(tenant, policy);
+        }
+    }
+
+    /// Whether [`Self::expire_idle`] may have work: pages are cached and a tenant
+    /// here has an idle time.
+    pub fn has_idle_bounds(&self) -> bool {
+        let (host, disk) = self.spilled_pages();
+        (self.cache.len() + host + disk > 0) && self.policies.values().any(|p| p.idle_ttl.is_some())
+    }
+
+    /// Drops every cached page (pool and lower tiers) whose tenant has an idle time
+    /// and that went unused for longer than it at `now`; pages a running sequence
+    /// reads are in use, never idle. Returns the pages dropped.
+    pub fn expire_idle(&mut self, now: Instant) -> usize {
+        if !self.has_idle_bounds() {
+            return 0;
+        }
+        let ttl = |policies: &HashMap<u64, CacheBounds>, tenant: u64| {
+            policies.get(&tenant).and_then(|p| p.idle_ttl)
+        };
+        let idle: Vec<ChainHash> = self
+            .cache
+            .unpinned()
+            .filter(|(_, e)| {
+                ttl(&self.policies, e.tenant)
+                    .is_some_and(|t| now.saturating_duration_since(e.used) > t)
+            })
+            .map(|(h, _)| *h)
+            .collect();
+        for h in &idle {
+            self.evict(h);
+        }
+        let spilled = match &mut self.spill {
+            Some(spill) => spill.expire(now, |tenant| ttl(&self.policies, tenant)),
+            None => 0,
+        };
+        idle.len() + spilled
+    }
+
+    /// Gives the prefix cache lower tiers of `cfg`'s sizes (none when both are 0):
+    /// pages evicted for room spill there and come back on a hit ([`spill`]).
+    ///
+    /// Errors: the disk tier's directory cannot be created or emptied.
+    pub fn set_spill(&mut self, cfg: SpillConfig) -> Result<(), SpillDirError> {
+        self.spill = if cfg.host_pages > 0 || (cfg.disk_pages > 0 && cfg.dir.is_some()) {
+            Some(SpillTiers::new(cfg)?)
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// The lower tiers' counts since start (zeros without them).
+    pub fn spill_stats(&self) -> SpillStats {
+        self.spill.as_ref().map(|s| s.stats).unwrap_or_default()
+    }
+
+    /// Pages in the lower tiers now: (host, disk).
+    pub fn spilled_pages(&self) -> (usize, usize) {
+        self.spill.as_ref().map_or((0, 0), |s| s.pages())
     }
 
     /// One tenant's cache entries hold at most `percent`% of the pool's pages
@@ -95,6 +226,27 @@ impl KvManager {
             .iter()
             .take(max_pages)
             .take_while(|h| self.cache.get(h).is_some_and(|e| e.tenant == tenant))
+            .count()
+    }
+
+    /// How many keys of `chain` from `from` on (up to `max_pages` in all) are
+    /// spilled to a lower tier for `tenant`, consecutively: the pages a reservation
+    /// would bring back after the `from` pages the pool's cache holds.
+    pub fn spilled_prefix(
+        &self,
+        tenant: u64,
+        chain: &[ChainHash],
+        from: usize,
+        max_pages: usize,
+    ) -> usize {
+        let Some(spill) = &self.spill else {
+            return 0;
+        };
+        chain
+            .iter()
+            .take(max_pages)
+            .skip(from)
+            .take_while(|h| spill.holds(h, tenant))
             .count()
     }
 
@@ -135,8 +287,14 @@ impl KvManager {
 
     /// Reserves pages for `tokens` tokens of a new sequence of `tenant`, reusing the
     /// cached pages of the longest cached prefix of `chain` (at most `max_hit`
-    /// pages) as its first logical blocks and allocating the rest, all or nothing.
-    /// Returns the number of cached pages reused.
+    /// pages) as its first logical blocks and allocating the rest, all or nothing;
+    /// the pages after the pool's hits that a lower tier holds are brought back
+    /// into the sequence's own fresh pages (a page that no longer opens ends the
+    /// restore: the sequence computes it and the rest). Returns the number of
+    /// leading pages whose K/V is there (reused plus restored).
+    ///
+    /// A restored page's tag must be the one the reader derives, as for a hit in
+    /// the pool; a mismatch fails the reservation ([`ReserveError::Integrity`]).
     ///
     /// Every reused page's tag must be `(tenant, cache_seq(key), the epoch the
     /// cache recorded, its logical block)` and the page must be held by the cache
@@ -158,6 +316,7 @@ impl KvManager {
         }
         let total = self.pages_for(tokens);
         let hits = self.cached_prefix(tenant, chain, max_hit.min(total));
+        let spilled = self.spilled_prefix(tenant, chain, hits, max_hit.min(total));
         let mut refs = Vec::with_capacity(total);
         for (i, h) in chain[..hits].iter().enumerate() {
             let e = *self.cache.get(h).expect("counted as a hit");
@@ -194,11 +353,13 @@ impl KvManager {
             }
             .into());
         }
+        // Out of their tiers before the eviction below spills other pages there.
+        let taken = self.take_spilled(tenant, &chain[hits..hits + spilled]);
         while self.pool.free_pages() < need {
             let Some(victim) = self.cache.victim(None) else {
                 break;
             };
-            self.evict(&victim);
+            self.evict_spilling(&victim);
         }
         let fresh = match self.pool.alloc(tenant, seq.0, hits as u32, need) {
             Ok(f) => f,
@@ -206,7 +367,24 @@ impl KvManager {
                 for h in &chain[..hits] {
                     self.unpin(h);
                 }
+                if let Some(spill) = &mut self.spill {
+                    for (h, (tag, bytes)) in chain[hits..].iter().zip(taken) {
+                        spill.spill(*h, tenant, tag, Instant::now(), &bytes);
+                    }
+                }
                 return Err(e.into());
+            }
+        };
+        let restored = match self.restore(tenant, &chain[hits..], taken, hits, &fresh) {
+            Ok(n) => n,
+            Err(e) => {
+                for r in fresh {
+                    self.pool.free(r).expect("just allocated");
+                }
+                for h in &chain[..hits] {
+                    self.unpin(h);
+                }
+                return Err(e);
             }
         };
         refs.extend(fresh);
@@ -215,7 +393,60 @@ impl KvManager {
         if hits > 0 {
             self.pinned.insert(seq, chain[..hits].to_vec());
         }
-        Ok(hits)
+        Ok(hits + restored)
+    }
+
+    /// Takes the spilled pages of `keys` out of their tiers, in order, up to the
+    /// first that is gone or does not open: each page's spilled tag and bytes.
+    fn take_spilled(&mut self, tenant: u64, keys: &[ChainHash]) -> Vec<(PageTag, Vec<u8>)> {
+        let Some(spill) = &mut self.spill else {
+            return Vec::new();
+        };
+        keys.iter()
+            .map_while(|h| spill.take(h, tenant).map(|(tag, bytes, _)| (tag, bytes)))
+            .collect()
+    }
+
+    /// Copies `taken` (the spilled pages of `keys`, logical blocks `first..`) into
+    /// the sequence's fresh pages `into`, in order, after checking each page's
+    /// spilled tag against `(tenant, cache_seq(key), its epoch, block)`. Returns how
+    /// many came back.
+    fn restore(
+        &mut self,
+        tenant: u64,
+        keys: &[ChainHash],
+        taken: Vec<(PageTag, Vec<u8>)>,
+        first: usize,
+        into: &[BlockRef],
+    ) -> Result<usize, ReserveError> {
+        let n = taken.len();
+        for (j, ((h, r), (tag, bytes))) in keys.iter().zip(into).zip(taken).enumerate() {
+            let block = (first + j) as u32;
+            let expected = PageTag {
+                tenant,
+                seq: cache_seq(h),
+                epoch: tag.epoch,
+                logical_block: block,
+            };
+            if tag != expected {
+                return Err(ReserveError::Integrity(IntegrityError {
+                    page: r.page,
+                    logical_block: block,
+                    expected,
+                    found: tag,
+                }));
+            }
+            let page = self.pool.page_data_mut(*r).expect("a page just allocated");
+            if bytes.len() != page.len() {
+                tracing::error!(
+                    len = bytes.len(),
+                    "a spilled page has the wrong size; dropped"
+                );
+                return Ok(j);
+            }
+            page.copy_from_slice(&bytes);
+        }
+        Ok(n)
     }
 
     /// Frees every page of `seq` (no-op for an unknown sequence) and unpins the
@@ -256,13 +487,25 @@ impl KvManager {
             if self.cache.contains(h) {
                 continue; // cached meanwhile (by a request with the same prefix)
             }
-            while self.cache.tenant_pages(tenant) >= self.tenant_cache_pages {
+            // Over the engine's share its oldest spill (room for others); over its
+            // own cap they are dropped (it asked for no more).
+            let own = self
+                .policies
+                .get(&tenant)
+                .and_then(|p| p.max_pages)
+                .unwrap_or(usize::MAX);
+            let cap = self.tenant_cache_pages.min(own);
+            while self.cache.tenant_pages(tenant) >= cap {
                 match self.cache.victim(Some(tenant)) {
-                    Some(v) => self.evict(&v),
+                    // Its pages of this chain, cached just now: the chain ends here
+                    // (a deeper page is useless without them).
+                    Some(v) if chain[..i].contains(&v) => break,
+                    Some(v) if self.cache.tenant_pages(tenant) >= own => self.evict(&v),
+                    Some(v) => self.evict_spilling(&v),
                     None => break,
                 }
             }
-            if self.cache.tenant_pages(tenant) >= self.tenant_cache_pages {
+            if self.cache.tenant_pages(tenant) >= cap {
                 break;
             }
             match self
@@ -271,6 +514,9 @@ impl KvManager {
             {
                 Ok(r) => {
                     self.cache.insert(*h, r, tenant);
+                    if let Some(spill) = &mut self.spill {
+                        spill.forget(h); // one copy per key, in the highest tier
+                    }
                     cached_now += 1;
                 }
                 Err(e) => {
@@ -319,6 +565,18 @@ impl KvManager {
         }
     }
 
+    /// Evicts `h` for room: its page spills to a lower tier (when there is one)
+    /// with the tag the cache gave it, then is freed.
+    fn evict_spilling(&mut self, h: &ChainHash) {
+        let Some(e) = self.cache.remove(h) else {
+            return;
+        };
+        if let (Some(spill), Some(bytes)) = (&mut self.spill, self.pool.page_data(e.r)) {
+            spill.spill(*h, e.tenant, e.r.tag, e.used, bytes);
+        }
+        self.free_cached_page(e.r.page);
+    }
+
     /// Frees a page the cache owns, with the tag the pool has for it (an entry
     /// whose tag failed its check still frees the page it owned).
     fn free_cached_page(&mut self, page: u32) {
@@ -333,8 +591,11 @@ impl KvManager {
     }
 
     /// Drops every unused cached page of the cache (pinned ones stay until their
-    /// sequences end). Returns the pages freed.
+    /// sequences end) and every spilled page. Returns the pool pages freed.
     pub fn clear_cache(&mut self) -> usize {
+        if let Some(spill) = &mut self.spill {
+            spill.clear();
+        }
         let mut n = 0;
         while let Some(v) = self.cache.victim(None) {
             self.evict(&v);
@@ -347,7 +608,9 @@ impl KvManager {
     /// unused pages go back to the free list now, their epoch bumped by the free
     /// (I5: a stale reference to one fails its tag check); pages a running sequence
     /// still reads are poisoned, never hit again, and freed when their last reader
-    /// ends. Other tenants' pages are untouched. Returns the counts.
+    /// ends. Its spilled pages go too, the disk tier's unreadable from the start
+    /// of the purge (their key is forgotten first). Other tenants' pages are
+    /// untouched. Returns the counts.
     pub fn purge_tenant_cache(&mut self, tenant: u64) -> CachePurge {
         let mut purge = CachePurge::default();
         while let Some(v) = self.cache.victim(Some(tenant)) {
@@ -359,13 +622,24 @@ impl KvManager {
             self.poison(&h);
             purge.poisoned += 1;
         }
+        if let Some(spill) = &mut self.spill {
+            (purge.host, purge.disk) = spill.purge_tenant(tenant);
+        }
         purge
     }
 
-    /// Cached pages `tenant`'s entries hold now (poisoned ones still read by a
-    /// running sequence included).
-    pub fn tenant_cached_pages(&self, tenant: u64) -> usize {
-        self.cache.tenant_pages(tenant)
+    /// Cached pages `tenant` has now, per tier (in the pool, poisoned ones still
+    /// read by a running sequence included).
+    pub fn tenant_cache_pages(&self, tenant: u64) -> TierPages {
+        let (host, disk) = self
+            .spill
+            .as_ref()
+            .map_or((0, 0), |s| s.tenant_pages(tenant));
+        TierPages {
+            pool: self.cache.tenant_pages(tenant),
+            host,
+            disk,
+        }
     }
 
     /// The block table of `seq`.
@@ -400,7 +674,8 @@ impl KvManager {
 mod tests {
     use super::*;
 
-    fn manager(pages: usize) -> KvManager {
+    /// A manager over `pages` pages of 4 tokens (one layer, one head of 8).
+    pub(super) fn manager(pages: usize) -> KvManager {
         let layout = KvLayout {
             layers: 1,
             page_size: 4,
@@ -410,7 +685,8 @@ mod tests {
         KvManager::new(PagePool::new(layout, pages, false))
     }
 
-    fn keys(ns: u8, toks: &[u32]) -> Vec<ChainHash> {
+    /// The chain of `toks` in namespace `[ns; 32]` (4-token pages).
+    pub(super) fn keys(ns: u8, toks: &[u32]) -> Vec<ChainHash> {
         prefix::chain(&prefix::chain_root(&[ns; 32], &[0; 32], 4), toks, 4)
     }
 
@@ -535,7 +811,10 @@ mod tests {
         assert_eq!(m.reserve_cached(SeqId(3), 7, 8, &a, 1).unwrap(), 1);
         let pinned = m.table(SeqId(3)).unwrap()[0];
         let freed_page = m.cache.get(&a[1]).unwrap().r;
-        assert_eq!((m.tenant_cached_pages(7), m.tenant_cached_pages(8)), (2, 2));
+        assert_eq!(
+            (m.tenant_cache_pages(7).pool, m.tenant_cache_pages(8).pool),
+            (2, 2)
+        );
         let free_before = m.pool().free_pages();
 
         let purge = m.purge_tenant_cache(7);
@@ -543,7 +822,8 @@ mod tests {
             purge,
             CachePurge {
                 freed: 1,
-                poisoned: 1
+                poisoned: 1,
+                ..CachePurge::default()
             }
         );
         assert_eq!(m.pool().free_pages(), free_before + 1);
@@ -555,7 +835,7 @@ mod tests {
         );
         assert_eq!(m.cached_prefix(7, &a, 2), 0);
         assert_eq!(
-            m.tenant_cached_pages(7),
+            m.tenant_cache_pages(7).pool,
             1,
             "read by sequence 3 until it ends"
         );
@@ -567,10 +847,10 @@ mod tests {
         // Its own second page is not cached at its end: the page before it in the
         // chain is poisoned, so no lookup could reach it.
         assert_eq!(m.release_caching(SeqId(3), &a, 2), 1);
-        assert_eq!(m.tenant_cached_pages(7), 0);
+        assert_eq!(m.tenant_cache_pages(7).pool, 0);
         assert!(!m.pool().is_cached(pinned.page));
         assert_eq!(m.purge_tenant_cache(7), CachePurge::default());
-        assert_eq!(m.tenant_cached_pages(8), 2);
+        assert_eq!(m.tenant_cache_pages(8).pool, 2);
     }
 
     #[test]

@@ -19,6 +19,7 @@
 
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
 use tessera_kernels::BlockRef;
 
 /// A prefix key: the hash chain value of one full page of a prompt.
@@ -69,6 +70,9 @@ pub(crate) struct Entry {
     pub(crate) refs: u32,
     /// Last use (position in the LRU order while unpinned).
     tick: u64,
+    /// When it was last used (cached, reused or let go of): its idle time counts
+    /// from here.
+    pub(crate) used: Instant,
     /// Failed a tag check: never hit again, freed once unpinned.
     pub(crate) poisoned: bool,
 }
@@ -125,6 +129,7 @@ impl PrefixIndex {
                 tenant,
                 refs: 0,
                 tick,
+                used: Instant::now(),
                 poisoned: false,
             },
         );
@@ -170,6 +175,7 @@ impl PrefixIndex {
         }
         self.tick += 1;
         e.tick = self.tick;
+        e.used = Instant::now();
         self.lru.insert(self.tick, *h);
         None
     }
@@ -183,6 +189,7 @@ impl PrefixIndex {
                 self.lru.insert(tick, *h);
             }
             e.tick = tick;
+            e.used = Instant::now();
         }
     }
 
@@ -204,6 +211,11 @@ impl PrefixIndex {
             .filter(|(_, e)| e.tenant == tenant && !e.poisoned)
             .map(|(h, _)| *h)
             .collect()
+    }
+
+    /// The unpinned keys, least recently used first, with their entries.
+    pub(crate) fn unpinned(&self) -> impl Iterator<Item = (&ChainHash, &Entry)> {
+        self.lru.values().map(|h| (h, &self.entries[h]))
     }
 
     /// The least recently used unpinned key, of `tenant` if given.

@@ -256,6 +256,19 @@ impl NodeState {
                 self.begin_drain("a drain request from a gateway identity");
                 Ok(())
             }
+            (Frame::Cache { id, query }, cmds, Role::Coordinator) => {
+                // Answered from the engine thread, after the steps already queued.
+                let conn = link.conn.clone();
+                let job = Box::new(move |e: &mut tessera_engine::Engine| {
+                    let answer = query.run(e);
+                    conn.try_send(&Frame::CacheAnswer { id, answer }, &[]);
+                });
+                let sent = match cmds {
+                    NodeCmds::Decode(tx) => tx.send(DecodeCmd::WithEngine(job)).is_ok(),
+                    NodeCmds::Prefill(tx) => tx.send(PrefillCmd::WithEngine(job)).is_ok(),
+                };
+                sent.then_some(()).ok_or_else(gone)
+            }
             (
                 Frame::Control(Control {
                     msg,

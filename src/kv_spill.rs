@@ -1,0 +1,54 @@
+//! The prefix cache's lower tiers on the command line (`tessera serve`, `tessera
+//! node`): sizes in MiB, turned into pages of one engine's layout.
+
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+use tessera_model::kv::spill::SpillConfig;
+
+/// Flags of the prefix cache's lower tiers (issue 39), per caching engine (the
+/// prefill or co-located one; decode engines cache nothing).
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct KvSpillArgs {
+    /// The prefix cache's host-memory tier, MiB per caching engine (0: none):
+    /// cached prompt pages evicted from the KV pool for room move here and come back
+    /// on a hit, their tags checked (I3).
+    #[arg(long, default_value_t = 0)]
+    kv_spill_host_mib: usize,
+    /// The prefix cache's disk tier, MiB per caching engine (0: none): pages leaving
+    /// the host tier (or the pool, without one) are sealed with ChaCha20-Poly1305
+    /// under a key per tenant that only this process holds (a purge or salt
+    /// rotation forgets it) and written to --kv-spill-dir, which is emptied at start.
+    #[arg(long, default_value_t = 0)]
+    kv_spill_disk_mib: usize,
+    /// Directory of the disk tier (`tessera serve`: default DATA_DIR/kv-spill; one
+    /// subdirectory per engine, created 0700).
+    #[arg(long)]
+    kv_spill_dir: Option<PathBuf>,
+}
+
+impl KvSpillArgs {
+    /// The tiers of engine `engine` whose pages are `page_bytes` bytes; its disk
+    /// tier in `--kv-spill-dir` (else `default_dir`) / `engine`.
+    ///
+    /// Errors: a disk tier with no directory given and no default.
+    pub(crate) fn config(
+        &self,
+        page_bytes: usize,
+        default_dir: Option<&std::path::Path>,
+        engine: &str,
+    ) -> Result<SpillConfig> {
+        let pages = |mib: usize| (mib << 20) / page_bytes.max(1);
+        let dir = match (self.kv_spill_disk_mib, &self.kv_spill_dir, default_dir) {
+            (0, _, _) => None,
+            (_, Some(d), _) => Some(d.join(engine)),
+            (_, None, Some(d)) => Some(d.join(engine)),
+            (_, None, None) => anyhow::bail!("--kv-spill-disk-mib needs --kv-spill-dir"),
+        };
+        Ok(SpillConfig {
+            host_pages: pages(self.kv_spill_host_mib),
+            disk_pages: pages(self.kv_spill_disk_mib),
+            dir,
+        })
+    }
+}
