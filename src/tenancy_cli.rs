@@ -426,6 +426,7 @@ pub(crate) fn tenant(store: StoreArgs, cmd: TenantCommand) -> Result<()> {
                     max_cached_tokens: max_cached_tokens
                         .unwrap_or(t.cache_limits.max_cached_tokens),
                     idle_ttl_secs: idle_ttl_secs.unwrap_or(t.cache_limits.idle_ttl_secs),
+                    set_ms: 0,
                 };
                 admin.set_cache_limits(&id, c).await?;
                 print(json!({"id": id, "cache_limits": c}))

@@ -442,8 +442,9 @@ struct CacheLimitsPatch {
     idle_ttl_secs: Option<u64>,
 }
 
-/// Sets a tenant's own bounds on its cached KV (audited as `tenant.cache_limits`);
-/// engines apply them from its next request on.
+/// Sets a tenant's own bounds on its cached KV (audited as `tenant.cache_limits`)
+/// and pushes them to every engine (the reply names the models that applied them and
+/// any that did not confirm; its requests carry them too).
 async fn set_cache_limits(
     State(s): State<Arc<AppState>>,
     Extension(by): Extension<AdminReq>,
@@ -456,12 +457,22 @@ async fn set_cache_limits(
             .max_cached_tokens
             .unwrap_or(t.cache_limits.max_cached_tokens),
         idle_ttl_secs: patch.idle_ttl_secs.unwrap_or(t.cache_limits.idle_ttl_secs),
+        set_ms: 0,
     };
     s.store
         .audited(&by.audit())
         .set_cache_limits(&id, c)
         .await?;
-    Ok(Done(json!({"id": id, "cache_limits": c})))
+    // Applied on every engine now, not only with the tenant's next request (an
+    // idle tenant's pages would otherwise keep the old bounds).
+    let Some(t) = s.store.tenant(&id).await? else {
+        return Err(StoreError::NoTenant(id).into());
+    };
+    let policy = crate::pipeline::tenant_context(&t).cache_policy;
+    let (applied, failed) = crate::cache_api::push_cache_policy(&s, t.engine_id(), policy).await;
+    Ok(Done(
+        json!({"id": id, "cache_limits": c, "applied_on": applied, "not_confirmed": failed}),
+    ))
 }
 
 /// The body of `PUT .../scheduling`: the fields given replace the tenant's.

@@ -25,6 +25,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use std::sync::Arc;
+use tessera_serving::{CachePolicy, EngineHandle, ServeError};
 use tessera_tenancy::{AuditCtx, Scope};
 
 /// Handler: purges the account's cached KV on every engine; 200 with the pages
@@ -63,43 +64,80 @@ pub(crate) async fn purge(
     )
 }
 
-/// Drops the prefix-cache pages of the tenant with engine id `tenant` on every engine
-/// of every served model, waiting off the async runtime for each engine's answer.
-/// Returns, per model that confirmed, `{model, freed_pages, poisoned_pages}`, and a
-/// line per model that did not.
-pub(crate) async fn purge_engines(state: &AppState, tenant: u64) -> (Vec<Value>, Vec<String>) {
+/// Asks `ask` of every served model's engines, off the async runtime (each engine
+/// answers between two of its steps): per model, its id and the answer, or a line
+/// naming the model and why it did not answer.
+async fn ask_engines<T: Send + 'static>(
+    state: &AppState,
+    what: &str,
+    ask: impl Fn(&EngineHandle) -> Result<T, ServeError> + Send + 'static,
+) -> Vec<(String, Result<T, String>)> {
     let engines: Vec<_> = state
         .models
         .iter()
         .map(|m| (m.entry.id.clone(), m.engine.clone()))
         .collect();
-    // Each engine answers between two of its steps: wait off the async runtime.
-    let purged = tokio::task::spawn_blocking(move || {
+    let ids: Vec<String> = engines.iter().map(|(id, _)| id.clone()).collect();
+    let answers = tokio::task::spawn_blocking(move || {
         engines
             .into_iter()
-            .map(|(id, e)| (id, e.purge_tenant_cache(tenant)))
+            .map(|(id, e)| (id, ask(&e).map_err(|e| e.to_string())))
             .collect::<Vec<_>>()
     })
-    .await
-    .unwrap_or_default();
-    if purged.is_empty() && !state.models.is_empty() {
-        return (Vec::new(), vec!["the cache purge did not complete".into()]);
-    }
+    .await;
+    answers.unwrap_or_else(|_| {
+        ids.into_iter()
+            .map(|id| (id, Err(format!("the {what} did not complete"))))
+            .collect()
+    })
+}
+
+/// Splits [`ask_engines`]' answers into JSON per model that answered (`to_json`)
+/// and a line per model that did not.
+fn answered<T>(
+    answers: Vec<(String, Result<T, String>)>,
+    to_json: impl Fn(&str, T) -> Vec<Value>,
+) -> (Vec<Value>, Vec<String>) {
     let mut models = Vec::new();
     let mut failed = Vec::new();
-    for (id, r) in purged {
+    for (id, r) in answers {
         match r {
-            Ok(n) => models.push(json!({
-                "model": id,
-                "freed_pages": n.freed,
-                "poisoned_pages": n.poisoned,
-                "host_memory_pages": n.host,
-                "disk_pages": n.disk,
-            })),
+            Ok(n) => models.extend(to_json(&id, n)),
             Err(e) => failed.push(format!("{id}: {e}")),
         }
     }
     (models, failed)
+}
+
+/// Drops the prefix-cache pages of the tenant with engine id `tenant` on every engine
+/// of every served model. Returns, per model that confirmed, `{model, freed_pages,
+/// poisoned_pages, host_memory_pages, disk_pages}`, and a line per model that did not.
+pub(crate) async fn purge_engines(state: &AppState, tenant: u64) -> (Vec<Value>, Vec<String>) {
+    let answers = ask_engines(state, "cache purge", move |e| e.purge_tenant_cache(tenant)).await;
+    answered(answers, |id, n| {
+        vec![json!({
+            "model": id,
+            "freed_pages": n.freed,
+            "poisoned_pages": n.poisoned,
+            "host_memory_pages": n.host,
+            "disk_pages": n.disk,
+        })]
+    })
+}
+
+/// Sets the tenant with engine id `tenant`'s own cache bounds on every engine of
+/// every served model now (its requests carry them too, but an idle tenant sends
+/// none). Returns the models that applied them and a line per model that did not.
+pub(crate) async fn push_cache_policy(
+    state: &AppState,
+    tenant: u64,
+    policy: CachePolicy,
+) -> (Vec<Value>, Vec<String>) {
+    let answers = ask_engines(state, "cache limits", move |e| {
+        e.set_cache_policy(tenant, policy)
+    })
+    .await;
+    answered(answers, |id, ()| vec![json!(id)])
 }
 
 /// The 503 for a purge some models' engines did not confirm (none when all did).
@@ -129,46 +167,28 @@ pub(crate) async fn report(
     };
     let t = &p.tenant;
     let tenant = t.engine_id();
-    let engines: Vec<_> = state
-        .models
-        .iter()
-        .map(|m| (m.entry.id.clone(), m.engine.clone()))
-        .collect();
-    let counted = tokio::task::spawn_blocking(move || {
-        engines
-            .into_iter()
-            .map(|(id, e)| {
-                let page = e.limits().page_size;
-                (id, e.tenant_cache_pages(tenant).map(|n| (n, page)))
-            })
-            .collect::<Vec<_>>()
+    let answers = ask_engines(&state, "cache report", move |e| {
+        let page = e.limits().page_size;
+        e.tenant_cache_pages(tenant).map(|n| (n, page))
     })
     .await;
-    let Ok(counted) = counted else {
-        let e = ApiError::new(ErrorKind::Internal, "the cache report did not complete");
-        return e.into_response_as(Flavor::WorkersAi, &ctx.rid);
-    };
-    let mut models = Vec::new();
-    let mut failed = Vec::new();
-    for (id, r) in counted {
-        match r {
-            Ok((n, page)) => {
-                for (tier, pages) in [
-                    ("engine_pool", n.pool),
-                    ("host_memory", n.host),
-                    ("disk", n.disk),
-                ] {
-                    models.push(json!({
-                        "model": id,
-                        "tier": tier,
-                        "cached_pages": pages,
-                        "cached_tokens": pages * page,
-                    }));
-                }
-            }
-            Err(e) => failed.push(format!("{id}: {e}")),
-        }
-    }
+    let (models, failed) = answered(answers, |id, (n, page)| {
+        [
+            ("engine_pool", n.pool),
+            ("host_memory", n.host),
+            ("disk", n.disk),
+        ]
+        .into_iter()
+        .map(|(tier, pages)| {
+            json!({
+                "model": id,
+                "tier": tier,
+                "cached_pages": pages,
+                "cached_tokens": pages.saturating_mul(page),
+            })
+        })
+        .collect()
+    });
     if !failed.is_empty() {
         let e = ApiError::new(
             ErrorKind::Unavailable,

@@ -310,6 +310,8 @@ pub(crate) fn spawn(
             End::Done(reason, u) => (
                 UsageRecord {
                     cached_tokens: u.cached_tokens as i64,
+                    cached_host_tokens: u.cached_tiers.host as i64,
+                    cached_disk_tokens: u.cached_tiers.disk as i64,
                     ..ctx.usage(
                         200,
                         0,

@@ -200,6 +200,7 @@ pub(crate) fn tenant_context(t: &Tenant) -> TenantContext {
         cache_policy: tessera_serving::CachePolicy {
             max_tokens: t.cache_limits.max_cached_tokens,
             idle_ttl_secs: t.cache_limits.idle_ttl_secs,
+            version: t.cache_limits.set_ms.max(0) as u64,
         },
     }
 }

@@ -532,6 +532,8 @@ impl Ctx {
             input_tokens: input as i64,
             output_tokens: output as i64,
             cached_tokens: 0,
+            cached_host_tokens: 0,
+            cached_disk_tokens: 0,
             ttft_us,
             duration_us: self.started.elapsed().as_micros() as i64,
             created_ms: self.created_ms,

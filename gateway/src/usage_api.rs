@@ -109,6 +109,8 @@ pub(crate) async fn report(
         totals.input_tokens += g.input_tokens;
         totals.output_tokens += g.output_tokens;
         totals.cached_tokens += g.cached_tokens;
+        totals.cached_host_tokens += g.cached_host_tokens;
+        totals.cached_disk_tokens += g.cached_disk_tokens;
         totals.errors += g.errors;
     }
     Ok(json!({

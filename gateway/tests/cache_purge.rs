@@ -15,6 +15,8 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use std::time::Duration;
 use tessera_gateway::GatewayOptions;
+use tessera_model::kv::spill::SpillConfig;
+use tessera_serving::EngineConfig;
 use tessera_tenancy::{Limits, NewKey, Scopes};
 
 /// A user message long enough to fill several 16-token pages.
@@ -235,11 +237,12 @@ async fn the_purge_route_refuses_strangers_other_accounts_and_narrow_keys() {
 }
 
 /// A tenant's own cache limits (`PUT /admin/v1/tenants/{id}/cache-limits`, audited)
-/// reach the engines with its requests: with `max_cached_tokens: 32` its repeated
-/// prompt reuses exactly two pages and its report shows two; with `idle_ttl_secs: 1`
-/// its pages are dropped once idle that long (the report reaches 0 with no request
-/// in between) and the prompt then misses with the same answer. Values over their
-/// maximum and unknown fields are 400s naming the field.
+/// reach the engines at once and with its requests: with `max_cached_tokens: 32` its
+/// repeated prompt reuses exactly two pages and its report shows two; set to
+/// `idle_ttl_secs: 1` while the tenant sends nothing, its pages are dropped once idle
+/// that long (the report reaches 0 with no request in between) and the prompt then
+/// misses with the same answer. Values over their maximum and unknown fields are
+/// 400s naming the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_cache_limits_bound_and_expire_its_cached_pages() {
     let s = start().await;
@@ -250,6 +253,8 @@ async fn a_tenants_cache_limits_bound_and_expire_its_cached_pages() {
 
     let r = put(json!({"max_cached_tokens": 32})).await.unwrap();
     assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["result"]["applied_on"], json!([MODEL]), "{v}");
     let (_, _, first) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
     assert_eq!(cached_of(&first), 0, "{first}");
     let (_, _, again) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
@@ -260,11 +265,8 @@ async fn a_tenants_cache_limits_bound_and_expire_its_cached_pages() {
     let r = put(json!({"max_cached_tokens": 0, "idle_ttl_secs": 1}))
         .await
         .unwrap();
+    // Pushed to the engine: no request of the tenant carries them.
     assert_eq!(r.status(), 200);
-    // This request carries the new limits: its whole prompt is cached at its end.
-    let (_, _, third) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
-    assert_eq!(cached_of(&third), 32, "{third}");
-    s.wait_idle().await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let mut pages = report(&s, &a, &s.key).await;
     while pages > 0 && std::time::Instant::now() < deadline {
@@ -293,5 +295,52 @@ async fn a_tenants_cache_limits_bound_and_expire_its_cached_pages() {
         .filter(|r| r.action == "tenant.cache_limits")
         .collect();
     assert_eq!(set.len(), 2, "{set:?}");
+    s.wait_idle().await;
+}
+
+/// Cached prompt tokens per tier reach the usage ledger and the usage API (issue 39,
+/// item 3): the tenant's prompt pages, evicted by another tenant's long prompt, come
+/// back from host memory on its next request, whose ledger row counts them as
+/// `cached_host_tokens` (a part of `cached_tokens`), and the usage API sums them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_tokens_per_tier_reach_the_ledger_and_the_usage_api() {
+    let engine = EngineConfig {
+        kv_pool_tokens: 1024,
+        prefix_cache_tenant_share: 100,
+        spill: SpillConfig {
+            host_pages: 256,
+            ..SpillConfig::default()
+        },
+        ..EngineConfig::default()
+    };
+    let s = start_with_engine(GatewayOptions::default(), engine).await;
+    let (b, key_b) = s.tenant_with_key("beta", Limits::default()).await;
+    let a = s.tenant.id.clone();
+    let body =
+        json!({"messages": [{"role": "user", "content": long_question("tiers")}], "max_tokens": 4});
+    let (st, _, first) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
+    assert_eq!((st, cached_of(&first)), (200, 0), "{first}");
+    // Beta's prompt needs most of the 64-page pool: alpha's pages spill.
+    let flood = json!({"prompt": "sea ".repeat(850), "max_tokens": 4});
+    let (st, _, v) = s.post(&s.run_url(&b.id), Some(&key_b), &flood).await;
+    assert_eq!(st, 200, "{v}");
+    let (st, rid, again) = s.post(&s.run_url(&a), Some(&s.key), &body).await;
+    assert_eq!(st, 200, "{again}");
+    assert_eq!(again["result"]["response"], first["result"]["response"]);
+    let row = s.row(&rid).await;
+    assert!(row.cached_host_tokens > 0, "{row:?}");
+    assert_eq!(row.cached_disk_tokens, 0, "{row:?}");
+    assert!(row.cached_host_tokens <= row.cached_tokens, "{row:?}");
+    assert_eq!(row.cached_tokens, cached_of(&again), "{row:?}");
+    s.settle().await;
+    let (st, _, usage) = s.get(&s.account_url("usage"), Some(&s.key)).await;
+    assert_eq!(st, 200, "{usage}");
+    let totals = &usage["result"]["totals"];
+    assert_eq!(
+        totals["cached_host_tokens"],
+        json!(row.cached_host_tokens),
+        "{usage}"
+    );
+    assert_eq!(totals["cached_tokens"], json!(row.cached_tokens), "{usage}");
     s.wait_idle().await;
 }

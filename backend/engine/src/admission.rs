@@ -18,7 +18,8 @@ fn one() -> u32 {
 }
 
 /// A tenant's own bounds on its prefix-cache pages on each engine (0: no bound of
-/// its own; the engine's share of the pool still applies).
+/// its own; the engine's share of the pool still applies). `max_tokens` counts in
+/// whole pages, rounded up.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CachePolicy {
     /// Most tokens (whole pages) kept in an engine's pool for the tenant: past it
@@ -29,6 +30,11 @@ pub struct CachePolicy {
     /// the pool and in the lower tiers).
     #[serde(default)]
     pub idle_ttl_secs: u64,
+    /// When the tenant's limits were last set (Unix ms, from its record): an engine
+    /// keeps the latest it has seen and ignores older ones (requests in flight and
+    /// queued batch items carry the limits of their submission).
+    #[serde(default)]
+    pub version: u64,
 }
 
 /// A generation request as the engine sees it (token ids, not text).

@@ -85,6 +85,8 @@ pub struct Import {
     pub logprobs: Option<Box<Logprobs>>,
     /// Prompt tokens the prefill node took from its prefix cache (usage only).
     pub cached_tokens: usize,
+    /// Of `cached_tokens`, those the prefill node restored from its lower tiers.
+    pub cached_tiers: crate::sink::CachedTiers,
     /// Where the sequence's events go.
     pub sink: Box<dyn EventSink>,
     /// When the client's request arrived (TTFT).
@@ -226,6 +228,7 @@ impl Engine {
             rng_word_pos,
             logprobs,
             cached_tokens,
+            cached_tiers,
             sink,
             submitted,
         } = import;
@@ -248,6 +251,7 @@ impl Engine {
         s.prime(&self.tokenizer);
         s.prefilled = s.prompt.len();
         s.cached = cached_tokens;
+        s.cached_tiers = cached_tiers;
         match accept_token(
             &mut s,
             first_token,

@@ -26,4 +26,4 @@ pub use engine::{
     Prefilled, SeqEnd, Speculation, Usage, SPECULATE_MAX_DECODES,
 };
 pub use scheduler::{FairnessConfig, Policy, Priority, Served};
-pub use sink::{EventSink, Gone};
+pub use sink::{CachedTiers, EventSink, Gone};

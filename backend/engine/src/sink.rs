@@ -96,6 +96,18 @@ impl EngineError {
     }
 }
 
+/// Prompt tokens reused from the prefix cache's lower tiers (restored into the
+/// pool; part of [`Usage::cached_tokens`], the rest were pool hits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CachedTiers {
+    /// Restored from host memory.
+    #[serde(default)]
+    pub host: usize,
+    /// Restored from disk (sealed pages opened).
+    #[serde(default)]
+    pub disk: usize,
+}
+
 /// Token counts and timings of a finished request.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Usage {
@@ -106,6 +118,8 @@ pub struct Usage {
     /// Prompt tokens reused from the prefix cache (not computed; included in
     /// `prompt_tokens`).
     pub cached_tokens: usize,
+    /// Of `cached_tokens`, those restored from the lower tiers.
+    pub cached_tiers: CachedTiers,
     /// Submit to first token.
     pub ttft: Duration,
     /// Mean time per output token after the first.

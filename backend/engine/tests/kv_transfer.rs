@@ -97,6 +97,7 @@ fn land_and_decode(
             rng_word_pos: exported.rng_word_pos,
             logprobs: None,
             cached_tokens: 0,
+            cached_tiers: Default::default(),
             sink: Box::new(sink),
             submitted: std::time::Instant::now(),
         },

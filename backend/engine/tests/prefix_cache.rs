@@ -75,6 +75,7 @@ fn run(
                 usage.ttft = Duration::ZERO;
                 usage.tpot = Duration::ZERO;
                 usage.cached_tokens = 0;
+                usage.cached_tiers = Default::default();
                 o.last = Some(Event::Done { reason, usage });
             }
             ev => o.last = Some(ev),

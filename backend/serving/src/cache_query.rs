@@ -5,7 +5,7 @@
 //! ask; [`crate::remote::RemoteCluster`] waits for every node).
 
 use serde::{Deserialize, Serialize};
-use tessera_engine::Engine;
+use tessera_engine::{CachePolicy, Engine};
 use tessera_model::kv::{CachePurge, TierPages};
 
 /// A question about tenant `tenant`'s cached pages (the tenant's engine id).
@@ -16,6 +16,8 @@ pub(crate) enum CacheQuery {
     Purge { tenant: u64 },
     /// Count them per tier ([`tessera_model::kv::KvManager::tenant_cache_pages`]).
     Report { tenant: u64 },
+    /// Apply the tenant's own cache bounds now ([`Engine::set_cache_policy`]).
+    SetPolicy { tenant: u64, policy: CachePolicy },
 }
 
 /// One engine's answer to a [`CacheQuery`].
@@ -26,6 +28,8 @@ pub(crate) enum CacheAnswer {
     Purged(CachePurge),
     /// The pages per tier.
     Report(TierPages),
+    /// The bounds are applied (or newer ones were).
+    PolicySet,
 }
 
 impl CacheQuery {
@@ -34,6 +38,10 @@ impl CacheQuery {
         match self {
             CacheQuery::Purge { tenant } => CacheAnswer::Purged(e.purge_tenant_cache(tenant)),
             CacheQuery::Report { tenant } => CacheAnswer::Report(e.kv().tenant_cache_pages(tenant)),
+            CacheQuery::SetPolicy { tenant, policy } => {
+                e.set_cache_policy(tenant, policy);
+                CacheAnswer::PolicySet
+            }
         }
     }
 }

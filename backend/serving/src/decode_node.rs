@@ -266,6 +266,7 @@ impl DecodeEnv for DecodeEngineEnv<'_> {
                 rng_word_pos: self.commit.rng_pos,
                 logprobs: self.commit.logprobs.take(),
                 cached_tokens: self.commit.cached_tokens,
+                cached_tiers: self.commit.cached_tiers,
                 sink: body.sink,
                 submitted: body.submitted,
             },

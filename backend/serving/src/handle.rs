@@ -11,8 +11,8 @@ use crate::stream::{request_channel, ClientSink, RequestStream};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 use tessera_engine::{
-    AdmissionLimits, Admitted, Engine, EngineConfig, EngineError, GenerateRequest, PdAdmission,
-    Rejection,
+    AdmissionLimits, Admitted, CachePolicy, Engine, EngineConfig, EngineError, GenerateRequest,
+    PdAdmission, Rejection,
 };
 use tessera_model::kv::{CachePurge, TierPages};
 use tessera_model::LoadedModel;
@@ -254,44 +254,74 @@ impl EngineHandle {
 
     /// Drops `tenant`'s prefix-cache pages on every engine behind this handle
     /// ([`Engine::purge_tenant_cache`]: unused pages freed now with a new epoch, pages
-    /// a running sequence reads poisoned and freed at its end) and returns the sum
-    /// once every engine confirmed. Blocks the caller (up to
+    /// a running sequence reads poisoned and freed at its end, spilled pages dropped)
+    /// and returns the sum once every engine confirmed. Blocks the caller (up to
     /// [`ENGINE_ANSWER_WAIT`](crate::cluster::ENGINE_ANSWER_WAIT) per engine).
     ///
-    /// Errors: as [`Self::ask_every_engine`].
+    /// Errors: as [`Self::ask_cache`].
     pub fn purge_tenant_cache(&self, tenant: u64) -> Result<CachePurge, ServeError> {
-        let answers = self.ask_cache(CacheQuery::Purge { tenant })?;
-        Ok(answers
-            .into_iter()
-            .filter_map(|a| match a {
-                CacheAnswer::Purged(p) => Some(p),
-                CacheAnswer::Report(_) => None,
-            })
-            .fold(CachePurge::default(), CachePurge::plus))
+        self.ask_cache(CacheQuery::Purge { tenant }, |a| match a {
+            CacheAnswer::Purged(p) => Some(p),
+            _ => None,
+        })
+        .map(|all| {
+            all.into_iter()
+                .fold(CachePurge::default(), CachePurge::plus)
+        })
     }
 
     /// Cached pages `tenant` holds on every engine behind this handle, per tier,
     /// summed ([`KvManager::tenant_cache_pages`](tessera_model::kv::KvManager::tenant_cache_pages)).
     /// Blocks the caller like [`Self::purge_tenant_cache`].
     ///
-    /// Errors: as [`Self::ask_every_engine`].
+    /// Errors: as [`Self::ask_cache`].
     pub fn tenant_cache_pages(&self, tenant: u64) -> Result<TierPages, ServeError> {
-        let answers = self.ask_cache(CacheQuery::Report { tenant })?;
-        Ok(answers
-            .into_iter()
-            .filter_map(|a| match a {
-                CacheAnswer::Report(p) => Some(p),
-                CacheAnswer::Purged(_) => None,
-            })
-            .fold(TierPages::default(), TierPages::plus))
+        self.ask_cache(CacheQuery::Report { tenant }, |a| match a {
+            CacheAnswer::Report(p) => Some(p),
+            _ => None,
+        })
+        .map(|all| all.into_iter().fold(TierPages::default(), TierPages::plus))
     }
 
-    /// Asks `query` of every engine behind this handle: in this process between two
-    /// of an engine's steps, on remote nodes over their links.
+    /// Applies `tenant`'s own cache bounds on every engine behind this handle now
+    /// ([`Engine::set_cache_policy`]; the tenant's requests carry them too). Blocks
+    /// the caller like [`Self::purge_tenant_cache`].
+    ///
+    /// Errors: as [`Self::ask_cache`].
+    pub fn set_cache_policy(&self, tenant: u64, policy: CachePolicy) -> Result<(), ServeError> {
+        self.ask_cache(CacheQuery::SetPolicy { tenant, policy }, |a| {
+            matches!(a, CacheAnswer::PolicySet).then_some(())
+        })
+        .map(|_| ())
+    }
+
+    /// Asks `query` of every engine behind this handle (in this process between two
+    /// of an engine's steps, on remote nodes over their links) and reads each answer
+    /// with `read`.
     ///
     /// Errors: an engine down ([`ServeErrorKind::NodeDown`](crate::ServeErrorKind) or
-    /// [`EngineError::Shutdown`]) or late ([`ServeErrorKind::Timeout`](crate::ServeErrorKind)).
-    fn ask_cache(&self, query: CacheQuery) -> Result<Vec<CacheAnswer>, ServeError> {
+    /// [`EngineError::Shutdown`]) or late ([`ServeErrorKind::Timeout`](crate::ServeErrorKind)),
+    /// or an answer that is not one to `query` ([`ServeErrorKind::Internal`](crate::ServeErrorKind)).
+    fn ask_cache<T>(
+        &self,
+        query: CacheQuery,
+        read: impl Fn(CacheAnswer) -> Option<T>,
+    ) -> Result<Vec<T>, ServeError> {
+        let answers = self.ask_cache_raw(query)?;
+        answers
+            .into_iter()
+            .map(|a| {
+                read(a).ok_or_else(|| {
+                    ServeError::new(
+                        crate::ServeErrorKind::Internal,
+                        format!("an engine answered {a:?} to {query:?}"),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    fn ask_cache_raw(&self, query: CacheQuery) -> Result<Vec<CacheAnswer>, ServeError> {
         let f: crate::cluster::EngineQuery<CacheAnswer> = Arc::new(move |e| query.run(e));
         match &self.backend {
             EngineBackend::Colocated { tx, .. } => {

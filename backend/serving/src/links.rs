@@ -29,6 +29,7 @@ pub(crate) type ReplyTo = Arc<dyn Reply>;
 pub(crate) struct CommitExtra {
     pub(crate) rng_pos: u128,
     pub(crate) cached_tokens: usize,
+    pub(crate) cached_tiers: tessera_engine::CachedTiers,
     pub(crate) model: Option<[u8; 32]>,
     pub(crate) logprobs: Option<Box<Logprobs>>,
 }

@@ -171,6 +171,9 @@ pub(crate) struct Control {
     /// Prompt tokens the prefill node took from its prefix cache (`Commit`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) cached_tokens: Option<usize>,
+    /// Of `cached_tokens`, those the prefill node restored from its lower tiers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cached_tiers: Option<tessera_engine::CachedTiers>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) prefill: Option<String>,
     /// The request's W3C `traceparent` (with `Prealloc` and `Prefill`, when the
@@ -197,6 +200,7 @@ impl Control {
             decode_node: None,
             rng_pos: None,
             cached_tokens: None,
+            cached_tiers: None,
             prefill: None,
             trace: None,
             model: None,
@@ -253,6 +257,8 @@ pub(crate) enum WireEvent {
         completion_tokens: usize,
         #[serde(default)]
         cached_tokens: usize,
+        #[serde(default)]
+        cached_tiers: tessera_engine::CachedTiers,
         ttft_us: u64,
         tpot_us: u64,
     },
@@ -282,6 +288,7 @@ impl WireEvent {
                 prompt_tokens: usage.prompt_tokens,
                 completion_tokens: usage.completion_tokens,
                 cached_tokens: usage.cached_tokens,
+                cached_tiers: usage.cached_tiers,
                 ttft_us: usage.ttft.as_micros() as u64,
                 tpot_us: usage.tpot.as_micros() as u64,
             },
@@ -311,6 +318,7 @@ impl WireEvent {
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
+                cached_tiers,
                 ttft_us,
                 tpot_us,
             } => StreamEvent::Done {
@@ -323,6 +331,7 @@ impl WireEvent {
                     prompt_tokens,
                     completion_tokens,
                     cached_tokens,
+                    cached_tiers,
                     ttft: Duration::from_micros(ttft_us),
                     tpot: Duration::from_micros(tpot_us),
                 },

@@ -97,6 +97,8 @@ struct PrefillRecord {
     first: Option<FirstToken>,
     /// Prompt tokens taken from this node's prefix cache (travels with the commit).
     cached_tokens: usize,
+    /// Of `cached_tokens`, those restored from its lower tiers.
+    cached_tiers: tessera_engine::CachedTiers,
     /// The copied-out pages, from `on_computed` until the drain takes them.
     export: Option<Vec<ExportedPage>>,
     /// Set on abort: the worker skips the puts it has not issued yet.
@@ -444,6 +446,7 @@ impl PrefillLoop {
                         rng_pos: r.first.as_ref().map_or(0, |f| f.rng_word_pos),
                         logprobs: r.first.as_ref().and_then(|f| f.logprobs.clone()),
                         cached_tokens: r.cached_tokens,
+                        cached_tiers: r.cached_tiers,
                         model: Some(self.model),
                     };
                     let duplicate = r.fault == Some(TransferFault::DuplicateCommit)
@@ -513,6 +516,7 @@ impl PrefillLoop {
                 continue;
             };
             r.cached_tokens = done.cached_tokens;
+            r.cached_tiers = done.cached_tiers;
             let exported = done.result.map_err(Computed::Engine).and_then(|first| {
                 let token = first.token;
                 r.first = Some(first);
@@ -581,6 +585,7 @@ impl NodeLoop for PrefillLoop {
                             dest: Vec::new(),
                             first: None,
                             cached_tokens: 0,
+                            cached_tiers: Default::default(),
                             export: None,
                             cancel: Arc::new(AtomicBool::new(false)),
                             fault: None,

@@ -51,6 +51,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "cache_limits",
         include_str!("../../migrations/0005_cache_limits.sql"),
     ),
+    (
+        6,
+        "cached_tiers",
+        include_str!("../../migrations/0006_cached_tiers.sql"),
+    ),
 ];
 
 /// The tenancy database. Cheap to clone (a pool handle).

@@ -15,7 +15,8 @@ pub(super) fn get_str(r: &AnyRow, c: &str) -> Result<String, StoreError> {
 
 pub(super) const TENANT_COLS: &str =
     "t.id, t.name, t.status, t.created_ms, t.weight, t.max_priority, \
-     t.cache_salt, t.cache_max_tokens, t.cache_idle_ttl_secs, l.requests_per_minute, l.input_tokens_per_minute, l.output_tokens_per_minute, \
+     t.cache_salt, t.cache_max_tokens, t.cache_idle_ttl_secs, t.cache_limits_ms, \
+     l.requests_per_minute, l.input_tokens_per_minute, l.output_tokens_per_minute, \
      l.max_concurrent, l.daily_tokens";
 
 pub(super) fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
@@ -40,6 +41,7 @@ pub(super) fn tenant_from_row(r: &AnyRow) -> Result<Tenant, StoreError> {
         cache_limits: CacheLimits {
             max_cached_tokens: get_i64(r, "cache_max_tokens")?.max(0) as u64,
             idle_ttl_secs: get_i64(r, "cache_idle_ttl_secs")?.max(0) as u64,
+            set_ms: get_i64(r, "cache_limits_ms")?,
         },
         cache_salt: get_str(r, "cache_salt")?,
     })

@@ -194,10 +194,12 @@ impl Store {
             )));
         }
         let update = sqlx::query(
-            "UPDATE tenants SET cache_max_tokens = $1, cache_idle_ttl_secs = $2 WHERE id = $3",
+            "UPDATE tenants SET cache_max_tokens = $1, cache_idle_ttl_secs = $2, \
+             cache_limits_ms = $3 WHERE id = $4",
         )
         .bind(c.max_cached_tokens as i64)
         .bind(c.idle_ttl_secs as i64)
+        .bind(now_ms())
         .bind(id);
         let detail = json!({"cache_limits": c});
         self.update_tenant_audited(by, id, update, "tenant.cache_limits", detail)

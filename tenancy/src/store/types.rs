@@ -267,6 +267,10 @@ pub struct CacheLimits {
     /// Seconds a cached page may go unused before engines drop it (in every tier),
     /// at most [`CacheLimits::MAX_IDLE_TTL_SECS`].
     pub idle_ttl_secs: u64,
+    /// When they were last set (Unix ms; 0: never). Engines keep the latest limits
+    /// they have seen, so a request submitted before a change cannot undo it.
+    #[serde(skip)]
+    pub set_ms: i64,
 }
 
 impl CacheLimits {
@@ -429,6 +433,10 @@ pub struct UsageRecord {
     pub output_tokens: i64,
     /// Prompt tokens served from a cache (0: no prefix cache yet).
     pub cached_tokens: i64,
+    /// Of `cached_tokens`, those restored from an engine's host-memory tier.
+    pub cached_host_tokens: i64,
+    /// Of `cached_tokens`, those restored from an engine's disk tier.
+    pub cached_disk_tokens: i64,
     /// Time to first token, microseconds (0 when none).
     pub ttft_us: i64,
     /// Request duration, microseconds.
@@ -476,8 +484,12 @@ pub struct UsageGroup {
     pub input_tokens: i64,
     /// Generated tokens.
     pub output_tokens: i64,
-    /// Cached prompt tokens.
+    /// Cached prompt tokens (every tier).
     pub cached_tokens: i64,
+    /// Of `cached_tokens`, those restored from host memory.
+    pub cached_host_tokens: i64,
+    /// Of `cached_tokens`, those restored from disk.
+    pub cached_disk_tokens: i64,
     /// Requests that ended in an error status (>= 400).
     pub errors: i64,
 }

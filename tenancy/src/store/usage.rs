@@ -19,6 +19,8 @@ fn usage_from_row(r: &AnyRow) -> Result<UsageRecord, StoreError> {
         input_tokens: get_i64(r, "input_tokens")?,
         output_tokens: get_i64(r, "output_tokens")?,
         cached_tokens: get_i64(r, "cached_tokens")?,
+        cached_host_tokens: get_i64(r, "cached_host_tokens")?,
+        cached_disk_tokens: get_i64(r, "cached_disk_tokens")?,
         ttft_us: get_i64(r, "ttft_us")?,
         duration_us: get_i64(r, "duration_us")?,
         created_ms: get_i64(r, "created_ms")?,
@@ -31,8 +33,9 @@ impl Store {
     pub async fn record_usage(&self, u: &UsageRecord) -> Result<bool, StoreError> {
         let r = sqlx::query(
             "INSERT INTO usage_ledger (request_id, tenant_id, key_id, model, endpoint, status, \
-             error_code, finish, input_tokens, output_tokens, cached_tokens, ttft_us, duration_us, \
-             created_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+             error_code, finish, input_tokens, output_tokens, cached_tokens, cached_host_tokens, \
+             cached_disk_tokens, ttft_us, duration_us, created_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
              ON CONFLICT (request_id) DO NOTHING",
         )
         .bind(&u.request_id)
@@ -46,6 +49,8 @@ impl Store {
         .bind(u.input_tokens)
         .bind(u.output_tokens)
         .bind(u.cached_tokens)
+        .bind(u.cached_host_tokens)
+        .bind(u.cached_disk_tokens)
         .bind(u.ttft_us)
         .bind(u.duration_us)
         .bind(u.created_ms)
@@ -60,8 +65,8 @@ impl Store {
         tenant_id: Option<&str>,
     ) -> Result<Vec<UsageRecord>, StoreError> {
         let base = "SELECT request_id, tenant_id, key_id, model, endpoint, status, error_code, \
-                    finish, input_tokens, output_tokens, cached_tokens, ttft_us, duration_us, \
-                    created_ms FROM usage_ledger";
+                    finish, input_tokens, output_tokens, cached_tokens, cached_host_tokens, \
+                    cached_disk_tokens, ttft_us, duration_us, created_ms FROM usage_ledger";
         let rows = self
             .select_for_tenant(base, "ORDER BY created_ms, request_id", tenant_id)
             .await?;
@@ -72,8 +77,8 @@ impl Store {
     pub async fn usage_row(&self, request_id: &str) -> Result<Option<UsageRecord>, StoreError> {
         let row = sqlx::query(
             "SELECT request_id, tenant_id, key_id, model, endpoint, status, error_code, finish, \
-             input_tokens, output_tokens, cached_tokens, ttft_us, duration_us, created_ms \
-             FROM usage_ledger WHERE request_id = $1",
+             input_tokens, output_tokens, cached_tokens, cached_host_tokens, cached_disk_tokens, \
+             ttft_us, duration_us, created_ms FROM usage_ledger WHERE request_id = $1",
         )
         .bind(request_id)
         .fetch_optional(&self.pool)
@@ -124,6 +129,8 @@ impl Store {
              CAST(COALESCE(SUM(input_tokens), 0) AS BIGINT) AS input_tokens, \
              CAST(COALESCE(SUM(output_tokens), 0) AS BIGINT) AS output_tokens, \
              CAST(COALESCE(SUM(cached_tokens), 0) AS BIGINT) AS cached_tokens, \
+             CAST(COALESCE(SUM(cached_host_tokens), 0) AS BIGINT) AS cached_host_tokens, \
+             CAST(COALESCE(SUM(cached_disk_tokens), 0) AS BIGINT) AS cached_disk_tokens, \
              CAST(COALESCE(SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END), 0) AS BIGINT) AS errors \
              FROM usage_ledger WHERE tenant_id = $1 AND created_ms >= $2 AND created_ms < $3 \
              GROUP BY {expr} ORDER BY 1"
@@ -146,6 +153,8 @@ impl Store {
                     input_tokens: get_i64(r, "input_tokens")?,
                     output_tokens: get_i64(r, "output_tokens")?,
                     cached_tokens: get_i64(r, "cached_tokens")?,
+                    cached_host_tokens: get_i64(r, "cached_host_tokens")?,
+                    cached_disk_tokens: get_i64(r, "cached_disk_tokens")?,
                     errors: get_i64(r, "errors")?,
                 })
             })

@@ -32,6 +32,8 @@ fn row(
         input_tokens: i,
         output_tokens: o,
         cached_tokens: 0,
+        cached_host_tokens: 0,
+        cached_disk_tokens: 0,
         ttft_us: 10,
         duration_us: 20,
         created_ms: at,

@@ -203,6 +203,8 @@ pub struct Prefilled {
     pub result: Result<FirstToken, EngineError>,
     /// Prompt tokens reused from this node's prefix cache.
     pub cached_tokens: usize,
+    /// Of `cached_tokens`, those restored from the lower tiers.
+    pub cached_tiers: crate::sink::CachedTiers,
 }
 
 /// The token sampled at the end of a prefill, and the sampler's RNG position after it
@@ -424,13 +426,7 @@ impl Engine {
             }
             _ => Vec::new(),
         };
-        let p = r.cache_policy;
-        let policy = CacheBounds {
-            max_pages: (p.max_tokens > 0)
-                .then(|| (p.max_tokens / self.cfg.page_size as u64) as usize),
-            idle_ttl: (p.idle_ttl_secs > 0).then(|| Duration::from_secs(p.idle_ttl_secs)),
-        };
-        self.kv.set_tenant_policy(r.tenant, policy);
+        self.set_cache_policy(r.tenant, r.cache_policy);
         let waiting: Vec<u64> = self.waiting_tenants();
         self.vtc.on_arrival(r.tenant, r.weight, &waiting);
         self.seqs.enter(Stage::Waiting(Box::new(Waiting {
@@ -449,6 +445,19 @@ impl Engine {
             .waiting()
             .map(|w| w.req.request().tenant)
             .collect()
+    }
+
+    /// Applies `tenant`'s own cache bounds here ([`KvManager::set_tenant_policy`]):
+    /// from its requests, and pushed by the gateway when the admin changes them.
+    /// Bounds older than the latest seen (`policy.version`) are ignored.
+    pub fn set_cache_policy(&mut self, tenant: u64, policy: crate::admission::CachePolicy) {
+        let page = self.cfg.page_size as u64;
+        let bounds = CacheBounds {
+            max_pages: (policy.max_tokens > 0)
+                .then(|| usize::try_from(policy.max_tokens.div_ceil(page)).unwrap_or(usize::MAX)),
+            idle_ttl: (policy.idle_ttl_secs > 0).then(|| Duration::from_secs(policy.idle_ttl_secs)),
+        };
+        self.kv.set_tenant_policy(tenant, bounds, policy.version);
     }
 
     /// Prefill role: prefills whose compute ended since the last call.
@@ -530,9 +539,8 @@ impl Engine {
 
     /// Drops every prefix-cache page of `tenant` on this engine
     /// ([`KvManager::purge_tenant_cache`]): unused ones are freed now, ones a running
-    /// sequence reads are poisoned and freed at its end. A request of the tenant
-    /// still running may cache its pages again when it ends (it started before the
-    /// purge).
+    /// sequence reads are poisoned and freed at its end, spilled ones dropped. A
+    /// request of the tenant still running caches nothing when it ends.
     pub fn purge_tenant_cache(&mut self, tenant: u64) -> CachePurge {
         let purge = self.kv.purge_tenant_cache(tenant);
         self.metrics

@@ -3,7 +3,7 @@
 
 use crate::admission::GenerateRequest;
 use crate::scheduler::{Priority, SeqProgress};
-use crate::sink::{EngineError, Event, EventSink, FinishReason, Usage};
+use crate::sink::{CachedTiers, EngineError, Event, EventSink, FinishReason, Usage};
 use std::time::{Duration, Instant};
 use tessera_model::detok::{IncrementalDecoder, StopMatcher, StopOutcome};
 use tessera_model::kv::prefix::ChainHash;
@@ -40,6 +40,8 @@ pub(crate) struct Seq {
     pub(crate) chain: Vec<ChainHash>,
     /// Prompt tokens reused from the prefix cache.
     pub(crate) cached: usize,
+    /// Of `cached`, those restored from the lower tiers.
+    pub(crate) cached_tiers: CachedTiers,
     /// Alternatives per generated token's log probabilities (`None`: none asked).
     pub(crate) logprobs: Option<usize>,
     /// Alternatives per prompt token's log probabilities (`None`: none asked).
@@ -82,6 +84,7 @@ impl Seq {
             priority: req.priority,
             chain: Vec::new(),
             cached: 0,
+            cached_tiers: CachedTiers::default(),
             logprobs: req.output.logprobs.map(|k| k as usize),
             prompt_logprobs: req.output.prompt_logprobs.map(|k| k as usize),
             prompt_lp: Vec::new(),
@@ -265,6 +268,7 @@ pub(crate) fn accept_token(
             prompt_tokens: s.prompt.len() - s.resumed,
             completion_tokens: n + s.resumed,
             cached_tokens: s.cached.min(s.prompt.len() - s.resumed),
+            cached_tiers: s.cached_tiers,
             ttft: first - s.submitted,
             tpot: if n > 1 {
                 (now - first) / (n as u32 - 1)

@@ -150,6 +150,7 @@ impl Engine {
                         logprobs,
                     }),
                     cached_tokens: s.cached,
+                    cached_tiers: s.cached_tiers,
                 });
                 continue;
             }
@@ -177,11 +178,12 @@ impl Engine {
                 // An integrity error while computing the prompt: reported for export
                 // handling; the pages stay until released.
                 if let SeqEnd::Failed(e) = end {
-                    let cached_tokens = s.cached;
+                    let (cached_tokens, cached_tiers) = (s.cached, s.cached_tiers);
                     self.park(Prefilled {
                         seq: id,
                         result: Err(e),
                         cached_tokens,
+                        cached_tiers,
                     });
                 }
                 continue;
@@ -280,6 +282,7 @@ impl Engine {
                 seq: w.id,
                 result: Err(e),
                 cached_tokens: 0,
+                cached_tiers: Default::default(),
             }),
             SeqRole::Generate => {
                 let mut sink = w.sink;
@@ -307,7 +310,7 @@ impl Engine {
         let tenant = w.req.request().tenant;
         let hits = match self
             .kv
-            .reserve_cached(w.id, tenant, tokens, &w.chain, max_hit)
+            .reserve_cached_by_tier(w.id, tenant, tokens, &w.chain, max_hit)
         {
             Ok(h) => h,
             Err(ReserveError::Integrity(e)) => {
@@ -334,7 +337,12 @@ impl Engine {
         let r = req.into_request();
         let mut s = Seq::new(id, r, sampler, sink, submitted, role);
         s.prime(&self.tokenizer);
-        s.cached = hits * self.cfg.page_size;
+        let ps = self.cfg.page_size;
+        s.cached = (hits.pool + hits.host + hits.disk) * ps;
+        s.cached_tiers = crate::sink::CachedTiers {
+            host: hits.host * ps,
+            disk: hits.disk * ps,
+        };
         s.prefilled = s.cached;
         s.chain = chain;
         self.seqs.enter(Stage::Running(Box::new(s)));

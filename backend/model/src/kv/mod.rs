@@ -9,7 +9,7 @@ pub mod spill;
 
 pub use pool::{PagePool, PoolError};
 use prefix::{cache_seq, ChainHash, PrefixIndex};
-use spill::{SpillConfig, SpillDirError, SpillStats, SpillTiers};
+use spill::{SpillConfig, SpillDirError, SpillStats, SpillTiers, Tier};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tessera_kernels::{BlockRef, IntegrityError, KvLayout, PageTag};
@@ -50,10 +50,10 @@ impl CachePurge {
     /// The sum of two purges' counts (a purge over several engines).
     pub fn plus(self, o: CachePurge) -> CachePurge {
         CachePurge {
-            freed: self.freed + o.freed,
-            poisoned: self.poisoned + o.poisoned,
-            host: self.host + o.host,
-            disk: self.disk + o.disk,
+            freed: self.freed.saturating_add(o.freed),
+            poisoned: self.poisoned.saturating_add(o.poisoned),
+            host: self.host.saturating_add(o.host),
+            disk: self.disk.saturating_add(o.disk),
         }
     }
 }
@@ -85,9 +85,9 @@ impl TierPages {
     /// The sum of two counts (several engines).
     pub fn plus(self, o: TierPages) -> TierPages {
         TierPages {
-            pool: self.pool + o.pool,
-            host: self.host + o.host,
-            disk: self.disk + o.disk,
+            pool: self.pool.saturating_add(o.pool),
+            host: self.host.saturating_add(o.host),
+            disk: self.disk.saturating_add(o.disk),
         }
     }
 }
@@ -105,9 +105,19 @@ pub struct KvManager {
     tenant_cache_pages: usize,
     /// Where evicted cache pages go instead of away (`None`: no lower tiers).
     spill: Option<SpillTiers>,
-    /// Tenants' own bounds (tenants without any are absent).
-    policies: HashMap<u64, CacheBounds>,
+    /// Tenants' own bounds and the version they were set at (tenants without any
+    /// are absent).
+    policies: HashMap<u64, (u64, CacheBounds)>,
+    /// Purges per tenant so far, and the count each live sequence was reserved
+    /// at: a sequence that outlived its tenant's purge caches nothing at its end.
+    purges: HashMap<u64, u64>,
+    reserved_at: HashMap<SeqId, u64>,
 }
+
+/// Most disk pages one reservation or release writes or reads: past it evicted
+/// pages are dropped and spilled ones left for the sequence to compute, so one
+/// request's disk work stays bounded (about 64 x 0.3-0.5 ms) on the engine thread.
+pub const MAX_DISK_PAGES_PER_CALL: usize = 64;
 
 impl KvManager {
     /// Wraps a pool; one tenant's cache entries may fill all of it (see
@@ -123,25 +133,40 @@ impl KvManager {
             tenant_cache_pages,
             spill: None,
             policies: HashMap::new(),
+            purges: HashMap::new(),
+            reserved_at: HashMap::new(),
         }
     }
 
-    /// Sets `tenant`'s own bounds on its cached pages here (replacing earlier
-    /// ones). A lower page cap applies from the tenant's next cached page on; an
-    /// idle time from the next [`Self::expire_idle`].
-    pub fn set_tenant_policy(&mut self, tenant: u64, policy: CacheBounds) {
-        if policy == CacheBounds::default() {
+    /// Sets `tenant`'s own bounds on its cached pages here, unless bounds of a
+    /// later `version` were set (requests in flight carry older ones). A lower
+    /// page cap applies from the tenant's next cached page on; an idle time from
+    /// the next [`Self::expire_idle`].
+    pub fn set_tenant_policy(&mut self, tenant: u64, policy: CacheBounds, version: u64) {
+        if self
+            .policies
+            .get(&tenant)
+            .is_some_and(|(v, _)| *v > version)
+        {
+            return;
+        }
+        if policy == CacheBounds::default() && version == 0 {
             self.policies.remove(&tenant);
         } else {
-            self.policies.insert(tenant, policy);
+            self.policies.insert(tenant, (version, policy));
         }
+    }
+
+    fn bounds(&self, tenant: u64) -> Option<&CacheBounds> {
+        self.policies.get(&tenant).map(|(_, b)| b)
     }
 
     /// Whether [`Self::expire_idle`] may have work: pages are cached and a tenant
     /// here has an idle time.
     pub fn has_idle_bounds(&self) -> bool {
         let (host, disk) = self.spilled_pages();
-        (self.cache.len() + host + disk > 0) && self.policies.values().any(|p| p.idle_ttl.is_some())
+        (self.cache.len() + host + disk > 0)
+            && self.policies.values().any(|(_, p)| p.idle_ttl.is_some())
     }
 
     /// Drops every cached page (pool and lower tiers) whose tenant has an idle time
@@ -151,8 +176,8 @@ impl KvManager {
         if !self.has_idle_bounds() {
             return 0;
         }
-        let ttl = |policies: &HashMap<u64, CacheBounds>, tenant: u64| {
-            policies.get(&tenant).and_then(|p| p.idle_ttl)
+        let ttl = |policies: &HashMap<u64, (u64, CacheBounds)>, tenant: u64| {
+            policies.get(&tenant).and_then(|(_, p)| p.idle_ttl)
         };
         let idle: Vec<ChainHash> = self
             .cache
@@ -311,12 +336,32 @@ impl KvManager {
         chain: &[ChainHash],
         max_hit: usize,
     ) -> Result<usize, ReserveError> {
+        self.reserve_cached_by_tier(seq, tenant, tokens, chain, max_hit)
+            .map(|t| t.pool + t.host + t.disk)
+    }
+
+    /// [`Self::reserve_cached`], counting the leading pages whose K/V is there by
+    /// the tier they came from: reused in the pool, restored from host memory or
+    /// from disk.
+    ///
+    /// Errors: as [`Self::reserve_cached`].
+    pub fn reserve_cached_by_tier(
+        &mut self,
+        seq: SeqId,
+        tenant: u64,
+        tokens: usize,
+        chain: &[ChainHash],
+        max_hit: usize,
+    ) -> Result<TierPages, ReserveError> {
         if self.tables.contains_key(&seq) {
             return Err(PoolError::SeqInUse { seq: seq.0 }.into());
         }
         let total = self.pages_for(tokens);
         let hits = self.cached_prefix(tenant, chain, max_hit.min(total));
         let spilled = self.spilled_prefix(tenant, chain, hits, max_hit.min(total));
+        if let Some(spill) = &mut self.spill {
+            spill.set_disk_budget(MAX_DISK_PAGES_PER_CALL);
+        }
         let mut refs = Vec::with_capacity(total);
         for (i, h) in chain[..hits].iter().enumerate() {
             let e = *self.cache.get(h).expect("counted as a hit");
@@ -368,13 +413,14 @@ impl KvManager {
                     self.unpin(h);
                 }
                 if let Some(spill) = &mut self.spill {
-                    for (h, (tag, bytes)) in chain[hits..].iter().zip(taken) {
+                    for (h, (tag, bytes, _)) in chain[hits..].iter().zip(taken) {
                         spill.spill(*h, tenant, tag, Instant::now(), &bytes);
                     }
                 }
                 return Err(e.into());
             }
         };
+        let tiers: Vec<Tier> = taken.iter().map(|t| t.2).collect();
         let restored = match self.restore(tenant, &chain[hits..], taken, hits, &fresh) {
             Ok(n) => n,
             Err(e) => {
@@ -390,21 +436,43 @@ impl KvManager {
         refs.extend(fresh);
         self.tables.insert(seq, refs);
         self.owners.insert(seq, tenant);
+        let purges = self.purges.get(&tenant).copied().unwrap_or(0);
+        self.reserved_at.insert(seq, purges);
         if hits > 0 {
             self.pinned.insert(seq, chain[..hits].to_vec());
         }
-        Ok(hits + restored)
+        let host = tiers[..restored]
+            .iter()
+            .filter(|t| **t == Tier::Host)
+            .count();
+        Ok(TierPages {
+            pool: hits,
+            host,
+            disk: restored - host,
+        })
     }
 
     /// Takes the spilled pages of `keys` out of their tiers, in order, up to the
     /// first that is gone or does not open: each page's spilled tag and bytes.
-    fn take_spilled(&mut self, tenant: u64, keys: &[ChainHash]) -> Vec<(PageTag, Vec<u8>)> {
+    fn take_spilled(&mut self, tenant: u64, keys: &[ChainHash]) -> Vec<(PageTag, Vec<u8>, Tier)> {
         let Some(spill) = &mut self.spill else {
             return Vec::new();
         };
-        keys.iter()
-            .map_while(|h| spill.take(h, tenant).map(|(tag, bytes, _)| (tag, bytes)))
-            .collect()
+        let mut disk_reads = 0;
+        let mut taken = Vec::new();
+        for h in keys {
+            if spill.tier_of(h) == Some(Tier::Disk) {
+                if disk_reads == MAX_DISK_PAGES_PER_CALL {
+                    break; // the rest is computed: this call's disk work is bounded
+                }
+                disk_reads += 1;
+            }
+            match spill.take(h, tenant) {
+                Some(t) => taken.push(t),
+                None => break,
+            }
+        }
+        taken
     }
 
     /// Copies `taken` (the spilled pages of `keys`, logical blocks `first..`) into
@@ -415,12 +483,12 @@ impl KvManager {
         &mut self,
         tenant: u64,
         keys: &[ChainHash],
-        taken: Vec<(PageTag, Vec<u8>)>,
+        taken: Vec<(PageTag, Vec<u8>, Tier)>,
         first: usize,
         into: &[BlockRef],
     ) -> Result<usize, ReserveError> {
         let n = taken.len();
-        for (j, ((h, r), (tag, bytes))) in keys.iter().zip(into).zip(taken).enumerate() {
+        for (j, ((h, r), (tag, bytes, _))) in keys.iter().zip(into).zip(taken).enumerate() {
             let block = (first + j) as u32;
             let expected = PageTag {
                 tenant,
@@ -476,6 +544,15 @@ impl KvManager {
         };
         let pinned = self.pinned.remove(&seq).unwrap_or_default();
         let mut keep = computed_pages.min(chain.len()).min(refs.len());
+        if let Some(spill) = &mut self.spill {
+            spill.set_disk_budget(MAX_DISK_PAGES_PER_CALL);
+        }
+        // Its tenant's cache was purged while it ran: nothing it holds is cached
+        // again (pages it restored or computed from before the purge included).
+        let reserved_at = self.reserved_at.remove(&seq).unwrap_or(0);
+        if self.purges.get(&tenant).copied().unwrap_or(0) != reserved_at {
+            keep = 0;
+        }
         // A reused page poisoned meanwhile (its tenant's cache was purged): the chain
         // is broken there, so nothing after it is cached (it could never be hit).
         if pinned.iter().any(|h| self.cache.get(h).is_none()) {
@@ -490,8 +567,7 @@ impl KvManager {
             // Over the engine's share its oldest spill (room for others); over its
             // own cap they are dropped (it asked for no more).
             let own = self
-                .policies
-                .get(&tenant)
+                .bounds(tenant)
                 .and_then(|p| p.max_pages)
                 .unwrap_or(usize::MAX);
             let cap = self.tenant_cache_pages.min(own);
@@ -571,7 +647,11 @@ impl KvManager {
         let Some(e) = self.cache.remove(h) else {
             return;
         };
-        if let (Some(spill), Some(bytes)) = (&mut self.spill, self.pool.page_data(e.r)) {
+        // A tenant with its own cap asked to keep no more than that: dropped.
+        let capped = self.bounds(e.tenant).is_some_and(|b| b.max_pages.is_some());
+        if let (Some(spill), Some(bytes), false) =
+            (&mut self.spill, self.pool.page_data(e.r), capped)
+        {
             spill.spill(*h, e.tenant, e.r.tag, e.used, bytes);
         }
         self.free_cached_page(e.r.page);
@@ -612,6 +692,7 @@ impl KvManager {
     /// of the purge (their key is forgotten first). Other tenants' pages are
     /// untouched. Returns the counts.
     pub fn purge_tenant_cache(&mut self, tenant: u64) -> CachePurge {
+        *self.purges.entry(tenant).or_default() += 1;
         let mut purge = CachePurge::default();
         while let Some(v) = self.cache.victim(Some(tenant)) {
             self.evict(&v);

@@ -15,7 +15,7 @@
 //! another salt's chain does not open, and neither does one changed by a byte.
 //! Secret and generations live in memory only: purging a tenant forgets its
 //! generation, so its files are unreadable before they are deleted, and files left
-//! by an earlier process are unreadable (the directory is emptied at start).
+//! by an earlier process are unreadable (and deleted when a disk tier starts).
 //! File layout: `MAGIC (8) || nonce (12) || ciphertext || Poly1305 tag (16)`.
 
 use super::prefix::ChainHash;
@@ -39,7 +39,8 @@ pub struct SpillConfig {
     pub host_pages: usize,
     /// Most pages kept on disk (0 or no `dir`: no disk tier).
     pub disk_pages: usize,
-    /// Directory of the disk tier (created `0700`; emptied at start).
+    /// Directory of the disk tier (created `0700`; an earlier process's `*.kv`
+    /// files are deleted at start).
     pub dir: Option<PathBuf>,
 }
 
@@ -103,6 +104,8 @@ pub(crate) struct SpillTiers {
     generations: HashMap<u64, [u8; 32]>,
     rng: SystemRandom,
     pub(crate) stats: SpillStats,
+    /// Disk pages the current call may still write ([`Self::set_disk_budget`]).
+    disk_budget: usize,
 }
 
 impl std::fmt::Debug for SpillTiers {
@@ -126,19 +129,23 @@ pub struct SpillDirError {
 
 impl SpillTiers {
     /// Tiers of `cfg`'s sizes with a fresh random secret; the disk directory is
-    /// created (`0700`) and emptied of an earlier process's files.
+    /// created (`0700`) and an earlier process's page files (`*.kv`, unreadable
+    /// without its keys) are deleted from it; nothing else in it is touched.
     ///
-    /// Errors: the directory cannot be created or emptied.
+    /// Errors: the directory cannot be created, read or cleaned.
     pub(crate) fn new(cfg: SpillConfig) -> Result<Self, SpillDirError> {
         if let (Some(dir), true) = (&cfg.dir, cfg.disk_pages > 0) {
             let err = |source| SpillDirError {
                 dir: dir.clone(),
                 source,
             };
-            if dir.exists() {
-                std::fs::remove_dir_all(dir).map_err(err)?;
-            }
             std::fs::create_dir_all(dir).map_err(err)?;
+            for entry in std::fs::read_dir(dir).map_err(err)? {
+                let path = entry.map_err(err)?.path();
+                if path.extension().is_some_and(|x| x == "kv") && path.is_file() {
+                    std::fs::remove_file(&path).map_err(err)?;
+                }
+            }
             #[cfg(unix)]
             {
                 use std::os::unix::fs::PermissionsExt;
@@ -159,6 +166,7 @@ impl SpillTiers {
             generations: HashMap::new(),
             rng,
             stats: SpillStats::default(),
+            disk_budget: usize::MAX,
         })
     }
 
@@ -217,6 +225,20 @@ impl SpillTiers {
         }
     }
 
+    /// Lets the calls that follow write at most `n` disk pages (a page past it is
+    /// dropped instead).
+    pub(crate) fn set_disk_budget(&mut self, n: usize) {
+        self.disk_budget = n;
+    }
+
+    /// The tier `h` is in, if it is spilled.
+    pub(crate) fn tier_of(&self, h: &ChainHash) -> Option<Tier> {
+        self.entries.get(h).map(|e| match e.place {
+            Place::Host(_) => Tier::Host,
+            Place::Disk { .. } => Tier::Disk,
+        })
+    }
+
     fn write_disk(
         &mut self,
         h: ChainHash,
@@ -226,6 +248,10 @@ impl SpillTiers {
         used: Instant,
         bytes: &[u8],
     ) {
+        if self.disk_budget == 0 {
+            return;
+        }
+        self.disk_budget -= 1;
         let generation = *self.generations.entry(tenant).or_insert_with(|| {
             let mut g = [0u8; 32];
             self.rng.fill(&mut g).expect("the OS random source");
@@ -245,6 +271,7 @@ impl SpillTiers {
         let file = [MAGIC.as_slice(), &nonce, &sealed].concat();
         if let Err(e) = std::fs::write(&path, file) {
             tracing::warn!(error = %e, path = %path.display(), "could not spill a KV page to disk; dropped");
+            let _ = std::fs::remove_file(&path);
             return;
         }
         self.entries.insert(
@@ -711,6 +738,7 @@ mod policy_tests {
                 max_pages: Some(1),
                 idle_ttl: None,
             },
+            1,
         );
         cache(&mut m, 1, 7, 1);
         cache(&mut m, 2, 8, 2);
@@ -733,9 +761,35 @@ mod policy_tests {
                 max_pages: Some(0),
                 idle_ttl: None,
             },
+            3,
         );
         cache(&mut m, 3, 7, 3);
         assert_eq!(m.tenant_cache_pages(7).pool, 0, "a cap of 0 keeps nothing");
+        // Older bounds (a request submitted before the change) do not undo it.
+        m.set_tenant_policy(7, CacheBounds::default(), 2);
+        cache(&mut m, 4, 7, 4);
+        assert_eq!(m.tenant_cache_pages(7).pool, 0);
+    }
+
+    #[test]
+    fn a_sequence_that_outlives_its_tenants_purge_caches_nothing() {
+        let mut m = manager(8);
+        let chain = keys(1, &(0..12).collect::<Vec<u32>>());
+        m.reserve_cached(SeqId(1), 7, 12, &chain, 3).unwrap();
+        let other = keys(2, &(0..12).collect::<Vec<u32>>());
+        m.reserve_cached(SeqId(2), 8, 12, &other, 3).unwrap();
+        m.purge_tenant_cache(7);
+        m.release_caching(SeqId(1), &chain, 3);
+        m.release_caching(SeqId(2), &other, 3);
+        assert_eq!(m.tenant_cache_pages(7), TierPages::default());
+        assert_eq!(
+            m.tenant_cache_pages(8).pool,
+            3,
+            "another tenant's purge changes nothing"
+        );
+        // The next request of the tenant caches again.
+        cache(&mut m, 3, 7, 1);
+        assert_eq!(m.tenant_cache_pages(7).pool, 3);
     }
 
     #[test]
@@ -748,6 +802,7 @@ mod policy_tests {
                 max_pages: None,
                 idle_ttl: Some(hour),
             },
+            1,
         );
         cache(&mut m, 1, 7, 1);
         cache(&mut m, 2, 8, 2); // evicts part of tenant 7's chain to host memory

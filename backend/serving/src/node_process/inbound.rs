@@ -328,6 +328,7 @@ impl NodeState {
                     msg,
                     rng_pos,
                     cached_tokens,
+                    cached_tiers,
                     model,
                     logprobs,
                     ..
@@ -335,6 +336,14 @@ impl NodeState {
                 NodeCmds::Decode(tx),
                 Role::Prefill,
             ) => {
+                // Usage counts only: never more from the tiers than was cached.
+                let cached_tokens = cached_tokens.unwrap_or(0);
+                let t = cached_tiers.unwrap_or_default();
+                let host = t.host.min(cached_tokens);
+                let cached_tiers = tessera_engine::CachedTiers {
+                    host,
+                    disk: t.disk.min(cached_tokens - host),
+                };
                 if !matches!(
                     msg,
                     Msg::Commit { .. } | Msg::Renew { .. } | Msg::WriterQuiet { .. }
@@ -348,7 +357,8 @@ impl NodeState {
                     msg,
                     extra: CommitExtra {
                         rng_pos: rng_pos.unwrap_or(0),
-                        cached_tokens: cached_tokens.unwrap_or(0),
+                        cached_tokens,
+                        cached_tiers,
                         model: model.as_deref().map(parse_fingerprint),
                         logprobs,
                     },

@@ -215,6 +215,7 @@ impl PrefillLinks for PeerLinks {
                 &Frame::Control(Control {
                     rng_pos: Some(extra.rng_pos),
                     cached_tokens: Some(extra.cached_tokens),
+                    cached_tiers: Some(extra.cached_tiers),
                     model: extra.model.map(|m| fingerprint_hex(&m)),
                     logprobs: extra.logprobs,
                     ..Control::new(msg)
