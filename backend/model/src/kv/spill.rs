@@ -629,6 +629,10 @@ mod tests {
         flood(&mut m, 2);
         cache(&mut m, 3, 8, &b, 50);
         flood(&mut m, 4);
+        // The same tenant's same tokens under another salt (another namespace).
+        let c = keys(3, &toks);
+        cache(&mut m, 7, 7, &c, 90);
+        flood(&mut m, 8);
         let name = |h: &ChainHash| {
             spill.join(format!(
                 "{}.kv",
@@ -637,15 +641,24 @@ mod tests {
         };
         // Tenant 8's first page replaced by tenant 7's (same tokens, same block).
         std::fs::copy(name(&a[0]), name(&b[0])).unwrap();
+        // Tenant 7's other salt's first page replaced by the first salt's.
+        std::fs::copy(name(&a[0]), name(&c[0])).unwrap();
         // Tenant 7's second page changed by one bit in its ciphertext.
         let mut f = std::fs::read(name(&a[1])).unwrap();
         f[MAGIC.len() + NONCE_LEN + 5] ^= 1;
         std::fs::write(name(&a[1]), f).unwrap();
         let (hits_b, _) = reuse(&mut m, 5, 8, &b);
         assert_eq!(hits_b, 0, "a page sealed for another tenant does not open");
+        m.release(SeqId(5));
+        let (hits_c, _) = reuse(&mut m, 9, 7, &c);
+        assert_eq!(
+            hits_c, 0,
+            "a page sealed under another salt's key does not open"
+        );
+        m.release(SeqId(9));
         let (hits_a, _) = reuse(&mut m, 6, 7, &a);
         assert_eq!(hits_a, 1, "the untouched first page only");
-        assert_eq!(m.spill_stats().open_failures, 2);
+        assert_eq!(m.spill_stats().open_failures, 3);
     }
 
     #[test]
