@@ -223,7 +223,8 @@ fn newest_req(log: &Path) -> Option<u64> {
 /// then injects, one per link, stream events and control messages for the live
 /// requests of a tenant served by the honest decode node (ids read from that node's
 /// debug log: an attacker who knows them, the strongest case), for a neighbour id,
-/// and messages its role never sends. Each is dropped, counted in
+/// messages its role never sends, and an answer to a cache question never asked.
+/// Each is dropped, counted in
 /// `tessera_node_link_violations_total{reason}` (exported at 0 before the first) and
 /// `tessera_node_frames_rejected_total`, and cuts the rogue's link; the tenant's
 /// answers stay byte-identical to its solo answer throughout.
@@ -396,6 +397,18 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
             "a coordinator's message from a decode identity",
             "wrong_sender",
             Box::new(move |req| control(json!({"type": "abort", "req": req}))),
+        ),
+        (
+            "an answer to a cache question never asked (a forged purge confirmation)",
+            "not_routed",
+            Box::new(move |_| {
+                frame(
+                    &json!({"cache_answer": {"id": 1u64 << 60,
+                                             "answer": {"op": "purged", "freed": 1, "poisoned": 0,
+                                                        "host": 0, "disk": 0}}}),
+                    &[],
+                )
+            }),
         ),
     ];
     assert!(newest_req(&log).is_some(), "no request id in {log:?}");

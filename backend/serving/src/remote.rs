@@ -247,15 +247,24 @@ impl RemoteCoordLinks {
                     }
                     Ok((Frame::CacheAnswer { id, answer }, _)) => {
                         let mut asks = links.cache_asks.lock().unwrap();
-                        match asks.get(&id) {
+                        let forged = match asks.get(&id) {
                             Some((asked_on, _)) if *asked_on == epoch => {
                                 let (_, tx) = asks.remove(&id).expect("just found");
                                 let _ = tx.send(answer);
+                                false
                             }
-                            // Another node's question, or one already given up on.
-                            _ => {
-                                tracing::warn!(addr = %node.addr, id, "dropped a cache answer to no question of this link")
-                            }
+                            // Another node's question: a node confirming for another.
+                            Some(_) => true,
+                            // Never asked of anyone.
+                            None => id >= links.next_cache_ask.load(Ordering::Relaxed),
+                            // (Otherwise an answer that came after its ask gave up.)
+                        };
+                        drop(asks);
+                        if forged {
+                            links.violation("not_routed");
+                            break LinkEnd::Violation(format!(
+                                "a {role:?} node answered cache question {id}, not asked of it"
+                            ));
                         }
                     }
                     Ok((Frame::Status { draining }, _)) => {
