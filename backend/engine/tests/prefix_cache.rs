@@ -332,3 +332,45 @@ fn evicted_prompt_pages_come_back_from_the_lower_tiers_for_their_tenant_only() {
     let (again, cached, _, computed) = run(&mut e, 1, Some(a), &prompt);
     assert_eq!((cached, computed, &again), (0, n as u64, &cold));
 }
+
+/// A tenant's request in a new namespace (its salt rotated, through the admin API or
+/// the store directly) purges what it cached under the old one on this engine, the
+/// spilled pages included: nothing of the old namespace stays in any tier.
+#[test]
+fn a_new_namespace_for_a_tenant_purges_the_old_ones_pages_in_every_tier() {
+    let m = load();
+    let prompt = prompt_of(&m, 600);
+    let flood = prompt_of(&m, 950);
+    let dir = tempfile::tempdir().unwrap();
+    let mut e = engine(
+        &m,
+        EngineConfig {
+            kv_pool_tokens: 1024,
+            prefix_cache_tenant_share: 100,
+            spill: SpillConfig {
+                host_pages: 8,
+                disk_pages: 256,
+                dir: Some(dir.path().join("spill")),
+            },
+            ..EngineConfig::default()
+        },
+    );
+    let (old, rotated) = ([0xA1; 32], [0xA4; 32]);
+    run(&mut e, 1, Some(old), &prompt);
+    run(&mut e, 2, None, &flood);
+    let t1 = e.kv().tenant_cache_pages(1);
+    assert!(t1.pool > 0 && t1.host > 0 && t1.disk > 0, "{t1:?}");
+    let (_, cached, _, _) = run(&mut e, 1, Some(rotated), &prompt);
+    assert_eq!(cached, 0);
+    let after = e.kv().tenant_cache_pages(1);
+    let s = e.kv().spill_stats();
+    assert_eq!((after.host, after.disk), (0, 0), "{after:?}");
+    assert_eq!(
+        (s.purged_host, s.purged_disk),
+        (t1.host as u64, t1.disk as u64),
+        "{s:?}"
+    );
+    // What is cached now is the new namespace's, and the old one finds nothing.
+    let (_, cached, _, _) = run(&mut e, 1, Some(old), &prompt);
+    assert_eq!(cached, 0);
+}

@@ -246,6 +246,9 @@ pub struct Engine {
     pub(crate) speculation: Speculation,
     /// When idle cached pages were last looked for ([`KvManager::expire_idle`]).
     pub(crate) last_expiry: Instant,
+    /// The cache namespace each tenant's requests last came with: a new one is a
+    /// rotated salt ([`Self::push_waiting`] purges the old one's pages).
+    namespaces: HashMap<u64, crate::admission::CacheNamespace>,
 }
 
 /// How often a step looks for cached pages past their tenant's idle time.
@@ -307,6 +310,7 @@ impl Engine {
             metrics: EngineMetrics::default(),
             speculation: Speculation::default(),
             last_expiry: Instant::now(),
+            namespaces: HashMap::new(),
         }
     }
 
@@ -427,6 +431,23 @@ impl Engine {
             _ => Vec::new(),
         };
         self.set_cache_policy(r.tenant, r.cache_policy);
+        // A tenant's new namespace is a rotated salt: what it cached under the old
+        // one can never be hit again, and its sealed pages must stop opening now,
+        // however the salt was rotated (admin API or the store directly).
+        if let Some(ns) = r.cache_namespace {
+            if self
+                .namespaces
+                .insert(r.tenant, ns)
+                .is_some_and(|old| old != ns)
+            {
+                let purged = self.purge_tenant_cache(r.tenant);
+                tracing::info!(
+                    tenant = r.tenant,
+                    ?purged,
+                    "a new cache namespace: the old one's pages purged"
+                );
+            }
+        }
         let waiting: Vec<u64> = self.waiting_tenants();
         self.vtc.on_arrival(r.tenant, r.weight, &waiting);
         self.seqs.enter(Stage::Waiting(Box::new(Waiting {
