@@ -260,6 +260,25 @@ fn a_planted_tag_mismatch_on_a_cached_page_fails_that_request_and_evicts_the_pag
     assert_eq!(e.kv().pool().free_pages(), e.kv().pool().capacity());
 }
 
+/// An engine whose 1,024-token pool one tenant may fill with cached pages, over a
+/// host tier of 8 pages and a disk tier of 256 in `spill_dir`: a ~950-token prompt
+/// of another tenant spills most of a ~600-token one through both tiers.
+fn tiered_engine(m: &LoadedModel, spill_dir: &std::path::Path) -> Engine {
+    engine(
+        m,
+        EngineConfig {
+            kv_pool_tokens: 1024,
+            prefix_cache_tenant_share: 100,
+            spill: SpillConfig {
+                host_pages: 8,
+                disk_pages: 256,
+                dir: Some(spill_dir.to_path_buf()),
+            },
+            ..EngineConfig::default()
+        },
+    )
+}
+
 /// Issue 39's lower tiers with the real model: a tenant's prompt pages, evicted for
 /// room, spill to host memory and sealed disk files and come back on its next
 /// request (same answer, only the tail computed); another tenant sending the same
@@ -274,19 +293,7 @@ fn evicted_prompt_pages_come_back_from_the_lower_tiers_for_their_tenant_only() {
     let reusable = (n - 1) / PAGE * PAGE;
     let dir = tempfile::tempdir().unwrap();
     let spill_dir = dir.path().join("spill");
-    let mut e = engine(
-        &m,
-        EngineConfig {
-            kv_pool_tokens: 1024,
-            prefix_cache_tenant_share: 100,
-            spill: SpillConfig {
-                host_pages: 8,
-                disk_pages: 256,
-                dir: Some(spill_dir.clone()),
-            },
-            ..EngineConfig::default()
-        },
-    );
+    let mut e = tiered_engine(&m, &spill_dir);
     let (a, b) = ([0xA1; 32], [0xB2; 32]);
     let (cold, _, _, computed) = run(&mut e, 1, Some(a), &prompt);
     assert_eq!(computed, n as u64);
@@ -342,19 +349,7 @@ fn a_new_namespace_for_a_tenant_purges_the_old_ones_pages_in_every_tier() {
     let prompt = prompt_of(&m, 600);
     let flood = prompt_of(&m, 950);
     let dir = tempfile::tempdir().unwrap();
-    let mut e = engine(
-        &m,
-        EngineConfig {
-            kv_pool_tokens: 1024,
-            prefix_cache_tenant_share: 100,
-            spill: SpillConfig {
-                host_pages: 8,
-                disk_pages: 256,
-                dir: Some(dir.path().join("spill")),
-            },
-            ..EngineConfig::default()
-        },
-    );
+    let mut e = tiered_engine(&m, &dir.path().join("spill"));
     let (old, rotated) = ([0xA1; 32], [0xA4; 32]);
     run(&mut e, 1, Some(old), &prompt);
     run(&mut e, 2, None, &flood);

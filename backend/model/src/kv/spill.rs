@@ -194,18 +194,17 @@ impl SpillTiers {
         self.tick += 1;
         let tick = self.tick;
         if self.cfg.host_pages > 0 {
-            self.entries.insert(
+            let place = Place::Host(bytes.into());
+            self.insert(
                 h,
                 Spilled {
                     tag,
                     tenant,
                     tick,
                     used,
-                    place: Place::Host(bytes.into()),
+                    place,
                 },
             );
-            self.host_lru.insert(tick, h);
-            self.stats.spilled_host += 1;
             while self.host_lru.len() > self.cfg.host_pages {
                 let (_, old) = self.host_lru.pop_first().expect("over the bound");
                 self.demote(old);
@@ -213,6 +212,21 @@ impl SpillTiers {
         } else if self.disk_on() {
             self.write_disk(h, tenant, tag, tick, used, bytes);
         }
+    }
+
+    /// Records spilled page `h` in the tier its place names, at its age.
+    fn insert(&mut self, h: ChainHash, s: Spilled) {
+        match s.place {
+            Place::Host(_) => {
+                self.host_lru.insert(s.tick, h);
+                self.stats.spilled_host += 1;
+            }
+            Place::Disk { .. } => {
+                self.disk_lru.insert(s.tick, h);
+                self.stats.spilled_disk += 1;
+            }
+        }
+        self.entries.insert(h, s);
     }
 
     /// Moves host entry `h` to disk, or drops it without a disk tier.
@@ -274,18 +288,17 @@ impl SpillTiers {
             let _ = std::fs::remove_file(&path);
             return;
         }
-        self.entries.insert(
+        let place = Place::Disk { path, generation };
+        self.insert(
             h,
             Spilled {
                 tag,
                 tenant,
                 tick,
                 used,
-                place: Place::Disk { path, generation },
+                place,
             },
         );
-        self.disk_lru.insert(tick, h);
-        self.stats.spilled_disk += 1;
         while self.disk_lru.len() > self.cfg.disk_pages {
             let (_, old) = self.disk_lru.pop_first().expect("over the bound");
             self.drop_entry(&old);
