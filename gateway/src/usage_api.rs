@@ -105,13 +105,7 @@ pub(crate) async fn report(
         ..UsageGroup::default()
     };
     for g in &groups {
-        totals.requests += g.requests;
-        totals.input_tokens += g.input_tokens;
-        totals.output_tokens += g.output_tokens;
-        totals.cached_tokens += g.cached_tokens;
-        totals.cached_host_tokens += g.cached_host_tokens;
-        totals.cached_disk_tokens += g.cached_disk_tokens;
-        totals.errors += g.errors;
+        totals.add(g);
     }
     Ok(json!({
         "account_id": tenant,

@@ -23,9 +23,9 @@ pub use limits::{
     SharedLimits, SharedLimitsError,
 };
 pub use store::{
-    AuditCtx, AuditRecord, Audited, AuthError, CacheLimits, GroupBy, KeyInfo, Limits, LimitsPatch,
-    ModelAccess, NewKey, Principal, PriorityCeiling, Scheduling, Store, StoreError, Tenant,
-    TenantStatus, UsageGroup, UsageRecord,
+    AuditCtx, AuditRecord, Audited, AuthError, CacheLimits, DashSession, GroupBy, KeyInfo, Limits,
+    LimitsPatch, ModelAccess, NewKey, Principal, PriorityCeiling, Scheduling, Store, StoreError,
+    Tenant, TenantStatus, UsageGroup, UsageRecord,
 };
 
 /// Milliseconds since the Unix epoch, now.

@@ -35,3 +35,10 @@ async fn postgres_model_access() {
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
     common::store_model_access_contract(&store).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_dashboard_reads_and_sessions() {
+    let (_server, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_dashboard_contract(&store).await;
+}

@@ -69,3 +69,11 @@ async fn sqlite_model_access() {
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
     common::store_model_access_contract(&store).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_dashboard_reads_and_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_dashboard_contract(&store).await;
+}

@@ -12,12 +12,14 @@ mod audit;
 mod dates;
 mod keys;
 mod rows;
+mod sessions;
 mod tenants;
 mod types;
 mod usage;
 
 pub use audit::Audited;
 pub use dates::{days_from_civil, parse_time, rfc3339};
+pub use sessions::DashSession;
 pub use types::{
     AuditCtx, AuditRecord, AuthError, CacheLimits, GroupBy, KeyInfo, Limits, LimitsPatch,
     ModelAccess, NewKey, Principal, PriorityCeiling, Scheduling, StoreError, Tenant, TenantStatus,
@@ -55,6 +57,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         6,
         "cached_tiers",
         include_str!("../../migrations/0006_cached_tiers.sql"),
+    ),
+    (
+        7,
+        "dashboard",
+        include_str!("../../migrations/0007_dashboard.sql"),
     ),
 ];
 

@@ -493,3 +493,16 @@ pub struct UsageGroup {
     /// Requests that ended in an error status (>= 400).
     pub errors: i64,
 }
+
+impl UsageGroup {
+    /// Adds `o`'s counts to this group's (the key stays).
+    pub fn add(&mut self, o: &UsageGroup) {
+        self.requests += o.requests;
+        self.input_tokens += o.input_tokens;
+        self.output_tokens += o.output_tokens;
+        self.cached_tokens += o.cached_tokens;
+        self.cached_host_tokens += o.cached_host_tokens;
+        self.cached_disk_tokens += o.cached_disk_tokens;
+        self.errors += o.errors;
+    }
+}

@@ -577,3 +577,190 @@ pub(crate) async fn store_model_access_contract(store: &Store) {
         serde_json::json!({"private": true, "tenants": [a.id]})
     );
 }
+
+/// The dashboard's reads: usage sums from the hourly rollup plus the ledger's partial
+/// hours equal the ledger's own sums for any range (aligned or not, grouped every
+/// way, per tenant and across tenants), a duplicate row counts once, a prune keeps
+/// every later range exact; and dashboard sessions (only a digest stored, expiry,
+/// ended one by one or by key).
+pub(crate) async fn store_dashboard_contract(store: &Store) {
+    let a = store
+        .create_tenant("dash-a", Limits::UNLIMITED)
+        .await
+        .unwrap();
+    let b = store
+        .create_tenant("dash-b", Limits::UNLIMITED)
+        .await
+        .unwrap();
+    let (ka, _) = store.create_key(&a.id, "a1").await.unwrap();
+    let (ka2, _) = store.create_key(&a.id, "a2").await.unwrap();
+    let (kb, _) = store.create_key(&b.id, "b1").await.unwrap();
+    let h = 3_600_000i64;
+    let t0 = 1_767_225_600_000i64; // 2026-01-01T00:00:00Z
+                                   // A deterministic scatter of rows over 74 hours (an LCG: no rand dependency).
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |m: u64| {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (x >> 33) % m
+    };
+    let mut rows = Vec::new();
+    for i in 0..400 {
+        let (t, k) = match next(3) {
+            0 => (&a.id, &ka.key_id),
+            1 => (&a.id, &ka2.key_id),
+            _ => (&b.id, &kb.key_id),
+        };
+        let model = ["m1", "m2", "m3"][next(3) as usize];
+        let status = if next(10) == 0 { 500 } else { 200 };
+        let mut r = row(
+            &format!("{}-d{i}", a.id),
+            t,
+            k,
+            model,
+            status,
+            next(900) as i64 + 1,
+            next(300) as i64,
+            t0 + next(74 * h as u64) as i64,
+        );
+        r.cached_tokens = next(50) as i64;
+        r.cached_host_tokens = r.cached_tokens / 2;
+        assert!(store.record_usage(&r).await.unwrap());
+        rows.push(r);
+    }
+    // A duplicate request id is not recorded, nor summed, again.
+    assert!(!store.record_usage(&rows[7]).await.unwrap());
+
+    let naive = |tenant: Option<&str>,
+                 since: i64,
+                 until: i64,
+                 by: Option<GroupBy>,
+                 rows: &[UsageRecord]| {
+        let mut m: std::collections::BTreeMap<String, [i64; 7]> = Default::default();
+        for r in rows.iter().filter(|r| {
+            r.created_ms >= since
+                && r.created_ms < until
+                && tenant.is_none_or(|t| r.tenant_id == t)
+                && (tenant.is_some() || r.tenant_id == a.id || r.tenant_id == b.id)
+        }) {
+            let key = match by {
+                None => r.tenant_id.clone(),
+                Some(GroupBy::Model) => r.model.clone(),
+                Some(GroupBy::Key) => r.key_id.clone(),
+                Some(GroupBy::Hour) => rfc3339(r.created_ms / h * h),
+                Some(GroupBy::Day) => rfc3339(r.created_ms / (24 * h) * (24 * h)),
+            };
+            let e = m.entry(key).or_default();
+            let v = [
+                1,
+                i64::from(r.status >= 400),
+                r.input_tokens,
+                r.output_tokens,
+                r.cached_tokens,
+                r.cached_host_tokens,
+                r.cached_disk_tokens,
+            ];
+            for (s, v) in e.iter_mut().zip(v) {
+                *s += v;
+            }
+        }
+        m.into_iter().collect::<Vec<_>>()
+    };
+    let flat = |gs: Vec<tessera_tenancy::UsageGroup>| {
+        gs.into_iter()
+            .map(|g| {
+                (
+                    g.key,
+                    [
+                        g.requests,
+                        g.errors,
+                        g.input_tokens,
+                        g.output_tokens,
+                        g.cached_tokens,
+                        g.cached_host_tokens,
+                        g.cached_disk_tokens,
+                    ],
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let ranges = [
+        (t0, t0 + 74 * h),
+        (t0 + 3 * h, t0 + 27 * h),
+        (t0 + 1_234, t0 + 50 * h + 77),
+        (t0 + 5 * h + 10, t0 + 5 * h + 999_999),
+        (t0 + 2 * h - 1, t0 + 3 * h + 1),
+        (t0 + 70 * h + 5, t0 + 80 * h),
+        (t0 - 5 * h, t0 + h),
+    ];
+    for (since, until) in ranges {
+        for by in [GroupBy::Model, GroupBy::Key, GroupBy::Hour, GroupBy::Day] {
+            let got = store.usage_summary(&a.id, since, until, by).await.unwrap();
+            assert_eq!(
+                flat(got),
+                naive(Some(&a.id), since, until, Some(by), &rows),
+                "{by:?} over {since}..{until}"
+            );
+        }
+        let all: Vec<_> = flat(store.usage_by_tenant(since, until).await.unwrap())
+            .into_iter()
+            .filter(|(t, _)| *t == a.id || *t == b.id)
+            .collect();
+        assert_eq!(all, naive(None, since, until, None, &rows));
+    }
+
+    // A prune at an arbitrary time keeps every range from it on exact.
+    let cut = t0 + 40 * h + 123_456;
+    assert!(store.prune_usage(cut).await.unwrap() > 0);
+    let kept: Vec<_> = rows
+        .iter()
+        .filter(|r| r.created_ms >= cut)
+        .cloned()
+        .collect();
+    for (since, until) in [(cut, t0 + 74 * h), (cut + 2 * h, t0 + 70 * h + 1)] {
+        let got = store
+            .usage_summary(&a.id, since, until, GroupBy::Model)
+            .await
+            .unwrap();
+        assert_eq!(
+            flat(got),
+            naive(Some(&a.id), since, until, Some(GroupBy::Model), &kept)
+        );
+    }
+
+    // Sessions: the cookie opens its session; a wrong, malformed or ended one none.
+    let (cookie, s) = store
+        .create_dash_session(&a.id, &ka.key_id, 60_000)
+        .await
+        .unwrap();
+    assert_eq!(cookie.len(), 64);
+    assert_eq!(store.dash_session(&cookie).await.unwrap(), Some(s.clone()));
+    assert!(!s.is_operator());
+    assert_eq!(s.csrf.len(), 64);
+    assert_ne!(s.csrf, cookie);
+    let mut wrong = cookie.clone();
+    wrong.replace_range(0..1, if wrong.starts_with('0') { "1" } else { "0" });
+    assert_eq!(store.dash_session(&wrong).await.unwrap(), None);
+    assert_eq!(store.dash_session("").await.unwrap(), None);
+    assert_eq!(store.dash_session("' OR 1=1 --").await.unwrap(), None);
+    let (expired, _) = store
+        .create_dash_session(&a.id, &ka.key_id, -1)
+        .await
+        .unwrap();
+    assert_eq!(store.dash_session(&expired).await.unwrap(), None);
+    let (op, o) = store.create_dash_session("", "", 60_000).await.unwrap();
+    assert!(o.is_operator());
+    // Ending by key ends that key's sessions only (never an operator's).
+    let (other, _) = store
+        .create_dash_session(&a.id, &ka2.key_id, 60_000)
+        .await
+        .unwrap();
+    assert_eq!(store.end_key_dash_sessions(&ka.key_id).await.unwrap(), 1);
+    assert_eq!(store.dash_session(&cookie).await.unwrap(), None);
+    assert!(store.dash_session(&other).await.unwrap().is_some());
+    assert_eq!(store.end_key_dash_sessions("").await.unwrap(), 0);
+    assert!(store.dash_session(&op).await.unwrap().is_some());
+    assert!(store.end_dash_session(&other).await.unwrap());
+    assert!(!store.end_dash_session(&other).await.unwrap());
+}
