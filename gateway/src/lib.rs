@@ -50,6 +50,7 @@ pub mod listener;
 pub mod batch;
 mod cache_api;
 mod cpu;
+mod dash;
 mod driver;
 mod http;
 mod live;

@@ -244,7 +244,7 @@ pub(crate) async fn serve(
                         io: tcp,
                         activity: activity.clone(),
                     };
-                    connection(io, router, peer, limits, activity, &state, shutdown).await;
+                    connection(io, router, peer, false, limits, activity, &state, shutdown).await;
                 }
                 Some(acceptor) => {
                     match tokio::time::timeout(limits.tls_handshake, acceptor.accept(tcp)).await {
@@ -253,7 +253,8 @@ pub(crate) async fn serve(
                                 io: s,
                                 activity: activity.clone(),
                             };
-                            connection(io, router, peer, limits, activity, &state, shutdown).await;
+                            connection(io, router, peer, true, limits, activity, &state, shutdown)
+                                .await;
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => {
@@ -267,11 +268,18 @@ pub(crate) async fn serve(
     }
 }
 
-/// Serves one connection (HTTP/1.1) until it closes.
+/// Marks a request that came over TLS (request extension; the dashboard's cookies
+/// are `Secure` then).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OverTls;
+
+/// Serves one connection (HTTP/1.1) until it closes; `over_tls`: it is a TLS one.
+#[allow(clippy::too_many_arguments)]
 async fn connection<S>(
     io: Tracked<S>,
     router: Router,
     peer: SocketAddr,
+    over_tls: bool,
     limits: ConnLimits,
     activity: Arc<Activity>,
     state: &AppState,
@@ -282,6 +290,9 @@ async fn connection<S>(
     let act = activity.clone();
     let svc = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
         req.extensions_mut().insert(ConnectInfo(peer));
+        if over_tls {
+            req.extensions_mut().insert(OverTls);
+        }
         let busy = Busy::new(&act);
         let router = router.clone();
         async move {

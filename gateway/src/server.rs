@@ -346,23 +346,30 @@ fn finish(routes: Router<Arc<AppState>>, state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// The router with every endpoint: the public API, the admin API and `/metrics`
-/// (one listener).
+/// The router with every endpoint: the public API, the admin API, `/metrics` and the
+/// dashboard (one listener).
 pub fn router(state: Arc<AppState>) -> Router {
     finish(
-        public_routes().merge(crate::admin::routes(state.clone())),
+        public_routes()
+            .merge(crate::dash::tenant_routes())
+            .merge(crate::admin::routes(state.clone()))
+            .merge(crate::dash::operator_routes()),
         state,
     )
 }
 
-/// The public API alone (with `--admin-listen`: admin paths answer 404 here).
+/// The public API and the tenant dashboard (with `--admin-listen`: admin paths and
+/// the operator view answer 404 here).
 pub fn public_router(state: Arc<AppState>) -> Router {
-    finish(public_routes(), state)
+    finish(public_routes().merge(crate::dash::tenant_routes()), state)
 }
 
-/// The admin API and `/metrics` alone (the admin listener), plus health.
+/// The admin API, `/metrics` and the operator view (the admin listener), plus health.
 pub fn admin_router(state: Arc<AppState>) -> Router {
-    finish(crate::admin::routes(state.clone()), state)
+    finish(
+        crate::admin::routes(state.clone()).merge(crate::dash::operator_routes()),
+        state,
+    )
 }
 
 /// A bound, not yet running server.

@@ -17,25 +17,6 @@ fn usage(v: &Value) -> (i64, i64) {
     )
 }
 
-/// The Python interpreter with the SDK installed: `TESSERA_TEST_PYTHON` (set by
-/// `scripts/test`), else the virtual environment `scripts/python-env` prepares under
-/// `target/py` (created on first use from `scripts/requirements-test.txt`).
-fn test_python() -> std::path::PathBuf {
-    if let Some(p) = std::env::var_os("TESSERA_TEST_PYTHON").filter(|p| !p.is_empty()) {
-        return p.into();
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/python-env");
-    let out = std::process::Command::new(script)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .expect("run scripts/python-env");
-    assert!(
-        out.status.success(),
-        "scripts/python-env could not prepare the test Python (see its message above)"
-    );
-    String::from_utf8(out.stdout).unwrap().trim().into()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_python_sdk_against_the_live_server() {
     let s = start().await;

@@ -381,3 +381,22 @@ pub async fn sse_json(resp: reqwest::Response) -> Vec<serde_json::Value> {
         .map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}")))
         .collect()
 }
+
+/// The test Python (the packages of `scripts/requirements-test.txt`): `TESSERA_TEST_PYTHON` (set by
+/// `scripts/test`), else the virtual environment `scripts/python-env` prepares under
+/// `target/py` (created on first use from `scripts/requirements-test.txt`).
+pub fn test_python() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("TESSERA_TEST_PYTHON").filter(|p| !p.is_empty()) {
+        return p.into();
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/python-env");
+    let out = std::process::Command::new(script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("run scripts/python-env");
+    assert!(
+        out.status.success(),
+        "scripts/python-env could not prepare the test Python (see its message above)"
+    );
+    String::from_utf8(out.stdout).unwrap().trim().into()
+}
