@@ -950,7 +950,9 @@ def check_revoked_replay(c, a):
             raise Failure("second session has no tessera_dash cookie")
         value = k2["value"]
         c.check(value != a.cookie, "the second session has its own cookie")
-        token = csrf_of(d2)
+        # The form-made key has the default scopes (no keys:write): no create form,
+        # so the session's token is read from its sign-out form.
+        token = csrf_of(d2, "#logout")
         r = http("GET", f"{a.base}/dash/", {"Cookie": f"tessera_dash={value}"})
         c.check(r.status == 200, "its cookie opens /dash/ before the revocation", f"HTTP {r.status}")
         admin_api(a, "POST", f"/admin/v1/keys/{key_id(key)}/revoke")

@@ -482,7 +482,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
         };
         let admin = store.audited(&by);
         let t = admin.create_tenant("default", default_limits).await?;
-        let (_, key) = admin.create_key(&t.id, &NewKey::named("default")).await?;
+        // The account owner's key: every scope, `keys:write` included (the
+        // dashboard's key management).
+        let owner = NewKey {
+            scopes: tessera_tenancy::Scopes::ALL,
+            ..NewKey::named("default")
+        };
+        let (_, key) = admin.create_key(&t.id, &owner).await?;
         say!("tessera: first start: created tenant `default`");
         say!("  account id: {}", t.id);
         say!("  API key:    {key}");

@@ -257,7 +257,8 @@ pub(crate) enum KeyCommand {
         /// Label.
         #[arg(long, default_value = "default")]
         name: String,
-        /// Scope (repeatable): `inference`, `usage:read`; default both.
+        /// Scope (repeatable): `inference`, `usage:read`, `keys:write` (key
+        /// management on the dashboard); default `inference` and `usage:read`.
         #[arg(long = "scope")]
         scopes: Vec<String>,
         /// Expiry time (Unix seconds, YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ).
@@ -456,7 +457,7 @@ pub(crate) fn key(store: StoreArgs, cmd: KeyCommand) -> Result<()> {
                 expires_in_days,
             } => {
                 let scopes = if scopes.is_empty() {
-                    Scopes::ALL
+                    Scopes::DEFAULT
                 } else {
                     Scopes::from_names(scopes.iter().map(String::as_str))
                         .map_err(anyhow::Error::msg)?

@@ -654,13 +654,14 @@ async fn list_keys(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Re
     Ok(Done(json!(s.store.list_keys(Some(&id)).await?)))
 }
 
-/// `scopes` (an array of names, or one space-separated string; default: all) and
+/// `scopes` (an array of names, or one space-separated string; default: `inference`
+/// and `usage:read`, never `keys:write` unless named) and
 /// the expiry (`expires_at`: Unix seconds, YYYY-MM-DD or RFC 3339; or
 /// `expires_in_secs`), which must lie in the future.
 fn new_key(body: &Value) -> Result<NewKey, ApiError> {
     let name = name_field(body, Some("default"))?;
     let scopes = match body.get("scopes") {
-        None | Some(Value::Null) => Scopes::ALL,
+        None | Some(Value::Null) => Scopes::DEFAULT,
         Some(Value::String(s)) => Scopes::parse(s).map_err(|m| ApiError::field("scopes", m))?,
         Some(Value::Array(a)) => {
             let names: Option<Vec<&str>> = a.iter().map(Value::as_str).collect();

@@ -319,20 +319,37 @@ async fn each_window_shows_the_usage_apis_numbers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
     let s = start().await;
-    let (a, key_a) = s.tenant_with_key("a", Limits::UNLIMITED).await;
-    let (b_tenant, key_b) = s.tenant_with_key("b", Limits::UNLIMITED).await;
     let store = s.store();
     let scoped = |names: &[&str], name: &str| NewKey {
         name: name.into(),
         scopes: Scopes::from_names(names.iter().copied()).unwrap(),
         expires_ms: None,
     };
+    // A's owner key holds every scope, keys:write included.
+    let a = store.create_tenant("a", Limits::UNLIMITED).await.unwrap();
+    let (_, key_a) = store
+        .create_key_with(
+            &a.id,
+            &NewKey {
+                scopes: Scopes::ALL,
+                ..NewKey::named("owner")
+            },
+        )
+        .await
+        .unwrap();
+    let (b_tenant, key_b) = s.tenant_with_key("b", Limits::UNLIMITED).await;
     let (_, inference_only) = store
         .create_key_with(&a.id, &scoped(&["inference"], "inf"))
         .await
         .unwrap();
+    // May manage keys, but only within usage:read.
     let (_, read_only) = store
-        .create_key_with(&a.id, &scoped(&["usage:read"], "ro"))
+        .create_key_with(&a.id, &scoped(&["usage:read", "keys:write"], "ro"))
+        .await
+        .unwrap();
+    // The default scopes (an app's key): no key management at all.
+    let (_, app_key) = store
+        .create_key_with(&a.id, &scoped(&["inference", "usage:read"], "app"))
         .await
         .unwrap();
     let keys_of = |t: String| async move { store.list_keys(Some(&t)).await.unwrap() };
@@ -508,6 +525,82 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
         .await;
     assert_eq!(p.status, 403);
     assert!(keys_of(a.id.clone()).await.iter().all(|k| k.name != "up"));
+    // A key made by a key that expires expires no later, asked for or not.
+    let soon = now_ms() + 86_400_000;
+    let (_, short) = store
+        .create_key_with(
+            &a.id,
+            &NewKey {
+                expires_ms: Some(soon),
+                ..scoped(&["usage:read", "keys:write"], "short")
+            },
+        )
+        .await
+        .unwrap();
+    let mut sb = Browser::new(&s.base);
+    assert_eq!(sb.sign_in("/dash/login", "key", &short).await.status, 303);
+    let sb_csrf = csrf_of(&sb.get("/dash/").await.html);
+    for (name, days) in [("child-none", ""), ("child-long", "30")] {
+        let p = sb
+            .post(
+                "/dash/keys",
+                &[
+                    ("csrf", &sb_csrf),
+                    ("name", name),
+                    ("scope", "usage:read"),
+                    ("expires_days", days),
+                ],
+            )
+            .await;
+        assert_eq!(p.status, 200, "{}", p.html);
+        let made = keys_of(a.id.clone())
+            .await
+            .into_iter()
+            .find(|k| k.name == name)
+            .unwrap();
+        assert!(made.expires_ms.is_some_and(|e| e <= soon), "{made:?}");
+    }
+    // A key with the default scopes manages no keys: no form, and posts are refused.
+    let mut app = Browser::new(&s.base);
+    assert_eq!(
+        app.sign_in("/dash/login", "key", &app_key).await.status,
+        303
+    );
+    let app_page = app.get("/dash/").await;
+    assert!(
+        !app_page.html.contains("id=\"create-key\"") && !app_page.html.contains("class=\"revoke\"")
+    );
+    assert!(app_page.html.contains("id=\"no-key-management\""));
+    let app_csrf = csrf_of(&app_page.html);
+    let p = app
+        .post(
+            "/dash/keys",
+            &[("csrf", &app_csrf), ("name", "x"), ("scope", "usage:read")],
+        )
+        .await;
+    assert_eq!(p.status, 403);
+    let p = app
+        .post(
+            &format!("/dash/keys/{}/revoke", key_id_of(&inference_only)),
+            &[("csrf", &app_csrf)],
+        )
+        .await;
+    assert_eq!(p.status, 403);
+    assert!(keys_of(a.id.clone())
+        .await
+        .iter()
+        .all(|k| k.revoked_ms.is_none() && k.name != "x"));
+    // A cookie planted under the same name (by a sibling host or another port)
+    // does not hide the real session.
+    let real = app.cookies["tessera_dash"].clone();
+    let planted = app
+        .send(app.http.get(format!("{}/dash/", s.base)).header(
+            "cookie",
+            format!("tessera_dash={}; tessera_dash={real}", "ab".repeat(32)),
+        ))
+        .await;
+    assert_eq!(planted.status, 200);
+
     // A's session token does not work in the read-only session.
     let p = ro
         .post(
@@ -657,6 +750,18 @@ async fn the_operator_view_shows_the_admin_apis_numbers() {
             "{bad}"
         );
     }
+    // A session signed in with another (an old, rotated) admin token is refused.
+    let old_id = tessera_tenancy::DashSession::operator_id("an-old-admin-token-0123456789abcdef");
+    let (old_cookie, _) = s
+        .store()
+        .create_dash_session("", &old_id, 60_000)
+        .await
+        .unwrap();
+    let mut rotated = Browser::new(&admin_base);
+    rotated
+        .cookies
+        .insert("tessera_dash_admin".into(), old_cookie);
+    assert_eq!(rotated.get("/dash/admin/").await.status, 303);
     // The operator's session is not a tenant's.
     let mut mixed = Browser::new(&s.base);
     mixed.cookies.insert(

@@ -112,7 +112,13 @@ async fn dashboard_in_headless_chromium() {
     };
     let a = store.create_tenant(TENANT_A, limits).await.unwrap();
     let (main, key_a) = store
-        .create_key_with(&a.id, &NewKey::named(MAIN_KEY))
+        .create_key_with(
+            &a.id,
+            &NewKey {
+                scopes: Scopes::ALL,
+                ..NewKey::named(MAIN_KEY)
+            },
+        )
         .await
         .unwrap();
     let (readonly, key_ro) = store
@@ -236,7 +242,7 @@ async fn dashboard_in_headless_chromium() {
         .iter()
         .find(|k| k.name == FORM_KEY)
         .unwrap_or_else(|| panic!("no key named {FORM_KEY:?} from the create-key form: {keys:?}"));
-    assert_eq!(made.scopes, Scopes::ALL, "{made:?}");
+    assert_eq!(made.scopes, Scopes::DEFAULT, "{made:?}");
     assert!(made.expires_ms.is_some(), "{made:?}");
     assert!(
         made.revoked_ms.is_some(),

@@ -540,7 +540,7 @@ async fn revoking_a_key_or_suspending_a_tenant_ends_its_streams_within_a_second(
             &t3.id,
             &NewKey {
                 name: "short".into(),
-                scopes: Scopes::ALL,
+                scopes: Scopes::DEFAULT,
                 expires_ms: Some(expires_ms),
             },
         )

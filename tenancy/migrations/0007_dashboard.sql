@@ -18,6 +18,8 @@ CREATE TABLE usage_hourly (
     cached_disk_tokens  BIGINT NOT NULL,
     PRIMARY KEY (tenant_id, hour_ms, model, key_id)
 );
+-- Every tenant's hours (the operator view) and the retention prune.
+CREATE INDEX usage_hourly_time ON usage_hourly (hour_ms);
 INSERT INTO usage_hourly (tenant_id, hour_ms, model, key_id, requests, errors,
     input_tokens, output_tokens, cached_tokens, cached_host_tokens, cached_disk_tokens)
 SELECT tenant_id, (created_ms / 3600000) * 3600000, model, key_id, COUNT(*),
@@ -26,7 +28,8 @@ SELECT tenant_id, (created_ms / 3600000) * 3600000, model, key_id, COUNT(*),
 FROM usage_ledger GROUP BY tenant_id, (created_ms / 3600000) * 3600000, model, key_id;
 
 -- Dashboard sign-ins: a session cookie's SHA-256 (never the cookie), whose key (a
--- tenant session) or the admin token (key_id '' and tenant_id '') it stands for,
+-- tenant session) or admin token (tenant_id '', key_id 'admin:' and a digest of the
+-- token, so a rotated token ends its sessions) it stands for,
 -- its form token, and when it ends. A tenant session is checked against its key on
 -- every page, so revoking the key ends it.
 CREATE TABLE dash_sessions (

@@ -92,19 +92,24 @@ impl ApiKey {
 pub enum Scope {
     /// Generation and model listing (`ai/run`, chat/completions, completions, models).
     Inference,
-    /// The tenant's own usage report (`ai/usage`).
+    /// The tenant's own usage report (`ai/usage`) and the dashboard (`/dash/`).
     UsageRead,
+    /// Creating and revoking the tenant's keys on the dashboard (only keys within
+    /// the key's own scopes and expiry). Never given by default: a key gets it
+    /// only when it is named.
+    KeysWrite,
 }
 
 impl Scope {
     /// Every scope, in display order.
-    pub const ALL: [Scope; 2] = [Scope::Inference, Scope::UsageRead];
+    pub const ALL: [Scope; 3] = [Scope::Inference, Scope::UsageRead, Scope::KeysWrite];
 
-    /// Stable spelling (`inference`, `usage:read`).
+    /// Stable spelling (`inference`, `usage:read`, `keys:write`).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Inference => "inference",
             Self::UsageRead => "usage:read",
+            Self::KeysWrite => "keys:write",
         }
     }
 
@@ -112,8 +117,13 @@ impl Scope {
         match self {
             Self::Inference => 1,
             Self::UsageRead => 2,
+            Self::KeysWrite => 4,
         }
     }
+}
+
+fn known() -> String {
+    Scope::ALL.map(Scope::as_str).join(", ")
 }
 
 /// A key's set of scopes (never empty when made by [`Scopes::parse`]).
@@ -121,8 +131,10 @@ impl Scope {
 pub struct Scopes(u8);
 
 impl Scopes {
-    /// Both scopes: what a key gets when none are named.
-    pub const ALL: Scopes = Scopes(3);
+    /// `inference` and `usage:read`: what a key gets when none are named.
+    pub const DEFAULT: Scopes = Scopes(3);
+    /// Every scope (the first-start key's: the account owner's).
+    pub const ALL: Scopes = Scopes(7);
 
     /// Parses scope names separated by spaces or commas (`"inference usage:read"`).
     /// Errors name the unknown scope; an empty list is an error.
@@ -137,11 +149,11 @@ impl Scopes {
             let sc = Scope::ALL
                 .into_iter()
                 .find(|s| s.as_str() == n)
-                .ok_or_else(|| format!("unknown scope `{n}` (known: inference, usage:read)"))?;
+                .ok_or_else(|| format!("unknown scope `{n}` (known: {})", known()))?;
             bits |= sc.bit();
         }
         if bits == 0 {
-            return Err("a key needs at least one scope (inference, usage:read)".into());
+            return Err(format!("a key needs at least one scope ({})", known()));
         }
         Ok(Self(bits))
     }
@@ -215,8 +227,12 @@ mod tests {
     #[test]
     fn scopes_parse_and_print() {
         let all = Scopes::parse("inference usage:read").unwrap();
-        assert_eq!(all, Scopes::ALL);
+        assert_eq!(all, Scopes::DEFAULT);
         assert_eq!(Scopes::parse("usage:read,inference").unwrap(), all);
+        let owner = Scopes::parse("keys:write inference usage:read").unwrap();
+        assert_eq!(owner, Scopes::ALL);
+        assert_eq!(owner.to_string(), "inference usage:read keys:write");
+        assert!(!all.contains(Scope::KeysWrite) && owner.contains(Scope::KeysWrite));
         let u = Scopes::parse("usage:read").unwrap();
         assert!(u.contains(Scope::UsageRead) && !u.contains(Scope::Inference));
         assert_eq!(u.to_string(), "usage:read");
@@ -225,9 +241,11 @@ mod tests {
         assert!(Scopes::parse("")
             .unwrap_err()
             .contains("at least one scope"));
-        assert!(Scopes::parse("inference admin")
-            .unwrap_err()
-            .contains("`admin`"));
+        let unknown = Scopes::parse("inference admin").unwrap_err();
+        assert!(
+            unknown.contains("`admin`") && unknown.contains("keys:write"),
+            "{unknown}"
+        );
     }
 
     #[test]

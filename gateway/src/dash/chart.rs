@@ -40,7 +40,7 @@ pub(super) fn tokens_chart(
         .unwrap_or(0)
         .max(1) as f64
         * 1.1;
-    let label = move |x: &f64| super::utc_minute(since_ms + (x * HOUR) as i64);
+    let label = move |x: &f64| super::web::utc_minute(since_ms + (x * HOUR) as i64);
     let mut svg = String::new();
     let drawn = (|| -> Result<(), Box<dyn std::error::Error + '_>> {
         let root = SVGBackend::with_string(&mut svg, (720, 260)).into_drawing_area();

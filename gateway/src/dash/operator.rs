@@ -3,8 +3,8 @@
 //! in with the admin token (exchanged for a session cookie on `/dash/admin`); with
 //! no admin token configured the view does not exist (404).
 
-use super::{
-    cookie, message, over_tls, page, same_origin, see_other, set_cookie, tokens_match, utc_minute,
+use super::web::{
+    cookies, message, over_tls, page, same_origin, see_other, set_cookie, tokens_match, utc_minute,
     Form, SignIn, OPERATOR_COOKIE, SESSION_TTL_MS,
 };
 use crate::state::AppState;
@@ -134,11 +134,11 @@ const SIGN_IN: SignIn = SignIn {
 };
 
 fn unavailable(e: impl std::fmt::Display) -> Response {
-    super::unavailable(CSS, "/dash/admin/", e)
+    super::web::unavailable(CSS, "/dash/admin/", e)
 }
 
 fn login_page(status: StatusCode, error: Option<&str>, secure: bool) -> Response {
-    super::login_page(&SIGN_IN, status, error, secure)
+    super::web::login_page(&SIGN_IN, status, error, secure)
 }
 
 async fn login_form(State(s): State<Arc<AppState>>, req: Request) -> Response {
@@ -152,7 +152,7 @@ async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
     let Some(expected) = s.admin_token.clone() else {
         return disabled();
     };
-    let (form, secure) = match super::read_sign_in(&SIGN_IN, req).await {
+    let (form, secure) = match super::web::read_sign_in(&SIGN_IN, req).await {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -160,9 +160,10 @@ async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
         s.metrics.refused("admin_auth");
         return login_page(StatusCode::UNAUTHORIZED, Some("Wrong admin token."), secure);
     }
-    match s.store.create_dash_session("", "", SESSION_TTL_MS).await {
+    let id = DashSession::operator_id(&expected);
+    match s.store.create_dash_session("", &id, SESSION_TTL_MS).await {
         Ok((value, _)) => {
-            super::signed_in_to(&SIGN_IN, "/dash/admin/", OPERATOR_COOKIE, &value, secure)
+            super::web::signed_in_to(&SIGN_IN, "/dash/admin/", OPERATOR_COOKIE, &value, secure)
         }
         Err(e) => unavailable(e),
     }
@@ -174,14 +175,19 @@ async fn operator(s: &AppState, headers: &HeaderMap) -> Result<(String, DashSess
     if s.admin_token.is_none() {
         return Err(disabled());
     }
-    let Some(c) = cookie(headers, OPERATOR_COOKIE) else {
-        return Err(see_other("/dash/admin/login"));
-    };
-    match s.store.dash_session(&c).await {
-        Err(e) => Err(unavailable(e)),
-        Ok(Some(sess)) if sess.is_operator() => Ok((c, sess)),
-        Ok(_) => Err(see_other("/dash/admin/login")),
+    // Only sessions signed in with the current token (a rotated token ends the
+    // old one's sessions).
+    let current = s.admin_token.as_deref().map(DashSession::operator_id);
+    for c in cookies(headers, OPERATOR_COOKIE) {
+        match s.store.dash_session(&c).await {
+            Err(e) => return Err(unavailable(e)),
+            Ok(Some(sess)) if sess.is_operator() && current.as_ref() == Some(&sess.key_id) => {
+                return Ok((c, sess))
+            }
+            Ok(_) => {}
+        }
     }
+    Err(see_other("/dash/admin/login"))
 }
 
 async fn logout(State(s): State<Arc<AppState>>, req: Request) -> Response {
@@ -270,7 +276,7 @@ async fn overview(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respons
     let (tenants, usage, audit) = match tokio::try_join!(
         store.list_tenants(),
         store.usage_by_tenant(since, until),
-        store.audit_rows(until - 7 * 24 * 3_600_000, until, 5_000),
+        store.audit_latest(50),
     ) {
         Ok(x) => x,
         Err(e) => return unavailable(e),
@@ -334,11 +340,8 @@ async fn overview(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respons
             }
         })
         .collect();
-    // The newest 50 audit rows of the last week, newest first.
     let audit: Vec<_> = audit
         .iter()
-        .rev()
-        .take(50)
         .map(|a| {
             minijinja::context! {
                 id => a.id, at => utc_minute(a.at_ms), action => a.action, target => a.target,

@@ -3,8 +3,8 @@
 //! keys (create, shown once; revoke) and batch jobs.
 
 use super::chart::{tokens_chart, Point};
-use super::{
-    cookie, message, over_tls, page, same_origin, see_other, set_cookie, tokens_match, utc_minute,
+use super::web::{
+    cookies, message, over_tls, page, same_origin, see_other, set_cookie, tokens_match, utc_minute,
     Form, SignIn, SESSION_TTL_MS, TENANT_COOKIE,
 };
 use crate::state::AppState;
@@ -22,6 +22,9 @@ use tessera_tenancy::{
 };
 
 const CSS: &str = "/dash/static/dash.css";
+/// Most active keys an account may have for the dashboard to make another (the
+/// admin API and CLI are not bound by it).
+const MAX_ACTIVE_KEYS: usize = 100;
 const HOUR_MS: i64 = 3_600_000;
 
 pub(super) fn routes() -> Router<Arc<AppState>> {
@@ -46,11 +49,11 @@ const SIGN_IN: SignIn = SignIn {
 };
 
 fn unavailable(e: impl std::fmt::Display) -> Response {
-    super::unavailable(CSS, "/dash/", e)
+    super::web::unavailable(CSS, "/dash/", e)
 }
 
 fn login_page(status: StatusCode, error: Option<&str>, secure: bool) -> Response {
-    super::login_page(&SIGN_IN, status, error, secure)
+    super::web::login_page(&SIGN_IN, status, error, secure)
 }
 
 async fn login_form(req: Request) -> Response {
@@ -58,7 +61,7 @@ async fn login_form(req: Request) -> Response {
 }
 
 async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
-    let (form, secure) = match super::read_sign_in(&SIGN_IN, req).await {
+    let (form, secure) = match super::web::read_sign_in(&SIGN_IN, req).await {
         Ok(x) => x,
         Err(r) => return r,
     };
@@ -85,12 +88,24 @@ async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
             secure,
         );
     }
+    // A sign-in writes a session row: it takes one of the tenant's usage-API
+    // queries, so a key cannot flood the store with sessions.
+    let t = &principal.tenant;
+    if let Err(e) = s
+        .limiter
+        .usage_query(&t.id, t.limits, s.usage.queries_per_minute)
+    {
+        let why = format!("Too many sign-ins and usage reads: {}.", e.detail);
+        return login_page(StatusCode::TOO_MANY_REQUESTS, Some(&why), secure);
+    }
     let created = s
         .store
-        .create_dash_session(&principal.tenant.id, &principal.key_id, SESSION_TTL_MS)
+        .create_dash_session(&t.id, &principal.key_id, SESSION_TTL_MS)
         .await;
     match created {
-        Ok((value, _)) => super::signed_in_to(&SIGN_IN, "/dash/", TENANT_COOKIE, &value, secure),
+        Ok((value, _)) => {
+            super::web::signed_in_to(&SIGN_IN, "/dash/", TENANT_COOKIE, &value, secure)
+        }
         Err(e) => unavailable(e),
     }
 }
@@ -102,22 +117,35 @@ struct Signed {
     session: DashSession,
     tenant: Tenant,
     keys: Vec<KeyInfo>,
-    scopes: Scopes,
+    /// The session's own key (among `keys`).
+    own: KeyInfo,
+}
+
+impl Signed {
+    /// Whether the session may create and revoke keys (its key holds `keys:write`).
+    fn manages_keys(&self) -> bool {
+        self.own.scopes.contains(Scope::KeysWrite)
+    }
 }
 
 /// The request's tenant session, checked against its key; otherwise the answer:
 /// a 303 to the sign-in page (no session, or one whose key can no longer sign in:
-/// that session is ended), or a 503.
+/// that session is ended), or a 503. Every `tessera_dash` cookie the browser sent
+/// is tried (a planted one must not hide the real one).
 async fn signed_in(s: &AppState, headers: &HeaderMap) -> Result<Signed, Response> {
-    let to_login = || see_other("/dash/login");
-    let Some(c) = cookie(headers, TENANT_COOKIE) else {
-        return Err(to_login());
-    };
-    let session = match s.store.dash_session(&c).await {
-        Err(e) => return Err(unavailable(e)),
-        Ok(None) => return Err(to_login()),
-        Ok(Some(sess)) if sess.is_operator() => return Err(to_login()),
-        Ok(Some(sess)) => sess,
+    let mut found = None;
+    for c in cookies(headers, TENANT_COOKIE) {
+        match s.store.dash_session(&c).await {
+            Err(e) => return Err(unavailable(e)),
+            Ok(Some(sess)) if !sess.is_operator() => {
+                found = Some((c, sess));
+                break;
+            }
+            Ok(_) => {}
+        }
+    }
+    let Some((c, session)) = found else {
+        return Err(see_other("/dash/login"));
     };
     let invalid = match s
         .store
@@ -135,20 +163,20 @@ async fn signed_in(s: &AppState, headers: &HeaderMap) -> Result<Signed, Response
         Ok(k) => k,
         Err(e) => return Err(unavailable(e)),
     };
-    let own = keys.iter().find(|k| k.key_id == session.key_id);
+    let own = keys.iter().find(|k| k.key_id == session.key_id).cloned();
     match (invalid.is_empty(), tenant, own) {
         (true, Some(tenant), Some(own)) => Ok(Signed {
             cookie: c,
-            scopes: own.scopes,
             session,
             tenant,
             keys,
+            own,
         }),
         _ => {
             if let Err(e) = s.store.end_dash_session(&c).await {
                 return Err(unavailable(e));
             }
-            Err(to_login())
+            Err(see_other("/dash/login"))
         }
     }
 }
@@ -375,12 +403,13 @@ async fn render_overview(
                 key_id => k.key_id, name => k.name, scopes => k.scopes.names().join(", "),
                 created => utc_minute(k.created_ms),
                 expires => k.expires_ms.map_or("never".to_string(), utc_minute),
-                state, revocable => state == "active" && within(k.scopes, signed.scopes),
+                state,
+                revocable => signed.manages_keys() && state == "active" && within(k.scopes, signed.own.scopes),
             }
         })
         .collect();
     let batches = batches_of(s, &t.id);
-    let windows: Vec<_> = super::tenant::WINDOWS
+    let windows: Vec<_> = WINDOWS
         .iter()
         .map(|(name, label)| minijinja::context! { name, label, current => *name == window })
         .collect();
@@ -400,7 +429,8 @@ async fn render_overview(
             bucket => if bucket_ms == HOUR_MS { "hour" } else { "day" },
             by_model => groups_ctx(&by_model, |m| m.to_string()), by_key => by_key_ctx,
             limits, keys, batches,
-            grantable => signed.scopes.names(),
+            manages_keys => signed.manages_keys(),
+            grantable => signed.own.scopes.names(),
         },
     ))
 }
@@ -449,6 +479,21 @@ async fn create_key(State(s): State<Arc<AppState>>, req: Request) -> Response {
         Ok(x) => x,
         Err(r) => return r,
     };
+    if !signed.manages_keys() {
+        return needs_keys_write("Key not created");
+    }
+    let now = now_ms();
+    let active = signed
+        .keys
+        .iter()
+        .filter(|k| key_state(k, now) == "active")
+        .count();
+    if active >= MAX_ACTIVE_KEYS {
+        let why = format!(
+            "The account has {active} active keys, the most the dashboard makes; revoke one first."
+        );
+        return message(StatusCode::CONFLICT, CSS, "Key not created", &why, "/dash/");
+    }
     let bad = |why: &str| {
         message(
             StatusCode::BAD_REQUEST,
@@ -466,7 +511,7 @@ async fn create_key(State(s): State<Arc<AppState>>, req: Request) -> Response {
         Ok(sc) => sc,
         Err(e) => return bad(&e),
     };
-    if !within(scopes, signed.scopes) {
+    if !within(scopes, signed.own.scopes) {
         return message(
             StatusCode::FORBIDDEN,
             CSS,
@@ -475,12 +520,17 @@ async fn create_key(State(s): State<Arc<AppState>>, req: Request) -> Response {
             "/dash/",
         );
     }
-    let expires_ms = match form.get("expires_days").map(str::trim) {
+    let asked = match form.get("expires_days").map(str::trim) {
         None | Some("") => None,
         Some(d) => match d.parse::<i64>() {
-            Ok(days @ 1..=3650) => Some(now_ms() + days * 24 * HOUR_MS),
+            Ok(days @ 1..=3650) => Some(now + days * 24 * HOUR_MS),
             _ => return bad("`expires_days` must be a whole number of days from 1 to 3650."),
         },
+    };
+    // A key made by a key does not outlive it.
+    let expires_ms = match (asked, signed.own.expires_ms) {
+        (Some(a), Some(own)) => Some(a.min(own)),
+        (a, own) => a.or(own),
     };
     let new = NewKey {
         name: name.to_string(),
@@ -517,6 +567,9 @@ async fn revoke_key(
         Ok(x) => x,
         Err(r) => return r,
     };
+    if !signed.manages_keys() {
+        return needs_keys_write("Not revoked");
+    }
     // Another tenant's key, or none: the same 404.
     let Some(k) = signed.keys.iter().find(|k| k.key_id == key_id) else {
         return message(
@@ -527,7 +580,7 @@ async fn revoke_key(
             "/dash/",
         );
     };
-    if !within(k.scopes, signed.scopes) {
+    if !within(k.scopes, signed.own.scopes) {
         return message(
             StatusCode::FORBIDDEN,
             CSS,
@@ -563,6 +616,17 @@ async fn revoke_key(
         return resp;
     }
     see_other("/dash/")
+}
+
+/// The 403 of a key action by a session whose key lacks `keys:write`.
+fn needs_keys_write(heading: &str) -> Response {
+    message(
+        StatusCode::FORBIDDEN,
+        CSS,
+        heading,
+        "Creating and revoking keys needs a key with the keys:write scope.",
+        "/dash/",
+    )
 }
 
 fn over_tls_of(req: &Request<()>) -> bool {
@@ -609,6 +673,8 @@ mod tests {
         assert!(within(read, Scopes::ALL));
         assert!(within(read, read));
         assert!(!within(Scopes::ALL, read));
+        assert!(within(Scopes::DEFAULT, Scopes::ALL));
+        assert!(!within(Scopes::ALL, Scopes::DEFAULT));
         assert!(!within(inf, read));
     }
 }

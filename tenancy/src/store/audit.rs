@@ -174,6 +174,18 @@ impl Store {
         rows.iter().map(audit_from_row).collect()
     }
 
+    /// The newest `limit` audit rows, newest first (the operator view).
+    pub async fn audit_latest(&self, limit: u32) -> Result<Vec<AuditRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT id, at_ms, action, target, request_id, source, detail FROM admin_audit \
+             ORDER BY id DESC LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(audit_from_row).collect()
+    }
+
     /// The audited write of one UPDATE (or other single statement), shared by the
     /// `*_as` writes that change one row: in one write transaction, runs `update`;
     /// when it changed no row, returns `Ok(false)` and writes nothing (no audit

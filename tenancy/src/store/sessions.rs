@@ -13,8 +13,10 @@ use sha2::{Digest, Sha256};
 pub struct DashSession {
     /// The tenant, or `""` for an operator session (signed in with the admin token).
     pub tenant_id: String,
-    /// The key it signed in with (`""` for an operator session); the dashboard
-    /// checks it is still valid on every page.
+    /// The key it signed in with; the dashboard checks it is still valid on every
+    /// page. For an operator session, `admin:` and a digest of the admin token it
+    /// signed in with (see [`DashSession::operator_id`]), checked against the
+    /// current token on every page.
     pub key_id: String,
     /// The token every form of the session carries (CSRF), 64 hex chars.
     pub csrf: String,
@@ -25,7 +27,15 @@ pub struct DashSession {
 impl DashSession {
     /// Whether the session is an operator's.
     pub fn is_operator(&self) -> bool {
-        self.tenant_id.is_empty() && self.key_id.is_empty()
+        self.tenant_id.is_empty() && self.key_id.starts_with("admin:")
+    }
+
+    /// The `key_id` of an operator session signed in with `admin_token`: `admin:`
+    /// and 32 hex chars of a SHA-256 of the token (a rotated token ends the
+    /// sessions of the old one; the token itself is not stored).
+    pub fn operator_id(admin_token: &str) -> String {
+        let d = Sha256::digest(format!("tessera-dash-admin-v1:{admin_token}").as_bytes());
+        format!("admin:{}", &hex(&d)[..32])
     }
 }
 
@@ -36,7 +46,8 @@ fn digest(cookie: &str) -> String {
 }
 
 impl Store {
-    /// Starts a session for `key_id` of `tenant_id` (both `""`: an operator) lasting
+    /// Starts a session for `key_id` of `tenant_id` (an operator: `""` and
+    /// [`DashSession::operator_id`]) lasting
     /// `ttl_ms`; returns the cookie value (64 hex chars, shown to the browser only)
     /// and the session. Sessions that ended are deleted on the way.
     pub async fn create_dash_session(
@@ -108,7 +119,7 @@ impl Store {
     /// Ends every session signed in with `key_id` (its key was revoked); returns how
     /// many.
     pub async fn end_key_dash_sessions(&self, key_id: &str) -> Result<u64, StoreError> {
-        let r = sqlx::query("DELETE FROM dash_sessions WHERE key_id = $1 AND key_id <> ''")
+        let r = sqlx::query("DELETE FROM dash_sessions WHERE key_id = $1 AND tenant_id <> ''")
             .bind(key_id)
             .execute(&self.pool)
             .await?;

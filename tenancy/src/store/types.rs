@@ -351,7 +351,7 @@ pub struct KeyInfo {
 pub struct NewKey {
     /// Label.
     pub name: String,
-    /// Scopes ([`Scopes::ALL`] by default).
+    /// Scopes ([`Scopes::DEFAULT`] by default).
     pub scopes: Scopes,
     /// Expiry time (Unix ms); `None`: never expires.
     pub expires_ms: Option<i64>,
@@ -362,7 +362,7 @@ impl NewKey {
     pub fn named(name: &str) -> Self {
         Self {
             name: name.into(),
-            scopes: Scopes::ALL,
+            scopes: Scopes::DEFAULT,
             expires_ms: None,
         }
     }

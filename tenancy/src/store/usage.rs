@@ -120,17 +120,33 @@ impl Store {
     /// Deletes ledger rows created before `before_ms` (the retention prune);
     /// returns how many.
     pub async fn prune_usage(&self, before_ms: i64) -> Result<u64, StoreError> {
-        // The hours wholly before the cut go with it; the hour it falls in keeps its
-        // sum (reads of that hour come from the ledger's own rows, see
-        // `usage_summary`).
-        sqlx::query("DELETE FROM usage_hourly WHERE hour_ms < $1")
-            .bind(hour_floor(before_ms))
-            .execute(&self.pool)
+        // The hours wholly before the cut go with it, and the hour it falls in is
+        // summed again from the ledger rows it keeps, in the same transaction, so a
+        // range that reaches back past the cut never counts a pruned row.
+        let cut_hour = hour_floor(before_ms);
+        let mut tx = self.write_tx().await?;
+        sqlx::query("DELETE FROM usage_hourly WHERE hour_ms <= $1")
+            .bind(cut_hour)
+            .execute(&mut *tx)
             .await?;
         let r = sqlx::query("DELETE FROM usage_ledger WHERE created_ms < $1")
             .bind(before_ms)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
+        sqlx::query(
+            "INSERT INTO usage_hourly (tenant_id, hour_ms, model, key_id, requests, errors, \
+             input_tokens, output_tokens, cached_tokens, cached_host_tokens, cached_disk_tokens) \
+             SELECT tenant_id, $1, model, key_id, COUNT(*), \
+             SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END), SUM(input_tokens), \
+             SUM(output_tokens), SUM(cached_tokens), SUM(cached_host_tokens), \
+             SUM(cached_disk_tokens) FROM usage_ledger \
+             WHERE created_ms >= $1 AND created_ms < $2 GROUP BY tenant_id, model, key_id",
+        )
+        .bind(cut_hour)
+        .bind(cut_hour.saturating_add(HOUR_MS))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
         Ok(r.rows_affected())
     }
 
@@ -289,9 +305,10 @@ enum Grouping {
 
 const HOUR_MS: i64 = 3_600_000;
 
-/// The start of the UTC hour holding `ms`.
+/// The start of the UTC hour holding `ms` (saturating at the ends of `i64`: a
+/// query may name any time).
 fn hour_floor(ms: i64) -> i64 {
-    ms.div_euclid(HOUR_MS) * HOUR_MS
+    ms.div_euclid(HOUR_MS).saturating_mul(HOUR_MS)
 }
 
 /// The first whole-hour boundary at or after `ms`.

@@ -302,11 +302,11 @@ pub(crate) async fn store_admin_contract(store: &Store) {
     let (_, full) = store.create_key(&t.id, "full").await.unwrap();
     assert_eq!(
         store.authenticate(&full).await.unwrap().unwrap().scopes,
-        Scopes::ALL
+        Scopes::DEFAULT
     );
     let expired = NewKey {
         name: "old".into(),
-        scopes: Scopes::ALL,
+        scopes: Scopes::DEFAULT,
         expires_ms: Some(tessera_tenancy::now_ms() - 1),
     };
     let (ke, secret_e) = store.create_key_with(&t.id, &expired).await.unwrap();
@@ -710,7 +710,8 @@ pub(crate) async fn store_dashboard_contract(store: &Store) {
         assert_eq!(all, naive(None, since, until, None, &rows));
     }
 
-    // A prune at an arbitrary time keeps every range from it on exact.
+    // A prune at an arbitrary time keeps every range exact (the ledger's rows that
+    // remain), also one reaching back past the cut.
     let cut = t0 + 40 * h + 123_456;
     assert!(store.prune_usage(cut).await.unwrap() > 0);
     let kept: Vec<_> = rows
@@ -718,7 +719,12 @@ pub(crate) async fn store_dashboard_contract(store: &Store) {
         .filter(|r| r.created_ms >= cut)
         .cloned()
         .collect();
-    for (since, until) in [(cut, t0 + 74 * h), (cut + 2 * h, t0 + 70 * h + 1)] {
+    for (since, until) in [
+        (cut, t0 + 74 * h),
+        (cut + 2 * h, t0 + 70 * h + 1),
+        (t0, t0 + 74 * h),
+        (t0 + 40 * h, t0 + 41 * h),
+    ] {
         let got = store
             .usage_summary(&a.id, since, until, GroupBy::Model)
             .await
@@ -728,6 +734,17 @@ pub(crate) async fn store_dashboard_contract(store: &Store) {
             naive(Some(&a.id), since, until, Some(GroupBy::Model), &kept)
         );
     }
+    // Any time a query names reads without overflow.
+    for (since, until) in [
+        (i64::MIN, i64::MAX),
+        (i64::MIN, i64::MIN + 1),
+        (i64::MAX - 1, i64::MAX),
+    ] {
+        for by in [GroupBy::Model, GroupBy::Hour] {
+            store.usage_summary(&a.id, since, until, by).await.unwrap();
+        }
+    }
+    assert!(store.audit_latest(3).await.unwrap().len() <= 3);
 
     // Sessions: the cookie opens its session; a wrong, malformed or ended one none.
     let (cookie, s) = store
@@ -749,8 +766,11 @@ pub(crate) async fn store_dashboard_contract(store: &Store) {
         .await
         .unwrap();
     assert_eq!(store.dash_session(&expired).await.unwrap(), None);
-    let (op, o) = store.create_dash_session("", "", 60_000).await.unwrap();
-    assert!(o.is_operator());
+    let op_id = tessera_tenancy::DashSession::operator_id("token-1");
+    assert_ne!(op_id, tessera_tenancy::DashSession::operator_id("token-2"));
+    assert!(!op_id.contains("token-1"));
+    let (op, o) = store.create_dash_session("", &op_id, 60_000).await.unwrap();
+    assert!(o.is_operator() && !s.is_operator());
     // Ending by key ends that key's sessions only (never an operator's).
     let (other, _) = store
         .create_dash_session(&a.id, &ka2.key_id, 60_000)
@@ -759,7 +779,7 @@ pub(crate) async fn store_dashboard_contract(store: &Store) {
     assert_eq!(store.end_key_dash_sessions(&ka.key_id).await.unwrap(), 1);
     assert_eq!(store.dash_session(&cookie).await.unwrap(), None);
     assert!(store.dash_session(&other).await.unwrap().is_some());
-    assert_eq!(store.end_key_dash_sessions("").await.unwrap(), 0);
+    assert_eq!(store.end_key_dash_sessions(&op_id).await.unwrap(), 0);
     assert!(store.dash_session(&op).await.unwrap().is_some());
     assert!(store.end_dash_session(&other).await.unwrap());
     assert!(!store.end_dash_session(&other).await.unwrap());
