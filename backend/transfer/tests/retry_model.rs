@@ -23,11 +23,16 @@
 //! - ONE_END: at most one end, and nothing after it;
 //! - BOUNDED: at most `max_failed + 1` attempts started (3 of the 4 pairs);
 //! - ANSWERED (eventually): every run ends with the client holding an end (`Done` or
-//!   the error), never a silent stream.
+//!   the error), never a silent stream;
+//! - USAGE_ONCE: at most one usage row per request, and (eventually) exactly one:
+//!   the gateway writes it from the end that reached the client (the fence admits
+//!   one), never per attempt, so a failed attempt, a continuation and a zombie's late
+//!   `Done` are not billed again.
 //!
 //! `sometimes` properties show that restarts, continuations and zombie tokens are
 //! reached, and the failing variants (a fence that is not asked, a policy without a
-//! bound) that IN_ORDER and BOUNDED bite.
+//! bound, usage written per released attempt) that IN_ORDER, BOUNDED and USAGE_ONCE
+//! bite.
 
 use stateright::{Checker, HasDiscoveries, Model, Property};
 use std::collections::BTreeSet;
@@ -45,6 +50,8 @@ const IN_ORDER: &str = "the client's tokens are the output in order, no gap, no 
 const ONE_END: &str = "at most one end, nothing after it";
 const BOUNDED: &str = "attempts are bounded";
 const ANSWERED: &str = "every request is answered";
+const USAGE_ONCE: &str = "usage is recorded at most once";
+const BILLED: &str = "usage is recorded";
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Item {
@@ -84,6 +91,8 @@ struct St {
     past_deadline: bool,
     /// The coordinator ended the stream itself (the error) or saw `Done`.
     over: bool,
+    /// Usage rows written for the request.
+    billed: u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -103,6 +112,9 @@ struct Variant {
     no_fence: bool,
     /// No bound on failed attempts.
     unbounded: bool,
+    /// Usage written when each attempt ends (its `Done`, or its release after a
+    /// failure) instead of from the end the client got.
+    bill_per_attempt: bool,
 }
 
 struct RetryModel {
@@ -125,6 +137,10 @@ impl RetryModel {
     fn deliver(&self, st: &mut St, attempt: u32, item: StreamItem, what: Item) {
         if self.variant.no_fence || st.fence.admit(attempt, item) {
             st.client.push(what);
+            // The driver writes the usage row when the client's stream ends.
+            if item == StreamItem::End && !self.variant.bill_per_attempt {
+                st.billed += 1;
+            }
         }
     }
 }
@@ -147,6 +163,7 @@ impl Model for RetryModel {
             failures_left: FAILURES,
             past_deadline: false,
             over: false,
+            billed: 0,
         }]
     }
 
@@ -184,6 +201,9 @@ impl Model for RetryModel {
                 } else {
                     let was_running = run.state == RunState::Running;
                     run.state = RunState::Finished;
+                    if self.variant.bill_per_attempt {
+                        st.billed += 1;
+                    }
                     self.deliver(&mut st, attempt, StreamItem::End, Item::Done { attempt });
                     // A live attempt's `Finished` ends the request at the coordinator.
                     st.over |= was_running;
@@ -196,6 +216,9 @@ impl Model for RetryModel {
             }
             Action::Detect(k) => {
                 st.runs[k].state = RunState::Zombie;
+                if self.variant.bill_per_attempt {
+                    st.billed += 1; // the released attempt's usage
+                }
                 if st.over {
                     return Some(st); // an old attempt: the request already moved on
                 }
@@ -262,6 +285,8 @@ impl Model for RetryModel {
             Property::eventually(ANSWERED, |_, st: &St| {
                 st.client.iter().any(|i| !matches!(i, Item::Token { .. }))
             }),
+            Property::always(USAGE_ONCE, |_, st: &St| st.billed <= 1),
+            Property::eventually(BILLED, |_, st: &St| st.billed == 1),
             Property::sometimes("answered after a restart", |_, st: &St| {
                 st.client
                     .iter()
@@ -327,6 +352,15 @@ fn without_the_fence_a_zombies_tokens_reach_the_client() {
         ..Variant::default()
     };
     caught(no_fence, IN_ORDER);
+}
+
+#[test]
+fn usage_written_per_attempt_bills_a_continued_request_twice() {
+    let per_attempt = Variant {
+        bill_per_attempt: true,
+        ..Variant::default()
+    };
+    caught(per_attempt, USAGE_ONCE);
 }
 
 #[test]
