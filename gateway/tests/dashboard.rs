@@ -374,9 +374,11 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
     let p = b.post("/dash/login", &[("key", &key_a)]).await;
     assert_eq!(p.status, 403);
     assert!(p.html.contains("id=\"error\""));
+    let unknown = format!("tsk_0123456789abcdef_{}", "ab".repeat(32));
     for (key, status) in [
         ("tsk_0000000000000000_00", 401),
         ("", 401),
+        (&unknown[..], 401),
         (&inference_only[..], 403),
     ] {
         let mut b = Browser::new(&s.base);
@@ -384,6 +386,19 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
         assert_eq!(p.status, status, "{key}: {}", p.html);
         assert!(p.html.contains("id=\"error\""));
         assert!(!b.cookies.contains_key("tessera_dash"));
+    }
+    // Each refused sign-in is counted like the API's refusals.
+    let metrics = s.metrics_text().await;
+    for (reason, at_least) in [("invalid_key", 1), ("malformed_key", 1), ("scope", 1)] {
+        let line = format!("tessera_refused_total{{reason=\"{reason}\"}} ");
+        let n: u64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no {line} in the metrics"))
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(n >= at_least, "{reason}: {n}");
     }
     // An oversized form.
     let mut b = Browser::new(&s.base);

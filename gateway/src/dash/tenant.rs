@@ -69,10 +69,14 @@ async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
     let principal = match s.store.authenticate(key).await {
         Err(e) => return unavailable(e),
         Ok(Ok(p)) => p,
+        // Refused sign-ins count as the API's refusals do (`tessera_refused_total`
+        // and `tessera_auth_failures_total`, by the same reasons).
         Ok(Err(e @ AuthError::Suspended(_))) => {
-            return login_page(StatusCode::FORBIDDEN, Some(&e.to_string()), secure)
+            s.metrics.refused(e.label());
+            return login_page(StatusCode::FORBIDDEN, Some(&e.to_string()), secure);
         }
         Ok(Err(e)) => {
+            s.metrics.refused(e.label());
             tracing::info!(reason = e.label(), "dashboard sign-in refused");
             return login_page(
                 StatusCode::UNAUTHORIZED,
@@ -82,6 +86,7 @@ async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
         }
     };
     if !principal.scopes.contains(Scope::UsageRead) {
+        s.metrics.refused("scope");
         return login_page(
             StatusCode::FORBIDDEN,
             Some("That key lacks the usage:read scope, which the dashboard needs."),
