@@ -484,8 +484,8 @@ impl Server {
     /// Serves until `shutdown` completes, then stops accepting, lets running
     /// requests finish for the drain timeout, aborts the rest (usage rows are
     /// written for what was computed) and returns. Also runs, while serving, the
-    /// watcher that aborts requests whose key stopped being valid and the ledger's
-    /// retention prune.
+    /// watcher that aborts requests whose key stopped being valid, the ledger's
+    /// retention prune and the sampler of the operator view's integrity events.
     pub async fn run_until(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -500,6 +500,7 @@ impl Server {
         if let Some(keep) = state.usage.retention {
             tasks.push(tokio::spawn(prune(state.clone(), keep)));
         }
+        tasks.push(tokio::spawn(crate::dash::watch_integrity(state.clone())));
         let mut loops = vec![tokio::spawn(crate::listener::serve(
             self.listener,
             self.router,

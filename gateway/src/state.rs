@@ -258,6 +258,8 @@ pub struct AppState {
     pub(crate) revocation_poll: Duration,
     /// Async batches (`queueRequest=true`), by request id.
     pub(crate) batches: Batches,
+    /// Recent integrity events (the operator view), sampled from the counters.
+    pub(crate) integrity: crate::dash::IntegrityLog,
     /// The bounded pool on which CPU-heavy request steps run (parsing, templates,
     /// tokenizing, grammar compiles), off the async workers.
     pub(crate) cpu: crate::cpu::CpuPool,
@@ -326,6 +328,7 @@ impl AppState {
             live: Arc::new(Live::default()),
             revocation_poll: cfg.revocation_poll,
             batches: Batches::new(cfg.batch_retention),
+            integrity: crate::dash::IntegrityLog::default(),
             cpu: crate::cpu::CpuPool::from_cores(),
             abort_all: watch::channel(false).0,
             inflight: AtomicUsize::new(0),

@@ -753,6 +753,21 @@ async fn the_operator_view_shows_the_admin_apis_numbers() {
         cell(&p.html, "event", "tessera_kv_tag_mismatches", "count"),
         Some(0)
     );
+    // An integrity failure shows up among the recent events, with when and how many.
+    assert!(p.html.contains("<table id=\"integrity-events\">"));
+    s.state.metrics.serve_error("integrity");
+    let mut listed = false;
+    for _ in 0..60 {
+        let page = op.get("/dash/admin/").await;
+        let events = table(&page.html, "integrity-events");
+        if events.contains("<tr data-event=\"tessera_serve_errors\"") {
+            assert!(events.contains(">+1<"), "{events}");
+            listed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    assert!(listed, "no recent integrity event after 30 s");
     let runbook = op
         .get("/dash/admin/runbooks/suspected-cross-tenant-leak")
         .await;

@@ -21,6 +21,7 @@
 //! every gateway replica accepts them.
 
 mod chart;
+mod integrity;
 mod operator;
 mod tenant;
 mod web;
@@ -34,6 +35,8 @@ use axum::Router;
 use std::sync::Arc;
 
 use crate::state::AppState;
+
+pub(crate) use integrity::{watch as watch_integrity, IntegrityLog};
 
 /// The Content-Security-Policy of every dashboard response: no scripts, no
 /// framing, styles and images from the dashboard itself only, forms post only to it.

@@ -3,6 +3,7 @@
 //! in with the admin token (exchanged for a session cookie on `/dash/admin`); with
 //! no admin token configured the view does not exist (404).
 
+use super::integrity::{metric_sum, INTEGRITY};
 use super::web::{
     cookies, message, over_tls, page, same_origin, see_other, set_cookie, tokens_match, utc_minute,
     Form, SignIn, OPERATOR_COOKIE, SESSION_TTL_MS,
@@ -60,47 +61,6 @@ const RUNBOOKS: &[(&str, &str)] = &[
     (
         "dashboard",
         include_str!("../../../ops/runbooks/dashboard.md"),
-    ),
-];
-
-/// Integrity counters shown: metric family (as exposed, without `_total`), an
-/// optional label filter, what it counts, and its runbook.
-const INTEGRITY: &[(&str, Option<&str>, &str, &str)] = &[
-    (
-        "tessera_serve_errors",
-        Some("kind=\"integrity\""),
-        "Requests failed on a KV tag or checksum mismatch",
-        "suspected-cross-tenant-leak",
-    ),
-    (
-        "tessera_kv_tag_mismatches",
-        None,
-        "KV page reads refused on a tag mismatch",
-        "suspected-cross-tenant-leak",
-    ),
-    (
-        "tessera_kv_commits_rejected",
-        None,
-        "KV transfer commits refused",
-        "kv-transfer-integrity",
-    ),
-    (
-        "tessera_kv_late_writes_dropped",
-        None,
-        "Late KV page writes dropped",
-        "kv-transfer-integrity",
-    ),
-    (
-        "tessera_node_link_violations",
-        None,
-        "Node links cut for a protocol violation",
-        "kv-transfer-integrity",
-    ),
-    (
-        "tessera_node_peers_refused",
-        None,
-        "Node links refused (identity or fingerprint)",
-        "pd-deployment",
     ),
 ];
 
@@ -245,26 +205,6 @@ async fn runbook(
     }
 }
 
-/// Sums of each OpenMetrics family `name` (its `_total` samples, or the gauge's)
-/// in `text`, over the samples whose labels contain `filter`.
-fn metric_sum(text: &str, name: &str, filter: Option<&str>) -> u64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let (family, labels) = match series.split_once('{') {
-                Some((f, rest)) => (f, rest),
-                None => (series, ""),
-            };
-            let family = family.strip_suffix("_total").unwrap_or(family);
-            (family == name && filter.is_none_or(|f| labels.contains(f)))
-                .then(|| value.parse::<f64>().ok())
-                .flatten()
-        })
-        .map(|v| v.max(0.0) as u64)
-        .sum()
-}
-
 async fn overview(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     let (_, sess) = match operator(&s, &headers).await {
         Ok(x) => x,
@@ -332,6 +272,17 @@ async fn overview(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respons
             }
         }
     }
+    let events: Vec<_> = s
+        .integrity
+        .recent()
+        .iter()
+        .filter_map(|e| {
+            let (name, _, label, runbook) = INTEGRITY.get(e.counter)?;
+            Some(minijinja::context! {
+                at => tessera_tenancy::store::rfc3339(e.at_ms), name, label, runbook, count => e.count,
+            })
+        })
+        .collect();
     let integrity: Vec<_> = INTEGRITY
         .iter()
         .map(|(name, filter, label, runbook)| {
@@ -355,7 +306,7 @@ async fn overview(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respons
         minijinja::context! {
             css => CSS, csrf => sess.csrf, since => since / 1000, until => until / 1000,
             since_text => utc_minute(since), until_text => utc_minute(until),
-            tenants => tenant_rows, suspended, nodes, integrity, audit,
+            tenants => tenant_rows, suspended, nodes, integrity, events, audit,
         },
     )
 }
@@ -363,26 +314,6 @@ async fn overview(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Respons
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn metric_sums_read_families_and_labels() {
-        let text = "# TYPE tessera_kv_tag_mismatches counter\n\
-                    tessera_kv_tag_mismatches_total{node=\"a\"} 2\n\
-                    tessera_kv_tag_mismatches_total{node=\"b\"} 3\n\
-                    tessera_serve_errors_total{kind=\"integrity\"} 1\n\
-                    tessera_serve_errors_total{kind=\"engine\"} 7\n\
-                    tessera_kv_pages{state=\"quarantined\"} 4\n";
-        assert_eq!(metric_sum(text, "tessera_kv_tag_mismatches", None), 5);
-        assert_eq!(
-            metric_sum(text, "tessera_serve_errors", Some("kind=\"integrity\"")),
-            1
-        );
-        assert_eq!(
-            metric_sum(text, "tessera_kv_pages", Some("state=\"quarantined\"")),
-            4
-        );
-        assert_eq!(metric_sum(text, "tessera_kv_commits_rejected", None), 0);
-    }
 
     #[test]
     fn every_linked_runbook_is_served() {
