@@ -308,13 +308,23 @@ def load(d, url):
 
 def submit(d, button):
     """Clicks a submit button and waits for the next page."""
-    from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
     drain_log(d)
     html = one(d, "html")
     button.click()
-    WebDriverWait(d, 30).until(ec.staleness_of(html))
+
+    def left(_):
+        # The old document is gone once touching its root fails, whichever error
+        # chromedriver gives for it (a stale element, or "node does not belong to
+        # the document" while the navigation is under way).
+        try:
+            html.is_enabled()
+            return False
+        except Exception:
+            return True
+
+    WebDriverWait(d, 30).until(left)
     WebDriverWait(d, 30).until(
         lambda x: x.execute_script("return document.readyState") == "complete"
     )
@@ -666,7 +676,7 @@ def key_state(k, now_ms):
 
 def check_keys_table(c, d, a, what):
     """#keys against the admin API's key list: ids, names (as text), scopes,
-    state, and a revoke form on each active key only."""
+    state, and a revoke form on each active key only (not on the session's own)."""
     keys = {k["key_id"]: k for k in admin_api(a, "GET", f"/admin/v1/tenants/{a.account}/keys")}
     page = rows(d, "#keys", "data-key", ("name", "scopes", "created", "expires", "state"))
     now_ms = int(time.time() * 1000)
@@ -689,8 +699,11 @@ def check_keys_table(c, d, a, what):
             if f.get_dom_attribute("action") == action and f.get_attribute("method") == "post"
             and by_css(d, f"#keys tr[data-key='{kid}'] form.revoke input[type=hidden][name=csrf]")
         ]
-        if state == "active" and len(good) != 1:
+        own = kid == key_id(a.key)  # the session's own key: never revoked with one click
+        if state == "active" and not own and len(good) != 1:
             diffs.append(f"{kid} is active but has no revoke form posting to {action}")
+        if own and forms:
+            diffs.append(f"{kid} is the session's own key but has a revoke form")
         if state != "active" and forms:
             diffs.append(f"{kid} is {state} but has a revoke form")
     n_img = len(by_css(d, "#keys img"))

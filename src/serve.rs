@@ -511,8 +511,12 @@ async fn serve(a: ServeArgs) -> Result<()> {
         base.clone()
     };
     say!("tessera: listening on {base}");
-    if let Some(ab) = &admin_base {
-        say!("tessera: admin API and /metrics on {ab}");
+    say!("tessera: usage dashboard on {host}/dash/ (sign in with a key holding usage:read)");
+    match &admin_base {
+        Some(ab) => {
+            say!("tessera: admin API, /metrics and the operator view ({ab}/dash/admin/) on {ab}")
+        }
+        None => say!("tessera: operator view on {host}/dash/admin/ (sign in with the admin token)"),
     }
     say!("");
     say!("Try it:");

@@ -53,6 +53,7 @@ mod cpu;
 mod dash;
 mod driver;
 mod http;
+mod integrity_log;
 mod live;
 mod models_api;
 mod pipeline;

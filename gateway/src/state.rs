@@ -259,7 +259,7 @@ pub struct AppState {
     /// Async batches (`queueRequest=true`), by request id.
     pub(crate) batches: Batches,
     /// Recent integrity events (the operator view), sampled from the counters.
-    pub(crate) integrity: crate::dash::IntegrityLog,
+    pub(crate) integrity: crate::integrity_log::IntegrityLog,
     /// The bounded pool on which CPU-heavy request steps run (parsing, templates,
     /// tokenizing, grammar compiles), off the async workers.
     pub(crate) cpu: crate::cpu::CpuPool,
@@ -328,7 +328,7 @@ impl AppState {
             live: Arc::new(Live::default()),
             revocation_poll: cfg.revocation_poll,
             batches: Batches::new(cfg.batch_retention),
-            integrity: crate::dash::IntegrityLog::default(),
+            integrity: crate::integrity_log::IntegrityLog::default(),
             cpu: crate::cpu::CpuPool::from_cores(),
             abort_all: watch::channel(false).0,
             inflight: AtomicUsize::new(0),

@@ -568,12 +568,27 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
             )
             .await;
         assert_eq!(p.status, 200, "{}", p.html);
+        assert!(p.html.contains("id=\"expiry-capped\""), "{}", p.html);
         let made = keys_of(a.id.clone())
             .await
             .into_iter()
             .find(|k| k.name == name)
             .unwrap();
         assert!(made.expires_ms.is_some_and(|e| e <= soon), "{made:?}");
+    }
+    // The key a session signed in with is not revoked with one click from it.
+    let p = sb
+        .post(
+            &format!("/dash/keys/{}/revoke", key_id_of(&short)),
+            &[("csrf", &sb_csrf)],
+        )
+        .await;
+    assert_eq!(p.status, 409);
+    assert_eq!(sb.get("/dash/").await.status, 200);
+    // A reload of a form's address lands on the dashboard, not on an error.
+    for path in ["/dash/keys", "/dash/logout"] {
+        let p = sb.get(path).await;
+        assert_eq!((p.status, p.location()), (303, "/dash/"), "{path}");
     }
     // A key with the default scopes manages no keys: no form, and posts are refused.
     let mut app = Browser::new(&s.base);

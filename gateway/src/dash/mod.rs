@@ -21,7 +21,6 @@
 //! every gateway replica accepts them.
 
 mod chart;
-mod integrity;
 mod operator;
 mod tenant;
 mod web;
@@ -35,8 +34,6 @@ use axum::Router;
 use std::sync::Arc;
 
 use crate::state::AppState;
-
-pub(crate) use integrity::{watch as watch_integrity, IntegrityLog};
 
 /// The Content-Security-Policy of every dashboard response: no scripts, no
 /// framing, styles and images from the dashboard itself only, forms post only to it.
@@ -90,4 +87,21 @@ async fn security_headers(req: Request, next: Next) -> Response {
     h.entry(header::CACHE_CONTROL)
         .or_insert(HeaderValue::from_static("no-store"));
     resp
+}
+
+/// Samples the integrity counters into `state.integrity` every [`SAMPLE_EVERY`](crate::integrity_log::SAMPLE_EVERY),
+/// for as long as the gateway serves.
+pub(crate) async fn watch_integrity(state: Arc<AppState>) {
+    loop {
+        let text = state.metrics.render_with(
+            state.engine_stats(),
+            state.inflight(),
+            state.engine.node_metrics(),
+        );
+        state.integrity.observe(
+            crate::integrity_log::totals(&text),
+            tessera_tenancy::now_ms(),
+        );
+        tokio::time::sleep(crate::integrity_log::SAMPLE_EVERY).await;
+    }
 }

@@ -3,11 +3,11 @@
 //! in with the admin token (exchanged for a session cookie on `/dash/admin`); with
 //! no admin token configured the view does not exist (404).
 
-use super::integrity::{metric_sum, INTEGRITY};
 use super::web::{
     cookies, message, over_tls, page, same_origin, see_other, set_cookie, tokens_match, utc_minute,
     Form, SignIn, OPERATOR_COOKIE, SESSION_TTL_MS,
 };
+use crate::integrity_log::{metric_sum, INTEGRITY};
 use crate::state::AppState;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};

@@ -15,7 +15,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use tessera_tenancy::store::rfc3339;
 use tessera_tenancy::{
     now_ms, AuditCtx, AuthError, DashSession, GroupBy, KeyInfo, NewKey, Scope, Scopes, Tenant,
     UsageGroup,
@@ -32,8 +31,14 @@ pub(super) fn routes() -> Router<Arc<AppState>> {
         .route("/dash", get(|| async { see_other("/dash/") }))
         .route("/dash/", get(overview))
         .route("/dash/login", get(login_form).post(login))
-        .route("/dash/logout", post(logout))
-        .route("/dash/keys", post(create_key))
+        .route(
+            "/dash/logout",
+            get(|| async { see_other("/dash/") }).post(logout),
+        )
+        .route(
+            "/dash/keys",
+            get(|| async { see_other("/dash/") }).post(create_key),
+        )
         .route("/dash/keys/{key_id}/revoke", post(revoke_key))
 }
 
@@ -100,7 +105,11 @@ async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
         .limiter
         .usage_query(&t.id, t.limits, s.usage.queries_per_minute)
     {
-        let why = format!("Too many sign-ins and usage reads: {}.", e.detail);
+        let why = format!(
+            "Too many sign-ins and usage reads ({}); try again in {} s.",
+            e.detail,
+            e.retry_after.as_secs().max(1)
+        );
         return login_page(StatusCode::TOO_MANY_REQUESTS, Some(&why), secure);
     }
     let created = s
@@ -216,7 +225,8 @@ async fn signed_post(s: &AppState, req: Request) -> Result<(Signed, Form, Reques
 }
 
 /// The windows the overview offers: name, label, and `since` for `now` (Unix
-/// ms; whole hours for the day and 30 days so the store reads its hourly sums).
+/// ms): the last 60 minutes; the last 24 (or 30 x 24) whole UTC hours and the
+/// current one, so the store reads its hourly sums.
 const WINDOWS: [(&str, &str); 3] = [
     ("hour", "Last hour"),
     ("day", "Last 24 hours"),
@@ -227,12 +237,8 @@ fn window_since(name: &str, until_ms: i64) -> Option<(i64, GroupBy, i64)> {
     let hour_start = until_ms.div_euclid(HOUR_MS) * HOUR_MS;
     match name {
         "hour" => Some((until_ms - HOUR_MS, GroupBy::Hour, HOUR_MS)),
-        "day" => Some((hour_start - 23 * HOUR_MS, GroupBy::Hour, HOUR_MS)),
-        "month" => Some((
-            hour_start - (30 * 24 - 1) * HOUR_MS,
-            GroupBy::Day,
-            24 * HOUR_MS,
-        )),
+        "day" => Some((hour_start - 24 * HOUR_MS, GroupBy::Hour, HOUR_MS)),
+        "month" => Some((hour_start - 30 * 24 * HOUR_MS, GroupBy::Day, 24 * HOUR_MS)),
         _ => None,
     }
 }
@@ -299,7 +305,11 @@ async fn overview(State(s): State<Arc<AppState>>, req: Request) -> Response {
             StatusCode::TOO_MANY_REQUESTS,
             CSS,
             "Slow down",
-            &format!("Too many usage reads: {}.", e.detail),
+            &format!(
+                "Too many usage reads ({}); try again in {} s.",
+                e.detail,
+                e.retry_after.as_secs().max(1)
+            ),
             "/dash/",
         );
     }
@@ -375,6 +385,7 @@ async fn render_overview(
             minijinja::context! {
                 key => g.key, requests => g.requests, input_tokens => g.input_tokens,
                 output_tokens => g.output_tokens,
+                label => tessera_tenancy::store::parse_time(&g.key).map_or(g.key.clone(), utc_minute),
             }
         })
         .collect();
@@ -409,7 +420,8 @@ async fn render_overview(
                 created => utc_minute(k.created_ms),
                 expires => k.expires_ms.map_or("never".to_string(), utc_minute),
                 state,
-                revocable => signed.manages_keys() && state == "active" && within(k.scopes, signed.own.scopes),
+                revocable => signed.manages_keys() && state == "active" && within(k.scopes, signed.own.scopes)
+                    && k.key_id != signed.session.key_id,
             }
         })
         .collect();
@@ -537,6 +549,7 @@ async fn create_key(State(s): State<Arc<AppState>>, req: Request) -> Response {
         (Some(a), Some(own)) => Some(a.min(own)),
         (a, own) => a.or(own),
     };
+    let capped = expires_ms != asked;
     let new = NewKey {
         name: name.to_string(),
         scopes,
@@ -558,7 +571,8 @@ async fn create_key(State(s): State<Arc<AppState>>, req: Request) -> Response {
         minijinja::context! {
             css => CSS, secret, key_id => info.key_id, name => info.name,
             scopes => info.scopes.names().join(", "),
-            expires => info.expires_ms.map_or("never".to_string(), rfc3339),
+            expires => info.expires_ms.map_or("never".to_string(), utc_minute),
+            capped,
         },
     )
 }
@@ -574,6 +588,18 @@ async fn revoke_key(
     };
     if !signed.manages_keys() {
         return needs_keys_write("Not revoked");
+    }
+    // One click must not lock the owner out: the session's own key is revoked with
+    // another key, the CLI or the admin API.
+    if key_id == signed.session.key_id {
+        return message(
+            StatusCode::CONFLICT,
+            CSS,
+            "Not revoked",
+            "This is the key you signed in with; revoke it from another key's session, \
+             `tessera key revoke`, or the admin API.",
+            "/dash/",
+        );
     }
     // Another tenant's key, or none: the same 404.
     let Some(k) = signed.keys.iter().find(|k| k.key_id == key_id) else {
@@ -611,14 +637,6 @@ async fn revoke_key(
     s.live.kick();
     if let Err(e) = s.store.end_key_dash_sessions(&key_id).await {
         return unavailable(e);
-    }
-    if key_id == signed.session.key_id {
-        let mut resp = see_other("/dash/login");
-        resp.headers_mut().append(
-            header::SET_COOKIE,
-            set_cookie(TENANT_COOKIE, "", "/dash", 0, over_tls_of(&req)),
-        );
-        return resp;
     }
     see_other("/dash/")
 }
@@ -663,10 +681,10 @@ mod tests {
         let until = 1_765_000_000_000 + 1234;
         let (since, _, _) = window_since("day", until).unwrap();
         assert_eq!(since % HOUR_MS, 0);
-        assert!(until - since > 23 * HOUR_MS && until - since <= 24 * HOUR_MS);
+        assert!(until - since > 24 * HOUR_MS && until - since <= 25 * HOUR_MS);
         let (since, by, _) = window_since("month", until).unwrap();
         assert_eq!((since % HOUR_MS, by), (0, GroupBy::Day));
-        assert!(until - since <= 30 * 24 * HOUR_MS);
+        assert!(until - since > 30 * 24 * HOUR_MS && until - since <= (30 * 24 + 1) * HOUR_MS);
         assert_eq!(window_since("hour", until).unwrap().0, until - HOUR_MS);
         assert!(window_since("year", until).is_none());
     }

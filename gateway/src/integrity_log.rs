@@ -1,14 +1,14 @@
-//! Recent integrity events for the operator view: a watcher samples the integrity
-//! counters (KV tag mismatches, refused commits, dropped late writes, node links cut
-//! or refused, requests failed on a mismatch) every few seconds and records each
+//! Recent integrity events for the operator view (`dash/`): a watcher
+//! (`dash::watch_integrity`) samples the integrity counters (KV tag mismatches,
+//! refused commits, dropped late writes, node links cut or refused, requests failed
+//! on a mismatch) every few seconds and records each
 //! increase with its time, so the view lists when they happened, not only how many
 //! since start. Counters are what serving keeps (engines and node links count, they
 //! do not log events to the gateway); an event is "this counter rose by n between two
 //! samples".
 
-use crate::state::AppState;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// Integrity counters shown: metric family (as exposed, without `_total`), an
@@ -55,7 +55,7 @@ pub(crate) const INTEGRITY: &[(&str, Option<&str>, &str, &str)] = &[
 /// Most events kept (the oldest go first).
 const MAX_EVENTS: usize = 100;
 /// How often the watcher samples the counters.
-const SAMPLE_EVERY: Duration = Duration::from_secs(5);
+pub(crate) const SAMPLE_EVERY: Duration = Duration::from_secs(5);
 
 /// One increase of an integrity counter between two samples.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,22 +128,6 @@ pub(crate) fn totals(metrics: &str) -> Vec<u64> {
         .iter()
         .map(|(name, filter, _, _)| metric_sum(metrics, name, *filter))
         .collect()
-}
-
-/// Samples the integrity counters into `state.integrity` every [`SAMPLE_EVERY`],
-/// for as long as the gateway serves.
-pub(crate) async fn watch(state: Arc<AppState>) {
-    loop {
-        let text = state.metrics.render_with(
-            state.engine_stats(),
-            state.inflight(),
-            state.engine.node_metrics(),
-        );
-        state
-            .integrity
-            .observe(totals(&text), tessera_tenancy::now_ms());
-        tokio::time::sleep(SAMPLE_EVERY).await;
-    }
 }
 
 /// Sums of each OpenMetrics family `name` (its `_total` samples, or the gauge's)
