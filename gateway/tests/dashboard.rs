@@ -366,7 +366,13 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
             anon.cookies.insert("tessera_dash".into(), c.into());
         }
         let p = anon.get("/dash/").await;
-        assert_eq!((p.status, p.location()), (303, "/dash/login"), "{cookie:?}");
+        // A cookie that opens nothing: the sign-in page says the session ended.
+        let to = if cookie.is_some() {
+            "/dash/login?ended"
+        } else {
+            "/dash/login"
+        };
+        assert_eq!((p.status, p.location()), (303, to), "{cookie:?}");
     }
     // A sign-in without the form's token (a login CSRF), a bad key, a key without
     // usage:read: no session.
@@ -662,8 +668,10 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
     assert_eq!(resp.status(), 200);
     for _ in 0..2 {
         let p = second.get("/dash/").await;
-        assert_eq!((p.status, p.location()), (303, "/dash/login"));
+        assert_eq!((p.status, p.location()), (303, "/dash/login?ended"));
     }
+    let notice = second.get("/dash/login?ended").await;
+    assert!(notice.status == 200 && notice.html.contains("id=\"notice\""));
     // Revoking the read-only key from A's page ends its session too.
     let p = a_browser
         .post(

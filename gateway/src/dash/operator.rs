@@ -105,7 +105,7 @@ async fn login_form(State(s): State<Arc<AppState>>, req: Request) -> Response {
     if s.admin_token.is_none() {
         return disabled();
     }
-    login_page(StatusCode::OK, None, over_tls(&req))
+    super::web::sign_in_form(&SIGN_IN, &req)
 }
 
 async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
@@ -138,7 +138,8 @@ async fn operator(s: &AppState, headers: &HeaderMap) -> Result<(String, DashSess
     // Only sessions signed in with the current token (a rotated token ends the
     // old one's sessions).
     let current = s.admin_token.as_deref().map(DashSession::operator_id);
-    for c in cookies(headers, OPERATOR_COOKIE) {
+    let presented = cookies(headers, OPERATOR_COOKIE);
+    for c in presented.iter().cloned() {
         match s.store.dash_session(&c).await {
             Err(e) => return Err(unavailable(e)),
             Ok(Some(sess)) if sess.is_operator() && current.as_ref() == Some(&sess.key_id) => {
@@ -147,7 +148,11 @@ async fn operator(s: &AppState, headers: &HeaderMap) -> Result<(String, DashSess
             Ok(_) => {}
         }
     }
-    Err(see_other("/dash/admin/login"))
+    Err(see_other(if presented.is_empty() {
+        "/dash/admin/login"
+    } else {
+        "/dash/admin/login?ended"
+    }))
 }
 
 async fn logout(State(s): State<Arc<AppState>>, req: Request) -> Response {

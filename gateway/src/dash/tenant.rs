@@ -4,8 +4,8 @@
 
 use super::chart::{tokens_chart, Point};
 use super::web::{
-    cookies, message, over_tls, page, same_origin, see_other, set_cookie, tokens_match, utc_minute,
-    Form, SignIn, SESSION_TTL_MS, TENANT_COOKIE,
+    cookies, message, page, same_origin, see_other, set_cookie, tokens_match, utc_minute, Form,
+    SignIn, SESSION_TTL_MS, TENANT_COOKIE,
 };
 use crate::state::AppState;
 use axum::extract::{ConnectInfo, Path, Request, State};
@@ -62,7 +62,7 @@ fn login_page(status: StatusCode, error: Option<&str>, secure: bool) -> Response
 }
 
 async fn login_form(req: Request) -> Response {
-    login_page(StatusCode::OK, None, over_tls(&req))
+    super::web::sign_in_form(&SIGN_IN, &req)
 }
 
 async fn login(State(s): State<Arc<AppState>>, req: Request) -> Response {
@@ -148,7 +148,16 @@ impl Signed {
 /// is tried (a planted one must not hide the real one).
 async fn signed_in(s: &AppState, headers: &HeaderMap) -> Result<Signed, Response> {
     let mut found = None;
-    for c in cookies(headers, TENANT_COOKIE) {
+    let presented = cookies(headers, TENANT_COOKIE);
+    // A cookie that opens no session: say so on the sign-in page.
+    let ended = || {
+        see_other(if presented.is_empty() {
+            "/dash/login"
+        } else {
+            "/dash/login?ended"
+        })
+    };
+    for c in presented.iter().cloned() {
         match s.store.dash_session(&c).await {
             Err(e) => return Err(unavailable(e)),
             Ok(Some(sess)) if !sess.is_operator() => {
@@ -159,7 +168,7 @@ async fn signed_in(s: &AppState, headers: &HeaderMap) -> Result<Signed, Response
         }
     }
     let Some((c, session)) = found else {
-        return Err(see_other("/dash/login"));
+        return Err(ended());
     };
     let invalid = match s
         .store
@@ -190,7 +199,7 @@ async fn signed_in(s: &AppState, headers: &HeaderMap) -> Result<Signed, Response
             if let Err(e) = s.store.end_dash_session(&c).await {
                 return Err(unavailable(e));
             }
-            Err(see_other("/dash/login"))
+            Err(ended())
         }
     }
 }

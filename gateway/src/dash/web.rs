@@ -112,12 +112,36 @@ pub(super) fn login_page(
     error: Option<&str>,
     secure: bool,
 ) -> Response {
+    render_login(f, status, error, None, secure)
+}
+
+/// The query a redirect to the sign-in page carries when the browser held a
+/// session cookie that no longer opens a session.
+pub(super) const ENDED: &str = "ended";
+
+/// `GET` of a sign-in page: the form, saying why when a session just ended
+/// (`?ended`, see [`ENDED`]).
+pub(super) fn sign_in_form(f: &SignIn, req: &Request) -> Response {
+    let notice = (req.uri().query() == Some(ENDED)).then_some(
+        "Your session ended: you signed out, it expired, or its key was revoked or its \
+         account suspended. Sign in again.",
+    );
+    render_login(f, StatusCode::OK, None, notice, over_tls(req))
+}
+
+fn render_login(
+    f: &SignIn,
+    status: StatusCode,
+    error: Option<&str>,
+    notice: Option<&str>,
+    secure: bool,
+) -> Response {
     let (csrf, pre) = pre_session(f.cookie_path, secure);
     let mut resp = page(
         status,
         "login.html",
         minijinja::context! {
-            css => f.css, heading => f.heading, error, action => f.action, csrf,
+            css => f.css, heading => f.heading, error, notice, action => f.action, csrf,
             field => f.field, label => f.label, note => f.note,
         },
     );
