@@ -520,16 +520,24 @@ def check_refused_login(c, d, a, key, want, what):
     no_scripts(c, d, f"sign-in refusal ({what})")
 
 
-def check_sign_in(c, d, a):
-    st = sign_in(d, a.base, "/dash/login", "key", a.key)
+def signed_in(c, d, base, login, field, secret, home, name, path, who):
+    """Signs in through `login` and checks the 303 to `home` and the session cookie
+    `name` on `path`; returns the cookie's value (raises without one)."""
+    st = sign_in(d, base, login, field, secret)
     c.check(
-        st[:1] == [303] and path_of(d) == "/dash/",
-        "sign-in with the tenant key: 303 to /dash/",
-        f"statuses {st}, now at {d.current_url}{sent('/dash/login')}",
+        st[:1] == [303] and path_of(d) == home,
+        f"{who} sign-in: 303 to {home}",
+        f"statuses {st}, now at {d.current_url}{sent(login)}",
     )
-    a.cookie = check_session_cookie(c, d, "tessera_dash", "/dash")
-    if not a.cookie:
-        raise Failure("no session: the tenant checks cannot run")
+    value = check_session_cookie(c, d, name, path)
+    if not value:
+        raise Failure(f"no {who} session: its checks cannot run")
+    return value
+
+
+def check_sign_in(c, d, a):
+    a.cookie = signed_in(c, d, a.base, "/dash/login", "key", a.key, "/dash/",
+                         "tessera_dash", "/dash", "tenant")
 
 
 def compare_groups(c, what, page, api, cols):
@@ -1014,15 +1022,9 @@ def check_operator(c, d, a):
         f"statuses {st}{sent('/dash/admin/login')}",
     )
     c.check(cookie(d, "tessera_dash_admin") is None, "no tessera_dash_admin cookie after the refusal")
-    st = sign_in(d, a.admin_base, "/dash/admin/login", "token", a.admin_token)
-    c.check(
-        st[:1] == [303] and path_of(d) == "/dash/admin/",
-        "operator sign-in: 303 to /dash/admin/",
-        f"statuses {st}, at {d.current_url}{sent('/dash/admin/login')}",
-    )
-    a.admin_cookie = check_session_cookie(c, d, "tessera_dash_admin", "/dash/admin")
-    if not a.admin_cookie:
-        raise Failure("no operator session")
+    a.admin_cookie = signed_in(c, d, a.admin_base, "/dash/admin/login", "token",
+                               a.admin_token, "/dash/admin/", "tessera_dash_admin",
+                               "/dash/admin", "operator")
     no_scripts(c, d, "operator page")
     since, until = read_range(d)
     page = rows(d, "#tenants", "data-tenant", ("name", "status") + OPERATOR_COLS)

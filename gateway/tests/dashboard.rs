@@ -18,7 +18,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use tessera_gateway::GatewayOptions;
-use tessera_tenancy::{now_ms, Limits, NewKey, Scopes, UsageRecord};
+use tessera_tenancy::{now_ms, Limits, NewKey, Scopes};
 
 /// A cookie-keeping HTTP client that does not follow redirects.
 struct Browser {
@@ -116,6 +116,28 @@ impl Browser {
         self.send(r).await
     }
 
+    /// A tenant session signed in with `key` (asserted), and its form token.
+    async fn tenant_session(base: &str, key: &str) -> (Self, String) {
+        let mut b = Self::new(base);
+        let p = b.sign_in("/dash/login", "key", key).await;
+        assert_eq!(p.status, 303, "{}", p.html);
+        let csrf = csrf_of(&b.get("/dash/").await.html);
+        (b, csrf)
+    }
+
+    /// Posts the create-key form with `csrf` and `fields` besides it.
+    async fn create_key(&mut self, csrf: &str, fields: &[(&str, &str)]) -> Page {
+        let mut all = vec![("csrf", csrf)];
+        all.extend_from_slice(fields);
+        self.post("/dash/keys", &all).await
+    }
+
+    /// Posts the revoke form of key `key_id` with `csrf`.
+    async fn revoke(&mut self, csrf: &str, key_id: &str) -> Page {
+        self.post(&format!("/dash/keys/{key_id}/revoke"), &[("csrf", csrf)])
+            .await
+    }
+
     /// Signs in through `login_path`'s form with `field` = `secret`.
     async fn sign_in(&mut self, login_path: &str, field: &str, secret: &str) -> Page {
         let form = self.get(login_path).await;
@@ -162,31 +184,6 @@ fn attr_i64(html: &str, name: &str) -> i64 {
     html[at..html[at..].find('"').unwrap() + at]
         .parse()
         .unwrap()
-}
-
-fn old_row(tenant: &str, key: &str, ago_ms: i64, status: u16, i: i64, o: i64) -> UsageRecord {
-    UsageRecord {
-        request_id: tessera_tenancy::random_hex(16),
-        tenant_id: tenant.into(),
-        key_id: key.into(),
-        model: MODEL.into(),
-        endpoint: "ai/run".into(),
-        status,
-        error_code: if status >= 400 { 3040 } else { 0 },
-        finish: if status >= 400 { "error" } else { "stop" }.into(),
-        input_tokens: i,
-        output_tokens: o,
-        cached_tokens: 3,
-        cached_host_tokens: 0,
-        cached_disk_tokens: 0,
-        ttft_us: 1000,
-        duration_us: 2000,
-        created_ms: now_ms() - ago_ms,
-    }
-}
-
-fn key_id_of(key: &str) -> String {
-    key.split('_').nth(1).unwrap().to_string()
 }
 
 async fn usage_api(
@@ -249,7 +246,7 @@ async fn each_window_shows_the_usage_apis_numbers() {
     ] {
         assert!(s
             .store()
-            .record_usage(&old_row(&t.id, &kid, ago, status, i, o))
+            .record_usage(&past_usage(&t.id, &kid, MODEL, ago, status, (i, o, 3)))
             .await
             .unwrap());
     }
@@ -413,13 +410,7 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
     assert_eq!(p.status, 413);
 
     // Signed in as A: forged posts change nothing.
-    let mut a_browser = Browser::new(&s.base);
-    assert_eq!(
-        a_browser.sign_in("/dash/login", "key", &key_a).await.status,
-        303
-    );
-    let page = a_browser.get("/dash/").await;
-    let csrf = csrf_of(&page.html);
+    let (mut a_browser, csrf) = Browser::tenant_session(&s.base, &key_a).await;
     let before = keys_of(a.id.clone()).await.len();
     type Fields<'a> = &'a [(&'a str, &'a str)];
     let forged: [(Fields, Option<&str>); 4] = [
@@ -484,17 +475,12 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
 
     // A key created on the page: shown once, its HTML name escaped, and it works.
     let evil = "<img src=x onerror=alert(1)><b>k</b>";
-    let p = a_browser
-        .post(
-            "/dash/keys",
-            &[
-                ("csrf", &csrf),
-                ("name", evil),
-                ("scope", "usage:read"),
-                ("expires_days", "2"),
-            ],
-        )
-        .await;
+    let fields = [
+        ("name", evil),
+        ("scope", "usage:read"),
+        ("expires_days", "2"),
+    ];
+    let p = a_browser.create_key(&csrf, &fields).await;
     assert_eq!(p.status, 200, "{}", p.html);
     let at = p.html.find("<code id=\"new-key\">").unwrap() + 19;
     let new_key = p.html[at..p.html[at..].find('<').unwrap() + at].to_string();
@@ -517,33 +503,17 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
         );
     }
     let p = a_browser
-        .post(
-            "/dash/keys",
-            &[("csrf", &csrf), ("name", "n"), ("scope", "admin")],
-        )
+        .create_key(&csrf, &[("name", "n"), ("scope", "admin")])
         .await;
     assert_eq!(p.status, 400);
 
     // A usage:read-only session can neither mint nor revoke a key that can do more.
-    let mut ro = Browser::new(&s.base);
-    assert_eq!(
-        ro.sign_in("/dash/login", "key", &read_only).await.status,
-        303
-    );
-    let ro_csrf = csrf_of(&ro.get("/dash/").await.html);
+    let (mut ro, ro_csrf) = Browser::tenant_session(&s.base, &read_only).await;
     let p = ro
-        .post(
-            "/dash/keys",
-            &[("csrf", &ro_csrf), ("name", "up"), ("scope", "inference")],
-        )
+        .create_key(&ro_csrf, &[("name", "up"), ("scope", "inference")])
         .await;
     assert_eq!(p.status, 403);
-    let p = ro
-        .post(
-            &format!("/dash/keys/{}/revoke", key_id_of(&key_a)),
-            &[("csrf", &ro_csrf)],
-        )
-        .await;
+    let p = ro.revoke(&ro_csrf, &key_id_of(&key_a)).await;
     assert_eq!(p.status, 403);
     assert!(keys_of(a.id.clone()).await.iter().all(|k| k.name != "up"));
     // A key made by a key that expires expires no later, asked for or not.
@@ -558,21 +528,14 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
         )
         .await
         .unwrap();
-    let mut sb = Browser::new(&s.base);
-    assert_eq!(sb.sign_in("/dash/login", "key", &short).await.status, 303);
-    let sb_csrf = csrf_of(&sb.get("/dash/").await.html);
+    let (mut sb, sb_csrf) = Browser::tenant_session(&s.base, &short).await;
     for (name, days) in [("child-none", ""), ("child-long", "30")] {
-        let p = sb
-            .post(
-                "/dash/keys",
-                &[
-                    ("csrf", &sb_csrf),
-                    ("name", name),
-                    ("scope", "usage:read"),
-                    ("expires_days", days),
-                ],
-            )
-            .await;
+        let fields = [
+            ("name", name),
+            ("scope", "usage:read"),
+            ("expires_days", days),
+        ];
+        let p = sb.create_key(&sb_csrf, &fields).await;
         assert_eq!(p.status, 200, "{}", p.html);
         assert!(p.html.contains("id=\"expiry-capped\""), "{}", p.html);
         let made = keys_of(a.id.clone())
@@ -583,12 +546,7 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
         assert!(made.expires_ms.is_some_and(|e| e <= soon), "{made:?}");
     }
     // The key a session signed in with is not revoked with one click from it.
-    let p = sb
-        .post(
-            &format!("/dash/keys/{}/revoke", key_id_of(&short)),
-            &[("csrf", &sb_csrf)],
-        )
-        .await;
+    let p = sb.revoke(&sb_csrf, &key_id_of(&short)).await;
     assert_eq!(p.status, 409);
     assert_eq!(sb.get("/dash/").await.status, 200);
     // A reload of a form's address lands on the dashboard, not on an error.
@@ -609,18 +567,10 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
     assert!(app_page.html.contains("id=\"no-key-management\""));
     let app_csrf = csrf_of(&app_page.html);
     let p = app
-        .post(
-            "/dash/keys",
-            &[("csrf", &app_csrf), ("name", "x"), ("scope", "usage:read")],
-        )
+        .create_key(&app_csrf, &[("name", "x"), ("scope", "usage:read")])
         .await;
     assert_eq!(p.status, 403);
-    let p = app
-        .post(
-            &format!("/dash/keys/{}/revoke", key_id_of(&inference_only)),
-            &[("csrf", &app_csrf)],
-        )
-        .await;
+    let p = app.revoke(&app_csrf, &key_id_of(&inference_only)).await;
     assert_eq!(p.status, 403);
     assert!(keys_of(a.id.clone())
         .await
@@ -639,10 +589,7 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
 
     // A's session token does not work in the read-only session.
     let p = ro
-        .post(
-            "/dash/keys",
-            &[("csrf", &csrf), ("name", "ro2"), ("scope", "usage:read")],
-        )
+        .create_key(&csrf, &[("name", "ro2"), ("scope", "usage:read")])
         .await;
     assert_eq!(p.status, 403);
 
@@ -673,12 +620,7 @@ async fn dashboard_attacks_end_in_the_right_answer_with_nothing_changed() {
     let notice = second.get("/dash/login?ended").await;
     assert!(notice.status == 200 && notice.html.contains("id=\"notice\""));
     // Revoking the read-only key from A's page ends its session too.
-    let p = a_browser
-        .post(
-            &format!("/dash/keys/{}/revoke", key_id_of(&read_only)),
-            &[("csrf", &csrf)],
-        )
-        .await;
+    let p = a_browser.revoke(&csrf, &key_id_of(&read_only)).await;
     assert_eq!((p.status, p.location()), (303, "/dash/"));
     assert_eq!(ro.get("/dash/").await.status, 303);
     let audit = store.audit_rows(0, now_ms() + 1, 1000).await.unwrap();

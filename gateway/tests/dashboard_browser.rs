@@ -22,7 +22,7 @@ use common::*;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tessera_tenancy::{Limits, NewKey, Scopes, UsageRecord};
+use tessera_tenancy::{Limits, NewKey, Scopes};
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
@@ -58,43 +58,6 @@ fn require_browser() {
          run scripts/test (it installs the Debian packages chromium and chromium-driver), \
          or apt-get install chromium chromium-driver"
     );
-}
-
-/// The key id of `tsk_<key_id>_<secret>`.
-fn key_id_of(key: &str) -> String {
-    key.split('_').nth(1).expect("tsk_<key_id>_<secret>").into()
-}
-
-/// One older ledger row of `tenant` (not through the server: the ledger as the
-/// server would have written it `age_ms` ago); `tokens` are input, output, cached.
-async fn seed_row(
-    s: &TestServer,
-    tenant: &str,
-    key_id: &str,
-    model: &str,
-    age_ms: i64,
-    status: u16,
-    tokens: (i64, i64, i64),
-) {
-    let (input, output, cached) = tokens;
-    let r = UsageRecord {
-        request_id: format!("dash-seed-{}", tessera_tenancy::random_hex(8)),
-        tenant_id: tenant.into(),
-        key_id: key_id.into(),
-        model: model.into(),
-        endpoint: "workers_ai.run".into(),
-        status,
-        error_code: if status >= 400 { 3040 } else { 0 },
-        finish: if status >= 400 { "error" } else { "stop" }.into(),
-        input_tokens: input,
-        output_tokens: output,
-        cached_tokens: cached,
-        ttft_us: 20_000,
-        duration_us: 90_000,
-        created_ms: tessera_tenancy::now_ms() - age_ms,
-        ..UsageRecord::default()
-    };
-    assert!(s.store().record_usage(&r).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -164,20 +127,26 @@ async fn dashboard_in_headless_chromium() {
         (MODEL, 20 * DAY, 200, (520, 80, 48)),
         (OLD_MODEL, 27 * DAY, 200, (630, 90, 0)),
     ];
-    for (model, age, status, tokens) in older {
-        seed_row(&s, &a.id, &main.key_id, model, age, status, tokens).await;
-    }
-    // B's own older row: big numbers that would show if any page mixed tenants.
-    seed_row(
-        &s,
+    // Older ledger rows, as the server would have written them (not through it).
+    let b_row = (
         &b.id,
-        &key_id_of(&key_b),
+        key_id_of(&key_b),
         MODEL,
         2 * HOUR,
         200,
         (9_000, 900, 0),
-    )
-    .await;
+    );
+    let rows = older
+        .into_iter()
+        .map(|(model, age, status, tokens)| {
+            (&a.id, main.key_id.clone(), model, age, status, tokens)
+        })
+        // B's own older row: big numbers that would show if any page mixed tenants.
+        .chain([b_row]);
+    for (tenant, key_id, model, age, status, tokens) in rows {
+        let r = past_usage(tenant, &key_id, model, age, status, tokens);
+        assert!(s.store().record_usage(&r).await.unwrap());
+    }
     s.settle().await;
 
     let shots = PathBuf::from(concat!(

@@ -17,17 +17,13 @@ async fn sqlite_store_contract() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_scopes_audit_and_retention() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
-    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    let (_dir, store) = fresh_store().await;
     common::store_admin_contract(&store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_scheduling_and_cache_salt() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
-    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    let (_dir, store) = fresh_store().await;
     common::store_scheduling_contract(&store).await;
 }
 
@@ -35,9 +31,7 @@ async fn sqlite_scheduling_and_cache_salt() {
 /// before it writes must wait for the lock, not fail with "database is locked".
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_writers_wait_for_the_lock() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
-    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    let (_dir, store) = fresh_store().await;
     let tenant = store
         .create_tenant("alpha", tessera_tenancy::Limits::default())
         .await
@@ -64,16 +58,20 @@ async fn concurrent_writers_wait_for_the_lock() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_model_access() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
-    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    let (_dir, store) = fresh_store().await;
     common::store_model_access_contract(&store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_dashboard_reads_and_sessions() {
+    let (_dir, store) = fresh_store().await;
+    common::store_dashboard_contract(&store).await;
+}
+
+/// A store in a fresh SQLite file (kept while the directory lives).
+async fn fresh_store() -> (tempfile::TempDir, tessera_tenancy::Store) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("tessera.db").display());
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
-    common::store_dashboard_contract(&store).await;
+    (dir, store)
 }

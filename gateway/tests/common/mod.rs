@@ -400,3 +400,38 @@ pub fn test_python() -> std::path::PathBuf {
     );
     String::from_utf8(out.stdout).unwrap().trim().into()
 }
+
+/// The key id of an API key `tsk_<key_id>_<secret>`.
+pub fn key_id_of(key: &str) -> String {
+    key.split('_').nth(1).expect("tsk_<key_id>_<secret>").into()
+}
+
+/// A ledger row of `tenant` as the server would have written it `age_ms` ago (for
+/// seeding usage history without waiting); `tokens` are input, output, cached.
+pub fn past_usage(
+    tenant: &str,
+    key_id: &str,
+    model: &str,
+    age_ms: i64,
+    status: u16,
+    tokens: (i64, i64, i64),
+) -> UsageRecord {
+    let (input, output, cached) = tokens;
+    UsageRecord {
+        request_id: format!("seed-{}", tessera_tenancy::random_hex(8)),
+        tenant_id: tenant.into(),
+        key_id: key_id.into(),
+        model: model.into(),
+        endpoint: "workers_ai.run".into(),
+        status,
+        error_code: if status >= 400 { 3040 } else { 0 },
+        finish: if status >= 400 { "error" } else { "stop" }.into(),
+        input_tokens: input,
+        output_tokens: output,
+        cached_tokens: cached,
+        ttft_us: 20_000,
+        duration_us: 90_000,
+        created_ms: tessera_tenancy::now_ms() - age_ms,
+        ..UsageRecord::default()
+    }
+}
