@@ -4,6 +4,7 @@
 mod bench;
 mod deployment;
 mod device;
+mod finetune_cli;
 mod generate;
 mod kv_spill;
 mod model_fetch;
@@ -80,6 +81,14 @@ enum Command {
         store: tenancy_cli::StoreArgs,
         #[command(flatten)]
         args: tenancy_cli::AuditArgs,
+    },
+    /// Tenants' LoRA fine-tunes: create (checked against the base model), list,
+    /// delete, publish.
+    Finetune {
+        #[command(flatten)]
+        store: tenancy_cli::StoreArgs,
+        #[command(subcommand)]
+        command: finetune_cli::FinetuneCommand,
     },
     /// A tenant's usage from the ledger, grouped.
     Usage {
@@ -284,6 +293,7 @@ fn run() -> Result<()> {
         Command::Tenant { store, command } => tenancy_cli::tenant(store, command),
         Command::Key { store, command } => tenancy_cli::key(store, command),
         Command::Usage { store, args } => tenancy_cli::usage(store, args),
+        Command::Finetune { store, command } => finetune_cli::finetune(store, command),
         Command::Audit { store, args } => tenancy_cli::audit(store, args),
         Command::Loadtest(args) => Ok(tessera_loadtest::main(args)?),
         Command::Ops {

@@ -110,6 +110,9 @@ pub(crate) struct ServeArgs {
     /// Largest accepted request body in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+    /// Largest accepted LoRA adapter upload (`ai/finetunes`) in bytes.
+    #[arg(long, default_value_t = tessera_gateway::DEFAULT_MAX_FINETUNE_BYTES)]
+    max_finetune_bytes: usize,
     /// Seconds a client has to send a request head (request line and headers);
     /// also bounds an idle kept-alive connection.
     #[arg(long, default_value_t = 10)]
@@ -395,6 +398,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         tls: tls.clone(),
         allow_insecure_http: a.allow_insecure_http,
         max_body_bytes: a.max_body_bytes,
+        max_finetune_bytes: a.max_finetune_bytes,
         admin_token: Some(admin),
         metrics_token: metrics_token.map(str::to_string),
         default_limits,
@@ -482,8 +486,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
         };
         let admin = store.audited(&by);
         let t = admin.create_tenant("default", default_limits).await?;
-        // The account owner's key: every scope, `keys:write` included (the
-        // dashboard's key management).
+        // The account owner's key: every scope, `keys:write` (the dashboard's key
+        // management) and `finetunes:write` included.
         let owner = NewKey {
             scopes: tessera_tenancy::Scopes::ALL,
             ..NewKey::named("default")

@@ -157,7 +157,7 @@ impl DefaultLimitArgs {
 }
 
 /// Who the CLI acts as in the audit log: `cli:<user>`, one request id per run.
-fn cli_actor() -> AuditCtx {
+pub(crate) fn cli_actor() -> AuditCtx {
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_else(|_| "unknown".into());
@@ -258,7 +258,8 @@ pub(crate) enum KeyCommand {
         #[arg(long, default_value = "default")]
         name: String,
         /// Scope (repeatable): `inference`, `usage:read`, `keys:write` (key
-        /// management on the dashboard); default `inference` and `usage:read`.
+        /// management on the dashboard), `finetunes:write` (uploading and deleting
+        /// LoRA fine-tunes); default `inference` and `usage:read`.
         #[arg(long = "scope")]
         scopes: Vec<String>,
         /// Expiry time (Unix seconds, YYYY-MM-DD or YYYY-MM-DDTHH:MM:SSZ).
@@ -320,7 +321,7 @@ pub(crate) struct UsageArgs {
     group_by: String,
 }
 
-fn rt() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn rt() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?)
@@ -353,7 +354,7 @@ fn purge_cache(
     bail!("the gateway refused the cache purge ({status}): {reason}")
 }
 
-fn print(v: serde_json::Value) -> Result<()> {
+pub(crate) fn print(v: serde_json::Value) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }

@@ -540,3 +540,91 @@ async fn accept_loop_backs_off_when_out_of_file_descriptors() {
     assert!(answered.is_ok(), "not accepting after descriptors freed");
     child.kill().await.unwrap();
 }
+
+/// `tessera finetune create|list|publish|delete`: an adapter written by
+/// `scripts/make_lora.py` (llama.cpp's `gguf` package) is checked against the
+/// default model's file and stored; one for another architecture is refused by
+/// name; another tenant cannot delete it; every change is audited.
+#[test]
+fn finetune_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let py = std::process::Command::new(format!("{root}/scripts/python-env"))
+        .output()
+        .unwrap();
+    assert!(py.status.success(), "scripts/python-env failed");
+    let python = String::from_utf8(py.stdout).unwrap().trim().to_string();
+    let model = format!("{root}/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let make = |kind: &str| {
+        let out = d.join(format!("{kind}.gguf"));
+        let ok = std::process::Command::new(&python)
+            .arg(format!("{root}/scripts/make_lora.py"))
+            .args([model.as_str(), out.to_str().unwrap(), "--kind", kind])
+            .args(["--layers", "0,1"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "make_lora.py {kind}");
+        out.to_str().unwrap().to_string()
+    };
+    let (good, bad) = (make("random"), make("wrong-arch"));
+    let tenant = |name: &str| {
+        let (ok, v, err) = cli(d, &["tenant", "create", "--name", name]);
+        assert!(ok, "{err}");
+        v["tenant"]["id"].as_str().unwrap().to_string()
+    };
+    let (a, b) = (tenant("a"), tenant("b"));
+    let create = |t: &str, file: &str| {
+        cli(
+            d,
+            &[
+                "finetune",
+                "create",
+                "--tenant",
+                t,
+                "--model-file",
+                &model,
+                file,
+            ],
+        )
+    };
+    let (ok, v, err) = create(&a, &good);
+    assert!(ok, "{err}");
+    assert_eq!(
+        (v["name"].as_str(), v["rank"].as_u64()),
+        (Some("random"), Some(8))
+    );
+    assert_eq!(v["targets"], 4, "attn_q and attn_v of layers 0 and 1");
+    let id = v["id"].as_str().unwrap().to_string();
+    let (ok, _, err) = create(&a, &bad);
+    assert!(!ok);
+    assert!(err.contains("architecture \"gpt2\""), "{err}");
+    let (ok, _, err) = create(&a, &good);
+    assert!(
+        !ok && err.contains("already has a fine-tune named"),
+        "{err}"
+    );
+    let (_, v, _) = cli(d, &["finetune", "list", "--tenant", &a]);
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    let (_, v, _) = cli(d, &["finetune", "list", "--tenant", &b]);
+    assert_eq!(v.as_array().unwrap().len(), 0);
+    let (ok, v, _) = cli(d, &["finetune", "publish", &id]);
+    assert!(ok && v["public"] == true);
+    let (ok, _, _) = cli(d, &["finetune", "delete", "--tenant", &b, &id]);
+    assert!(!ok, "only the owner deletes");
+    let (ok, v, _) = cli(d, &["finetune", "delete", "--tenant", &a, "random"]);
+    assert!(ok && v["deleted"]["id"] == id.as_str());
+    let (_, v, _) = cli(d, &["audit"]);
+    let actions: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["action"].as_str().unwrap())
+        .filter(|a| a.starts_with("finetune."))
+        .collect();
+    assert_eq!(
+        actions,
+        ["finetune.create", "finetune.visibility", "finetune.delete"]
+    );
+}

@@ -655,7 +655,7 @@ async fn list_keys(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Re
 }
 
 /// `scopes` (an array of names, or one space-separated string; default: `inference`
-/// and `usage:read`, never `keys:write` unless named) and
+/// and `usage:read`, never `keys:write` or `finetunes:write` unless named) and
 /// the expiry (`expires_at`: Unix seconds, YYYY-MM-DD or RFC 3339; or
 /// `expires_in_secs`), which must lie in the future.
 fn new_key(body: &Value) -> Result<NewKey, ApiError> {

@@ -488,15 +488,7 @@ fn poll(state: &AppState, tenant_id: &str, model: &str, id: &Value) -> Result<Va
 
 /// A request id in the UUID text form (random, 128 bits).
 fn uuid_like() -> String {
-    let h = tessera_tenancy::random_hex(16);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
+    tessera_tenancy::random_uuid()
 }
 
 /// Runs a batch's items, [`ITEM_PARALLELISM`] at a time, and marks it finished;

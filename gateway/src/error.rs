@@ -42,6 +42,9 @@ pub enum ErrorKind {
     NotFound,
     /// A known route asked with a method it does not serve (405, with `allow`).
     MethodNotAllowed,
+    /// The change conflicts with what exists (a fine-tune name in use) or a count
+    /// cap is reached (409).
+    Conflict,
     /// A per-tenant rate limit (429).
     RateLimited,
     /// The tenant's daily token quota is used up (429).
@@ -65,6 +68,7 @@ impl ErrorKind {
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NoSuchModel | Self::NotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Self::Conflict => StatusCode::CONFLICT,
             Self::RateLimited | Self::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::Timeout => StatusCode::REQUEST_TIMEOUT,
@@ -82,6 +86,7 @@ impl ErrorKind {
             Self::ModelNotAllowed => 5018,
             Self::NotFound => 7000,
             Self::MethodNotAllowed => 7001,
+            Self::Conflict => 3003,
             Self::RateLimited | Self::Unavailable => 3040,
             Self::QuotaExceeded => 3036,
             Self::Timeout => 3007,
@@ -101,6 +106,7 @@ impl ErrorKind {
             Self::ModelNotAllowed => ("invalid_request_error", "model_not_permitted"),
             Self::NotFound => ("invalid_request_error", "not_found"),
             Self::MethodNotAllowed => ("invalid_request_error", "method_not_allowed"),
+            Self::Conflict => ("invalid_request_error", "conflict"),
             Self::RateLimited => ("requests", "rate_limit_exceeded"),
             Self::QuotaExceeded => ("insufficient_quota", "insufficient_quota"),
             Self::Unavailable => ("server_error", "engine_unavailable"),

@@ -99,7 +99,8 @@ pub(crate) fn limit_error(l: &LimitError) -> ApiError {
 }
 
 /// Hard cap of bytes read (and discarded) from an oversized body before answering
-/// 413, so that a client still sending its body reads the answer.
+/// 413, so that a client still sending its body reads the answer (or the limit
+/// itself, when larger).
 const DRAIN_LIMIT: usize = 64 << 20;
 
 /// Reads the body up to `limit` bytes.
@@ -118,7 +119,8 @@ pub(crate) async fn read_body(
         .get("content-length")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > DRAIN_LIMIT) {
+    let drain_limit = DRAIN_LIMIT.max(limit);
+    if declared.is_some_and(|n| n > drain_limit) {
         return Err(too_large());
     }
     let mut stream = body.into_data_stream();
@@ -132,7 +134,7 @@ pub(crate) async fn read_body(
             )
         })?;
         seen += chunk.len();
-        if seen > DRAIN_LIMIT {
+        if seen > drain_limit {
             return Err(too_large());
         }
         if seen <= limit {

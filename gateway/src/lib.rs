@@ -52,6 +52,7 @@ mod cache_api;
 mod cpu;
 mod dash;
 mod driver;
+mod finetunes_api;
 mod http;
 mod integrity_log;
 mod live;
@@ -65,6 +66,7 @@ pub use admin::{check_token, TokenError, MIN_TOKEN_BYTES, MIN_TOKEN_DISTINCT_BYT
 pub use error::{ApiError, ErrorKind};
 pub use server::{Server, StartError};
 pub use state::{
-    AppState, ConnLimits, Deadlines, GatewayOptions, Reload, ServedModel, UsageConfig, MAX_ID_BYTES,
+    AppState, ConnLimits, Deadlines, GatewayOptions, Reload, ServedModel, UsageConfig,
+    DEFAULT_MAX_FINETUNE_BYTES, MAX_ID_BYTES,
 };
 pub use tls::{TlsError, TlsMode};

@@ -328,6 +328,18 @@ fn public_routes() -> Router<Arc<AppState>> {
             get(crate::usage_api::usage),
         )
         .route(
+            "/client/v4/accounts/{account_id}/ai/finetunes",
+            get(crate::finetunes_api::list).post(crate::finetunes_api::create),
+        )
+        .route(
+            "/client/v4/accounts/{account_id}/ai/finetunes/public",
+            get(crate::finetunes_api::list_public),
+        )
+        .route(
+            "/client/v4/accounts/{account_id}/ai/finetunes/{id}",
+            get(crate::finetunes_api::show).delete(crate::finetunes_api::delete),
+        )
+        .route(
             "/client/v4/accounts/{account_id}/ai/cache",
             get(crate::cache_api::report).delete(crate::cache_api::purge),
         )

@@ -126,6 +126,8 @@ pub struct GatewayOptions {
     pub allow_insecure_http: bool,
     /// Largest accepted request body in bytes.
     pub max_body_bytes: usize,
+    /// Largest accepted LoRA adapter file (`ai/finetunes` uploads), in bytes.
+    pub max_finetune_bytes: usize,
     /// Bearer token of the admin API (at least [`crate::admin::MIN_TOKEN_BYTES`]
     /// bytes, else [`Server::bind`](crate::Server::bind) refuses); `None` disables the admin API.
     pub admin_token: Option<String>,
@@ -171,6 +173,7 @@ impl Default for GatewayOptions {
             tls: TlsMode::Off,
             allow_insecure_http: false,
             max_body_bytes: 1 << 20,
+            max_finetune_bytes: DEFAULT_MAX_FINETUNE_BYTES,
             admin_token: None,
             metrics_token: None,
             default_limits: Limits::NEW_TENANT,
@@ -241,6 +244,10 @@ pub struct AppState {
     pub default_limits: Limits,
     /// Body size limit.
     pub max_body_bytes: usize,
+    /// Largest accepted LoRA adapter file, in bytes.
+    pub max_finetune_bytes: usize,
+    /// Fine-tune uploads being read and checked (each holds its file in memory).
+    pub(crate) finetune_uploads: Arc<tokio::sync::Semaphore>,
     /// Request deadlines.
     pub deadlines: Deadlines,
     /// Usage API limits and retention.
@@ -319,6 +326,10 @@ impl AppState {
             metrics_token: cfg.metrics_token.as_deref().map(|t| t.trim().to_string()),
             default_limits: cfg.default_limits,
             max_body_bytes: cfg.max_body_bytes,
+            max_finetune_bytes: cfg.max_finetune_bytes,
+            finetune_uploads: Arc::new(tokio::sync::Semaphore::new(
+                crate::finetunes_api::MAX_UPLOADS,
+            )),
             deadlines: cfg.deadlines,
             usage: cfg.usage,
             drain_timeout: cfg.drain_timeout,
@@ -571,6 +582,9 @@ impl Ctx {
         r
     }
 }
+
+/// Default cap on a LoRA adapter upload: 300 MB (Workers AI's).
+pub const DEFAULT_MAX_FINETUNE_BYTES: usize = 300 << 20;
 
 /// Default time a finished async batch's results are kept.
 pub(crate) const DEFAULT_BATCH_RETENTION: Duration = Duration::from_secs(3600);

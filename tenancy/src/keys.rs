@@ -98,18 +98,27 @@ pub enum Scope {
     /// the key's own scopes and expiry). Never given by default: a key gets it
     /// only when it is named.
     KeysWrite,
+    /// Uploading and deleting the tenant's LoRA fine-tunes (`ai/finetunes`). Never
+    /// given by default.
+    FinetunesWrite,
 }
 
 impl Scope {
     /// Every scope, in display order.
-    pub const ALL: [Scope; 3] = [Scope::Inference, Scope::UsageRead, Scope::KeysWrite];
+    pub const ALL: [Scope; 4] = [
+        Scope::Inference,
+        Scope::UsageRead,
+        Scope::KeysWrite,
+        Scope::FinetunesWrite,
+    ];
 
-    /// Stable spelling (`inference`, `usage:read`, `keys:write`).
+    /// Stable spelling (`inference`, `usage:read`, `keys:write`, `finetunes:write`).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Inference => "inference",
             Self::UsageRead => "usage:read",
             Self::KeysWrite => "keys:write",
+            Self::FinetunesWrite => "finetunes:write",
         }
     }
 
@@ -118,6 +127,7 @@ impl Scope {
             Self::Inference => 1,
             Self::UsageRead => 2,
             Self::KeysWrite => 4,
+            Self::FinetunesWrite => 8,
         }
     }
 }
@@ -134,7 +144,7 @@ impl Scopes {
     /// `inference` and `usage:read`: what a key gets when none are named.
     pub const DEFAULT: Scopes = Scopes(3);
     /// Every scope (the first-start key's: the account owner's).
-    pub const ALL: Scopes = Scopes(7);
+    pub const ALL: Scopes = Scopes(15);
 
     /// Parses scope names separated by spaces or commas (`"inference usage:read"`).
     /// Errors name the unknown scope; an empty list is an error.
@@ -229,9 +239,12 @@ mod tests {
         let all = Scopes::parse("inference usage:read").unwrap();
         assert_eq!(all, Scopes::DEFAULT);
         assert_eq!(Scopes::parse("usage:read,inference").unwrap(), all);
-        let owner = Scopes::parse("keys:write inference usage:read").unwrap();
+        let owner = Scopes::parse("keys:write inference finetunes:write usage:read").unwrap();
         assert_eq!(owner, Scopes::ALL);
-        assert_eq!(owner.to_string(), "inference usage:read keys:write");
+        assert_eq!(
+            owner.to_string(),
+            "inference usage:read keys:write finetunes:write"
+        );
         assert!(!all.contains(Scope::KeysWrite) && owner.contains(Scope::KeysWrite));
         let u = Scopes::parse("usage:read").unwrap();
         assert!(u.contains(Scope::UsageRead) && !u.contains(Scope::Inference));

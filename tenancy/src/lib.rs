@@ -23,10 +23,25 @@ pub use limits::{
     SharedLimits, SharedLimitsError,
 };
 pub use store::{
-    AuditCtx, AuditRecord, Audited, AuthError, CacheLimits, DashSession, GroupBy, KeyInfo, Limits,
-    LimitsPatch, ModelAccess, NewKey, Principal, PriorityCeiling, Scheduling, Store, StoreError,
-    Tenant, TenantStatus, UsageGroup, UsageRecord,
+    AuditCtx, AuditRecord, Audited, AuthError, CacheLimits, DashSession, Finetune, GroupBy,
+    KeyInfo, Limits, LimitsPatch, ModelAccess, NewFinetune, NewKey, Principal, PriorityCeiling,
+    Scheduling, Store, StoreError, Tenant, TenantStatus, UsageGroup, UsageRecord,
+    MAX_FINETUNES_PER_TENANT,
 };
+
+/// 128 random bits in the UUID text form (`8-4-4-4-12` hex digits; not a
+/// version-4 UUID's fixed bits).
+pub fn random_uuid() -> String {
+    let h = random_hex(16);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
+}
 
 /// Milliseconds since the Unix epoch, now.
 pub fn now_ms() -> i64 {

@@ -42,3 +42,10 @@ async fn postgres_dashboard_reads_and_sessions() {
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
     common::store_dashboard_contract(&store).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_finetunes() {
+    let (_server, url) = tessera_tenancy::testing::PgServer::from_env_or_start();
+    let store = tessera_tenancy::Store::connect(&url).await.unwrap();
+    common::store_finetunes_contract(&store).await;
+}

@@ -75,3 +75,9 @@ async fn fresh_store() -> (tempfile::TempDir, tessera_tenancy::Store) {
     let store = tessera_tenancy::Store::connect(&url).await.unwrap();
     (dir, store)
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_finetunes() {
+    let (_dir, store) = fresh_store().await;
+    common::store_finetunes_contract(&store).await;
+}

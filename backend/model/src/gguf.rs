@@ -56,6 +56,8 @@ pub struct LoadedModel {
     pub path: PathBuf,
     /// What the file says about itself (catalog metadata).
     pub info: ModelInfo,
+    /// What a LoRA adapter for this model is checked against.
+    pub lora_base: Arc<crate::lora::LoraBase>,
 }
 
 /// Catalog metadata read from a GGUF file's header.
@@ -243,24 +245,34 @@ fn thousands(n: u64) -> String {
     out
 }
 
+/// Opens a GGUF file and reads its header (metadata and tensor directory, not the
+/// weights); the file is returned for reading the weights.
+///
+/// Errors: [`LoadError::Open`], [`LoadError::Gguf`].
+pub fn read_header(path: &Path) -> Result<(std::fs::File, Content), LoadError> {
+    let mut f = std::fs::File::open(path).map_err(|source| LoadError::Open {
+        path: path.into(),
+        source,
+    })?;
+    let content = Content::read(&mut f).map_err(|source| LoadError::Gguf {
+        path: path.into(),
+        source,
+    })?;
+    Ok((f, content))
+}
+
 impl LoadedModel {
     /// Loads a GGUF file of one of the supported architectures
     /// ([`crate::transformer::Arch`]).
     pub fn load(path: &Path) -> Result<Self, LoadError> {
-        let mut f = std::fs::File::open(path).map_err(|source| LoadError::Open {
-            path: path.into(),
-            source,
-        })?;
-        let content = Content::read(&mut f).map_err(|source| LoadError::Gguf {
-            path: path.into(),
-            source,
-        })?;
+        let (mut f, content) = read_header(path)?;
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let chat = ChatTemplate::from_gguf(&content)?;
         let transformer = Transformer::load(&content, &mut f)?;
         let info = ModelInfo::from_gguf(&content, transformer.config().context);
         Ok(Self {
             info,
+            lora_base: Arc::new(crate::lora::LoraBase::from_gguf(&content)),
             transformer: Arc::new(transformer),
             tokenizer: Arc::new(tokenizer),
             chat: Arc::new(chat),

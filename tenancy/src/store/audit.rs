@@ -63,8 +63,8 @@ pub(super) async fn audit_in(
 /// transaction as the change (see [`Store::audited`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Audited<'a> {
-    store: &'a Store,
-    by: &'a AuditCtx,
+    pub(super) store: &'a Store,
+    pub(super) by: &'a AuditCtx,
 }
 
 impl Audited<'_> {

@@ -5,11 +5,13 @@
 //! One module per concept: `types` (the records and errors the store hands out),
 //! `dates` (UTC date and time text), `rows` (row mapping shared by the queries),
 //! `audit` (the audit log, [`Audited`] and the one audited-write helper), and the
-//! queries by table group: `tenants`, `keys`, `access` (model access), `usage`.
+//! queries by table group: `tenants`, `keys`, `access` (model access), `usage`,
+//! `sessions` (dashboard sign-ins), `finetunes` (LoRA adapters).
 
 mod access;
 mod audit;
 mod dates;
+mod finetunes;
 mod keys;
 mod rows;
 mod sessions;
@@ -19,6 +21,7 @@ mod usage;
 
 pub use audit::Audited;
 pub use dates::{days_from_civil, parse_time, rfc3339};
+pub use finetunes::{Finetune, NewFinetune, MAX_FINETUNES_PER_TENANT};
 pub use sessions::DashSession;
 pub use types::{
     AuditCtx, AuditRecord, AuthError, CacheLimits, GroupBy, KeyInfo, Limits, LimitsPatch,
@@ -62,6 +65,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         7,
         "dashboard",
         include_str!("../../migrations/0007_dashboard.sql"),
+    ),
+    (
+        8,
+        "finetunes",
+        include_str!("../../migrations/0008_finetunes.sql"),
     ),
 ];
 

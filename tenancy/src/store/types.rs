@@ -50,6 +50,10 @@ pub enum StoreError {
     /// A value given to a store operation is out of range (names the field).
     #[error("{0}")]
     Invalid(String),
+    /// The change conflicts with what the store holds (a name in use, a cap
+    /// reached); says which.
+    #[error("{0}")]
+    Conflict(String),
 }
 
 /// Why authentication failed. All map to 401 except [`AuthError::Suspended`] (403).

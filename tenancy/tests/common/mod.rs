@@ -784,3 +784,126 @@ pub(crate) async fn store_dashboard_contract(store: &Store) {
     assert!(store.end_dash_session(&other).await.unwrap());
     assert!(!store.end_dash_session(&other).await.unwrap());
 }
+
+/// Fine-tunes: stored with their file, reachable by their tenant alone (by id or
+/// name) and by everyone once public (by id only), names unique per tenant, deletes
+/// by the owner only, each change audited.
+pub(crate) async fn store_finetunes_contract(store: &Store) {
+    use tessera_tenancy::NewFinetune;
+    let a = store
+        .create_tenant("ft-a", Limits::NEW_TENANT)
+        .await
+        .unwrap();
+    let b = store
+        .create_tenant("ft-b", Limits::NEW_TENANT)
+        .await
+        .unwrap();
+    let by = AuditCtx {
+        request_id: "rid-ft".into(),
+        source: "test".into(),
+    };
+    let file: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    let new = |tenant: &'static str, name: &'static str| NewFinetune {
+        tenant_id: tenant,
+        name,
+        base_model: "@cf/test/base",
+        description: "d",
+        rank: 8,
+        alpha: 16.0,
+        targets: 60,
+        data: &[],
+    };
+    let a_id: &'static str = Box::leak(a.id.clone().into_boxed_str());
+    let b_id: &'static str = Box::leak(b.id.clone().into_boxed_str());
+    let ft = store
+        .audited(&by)
+        .create_finetune(&NewFinetune {
+            data: &file,
+            ..new(a_id, "mine")
+        })
+        .await
+        .unwrap();
+    assert_eq!(ft.size_bytes, 70_000);
+    assert_eq!(ft.sha256.len(), 64);
+    assert_eq!(
+        (ft.rank, ft.alpha, ft.targets, ft.public),
+        (8, 16.0, 60, false)
+    );
+    assert_eq!(store.finetune_data(&ft.id).await.unwrap().unwrap(), file);
+    // The owner reaches it by id and by name; the other tenant by neither.
+    for key in [&ft.id, "mine"] {
+        assert_eq!(store.finetune_for(a_id, key).await.unwrap().unwrap(), ft);
+        assert_eq!(store.finetune_for(b_id, key).await.unwrap(), None);
+    }
+    assert_eq!(store.finetunes_of(a_id).await.unwrap(), vec![ft.clone()]);
+    assert!(store.finetunes_of(b_id).await.unwrap().is_empty());
+    // Names are per tenant: B may use the same one; A may not twice.
+    let bs = store.create_finetune(&new(b_id, "mine")).await.unwrap();
+    assert_ne!(bs.id, ft.id);
+    let dup = store.create_finetune(&new(a_id, "mine")).await.unwrap_err();
+    assert!(
+        matches!(dup, tessera_tenancy::StoreError::Conflict(_)),
+        "{dup}"
+    );
+    for bad in ["", ".x", "a b", &"n".repeat(65)] {
+        let name: &'static str = Box::leak(bad.to_string().into_boxed_str());
+        assert!(matches!(
+            store.create_finetune(&new(a_id, name)).await,
+            Err(tessera_tenancy::StoreError::Invalid(_))
+        ));
+    }
+    assert!(matches!(
+        store.create_finetune(&new("no-such-tenant", "x")).await,
+        Err(tessera_tenancy::StoreError::NoTenant(_))
+    ));
+    // Public: everyone by id, not by name; still only the owner deletes it.
+    assert!(store
+        .audited(&by)
+        .set_finetune_public(&ft.id, true)
+        .await
+        .unwrap());
+    let seen = store.finetune_for(b_id, &ft.id).await.unwrap().unwrap();
+    assert!(seen.public && seen.tenant_id == a.id);
+    // B's own "mine" wins over A's public one for B.
+    assert_eq!(
+        store.finetune_for(b_id, "mine").await.unwrap().unwrap().id,
+        bs.id
+    );
+    assert!(store
+        .public_finetunes()
+        .await
+        .unwrap()
+        .iter()
+        .any(|f| f.id == ft.id));
+    assert_eq!(
+        store
+            .audited(&by)
+            .delete_finetune(b_id, &ft.id)
+            .await
+            .unwrap(),
+        None
+    );
+    let gone = store
+        .audited(&by)
+        .delete_finetune(a_id, "mine")
+        .await
+        .unwrap();
+    assert_eq!(gone.unwrap().id, ft.id);
+    assert_eq!(store.finetune_for(a_id, &ft.id).await.unwrap(), None);
+    assert_eq!(store.finetune_data(&ft.id).await.unwrap(), None);
+    assert!(!store.set_finetune_public(&ft.id, true).await.unwrap());
+    // Audited: create, visibility, delete (B's refused delete wrote nothing).
+    let actions: Vec<String> = store
+        .audit_rows(0, i64::MAX, 10_000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.request_id == "rid-ft")
+        .map(|r| r.action)
+        .collect();
+    let mine: Vec<&str> = actions.iter().map(String::as_str).rev().take(3).collect();
+    assert_eq!(
+        mine,
+        ["finetune.delete", "finetune.visibility", "finetune.create"]
+    );
+}

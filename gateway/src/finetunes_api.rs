@@ -1,0 +1,301 @@
+//! `ai/finetunes`: a tenant's LoRA fine-tunes (issue 38).
+//!
+//! - `POST /client/v4/accounts/{account_id}/ai/finetunes?model=<base>&name=<name>
+//!   [&description=<text>]`, the adapter file as the raw body (GGUF, the form
+//!   llama.cpp's `convert_lora_to_gguf.py` writes): checked against the base model
+//!   ([`tessera_model::lora::validate`]: architecture, every pair's shapes, rank <=
+//!   [`MAX_RANK`], tensor types, data within the file; a 400 names what does not
+//!   fit), then stored with its SHA-256 in the store's `finetune_blobs` and audited
+//!   (`finetune.create`). Key scope `finetunes:write`.
+//! - `GET .../ai/finetunes`: the account's own fine-tunes; `GET .../ai/finetunes/public`:
+//!   the public ones; `GET .../ai/finetunes/{id or name}`: one (its own by id or
+//!   name, a public one by id). Key scope `inference`.
+//! - `DELETE .../ai/finetunes/{id or name}`: deletes one of its own (audited,
+//!   `finetune.delete`). Key scope `finetunes:write`.
+//!
+//! Another account's fine-tune does not exist for the caller: the same 404 as an
+//! unknown id, for reads and deletes, so ids and names cannot be probed. Another
+//! account's key gets the 403 every account-scoped route gives. Every call counts
+//! against the account's rate of usage-API queries; uploads are read up to
+//! `max_finetune_bytes` (413 past it), at most [`MAX_UPLOADS`] at once per gateway
+//! (503 with `retry-after` past it: each holds its file in memory), and checked on
+//! the CPU pool.
+
+use crate::cpu::Lane;
+use crate::error::{ApiError, ErrorKind, Flavor};
+use crate::http::{envelope, read_body};
+use crate::state::{AppState, Ctx};
+use crate::usage_api::account_query;
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tessera_model::lora::{self, MAX_RANK};
+use tessera_tenancy::store::rfc3339;
+use tessera_tenancy::{AuditCtx, Finetune, NewFinetune, Scope, StoreError};
+
+/// Uploads read and checked at once per gateway (each holds its file in memory).
+pub(crate) const MAX_UPLOADS: usize = 2;
+
+/// How long an upload's body may take, as a multiple of the body-read deadline
+/// (an adapter is up to hundreds of MB, a request body a few kB).
+const UPLOAD_DEADLINE_FACTOR: u32 = 10;
+
+/// A fine-tune as the API shows it; `own`: the caller's (with its account id).
+fn to_json(f: &Finetune, own: bool) -> Value {
+    let mut v = json!({
+        "id": f.id,
+        "name": f.name,
+        "description": f.description,
+        "model": f.base_model,
+        "public": f.public,
+        "created_at": rfc3339(f.created_ms),
+        "sha256": f.sha256,
+        "size_bytes": f.size_bytes,
+        "rank": f.rank,
+        "alpha": f.alpha,
+        "targets": f.targets,
+    });
+    if own {
+        v["account_id"] = json!(f.tenant_id);
+    }
+    v
+}
+
+fn store_error(e: StoreError) -> ApiError {
+    match e {
+        StoreError::Invalid(m) => ApiError::new(ErrorKind::BadRequest, m),
+        StoreError::Conflict(m) => ApiError::new(ErrorKind::Conflict, m),
+        e => {
+            tracing::error!(error = %e, "fine-tune store unavailable");
+            ApiError::new(ErrorKind::Unavailable, "the fine-tune store is unavailable")
+        }
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    let shown: String = id.chars().take(80).collect();
+    ApiError::new(ErrorKind::NotFound, format!("no fine-tune {shown:?}"))
+}
+
+fn bad(param: &str, message: String) -> ApiError {
+    let mut e = ApiError::new(ErrorKind::BadRequest, message);
+    e.param = Some(param.into());
+    e
+}
+
+/// Handler: `POST .../ai/finetunes`.
+pub(crate) async fn create(
+    State(state): State<Arc<AppState>>,
+    Path(account): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let mut ctx = Ctx::new("finetune_create", Flavor::WorkersAi);
+    let p = match account_query(&state, &mut ctx, &headers, &account, Scope::FinetunesWrite).await {
+        Ok(p) => p,
+        Err(refused) => return refused,
+    };
+    match upload(&state, &ctx, &p, &q, &headers, body).await {
+        Ok(f) => ctx.header(axum::Json(envelope(to_json(&f, true))).into_response()),
+        Err(e) => e.into_response_as(Flavor::WorkersAi, &ctx.rid),
+    }
+}
+
+async fn upload(
+    state: &AppState,
+    ctx: &Ctx,
+    p: &tessera_tenancy::Principal,
+    q: &HashMap<String, String>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Finetune, ApiError> {
+    let t = &p.tenant;
+    let model = q.get("model").filter(|m| !m.is_empty()).ok_or_else(|| {
+        bad(
+            "model",
+            "model is required: the id of the base model the adapter is for".into(),
+        )
+    })?;
+    let name = q
+        .get("name")
+        .ok_or_else(|| bad("name", "name is required".into()))?;
+    let description = q.get("description").map(String::as_str).unwrap_or("");
+    let content_type = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if content_type.starts_with("multipart/") || content_type.starts_with("application/json") {
+        return Err(bad(
+            "file",
+            format!(
+                "send the adapter file (GGUF) as the raw request body \
+                 (content-type: application/octet-stream), not {content_type}"
+            ),
+        ));
+    }
+    // The base model as a run would find it: unknown, removed or private to other
+    // accounts answer as they do there.
+    let served = crate::pipeline::route(state, &t.id, model).await?;
+    let Ok(_permit) = state.finetune_uploads.clone().try_acquire_owned() else {
+        let mut e = ApiError::new(
+            ErrorKind::Unavailable,
+            format!("{MAX_UPLOADS} fine-tune uploads are being checked; try again shortly"),
+        );
+        e.retry_after = Some(Duration::from_secs(5));
+        e.retryable = true;
+        return Err(e);
+    };
+    let deadline = state.deadlines.body_read * UPLOAD_DEADLINE_FACTOR;
+    let bytes = tokio::time::timeout(deadline, read_body(headers, body, state.max_finetune_bytes))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the adapter file was not received within {} s",
+                    deadline.as_secs()
+                ),
+            )
+        })??;
+    let base = served.model.lora_base.clone();
+    let base_id = served.entry.id.clone();
+    let data = bytes.clone();
+    let summary = state
+        .cpu
+        .run(Lane::Request, &t.id, move || {
+            lora::validate(&data, &base, &base_id, MAX_RANK)
+        })
+        .await
+        .map_err(|e| {
+            bad(
+                "file",
+                format!("the adapter does not fit model {}: {e}", served.entry.id),
+            )
+        })?;
+    let by = AuditCtx {
+        request_id: ctx.rid.clone(),
+        source: format!("key:{}", p.key_id),
+    };
+    let f = state
+        .store
+        .audited(&by)
+        .create_finetune(&NewFinetune {
+            tenant_id: &t.id,
+            name,
+            base_model: &served.entry.id,
+            description,
+            rank: summary.rank as u32,
+            alpha: f64::from(summary.alpha),
+            targets: summary.targets.len() as u32,
+            data: &bytes,
+        })
+        .await
+        .map_err(store_error)?;
+    tracing::info!(
+        tenant = %t.id, id = %f.id, model = %f.base_model, size = f.size_bytes, rank = f.rank,
+        "fine-tune stored"
+    );
+    Ok(f)
+}
+
+/// Handler: `GET .../ai/finetunes` (the caller's own).
+pub(crate) async fn list(
+    State(state): State<Arc<AppState>>,
+    Path(account): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    list_where(&state, &account, &headers, false).await
+}
+
+/// Handler: `GET .../ai/finetunes/public`.
+pub(crate) async fn list_public(
+    State(state): State<Arc<AppState>>,
+    Path(account): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    list_where(&state, &account, &headers, true).await
+}
+
+/// The caller's own fine-tunes, or (`public`) every public one.
+async fn list_where(
+    state: &AppState,
+    account: &str,
+    headers: &HeaderMap,
+    public: bool,
+) -> Response {
+    let mut ctx = Ctx::new("finetune_list", Flavor::WorkersAi);
+    let p = match account_query(state, &mut ctx, headers, account, Scope::Inference).await {
+        Ok(p) => p,
+        Err(refused) => return refused,
+    };
+    let me = &p.tenant.id;
+    let all = if public {
+        state.store.public_finetunes().await
+    } else {
+        state.store.finetunes_of(me).await
+    };
+    match all {
+        Ok(all) => {
+            let v: Vec<Value> = all.iter().map(|f| to_json(f, &f.tenant_id == me)).collect();
+            ctx.header(axum::Json(envelope(json!(v))).into_response())
+        }
+        Err(e) => store_error(e).into_response_as(Flavor::WorkersAi, &ctx.rid),
+    }
+}
+
+/// Handler: `GET .../ai/finetunes/{id or name}`.
+pub(crate) async fn show(
+    State(state): State<Arc<AppState>>,
+    Path((account, id)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let mut ctx = Ctx::new("finetune_show", Flavor::WorkersAi);
+    let p = match account_query(&state, &mut ctx, &headers, &account, Scope::Inference).await {
+        Ok(p) => p,
+        Err(refused) => return refused,
+    };
+    let t = &p.tenant;
+    match state.store.finetune_for(&t.id, &id).await {
+        Ok(Some(f)) => {
+            let own = f.tenant_id == t.id;
+            ctx.header(axum::Json(envelope(to_json(&f, own))).into_response())
+        }
+        Ok(None) => not_found(&id).into_response_as(Flavor::WorkersAi, &ctx.rid),
+        Err(e) => store_error(e).into_response_as(Flavor::WorkersAi, &ctx.rid),
+    }
+}
+
+/// Handler: `DELETE .../ai/finetunes/{id or name}` (the caller's own only).
+pub(crate) async fn delete(
+    State(state): State<Arc<AppState>>,
+    Path((account, id)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let mut ctx = Ctx::new("finetune_delete", Flavor::WorkersAi);
+    let p = match account_query(&state, &mut ctx, &headers, &account, Scope::FinetunesWrite).await {
+        Ok(p) => p,
+        Err(refused) => return refused,
+    };
+    let by = AuditCtx {
+        request_id: ctx.rid.clone(),
+        source: format!("key:{}", p.key_id),
+    };
+    match state
+        .store
+        .audited(&by)
+        .delete_finetune(&p.tenant.id, &id)
+        .await
+    {
+        Ok(Some(f)) => {
+            ctx.header(axum::Json(envelope(json!({ "id": f.id, "deleted": true }))).into_response())
+        }
+        Ok(None) => not_found(&id).into_response_as(Flavor::WorkersAi, &ctx.rid),
+        Err(e) => store_error(e).into_response_as(Flavor::WorkersAi, &ctx.rid),
+    }
+}
