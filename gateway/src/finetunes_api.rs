@@ -24,7 +24,7 @@
 use crate::cpu::Lane;
 use crate::error::{ApiError, ErrorKind, Flavor};
 use crate::http::{envelope, read_body};
-use crate::state::{AppState, Ctx};
+use crate::state::{AppState, Ctx, ServedModel};
 use crate::usage_api::account_query;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -34,12 +34,122 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tessera_model::lora::{self, MAX_RANK};
+use tessera_model::lora::{self, LoraWeights, MAX_RANK};
+use tessera_serving::LoraRef;
 use tessera_tenancy::store::rfc3339;
 use tessera_tenancy::{AuditCtx, Finetune, NewFinetune, Scope, StoreError};
 
 /// Uploads read and checked at once per gateway (each holds its file in memory).
 pub(crate) const MAX_UPLOADS: usize = 2;
+
+/// Loaded adapters a gateway keeps (the least recently used one goes first).
+const MAX_LOADED: usize = 16;
+
+/// Adapters loaded for serving, by fine-tune id (with the file's SHA-256, so a
+/// changed file is loaded anew).
+#[derive(Debug, Default)]
+pub(crate) struct LoadedLoras {
+    map: std::sync::Mutex<HashMap<String, Loaded>>,
+    clock: std::sync::atomic::AtomicU64,
+}
+
+/// A loaded adapter: its file's SHA-256, its weights, when it was last used.
+type Loaded = (String, Arc<LoraWeights>, u64);
+
+impl LoadedLoras {
+    fn get(&self, id: &str, sha256: &str) -> Option<Arc<LoraWeights>> {
+        let now = self
+            .clock
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut map = self.map.lock().expect("lora cache lock");
+        let (sha, w, used) = map.get_mut(id)?;
+        (sha == sha256).then(|| {
+            *used = now;
+            w.clone()
+        })
+    }
+
+    fn put(&self, id: &str, sha256: &str, w: Arc<LoraWeights>) {
+        let now = self
+            .clock
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut map = self.map.lock().expect("lora cache lock");
+        if map.len() >= MAX_LOADED && !map.contains_key(id) {
+            let oldest = map.iter().min_by_key(|(_, v)| v.2).map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                map.remove(&k);
+            }
+        }
+        map.insert(id.into(), (sha256.into(), w, now));
+    }
+}
+
+/// The fine-tune `name` (id or name) of tenant `tenant_id` for a request to
+/// `served`, loaded: its own, or a public one by id.
+///
+/// Errors: 404 naming `lora` for one the tenant cannot reach (another tenant's is
+/// unknown to it); 400 when it was made for another base model; 503 when the store
+/// cannot be read; 500 when its file does not load.
+pub(crate) async fn resolve(
+    state: &AppState,
+    tenant_id: &str,
+    served: &ServedModel,
+    name: &str,
+) -> Result<LoraRef, ApiError> {
+    let unknown = || {
+        let mut e = not_found(name);
+        e.param = Some("lora".into());
+        e
+    };
+    let ft = state
+        .store
+        .finetune_for(tenant_id, name)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(unknown)?;
+    if ft.base_model != served.entry.id {
+        return Err(bad(
+            "lora",
+            format!(
+                "the fine-tune {name:?} is for model {}, not {}",
+                ft.base_model, served.entry.id
+            ),
+        ));
+    }
+    if let Some(w) = state.loras.get(&ft.id, &ft.sha256) {
+        return Ok(LoraRef {
+            id: ft.id,
+            weights: Some(w),
+        });
+    }
+    let data = state
+        .store
+        .finetune_data(&ft.id)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(unknown)?;
+    let (base, layers, id) = (
+        served.model.lora_base.clone(),
+        served.model.config().layers,
+        ft.id.clone(),
+    );
+    let loaded = state
+        .cpu
+        .run(Lane::Request, tenant_id, move || {
+            LoraWeights::load(&data, &base, &id, layers)
+        })
+        .await
+        .map_err(|e| {
+            tracing::error!(id = %ft.id, error = %e, "a stored fine-tune does not load");
+            ApiError::new(ErrorKind::Internal, "the fine-tune could not be loaded")
+        })?;
+    let w = Arc::new(loaded);
+    state.loras.put(&ft.id, &ft.sha256, w.clone());
+    Ok(LoraRef {
+        id: ft.id,
+        weights: Some(w),
+    })
+}
 
 /// How long an upload's body may take, as a multiple of the body-read deadline
 /// (an adapter is up to hundreds of MB, a request body a few kB).

@@ -19,7 +19,7 @@ use tessera_serving::Priority;
 
 /// What validation takes from the caller's tenant record: server-side values only,
 /// never anything from the request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TenantContext {
     /// The id the engine tags KV pages with.
     pub engine_id: u64,
@@ -31,6 +31,9 @@ pub struct TenantContext {
     pub cache_namespace: Option<[u8; 32]>,
     /// The tenant's own bounds on its cached pages (from its record).
     pub cache_policy: tessera_serving::CachePolicy,
+    /// The fine-tune the request's `lora` names, resolved and loaded for this tenant
+    /// (`None`: none was resolved; a request naming one is then refused).
+    pub lora: Option<tessera_serving::LoraRef>,
 }
 
 impl TenantContext {
@@ -43,6 +46,7 @@ impl TenantContext {
             max_priority: Priority::Interactive,
             cache_namespace: None,
             cache_policy: Default::default(),
+            lora: None,
         }
     }
 }
@@ -82,6 +86,7 @@ pub fn rejection(r: &Rejection) -> ApiError {
         Rejection::Stop(_) => ApiError::field("stop", r.to_string()),
         Rejection::ZeroMaxTokens => ApiError::field("max_tokens", r.to_string()),
         Rejection::EmptyPrompt => ApiError::field("prompt", r.to_string()),
+        Rejection::Lora(_) => ApiError::field("lora", r.to_string()),
         Rejection::BadToken { .. } => ApiError::new(ErrorKind::BadRequest, r.to_string()),
         Rejection::Unavailable(_) => {
             let mut e = ApiError::new(ErrorKind::Unavailable, r.to_string());
@@ -109,6 +114,16 @@ pub fn validate(
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
     // control tokens, as llama.cpp's server and vLLM parse completions prompts.
     let tools = p.tools;
+    // A fine-tune is resolved for the tenant before validation; one named on a path
+    // that resolves none (an async batch's items) is refused, never run as the base.
+    let lora = match (&p.lora, &tenant.lora) {
+        (None, _) => None,
+        (Some(_), Some(l)) => Some(l.clone()),
+        (Some(_), None) => return Err(ApiError::field(
+            "lora",
+            "`lora` (a fine-tune) is not served for async batch items: send the request on its own",
+        )),
+    };
     // The field the input came in, which a refusal of it names.
     let input_field = match &p.input {
         Input::Prompt { .. } => "prompt",
@@ -262,6 +277,7 @@ pub fn validate(
         output,
         resume: None,
         speculate: p.speculative,
+        lora,
     };
     let request = admission
         .admit(request)

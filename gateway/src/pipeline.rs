@@ -202,6 +202,7 @@ pub(crate) fn tenant_context(t: &Tenant) -> TenantContext {
             idle_ttl_secs: t.cache_limits.idle_ttl_secs,
             version: t.cache_limits.set_ms.max(0) as u64,
         },
+        lora: None,
     }
 }
 
@@ -577,13 +578,25 @@ impl<'s> Phases for HttpPhases<'s> {
 
     async fn validate(&mut self, r: Routed<'s>) -> Result<Validated<'s>, Stop> {
         let tenant = &r.limited.principal.tenant;
+        let lora = match &r.request.lora {
+            None => None,
+            Some(name) => {
+                match crate::finetunes_api::resolve(self.state, &tenant.id, r.served, name).await {
+                    Ok(l) => Some(l),
+                    Err(e) => return Err(Stop::failed(self.state, &self.ctx, e).await),
+                }
+            }
+        };
         let checked = validate(
             self.state,
             Lane::Request,
             r.served,
             r.request,
             &tenant.id,
-            tenant_context(tenant),
+            TenantContext {
+                lora,
+                ..tenant_context(tenant)
+            },
         )
         .await;
         let v = match checked {

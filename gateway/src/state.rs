@@ -248,6 +248,8 @@ pub struct AppState {
     pub max_finetune_bytes: usize,
     /// Fine-tune uploads being read and checked (each holds its file in memory).
     pub(crate) finetune_uploads: Arc<tokio::sync::Semaphore>,
+    /// Adapters loaded for serving.
+    pub(crate) loras: crate::finetunes_api::LoadedLoras,
     /// Request deadlines.
     pub deadlines: Deadlines,
     /// Usage API limits and retention.
@@ -330,6 +332,7 @@ impl AppState {
             finetune_uploads: Arc::new(tokio::sync::Semaphore::new(
                 crate::finetunes_api::MAX_UPLOADS,
             )),
+            loras: Default::default(),
             deadlines: cfg.deadlines,
             usage: cfg.usage,
             drain_timeout: cfg.drain_timeout,

@@ -67,6 +67,9 @@ pub struct ParsedRequest {
     /// `speculative`: draft tokens per step for prompt-lookup speculation (0: off);
     /// `None`: the model's setting (`tessera serve --speculate`).
     pub speculative: Option<u32>,
+    /// `lora`: the caller's LoRA fine-tune (id or name) to run the model under
+    /// (OpenAI also `model: "<base>:<fine-tune>"`); `None`: the base model.
+    pub lora: Option<String>,
 }
 
 /// Parses a JSON object body.
@@ -417,6 +420,19 @@ pub(crate) fn check_len(field: &str, v: &str) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// `lora`: a fine-tune's id or name (a non-empty string of at most
+/// [`MAX_ID_BYTES`](crate::MAX_ID_BYTES) bytes), or absent.
+pub(crate) fn lora(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    match opt_string(o, "lora")? {
+        None => Ok(None),
+        Some("") => Err(ApiError::field("lora", "`lora` must not be empty")),
+        Some(l) => {
+            check_len("lora", l)?;
+            Ok(Some(l.into()))
+        }
+    }
 }
 
 /// `speculative`: `{"mode": "ngram", "k": N}` (both keys optional: mode `ngram`, k 4;

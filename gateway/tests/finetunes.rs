@@ -320,3 +320,172 @@ async fn adapters_are_checked_stored_and_reachable_by_their_tenant_alone() {
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// The `response` of a Workers AI run, or the error message.
+async fn run(s: &TestServer, account: &str, key: &str, body: Value) -> (u16, String) {
+    let (status, _, v) = s.post(&s.run_url(account), Some(key), &body).await;
+    let text = if status == 200 {
+        v["result"]["response"].as_str().unwrap().to_string()
+    } else {
+        message(&v)
+    };
+    (status, text)
+}
+
+/// Requests run under a fine-tune (issue 38 items 2 and 3), on a co-located engine
+/// and on disaggregated prefill and decode engines: the adapter changes the answer;
+/// `lora` (Workers AI) and `model: "<base>:<fine-tune>"` (OpenAI) give the same one;
+/// the base model's answer stays the base's, also for a prompt an adapter request
+/// cached first; another tenant naming the fine-tune gets the 404 of an unknown one
+/// until it is public, then the owner's answer; a deleted fine-tune is gone at once;
+/// a fine-tune of another base, an async batch item and an empty name are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_run_under_their_tenants_fine_tune() {
+    for pd in [false, true] {
+        let s = if pd {
+            start_pd(GatewayOptions::default()).await
+        } else {
+            start().await
+        };
+        serve_fine_tunes(&s).await;
+    }
+}
+
+async fn serve_fine_tunes(s: &TestServer) {
+    let api = Api { s };
+    let store = s.store();
+    let writer = NewKey {
+        scopes: Scopes::ALL,
+        ..NewKey::named("w")
+    };
+    let a = store
+        .create_tenant("lora-a", Limits::NEW_TENANT)
+        .await
+        .unwrap();
+    let (_, a_key) = store.create_key_with(&a.id, &writer).await.unwrap();
+    let b = store
+        .create_tenant("lora-b", Limits::NEW_TENANT)
+        .await
+        .unwrap();
+    let (_, b_key) = store.create_key_with(&b.id, &writer).await.unwrap();
+    let file = adapter(
+        s.dir.path(),
+        "random",
+        &[
+            "--targets",
+            "attn_q,attn_v,ffn_up,ffn_down",
+            "--scale",
+            "0.05",
+            "--seed",
+            "3",
+        ],
+    );
+    let (status, v) = api.put_file(&a.id, &a_key, "tuned", &file).await;
+    assert_eq!(status, 200, "{v}");
+    let id = v["result"]["id"].as_str().unwrap().to_string();
+
+    let prompt = "Describe the colour of the sky in one sentence. ".repeat(4);
+    let body = |lora: Option<&str>| {
+        let mut b = serde_json::json!({"prompt": prompt, "max_tokens": 24});
+        if let Some(l) = lora {
+            b["lora"] = l.into();
+        }
+        b
+    };
+    let (status, base) = run(s, &a.id, &a_key, body(None)).await;
+    assert_eq!(status, 200, "{base}");
+    // The adapter first on this prompt, then the base again: the base's answer
+    // (it neither hits the adapter's cached pages nor runs under the adapter).
+    let (status, tuned) = run(s, &a.id, &a_key, body(Some("tuned"))).await;
+    assert_eq!(status, 200, "{tuned}");
+    assert_ne!(tuned, base, "the fine-tune does not change the answer");
+    assert_eq!(
+        run(s, &a.id, &a_key, body(Some(&id))).await,
+        (200, tuned.clone())
+    );
+    assert_eq!(run(s, &a.id, &a_key, body(None)).await, (200, base.clone()));
+    // OpenAI shapes: `model: base:fine-tune`, or the `lora` field.
+    let chat = |model: String, lora: Option<&str>| {
+        let mut b = serde_json::json!({
+            "model": model, "max_tokens": 24,
+            "messages": [{"role": "user", "content": prompt}],
+        });
+        if let Some(l) = lora {
+            b["lora"] = l.into();
+        }
+        b
+    };
+    let url = format!("{}/v1/chat/completions", s.base);
+    let content = |v: &Value| {
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (st, _, plain) = s.post(&url, Some(&a_key), &chat(MODEL.into(), None)).await;
+    let (st2, _, named) = s
+        .post(&url, Some(&a_key), &chat(format!("{MODEL}:tuned"), None))
+        .await;
+    let (st3, _, field) = s
+        .post(&url, Some(&a_key), &chat(MODEL.into(), Some("tuned")))
+        .await;
+    assert_eq!((st, st2, st3), (200, 200, 200), "{named} {field}");
+    assert_eq!(content(&named), content(&field));
+    assert_ne!(content(&named), content(&plain));
+    let (st, _, v) = s
+        .post(
+            &url,
+            Some(&a_key),
+            &chat(format!("{MODEL}:tuned"), Some("tuned")),
+        )
+        .await;
+    assert_eq!(st, 400, "{v}");
+
+    // Another tenant: by id or name, exactly an unknown fine-tune; public: by id,
+    // and the owner's answer.
+    for name in [id.as_str(), "tuned", "no-such-fine-tune"] {
+        let (status, m) = run(s, &b.id, &b_key, body(Some(name))).await;
+        assert_eq!((status, m), (404, format!("no fine-tune {name:?}")));
+    }
+    assert!(store.set_finetune_public(&id, true).await.unwrap());
+    assert_eq!(
+        run(s, &b.id, &b_key, body(Some(&id))).await,
+        (200, tuned.clone())
+    );
+    assert_eq!(run(s, &b.id, &b_key, body(Some("tuned"))).await.0, 404);
+    assert!(store.set_finetune_public(&id, false).await.unwrap());
+    assert_eq!(run(s, &b.id, &b_key, body(Some(&id))).await.0, 404);
+
+    // Refused: an empty name, a batch item, a fine-tune for another base model.
+    assert_eq!(run(s, &a.id, &a_key, body(Some(""))).await.0, 400);
+    let (status, _, v) = s
+        .post(
+            &format!("{}?queueRequest=true", s.run_url(&a.id)),
+            Some(&a_key),
+            &serde_json::json!({"requests": [body(Some("tuned"))]}),
+        )
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert!(message(&v).contains("lora"), "{v}");
+    let other = store
+        .create_finetune(&tessera_tenancy::NewFinetune {
+            tenant_id: &a.id,
+            name: "for-another-model",
+            base_model: "@cf/someone/else",
+            description: "",
+            rank: 8,
+            alpha: 16.0,
+            targets: 1,
+            data: b"x",
+        })
+        .await
+        .unwrap();
+    let (status, m) = run(s, &a.id, &a_key, body(Some(&other.id))).await;
+    assert_eq!(status, 400);
+    assert!(m.contains("is for model @cf/someone/else"), "{m}");
+
+    // Deleted: gone for the next request.
+    assert_eq!(api.delete(&a.id, &a_key, "/tuned").await.0, 200);
+    assert_eq!(run(s, &a.id, &a_key, body(Some("tuned"))).await.0, 404);
+    assert_eq!(run(s, &a.id, &a_key, body(None)).await, (200, base));
+}

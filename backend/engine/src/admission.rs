@@ -83,6 +83,51 @@ pub struct GenerateRequest {
     /// same either way; only its speed changes.
     #[serde(default)]
     pub speculate: Option<u32>,
+    /// The tenant's LoRA fine-tune this request runs under (`None`: the base model).
+    /// Its weights travel only within a process; over a node link only its id does,
+    /// and an engine without the weights refuses the request ([`Rejection::Lora`]).
+    #[serde(default)]
+    pub lora: Option<LoraRef>,
+}
+
+/// A request's LoRA adapter: the fine-tune's id and its loaded weights. Serialized
+/// as the id alone (weights are never sent in a request), so a deserialized one has
+/// no weights.
+#[derive(Clone, Debug)]
+pub struct LoraRef {
+    /// The fine-tune's id (what its pages' cache namespace is derived with).
+    pub id: String,
+    /// The adapter, when this process has it.
+    pub weights: Option<std::sync::Arc<tessera_model::lora::LoraWeights>>,
+}
+
+/// Equal: the same fine-tune id and the same loaded weights (or neither loaded).
+impl PartialEq for LoraRef {
+    fn eq(&self, o: &Self) -> bool {
+        self.id == o.id
+            && match (&self.weights, &o.weights) {
+                (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            }
+    }
+}
+
+impl Eq for LoraRef {}
+
+impl serde::Serialize for LoraRef {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.id)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for LoraRef {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Self {
+            id: String::deserialize(d)?,
+            weights: None,
+        })
+    }
 }
 
 /// Most draft tokens a request may ask for per step.
@@ -168,6 +213,9 @@ pub enum Rejection {
     /// retryable.
     #[error("{0}")]
     Unavailable(String),
+    /// The request names a LoRA fine-tune whose weights this engine does not have.
+    #[error("the fine-tune {0} is not available on this engine")]
+    Lora(String),
 }
 
 impl GenerateRequest {
@@ -188,6 +236,7 @@ impl GenerateRequest {
             output: OutputOptions::default(),
             resume: None,
             speculate: None,
+            lora: None,
         }
     }
 }
@@ -204,6 +253,7 @@ impl Rejection {
             Self::Sampling(_) => "bad_sampling",
             Self::Stop(_) => "bad_stop",
             Self::Unavailable(_) => "unavailable",
+            Self::Lora(_) => "lora_unavailable",
         }
     }
 }
@@ -285,6 +335,9 @@ fn check(
     }
     if req.max_tokens == 0 {
         return Err(Rejection::ZeroMaxTokens);
+    }
+    if let Some(l) = req.lora.as_ref().filter(|l| l.weights.is_none()) {
+        return Err(Rejection::Lora(l.id.clone()));
     }
     if let Some(&id) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(Rejection::BadToken { id, vocab });

@@ -18,8 +18,8 @@ pub mod sink;
 pub mod testing;
 
 pub use admission::{
-    AdmissionLimits, Admitted, CacheNamespace, CachePolicy, GenerateRequest, OutputOptions,
-    PdAdmission, Rejection, Resume, MAX_SPECULATE,
+    AdmissionLimits, Admitted, CacheNamespace, CachePolicy, GenerateRequest, LoraRef,
+    OutputOptions, PdAdmission, Rejection, Resume, MAX_SPECULATE,
 };
 pub use engine::{
     Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,

@@ -396,6 +396,167 @@ fn data_bytes(content: &Content, name: &str, data_len: u64) -> Result<u64, LoraE
     }
 }
 
+/// The weight an adapter pair targets, within a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// `attn_q.weight`.
+    Q,
+    /// `attn_k.weight`.
+    K,
+    /// `attn_v.weight`.
+    V,
+    /// `attn_output.weight`.
+    O,
+    /// `ffn_gate.weight`.
+    Gate,
+    /// `ffn_up.weight`.
+    Up,
+    /// `ffn_down.weight`.
+    Down,
+}
+
+impl Target {
+    const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    fn of(weight: &str) -> Option<Self> {
+        ADAPTABLE
+            .iter()
+            .position(|w| *w == weight)
+            .map(|i| Self::ALL[i])
+    }
+}
+
+/// One A/B pair in f32: `a` is `[rank, in]` and `b` is `[out, rank]`, row-major
+/// (the GGUF data of `lora_a` with `ne = [in, rank]` and of `lora_b` with
+/// `ne = [rank, out]`), and `scale` is `alpha / rank` (1 when alpha is 0), as
+/// llama.cpp's `llm_build_lora_mm` scales it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraPair {
+    /// The rank.
+    pub rank: usize,
+    /// Input size (the base weight's `ne0`).
+    pub inputs: usize,
+    /// Output size (the base weight's `ne1`).
+    pub outputs: usize,
+    /// `[rank, inputs]`.
+    pub a: Vec<f32>,
+    /// `[outputs, rank]`.
+    pub b: Vec<f32>,
+    /// Multiplier of `B (A x)`.
+    pub scale: f32,
+}
+
+impl LoraPair {
+    /// `out[o] += scale * sum_r b[o, r] * (sum_j a[r, j] * x[j])` for one row `x`
+    /// (`inputs` long) into `out` (`outputs` long). A row's result depends on that
+    /// row alone (fixed loop order), so it is the same in any batch.
+    pub fn apply_row(&self, x: &[f32], out: &mut [f32]) {
+        debug_assert_eq!((x.len(), out.len()), (self.inputs, self.outputs));
+        let mut t = [0f32; MAX_RANK];
+        for (r, tr) in t.iter_mut().enumerate().take(self.rank) {
+            let row = &self.a[r * self.inputs..(r + 1) * self.inputs];
+            *tr = row.iter().zip(x).map(|(a, x)| a * x).sum();
+        }
+        let t = &t[..self.rank];
+        for (o, y) in out.iter_mut().enumerate() {
+            let row = &self.b[o * self.rank..(o + 1) * self.rank];
+            let u: f32 = row.iter().zip(t).map(|(b, t)| b * t).sum();
+            *y += self.scale * u;
+        }
+    }
+}
+
+/// A loaded adapter: per block, the pairs it has (a block or target it does not
+/// adapt runs the base weight alone).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoraWeights {
+    /// `layers[i]`: block `i`'s pairs.
+    pub layers: Vec<std::collections::HashMap<Target, LoraPair>>,
+    /// Bytes of f32 weights held.
+    pub bytes: usize,
+}
+
+impl LoraWeights {
+    /// The pair of block `layer` for `target`, if the adapter has one.
+    pub fn pair(&self, layer: usize, target: Target) -> Option<&LoraPair> {
+        self.layers.get(layer)?.get(&target)
+    }
+
+    /// Checks `bytes` as [`validate`] does, then reads every pair into f32.
+    ///
+    /// Errors: [`LoraError`] from the check, or [`LoraError::Unreadable`] when a
+    /// tensor cannot be decoded.
+    pub fn load(
+        bytes: &[u8],
+        base: &LoraBase,
+        model: &str,
+        layers: usize,
+    ) -> Result<Self, LoraError> {
+        let summary = validate(bytes, base, model, MAX_RANK)?;
+        let content = read_header(bytes)?;
+        let alpha = summary.alpha;
+        let mut cursor = Cursor::new(bytes);
+        let mut read = |name: &str| -> Result<Vec<f32>, LoraError> {
+            let bad = |e: candle_core::Error| LoraError::Unreadable(format!("{name}: {e}"));
+            let cpu = candle_core::Device::Cpu;
+            let t = content.tensor(&mut cursor, name, &cpu).map_err(bad)?;
+            t.dequantize(&cpu)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(bad)
+        };
+        let mut out = LoraWeights {
+            layers: vec![Default::default(); layers],
+            bytes: 0,
+        };
+        for target in &summary.targets {
+            let (layer, weight) = target
+                .strip_prefix("blk.")
+                .and_then(|r| r.split_once('.'))
+                .and_then(|(l, w)| Some((l.parse::<usize>().ok()?, Target::of(w)?)))
+                .ok_or_else(|| LoraError::Unreadable(format!("target {target:?}")))?;
+            let [inputs, outputs] = base.matrices[target];
+            let a = read(&format!("{target}.lora_a"))?;
+            let b = read(&format!("{target}.lora_b"))?;
+            let rank = a.len() / inputs;
+            if layer >= layers || a.len() != rank * inputs || b.len() != outputs * rank {
+                return Err(LoraError::Unreadable(format!("target {target:?}")));
+            }
+            if !a.iter().chain(&b).all(|v| v.is_finite()) {
+                return Err(LoraError::Unreadable(format!(
+                    "{target:?} holds a value that is not finite"
+                )));
+            }
+            out.bytes += 4 * (a.len() + b.len());
+            let scale = if alpha == 0.0 {
+                1.0
+            } else {
+                alpha / rank as f32
+            };
+            out.layers[layer].insert(
+                weight,
+                LoraPair {
+                    rank,
+                    inputs,
+                    outputs,
+                    a,
+                    b,
+                    scale,
+                },
+            );
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

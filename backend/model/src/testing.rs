@@ -144,3 +144,60 @@ pub fn family_prompts() -> Vec<String> {
     ));
     prompts
 }
+
+/// A LoRA adapter file (GGUF, llama.cpp's form) for `m`: pairs of rank `rank` on
+/// `targets` (e.g. `attn_q`, `ffn_down`) of every block, with A and B drawn
+/// uniformly from `[-scale, scale]` by a generator seeded with `seed`, and
+/// `adapter.lora.alpha = alpha`. `scale = 0` gives B = 0 (an adapter that changes
+/// nothing).
+pub fn lora_file(
+    m: &LoadedModel,
+    targets: &[&str],
+    rank: usize,
+    alpha: f32,
+    scale: f32,
+    seed: u64,
+) -> Vec<u8> {
+    use candle_core::quantized::gguf_file::{self, Value};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut draw = |rows: usize, cols: usize, s: f32| {
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                if s == 0.0 {
+                    0.0
+                } else {
+                    rng.random_range(-s..s)
+                }
+            })
+            .collect();
+        let t = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
+        QTensor::quantize(&t, GgmlDType::F32).unwrap()
+    };
+    for layer in 0..m.config().layers {
+        for t in targets {
+            let name = format!("blk.{layer}.{t}.weight");
+            let [inputs, outputs] = m.lora_base.matrices[&name];
+            // candle shapes are [ne1, ne0]: A is ne [in, rank], B ne [rank, out].
+            tensors.push((format!("{name}.lora_a"), draw(rank, inputs, 0.05)));
+            tensors.push((format!("{name}.lora_b"), draw(outputs, rank, scale)));
+        }
+    }
+    let meta = [
+        ("general.type", Value::String("adapter".into())),
+        ("adapter.type", Value::String("lora".into())),
+        (
+            "general.architecture",
+            Value::String(m.lora_base.architecture.clone()),
+        ),
+        ("adapter.lora.alpha", Value::F32(alpha)),
+    ];
+    let meta: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut out = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut out, &meta, &tensors).unwrap();
+    out.into_inner()
+}

@@ -22,6 +22,7 @@
 //!   norm weights with the 1 added, so every norm here is a plain RMSNorm.
 
 use crate::kv::{KvManager, SeqId};
+use crate::lora::{LoraWeights, Target};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
@@ -529,6 +530,20 @@ impl Transformer {
     /// [`ForwardOutput::failed`]; nothing is written to or read from the mismatched
     /// page, and the other sequences' results are unaffected.
     pub fn forward(&self, rows: &[BatchRow], kv: &mut KvManager) -> ForwardOutput {
+        self.forward_lora(rows, &[], kv)
+    }
+
+    /// [`Self::forward`] with a LoRA adapter per row (`lora[i]` for `rows[i]`;
+    /// empty: none for any row): each adapted projection of a row adds `scale * B
+    /// (A x)` of its own adapter to the base product, before any bias (as llama.cpp's
+    /// `llm_build_lora_mm`). One batch mixes rows of any adapters and of none; a
+    /// row's delta depends on that row alone, so its output is the same in any batch.
+    pub fn forward_lora(
+        &self,
+        rows: &[BatchRow],
+        lora: &[Option<&LoraWeights>],
+        kv: &mut KvManager,
+    ) -> ForwardOutput {
         let cfg = &self.cfg;
         let n = rows.len();
         let (d, nh) = (cfg.hidden, cfg.heads);
@@ -559,6 +574,14 @@ impl Transformer {
             rms_norm(&x, &l.attn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
             l.wqkv.matmul(&acts, &mut qkv);
+            let parts = [
+                (Target::Q, 0, qd),
+                (Target::K, qd, kvd),
+                (Target::V, qd + kvd, kvd),
+            ];
+            for (target, at, len) in parts {
+                add_lora(lora, li, target, &h, d, &mut qkv, qkv_dim, at, len);
+            }
             if let Some(bias) = &l.qkv_bias {
                 for row in qkv.chunks_exact_mut(qkv_dim) {
                     row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
@@ -658,6 +681,7 @@ impl Transformer {
 
             acts.set(&attn, n, qd);
             l.wo.matmul(&acts, &mut proj);
+            add_lora(lora, li, Target::O, &attn, qd, &mut proj, d, 0, d);
             add_residual(
                 &mut x,
                 &mut proj,
@@ -669,12 +693,17 @@ impl Transformer {
             rms_norm(&x, &l.ffn_norm, cfg.eps, &mut h);
             acts.set(&h, n, d);
             l.gate_up.matmul(&acts, &mut gate_up);
+            let ffn = cfg.ffn;
+            for (target, at) in [(Target::Gate, 0), (Target::Up, ffn)] {
+                add_lora(lora, li, target, &h, d, &mut gate_up, 2 * ffn, at, ffn);
+            }
             match cfg.arch {
                 Arch::Gemma3 => gelu_tanh_rows(&gate_up, cfg.ffn, &mut gate),
                 Arch::Llama | Arch::Qwen2 => swiglu_rows(&gate_up, cfg.ffn, &mut gate),
             }
             acts.set(&gate, n, cfg.ffn);
             l.down.matmul(&acts, &mut proj);
+            add_lora(lora, li, Target::Down, &gate, cfg.ffn, &mut proj, d, 0, d);
             add_residual(
                 &mut x,
                 &mut proj,
@@ -704,6 +733,28 @@ impl Transformer {
             }
         }
         ForwardOutput { logits, failed }
+    }
+}
+
+/// Adds each row's LoRA delta for `target` of block `layer`: row `i` reads
+/// `x[i * in_dim..][..in_dim]` and adds into `out[i * stride + at..][..len]`.
+#[allow(clippy::too_many_arguments)] // one projection's geometry
+fn add_lora(
+    lora: &[Option<&LoraWeights>],
+    layer: usize,
+    target: Target,
+    x: &[f32],
+    in_dim: usize,
+    out: &mut [f32],
+    stride: usize,
+    at: usize,
+    len: usize,
+) {
+    for (i, w) in lora.iter().enumerate() {
+        if let Some(p) = w.and_then(|w| w.pair(layer, target)) {
+            let o = i * stride + at;
+            p.apply_row(&x[i * in_dim..(i + 1) * in_dim], &mut out[o..o + len]);
+        }
     }
 }
 

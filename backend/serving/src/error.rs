@@ -158,7 +158,8 @@ impl From<Rejection> for ServeError {
             | Rejection::ZeroMaxTokens
             | Rejection::BadToken { .. }
             | Rejection::Sampling(_)
-            | Rejection::Stop(_) => ServeErrorKind::Invalid,
+            | Rejection::Stop(_)
+            | Rejection::Lora(_) => ServeErrorKind::Invalid,
         };
         Self::new(kind, r.to_string())
     }

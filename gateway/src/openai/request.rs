@@ -6,7 +6,7 @@
 use crate::error::{type_name, ApiError};
 use crate::tools;
 use crate::validation::{
-    check_len, max_tokens, messages, opt_bool, opt_string, opt_uint, present, prompt_text,
+    check_len, lora, max_tokens, messages, opt_bool, opt_string, opt_uint, present, prompt_text,
     requested_priority, response_format, sampling, speculative, stop, top_count, Input,
     ParsedRequest,
 };
@@ -36,6 +36,17 @@ fn common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, ApiErro
     let model =
         opt_string(o, "model")?.ok_or_else(|| ApiError::field("model", "`model` is required"))?;
     check_len("model", model)?;
+    // `model: "<base>:<fine-tune>"` names a fine-tune as the `lora` field does.
+    let (model, lora) = match (model.split_once(':'), lora(o)?) {
+        (Some((_, ft)), Some(_)) if !ft.is_empty() => {
+            return Err(ApiError::field(
+                "lora",
+                "name the fine-tune once: in `model` (`<base>:<fine-tune>`) or in `lora`",
+            ))
+        }
+        (Some((base, ft)), None) if !ft.is_empty() => (base, Some(ft.to_string())),
+        (_, lora) => (model, lora),
+    };
     if let Some(n) = opt_uint(o, "n", 1)? {
         if n != 1 {
             return Err(ApiError::field(
@@ -75,6 +86,7 @@ fn common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, ApiErro
         format: response_format(o, true)?,
         tools: None,
         speculative: speculative(o)?,
+        lora,
     })
 }
 

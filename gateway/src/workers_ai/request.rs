@@ -6,8 +6,8 @@
 use crate::error::{ApiError, ErrorKind};
 use crate::tools;
 use crate::validation::{
-    max_tokens, messages, opt_bool, present, prompt_text, requested_priority, response_format,
-    sampling, speculative, stop, Input, ParsedRequest,
+    lora, max_tokens, messages, opt_bool, present, prompt_text, requested_priority,
+    response_format, sampling, speculative, stop, Input, ParsedRequest,
 };
 use serde_json::{Map, Value};
 
@@ -45,5 +45,6 @@ pub fn parse_run(model: &str, o: &Map<String, Value>) -> Result<ParsedRequest, A
         format: response_format(o, false)?,
         tools: tools::parse(o, false)?,
         speculative: speculative(o)?,
+        lora: lora(o)?,
     })
 }

@@ -26,7 +26,7 @@ pub use crate::sink::{EngineError, Event, FinishReason, Usage};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tessera_model::kv::prefix::{chain, chain_root, ChainHash};
+use tessera_model::kv::prefix::{chain, chain_root, lora_root, ChainHash};
 use tessera_model::kv::spill::SpillConfig;
 use tessera_model::kv::{CacheBounds, CachePurge, KvManager, PagePool, SeqId};
 use tessera_model::sampling::Logprobs;
@@ -425,7 +425,10 @@ impl Engine {
         let cacheable = self.cfg.prefix_cache && r.output.prompt_logprobs.is_none();
         let chain = match (cacheable, &r.cache_namespace) {
             (true, Some(ns)) => {
-                let root = chain_root(ns, &self.model_fp, self.cfg.page_size);
+                let mut root = chain_root(ns, &self.model_fp, self.cfg.page_size);
+                if let Some(l) = &r.lora {
+                    root = lora_root(&root, &l.id);
+                }
                 chain(&root, &r.prompt, self.cfg.page_size)
             }
             _ => Vec::new(),

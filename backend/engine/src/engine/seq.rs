@@ -65,6 +65,8 @@ pub(crate) struct Seq {
     /// drafting again (backing off where the output does not repeat its input).
     pub(crate) draft_misses: u32,
     pub(crate) draft_wait: u32,
+    /// The LoRA adapter every row of the sequence runs under (`None`: the base).
+    pub(crate) lora: Option<std::sync::Arc<tessera_model::lora::LoraWeights>>,
 }
 
 impl Seq {
@@ -94,6 +96,7 @@ impl Seq {
             accepted_now: 0,
             draft_misses: 0,
             draft_wait: 0,
+            lora: req.lora.and_then(|l| l.weights),
             speculate: req
                 .speculate
                 .map(|k| k.min(crate::admission::MAX_SPECULATE) as usize),

@@ -89,7 +89,21 @@ impl Engine {
         if rows.is_empty() {
             return 0;
         }
-        let out = self.model.forward(&rows, &mut self.kv);
+        // No sequence enters or leaves from here to the sampling below.
+        let slot_of = self.seqs.running_slot_by_id();
+        let out = {
+            // Each row's adapter (none at all: the plain pass).
+            let lora: Vec<_> = rows
+                .iter()
+                .map(|r| self.seqs.at(slot_of[&r.seq]).lora.as_deref())
+                .collect();
+            let lora = if lora.iter().any(Option::is_some) {
+                &lora[..]
+            } else {
+                &[]
+            };
+            self.model.forward_lora(&rows, lora, &mut self.kv)
+        };
         let mut finished: Vec<(SeqId, SeqEnd, Option<Event>)> = Vec::new();
         let mut prefilled: Vec<Prefilled> = Vec::new();
         self.metrics
@@ -99,8 +113,6 @@ impl Engine {
             let e = EngineError::Integrity(*err);
             finished.push((*seq, SeqEnd::Failed(e.clone()), Some(Event::Error(e))));
         }
-        // No sequence entered or left since `slots`: the rows' sequences are there.
-        let slot_of = self.seqs.running_slot_by_id();
         // Prefill progress for rows that were not sampled.
         for r in &rows {
             let s = self.seqs.at_mut(slot_of[&r.seq]);

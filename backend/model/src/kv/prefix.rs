@@ -36,6 +36,19 @@ pub fn chain_root(namespace: &[u8; 32], model: &[u8; 32], page_size: usize) -> C
     h.finalize().into()
 }
 
+/// The root of a chain computed under LoRA fine-tune `id` from the base `root`: KV
+/// computed under an adapter is not the base model's, so its pages get keys (and
+/// cache tags, [`cache_seq`]) of their own; the base, another adapter or another
+/// tenant never hit them.
+pub fn lora_root(root: &ChainHash, id: &str) -> ChainHash {
+    let mut h = Sha256::new();
+    h.update(b"tessera.prefix-cache.lora.v1\0");
+    h.update(root);
+    h.update((id.len() as u64).to_le_bytes());
+    h.update(id.as_bytes());
+    h.finalize().into()
+}
+
 /// The chain of `tokens`' full pages of `page_size` tokens from `root`: one key per
 /// full page, in order (a partial last page has none).
 pub fn chain(root: &ChainHash, tokens: &[u32], page_size: usize) -> Vec<ChainHash> {
