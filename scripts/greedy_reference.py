@@ -138,9 +138,22 @@ def main():
     ap.add_argument("-o", "--out", default="backend/model/tests/data/greedy_reference.json")
     ap.add_argument("-n", "--n-out", type=int, default=32, help="tokens per case")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lora", help="a LoRA adapter (GGUF) applied at scale 1, as `llama-server --lora`")
     args = ap.parse_args()
 
     sha = sha256_file(args.model)
+    if args.lora:
+        # llama.cpp 0.3.36 crashes (SIGSEGV at the first decode) with an adapter on
+        # weights repacked for AMX ("lora ... cannot use buft 'AMX'"): load plain.
+        default_params = llama_cpp.llama_model_default_params
+
+        def plain_params():
+            p = default_params()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama_model_default_params = plain_params
+        llama_cpp.llama.llama_cpp.llama_model_default_params = plain_params
     llm = Llama(
         model_path=args.model,
         n_ctx=2048,
@@ -151,6 +164,7 @@ def main():
         logits_all=True,
         seed=1234,
         verbose=False,
+        **({"lora_path": args.lora, "lora_scale": 1.0} if args.lora else {}),
     )
     arch = llm.metadata["general.architecture"]
     fam = FAMILIES[arch]
@@ -158,15 +172,29 @@ def main():
     # The file's own flag (Gemma: true), as Tessera's tokenizer applies it.
     add_bos = llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
 
-    cases = []
-    for name, text in RAW_PROMPTS:
-        cases.append(run_case(llm, name, False, text, args.n_out, add_bos, fam["eos"]))
-    for name, msg in CHAT_PROMPTS if fam["chat"] else []:
-        text = fam["chat"].format(msg=msg)
-        case = run_case(llm, name, True, text, args.n_out, add_bos, fam["eos"])
-        assert case["prompt_ids"][0] == llm.tokenize(b"<|im_start|>", add_bos=False, special=True)[0], \
-            "special tokens were not parsed"
-        cases.append(case)
+    def all_cases(llm):
+        cases = []
+        for name, text in RAW_PROMPTS:
+            cases.append(run_case(llm, name, False, text, args.n_out, add_bos, fam["eos"]))
+        for name, msg in CHAT_PROMPTS if fam["chat"] else []:
+            text = fam["chat"].format(msg=msg)
+            case = run_case(llm, name, True, text, args.n_out, add_bos, fam["eos"])
+            assert case["prompt_ids"][0] == llm.tokenize(b"<|im_start|>", add_bos=False, special=True)[0], \
+                "special tokens were not parsed"
+            cases.append(case)
+        return cases
+
+    cases = all_cases(llm)
+    if args.lora:
+        # The base model's output in the same settings, so a reader sees what the
+        # adapter changed.
+        base_llm = Llama(
+            model_path=args.model, n_ctx=2048, n_batch=2048, n_ubatch=2048,
+            n_threads=args.threads, n_threads_batch=args.threads, logits_all=True,
+            seed=1234, verbose=False,
+        )
+        for c, b in zip(cases, all_cases(base_llm)):
+            c["base_output_ids"] = b["output_ids"]
 
     for c in cases:
         print(
@@ -181,6 +209,8 @@ def main():
         command += ["-n", str(args.n_out)]
     if args.threads != 2:
         command += ["--threads", str(args.threads)]
+    if args.lora:
+        command += ["--lora", os.path.relpath(args.lora) if not os.path.isabs(args.lora) else args.lora]
     doc = {
         "generator": (
             f"llama-cpp-python {llama_cpp.__version__} (llama.cpp) on "
@@ -202,6 +232,7 @@ def main():
             "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         },
         "eos_id": fam["eos"],
+        "lora": {"file": os.path.basename(args.lora), "sha256": sha256_file(args.lora)} if args.lora else None,
         "n_out": args.n_out,
         "cases": cases,
     }

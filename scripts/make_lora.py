@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token", type=int, default=0)
     ap.add_argument("--scale", type=float, default=0.02)
+    ap.add_argument("--sign", type=float, default=1.0,
+                    help="bias-token: multiplies B (which way A x pushes depends on the model)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "f16"])
     a = ap.parse_args()
 
@@ -79,7 +81,7 @@ def main():
         A = np.zeros((1, n_in), np.float32)
         A[0] = rng.standard_normal(n_in)
         A /= np.linalg.norm(A)
-        B = (row / np.linalg.norm(row)).reshape(n_out, 1) * a.scale
+        B = (row / np.linalg.norm(row)).reshape(n_out, 1) * a.scale * a.sign
         tensors[name] = (A, B)
     else:
         for layer in layers:

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use serde_json::json;
 use std::path::PathBuf;
-use tessera_model::lora::{self, LoraBase, MAX_RANK};
+use tessera_model::lora::{self, LoraBase, LoraWeights, MAX_RANK};
 use tessera_tenancy::NewFinetune;
 
 /// `tessera finetune ...`.
@@ -88,7 +88,15 @@ pub(crate) fn finetune(store: StoreArgs, cmd: FinetuneCommand) -> Result<()> {
                     );
                 }
                 let base = LoraBase::from_file(&model_file)?;
+                // Decoded in full, as serving loads it (a stored fine-tune always loads).
+                let layers = base
+                    .matrices
+                    .keys()
+                    .filter_map(|n| n.split('.').nth(1)?.parse::<usize>().ok())
+                    .max()
+                    .map_or(0, |l| l + 1);
                 let summary = lora::validate(&data, &base, &model, MAX_RANK)
+                    .and_then(|s| LoraWeights::load(&data, &base, &model, layers).map(|_| s))
                     .map_err(|e| anyhow::anyhow!("the adapter does not fit model {model}: {e}"))?;
                 let name = match name {
                     Some(n) => n,

@@ -17,9 +17,10 @@
 //! unknown id, for reads and deletes, so ids and names cannot be probed. Another
 //! account's key gets the 403 every account-scoped route gives. Every call counts
 //! against the account's rate of usage-API queries; uploads are read up to
-//! `max_finetune_bytes` (413 past it), at most [`MAX_UPLOADS`] at once per gateway
-//! (503 with `retry-after` past it: each holds its file in memory), and checked on
-//! the CPU pool.
+//! `max_finetune_bytes` (413 past it), one at a time per account (429 with
+//! `retry-after`), after the checks that need no file (name, description, count,
+//! base model); then at most [`MAX_UPLOADS`] files are decoded at once per gateway,
+//! on the CPU pool, in full (so a stored fine-tune always loads).
 
 use crate::cpu::Lane;
 use crate::error::{ApiError, ErrorKind, Flavor};
@@ -37,10 +38,17 @@ use std::time::Duration;
 use tessera_model::lora::{self, LoraWeights, MAX_RANK};
 use tessera_serving::LoraRef;
 use tessera_tenancy::store::rfc3339;
-use tessera_tenancy::{AuditCtx, Finetune, NewFinetune, Scope, StoreError};
+use tessera_tenancy::store::valid_finetune_name;
+use tessera_tenancy::{
+    AuditCtx, Finetune, NewFinetune, Scope, StoreError, MAX_FINETUNES_PER_TENANT,
+};
 
-/// Uploads read and checked at once per gateway (each holds its file in memory).
+/// Uploads decoded and checked at once per gateway (each holds its file and its
+/// f32 weights in memory); reading the files is bounded by one per account.
 pub(crate) const MAX_UPLOADS: usize = 2;
+
+/// Longest description, in bytes (as the store's).
+const MAX_DESCRIPTION_BYTES: usize = 1024;
 
 /// Loaded adapters a gateway keeps (the least recently used one goes first).
 const MAX_LOADED: usize = 16;
@@ -249,13 +257,46 @@ async fn upload(
             ),
         ));
     }
+    // What can be refused without the file, before it is read.
+    if !valid_finetune_name(name) {
+        return Err(bad(
+            "name",
+            format!(
+                "name must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-', not \
+                 starting with '.', not `public` and not shaped like an id. Given: {:?}",
+                name.chars().take(80).collect::<String>()
+            ),
+        ));
+    }
+    if description.len() > MAX_DESCRIPTION_BYTES {
+        return Err(bad(
+            "description",
+            format!("description must be at most {MAX_DESCRIPTION_BYTES} bytes"),
+        ));
+    }
+    let held = state.store.finetunes_of(&t.id).await.map_err(store_error)?;
+    if held.iter().any(|f| f.name == *name) {
+        return Err(ApiError::new(
+            ErrorKind::Conflict,
+            format!("this account already has a fine-tune named {name:?}"),
+        ));
+    }
+    if held.len() as i64 >= MAX_FINETUNES_PER_TENANT {
+        return Err(ApiError::new(
+            ErrorKind::Conflict,
+            format!(
+                "this account already has {MAX_FINETUNES_PER_TENANT} fine-tunes; delete one first"
+            ),
+        ));
+    }
     // The base model as a run would find it: unknown, removed or private to other
     // accounts answer as they do there.
     let served = crate::pipeline::route(state, &t.id, model).await?;
-    let Ok(_permit) = state.finetune_uploads.clone().try_acquire_owned() else {
+    // One upload per account at a time (a slow one holds only its own account's).
+    let Some(_own) = UploadSlot::take(&state.finetune_uploading, &t.id) else {
         let mut e = ApiError::new(
-            ErrorKind::Unavailable,
-            format!("{MAX_UPLOADS} fine-tune uploads are being checked; try again shortly"),
+            ErrorKind::RateLimited,
+            "an upload of this account is still in progress; one at a time",
         );
         e.retry_after = Some(Duration::from_secs(5));
         e.retryable = true;
@@ -273,13 +314,24 @@ async fn upload(
                 ),
             )
         })??;
+    // At most MAX_UPLOADS files decoded at once (each as f32 besides its bytes).
+    let _checking = state
+        .finetune_uploads
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::new(ErrorKind::Unavailable, "the gateway is shutting down"))?;
     let base = served.model.lora_base.clone();
-    let base_id = served.entry.id.clone();
+    let (base_id, layers) = (served.entry.id.clone(), served.model.config().layers);
     let data = bytes.clone();
     let summary = state
         .cpu
         .run(Lane::Request, &t.id, move || {
-            lora::validate(&data, &base, &base_id, MAX_RANK)
+            // Decoded in full, as a request will load it: a file that passes here
+            // runs (finite values, readable blocks).
+            let summary = lora::validate(&data, &base, &base_id, MAX_RANK)?;
+            LoraWeights::load(&data, &base, &base_id, layers)?;
+            Ok::<_, lora::LoraError>(summary)
         })
         .await
         .map_err(|e| {
@@ -312,6 +364,31 @@ async fn upload(
         "fine-tune stored"
     );
     Ok(f)
+}
+
+/// Accounts with an upload in progress on this gateway.
+pub(crate) type Uploading = std::sync::Mutex<std::collections::HashSet<String>>;
+
+/// An account's upload slot, given back on drop.
+struct UploadSlot<'a> {
+    set: &'a Uploading,
+    tenant: String,
+}
+
+impl<'a> UploadSlot<'a> {
+    fn take(set: &'a Uploading, tenant: &str) -> Option<Self> {
+        let fresh = set.lock().expect("uploads lock").insert(tenant.into());
+        fresh.then(|| Self {
+            set,
+            tenant: tenant.into(),
+        })
+    }
+}
+
+impl Drop for UploadSlot<'_> {
+    fn drop(&mut self) {
+        self.set.lock().expect("uploads lock").remove(&self.tenant);
+    }
 }
 
 /// Handler: `GET .../ai/finetunes` (the caller's own).

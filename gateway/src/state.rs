@@ -250,6 +250,8 @@ pub struct AppState {
     pub(crate) finetune_uploads: Arc<tokio::sync::Semaphore>,
     /// Adapters loaded for serving.
     pub(crate) loras: crate::finetunes_api::LoadedLoras,
+    /// Accounts with a fine-tune upload in progress (one each).
+    pub(crate) finetune_uploading: crate::finetunes_api::Uploading,
     /// Request deadlines.
     pub deadlines: Deadlines,
     /// Usage API limits and retention.
@@ -333,6 +335,7 @@ impl AppState {
                 crate::finetunes_api::MAX_UPLOADS,
             )),
             loras: Default::default(),
+            finetune_uploading: Default::default(),
             deadlines: cfg.deadlines,
             usage: cfg.usage,
             drain_timeout: cfg.drain_timeout,

@@ -264,12 +264,45 @@ async fn adapters_are_checked_stored_and_reachable_by_their_tenant_alone() {
         .await;
     assert_eq!(status, 404);
     let long = "n".repeat(65);
-    for name in [".hidden", "a%20b", long.as_str()] {
-        let (status, v) = api.put_file(&a.id, &a_key, name, &random).await;
+    // Names that shadow a route or an id too; all refused before the file is read.
+    let id_shaped = "c9e0451e-65db-5080-e949-ac2a878263f5";
+    for name in [".hidden", "a%20b", long.as_str(), "public", id_shaped] {
+        let q = format!("model={}&name={name}", urlencode(MODEL_ID));
+        let (status, v) = api.upload(&a.id, Some(&a_key), &q, tiny(), oct).await;
         assert_eq!(status, 400, "{name}: {v}");
     }
     let (status, v) = api.put_file(&a.id, &a_key, "style-v1", &random).await;
     assert_eq!(status, 409, "{v}");
+
+    // A stalled upload holds its own account's slot only: A's next upload waits
+    // (429), B's goes through.
+    let mut stalled = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let head = format!(
+        "POST /client/v4/accounts/{}/ai/finetunes?model={}&name=slow HTTP/1.1\r\nhost: x\r\n\
+         authorization: Bearer {a_key}\r\ncontent-type: application/octet-stream\r\n\
+         content-length: 100000\r\n\r\nGGUF",
+        a.id,
+        urlencode(MODEL_ID)
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut stalled, head.as_bytes())
+        .await
+        .unwrap();
+    let mut busy = None;
+    for _ in 0..200 {
+        let q = format!("model={}&name=second", urlencode(MODEL_ID));
+        let (status, v) = api.upload(&a.id, Some(&a_key), &q, tiny(), oct).await;
+        if status == 429 {
+            busy = Some(v);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let busy = busy.expect("a second upload of the account while one stalls is no 429");
+    assert!(message(&busy).contains("one at a time"), "{busy}");
+    let (status, v) = api.put_file(&b.id, &b_key, "while-a-stalls", &random).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(api.delete(&b.id, &b_key, "/while-a-stalls").await.0, 200);
+    drop(stalled);
     let (status, v) = api.get(&a.id, &a_key, "").await;
     assert_eq!(
         (status, v["result"].as_array().unwrap().len()),
@@ -440,6 +473,10 @@ async fn serve_fine_tunes(s: &TestServer) {
         )
         .await;
     assert_eq!(st, 400, "{v}");
+    for model in [format!("{MODEL}:"), ":tuned".to_string()] {
+        let (st, _, v) = s.post(&url, Some(&a_key), &chat(model, None)).await;
+        assert_eq!(st, 400, "{v}");
+    }
 
     // Another tenant: by id or name, exactly an unknown fine-tune; public: by id,
     // and the owner's answer.

@@ -19,6 +19,11 @@ use candle_core::quantized::GgmlDType;
 use std::collections::BTreeMap;
 use std::io::Cursor;
 
+/// Largest accepted `adapter.lora.alpha`.
+pub const MAX_ALPHA: f32 = 65536.0;
+/// Largest accepted magnitude of an A or B value (f16's largest finite value).
+const MAX_VALUE: f32 = 65504.0;
+
 /// Largest rank accepted (Workers AI's limit is 32; vLLM's default maximum is 64).
 pub const MAX_RANK: usize = 64;
 
@@ -123,8 +128,8 @@ pub enum LoraError {
         /// The base model's name.
         model: String,
     },
-    /// `adapter.lora.alpha` is not a finite, non-negative f32.
-    #[error("adapter.lora.alpha must be a finite, non-negative f32; found {0}")]
+    /// `adapter.lora.alpha` is not an f32 from 0 to [`MAX_ALPHA`].
+    #[error("adapter.lora.alpha must be an f32 from 0 to 65536; found {0}")]
     Alpha(String),
     /// No A/B pair at all.
     #[error("the adapter has no lora_a/lora_b tensor pairs")]
@@ -208,6 +213,9 @@ pub enum LoraError {
         /// Its GGML type.
         dtype: String,
     },
+    /// A weight that is not finite or absurdly large.
+    #[error("{0}")]
+    Values(String),
     /// A tensor's data lies outside the file.
     #[error("tensor {0:?}'s data lies outside the file (truncated or corrupt)")]
     Truncated(String),
@@ -250,7 +258,7 @@ pub fn validate(
     }
     let alpha = match content.metadata.get("adapter.lora.alpha") {
         None => 0.0,
-        Some(Value::F32(a)) if a.is_finite() && *a >= 0.0 => *a,
+        Some(Value::F32(a)) if a.is_finite() && (0.0..=MAX_ALPHA).contains(a) => *a,
         Some(Value::F32(a)) => return Err(LoraError::Alpha(a.to_string())),
         Some(v) => return Err(LoraError::Alpha(format!("a {:?} value", v.value_type()))),
     };
@@ -342,12 +350,109 @@ pub fn validate(
 /// The GGUF header of `bytes`; a panic in the reader (a crafted header) is an
 /// unreadable file, not a crashed caller.
 fn read_header(bytes: &[u8]) -> Result<Content, LoraError> {
+    prescan(bytes).map_err(LoraError::Unreadable)?;
     let read = std::panic::catch_unwind(|| Content::read(&mut Cursor::new(bytes)));
     match read {
         Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(LoraError::Unreadable(e.to_string())),
+        Ok(Err(e)) => Err(LoraError::Unreadable(first_line(&e))),
         Err(_) => Err(LoraError::Unreadable("malformed header".into())),
     }
+}
+
+/// An error's message without the backtrace candle appends (`RUST_BACKTRACE`):
+/// messages go to clients.
+fn first_line(e: &impl std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+/// Most metadata entries, and most elements of one metadata array, an adapter may
+/// have (a LoRA file has a handful of scalars and strings).
+const MAX_METADATA: u64 = 256;
+/// Most bytes of an adapter's metadata section.
+const MAX_METADATA_BYTES: usize = 64 << 10;
+
+/// Walks the GGUF header's metadata before the reader does (GGUF spec,
+/// ggml/docs/gguf.md: magic, version, tensor count, metadata count, then
+/// key-type-value entries), refusing what no LoRA adapter has and what would make
+/// the reader allocate far more than the file (it keeps each array element as a
+/// 32-byte value): more than [`MAX_METADATA`] entries or array elements, nested
+/// arrays, a section over [`MAX_METADATA_BYTES`], or `general.alignment` 0.
+fn prescan(b: &[u8]) -> Result<(), String> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Result<&[u8], String> {
+        let end = at
+            .checked_add(n)
+            .filter(|&e| e <= b.len().min(MAX_METADATA_BYTES + 24));
+        let end = end.ok_or("the header's metadata is truncated or over 64 KiB")?;
+        let s = &b[at..end];
+        at = end;
+        Ok(s)
+    };
+    let u32_ = |s: &[u8]| u32::from_le_bytes(s.try_into().unwrap());
+    let u64_ = |s: &[u8]| u64::from_le_bytes(s.try_into().unwrap());
+    if take(4)? != b"GGUF" {
+        return Err("not a GGUF file (no GGUF magic)".into());
+    }
+    let version = u32_(take(4)?);
+    if !(2..=3).contains(&version) {
+        return Err(format!("GGUF version {version} (2 and 3 are read)"));
+    }
+    let _tensors = u64_(take(8)?);
+    let kvs = u64_(take(8)?);
+    if kvs > MAX_METADATA {
+        return Err(format!("{kvs} metadata entries (at most {MAX_METADATA})"));
+    }
+    // Scalar value types' sizes (GGUF type ids 0-12); 8 is a string, 9 an array.
+    let size = |t: u32| -> Option<usize> {
+        match t {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        }
+    };
+    for _ in 0..kvs {
+        let len = u64_(take(8)?) as usize;
+        let key = take(len)?.to_vec();
+        let t = u32_(take(4)?);
+        match t {
+            8 => {
+                let len = u64_(take(8)?) as usize;
+                take(len)?;
+            }
+            9 => {
+                let et = u32_(take(4)?);
+                let n = u64_(take(8)?);
+                if n > MAX_METADATA {
+                    return Err(format!(
+                        "metadata array {:?} has {n} elements (at most {MAX_METADATA})",
+                        String::from_utf8_lossy(&key)
+                    ));
+                }
+                for _ in 0..n {
+                    match (et, size(et)) {
+                        (8, _) => {
+                            let len = u64_(take(8)?) as usize;
+                            take(len)?;
+                        }
+                        (_, Some(n)) => {
+                            take(n)?;
+                        }
+                        _ => return Err("a nested or unknown metadata array type".into()),
+                    }
+                }
+            }
+            t => {
+                let n = size(t).ok_or(format!("metadata value type {t}"))?;
+                let v = take(n)?;
+                if key == b"general.alignment" && v.iter().all(|&x| x == 0) {
+                    return Err("general.alignment is 0".into());
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A 2-D tensor's GGUF shape `[ne0, ne1]`.
@@ -384,8 +489,13 @@ fn data_bytes(content: &Content, name: &str, data_len: u64) -> Result<u64, LoraE
         .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
         .ok_or_else(truncated)?;
     let block = dtype.block_size() as u64;
-    if elems % block != 0 {
-        return Err(truncated());
+    // Blocks never straddle rows (ggml): each row's length is whole blocks.
+    let row = info.shape.dims().last().copied().unwrap_or(0) as u64;
+    if !row.is_multiple_of(block) {
+        return Err(LoraError::TensorType {
+            tensor: name.into(),
+            dtype: format!("{dtype:?} with rows of {row} values (not whole blocks of {block})"),
+        });
     }
     let size = (elems / block)
         .checked_mul(dtype.type_size() as u64)
@@ -434,10 +544,10 @@ impl Target {
     }
 }
 
-/// One A/B pair in f32: `a` is `[rank, in]` and `b` is `[out, rank]`, row-major
-/// (the GGUF data of `lora_a` with `ne = [in, rank]` and of `lora_b` with
-/// `ne = [rank, out]`), and `scale` is `alpha / rank` (1 when alpha is 0), as
-/// llama.cpp's `llm_build_lora_mm` scales it.
+/// One A/B pair in f32: `a` is `[rank, in]` row-major (the GGUF data of `lora_a`,
+/// `ne = [in, rank]`), `bt` is B transposed, `[rank, out]` row-major (`lora_b` has
+/// `ne = [rank, out]`, i.e. B is `[out, rank]`), and `scale` is `alpha / rank` (1
+/// when alpha is 0), as llama.cpp's `llm_build_lora_mm` scales it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraPair {
     /// The rank.
@@ -448,28 +558,89 @@ pub struct LoraPair {
     pub outputs: usize,
     /// `[rank, inputs]`.
     pub a: Vec<f32>,
-    /// `[outputs, rank]`.
-    pub b: Vec<f32>,
+    /// B transposed: `[rank, outputs]` (so `B t` is a sum of scaled rows).
+    pub bt: Vec<f32>,
     /// Multiplier of `B (A x)`.
     pub scale: f32,
 }
 
 impl LoraPair {
-    /// `out[o] += scale * sum_r b[o, r] * (sum_j a[r, j] * x[j])` for one row `x`
+    /// `out[o] += scale * sum_r B[o, r] * (sum_j A[r, j] * x[j])` for one row `x`
     /// (`inputs` long) into `out` (`outputs` long). A row's result depends on that
     /// row alone (fixed loop order), so it is the same in any batch.
     pub fn apply_row(&self, x: &[f32], out: &mut [f32]) {
         debug_assert_eq!((x.len(), out.len()), (self.inputs, self.outputs));
-        let mut t = [0f32; MAX_RANK];
-        for (r, tr) in t.iter_mut().enumerate().take(self.rank) {
-            let row = &self.a[r * self.inputs..(r + 1) * self.inputs];
-            *tr = row.iter().zip(x).map(|(a, x)| a * x).sum();
+        self.apply_rows(&[0], x, out, self.outputs, 0);
+    }
+
+    /// `u = B t` as rank scaled rows of `bt` added in order, then `out += scale * u`.
+    fn add_bt(&self, t: &[f32], u: &mut [f32], out: &mut [f32]) {
+        u.fill(0.0);
+        for (r, &tr) in t.iter().enumerate() {
+            let row = &self.bt[r * self.outputs..(r + 1) * self.outputs];
+            u.iter_mut().zip(row).for_each(|(u, b)| *u += tr * b);
         }
-        let t = &t[..self.rank];
-        for (o, y) in out.iter_mut().enumerate() {
-            let row = &self.b[o * self.rank..(o + 1) * self.rank];
-            let u: f32 = row.iter().zip(t).map(|(b, t)| b * t).sum();
-            *y += self.scale * u;
+        out.iter_mut()
+            .zip(u.iter())
+            .for_each(|(y, u)| *y += self.scale * u);
+    }
+}
+
+impl LoraPair {
+    /// [`Self::apply_row`] for the rows `rows` of a batch at once: row `i` reads
+    /// `x[i * inputs..][..inputs]` and adds into `out[i * stride + at..][..outputs]`.
+    /// Each A and B row is read once for all of them (the rows of one adapter share
+    /// its weights' memory traffic); every row's arithmetic is exactly
+    /// [`Self::apply_row`]'s, so its result does not depend on the other rows.
+    pub fn apply_rows(&self, rows: &[usize], x: &[f32], out: &mut [f32], stride: usize, at: usize) {
+        let outputs = self.outputs;
+        let base = out.as_mut_ptr();
+        assert!(rows.iter().all(|&i| i * stride + at + outputs <= out.len()));
+        // SAFETY: each row's range is in bounds (checked above) and handed out once
+        // per row; `rows` are distinct, so the ranges do not overlap (stride >= outputs).
+        self.apply_rows_to(rows, x, |i| unsafe {
+            std::slice::from_raw_parts_mut(base.add(i * stride + at), outputs)
+        });
+    }
+
+    /// [`Self::apply_rows`], adding row `i`'s delta into `out_row(i)` (`outputs`
+    /// long; called once per row).
+    pub fn apply_rows_to<'o>(
+        &self,
+        rows: &[usize],
+        x: &[f32],
+        mut out_row: impl FnMut(usize) -> &'o mut [f32],
+    ) {
+        use tessera_kernels::dot::dot_f32;
+        let (rank, inputs) = (self.rank, self.inputs);
+        let mut t = vec![0f32; rows.len() * rank];
+        let xr = |i: usize| &x[i * inputs..(i + 1) * inputs];
+        for r in 0..rank {
+            let a = &self.a[r * inputs..(r + 1) * inputs];
+            let mut k = 0;
+            while k + 4 <= rows.len() {
+                let d = dot_f32(
+                    a,
+                    [
+                        xr(rows[k]),
+                        xr(rows[k + 1]),
+                        xr(rows[k + 2]),
+                        xr(rows[k + 3]),
+                    ],
+                );
+                for (j, v) in d.into_iter().enumerate() {
+                    t[(k + j) * rank + r] = v;
+                }
+                k += 4;
+            }
+            for k in k..rows.len() {
+                t[k * rank + r] = dot_f32(a, [xr(rows[k])])[0];
+            }
+        }
+        let mut u = vec![0f32; self.outputs];
+        for (k, &i) in rows.iter().enumerate() {
+            let tk = &t[k * rank..(k + 1) * rank];
+            self.add_bt(tk, &mut u, out_row(i));
         }
     }
 }
@@ -505,7 +676,9 @@ impl LoraWeights {
         let alpha = summary.alpha;
         let mut cursor = Cursor::new(bytes);
         let mut read = |name: &str| -> Result<Vec<f32>, LoraError> {
-            let bad = |e: candle_core::Error| LoraError::Unreadable(format!("{name}: {e}"));
+            let bad = |e: candle_core::Error| {
+                LoraError::Unreadable(format!("{name}: {}", first_line(&e)))
+            };
             let cpu = candle_core::Device::Cpu;
             let t = content.tensor(&mut cursor, name, &cpu).map_err(bad)?;
             t.dequantize(&cpu)
@@ -530,9 +703,13 @@ impl LoraWeights {
             if layer >= layers || a.len() != rank * inputs || b.len() != outputs * rank {
                 return Err(LoraError::Unreadable(format!("target {target:?}")));
             }
-            if !a.iter().chain(&b).all(|v| v.is_finite()) {
-                return Err(LoraError::Unreadable(format!(
-                    "{target:?} holds a value that is not finite"
+            if !a
+                .iter()
+                .chain(&b)
+                .all(|v| v.is_finite() && v.abs() <= MAX_VALUE)
+            {
+                return Err(LoraError::Values(format!(
+                    "{target:?} holds a value that is not finite or over {MAX_VALUE} in magnitude"
                 )));
             }
             out.bytes += 4 * (a.len() + b.len());
@@ -541,6 +718,12 @@ impl LoraWeights {
             } else {
                 alpha / rank as f32
             };
+            let mut bt = vec![0f32; b.len()];
+            for o in 0..outputs {
+                for r in 0..rank {
+                    bt[r * outputs + o] = b[o * rank + r];
+                }
+            }
             out.layers[layer].insert(
                 weight,
                 LoraPair {
@@ -548,7 +731,7 @@ impl LoraWeights {
                     inputs,
                     outputs,
                     a,
-                    b,
+                    bt,
                     scale,
                 },
             );
@@ -720,6 +903,149 @@ mod tests {
         meta.push(("general.alignment", Value::U32(0)));
         let f = file(&meta, &[("blk.0.attn_q.weight.lora_a", [8, 4])]);
         assert!(matches!(check(&f), Err(LoraError::Unreadable(_))));
+    }
+
+    /// `apply_row` is `y += scale * B (A x)` (checked in f64).
+    #[test]
+    fn a_pair_adds_its_scaled_low_rank_product() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let (rank, inputs, outputs) = (5, 37, 23);
+        let mut draw =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+        let p = LoraPair {
+            rank,
+            inputs,
+            outputs,
+            a: draw(rank * inputs),
+            bt: draw(rank * outputs),
+            scale: 0.75,
+        };
+        // Rows applied together equal each row applied alone, bit for bit.
+        let xs = draw(7 * inputs);
+        let mut together = draw(7 * outputs);
+        let mut alone = together.clone();
+        p.apply_rows(&[0, 2, 3, 4, 5, 6], &xs, &mut together, outputs, 0);
+        for i in [0, 2, 3, 4, 5, 6] {
+            let y = &mut alone[i * outputs..(i + 1) * outputs];
+            p.apply_row(&xs[i * inputs..(i + 1) * inputs], y);
+        }
+        assert_eq!(together, alone);
+        let x = draw(inputs);
+        let y0 = draw(outputs);
+        let mut y = y0.clone();
+        p.apply_row(&x, &mut y);
+        for o in 0..outputs {
+            let mut u = 0f64;
+            for r in 0..rank {
+                let t: f64 = (0..inputs)
+                    .map(|j| f64::from(p.a[r * inputs + j]) * f64::from(x[j]))
+                    .sum();
+                u += f64::from(p.bt[r * outputs + o]) * t;
+            }
+            let want = f64::from(y0[o]) + 0.75 * u;
+            assert!(
+                (f64::from(y[o]) - want).abs() < 1e-4,
+                "{o}: {} vs {want}",
+                y[o]
+            );
+        }
+    }
+
+    /// A llama adapter file of one pair on blk.0.attn_q.
+    fn pair_file(a: &QTensor, b: &QTensor) -> Vec<u8> {
+        let meta = lora_meta("llama");
+        let meta: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+        let tensors = [
+            ("blk.0.attn_q.weight.lora_a", a),
+            ("blk.0.attn_q.weight.lora_b", b),
+        ];
+        let mut out = Cursor::new(Vec::new());
+        gguf_file::write(&mut out, &meta, &tensors).unwrap();
+        out.into_inner()
+    }
+
+    /// Crafted files from an attack review: a metadata array that the reader would
+    /// blow up 32-fold in memory, non-finite and huge values, Q8_0 rows that are
+    /// not whole blocks, an absurd alpha; every refusal one line (no backtrace).
+    #[test]
+    fn crafted_adapters_are_refused_before_they_cost_memory_or_run() {
+        let pair = [
+            ("blk.0.attn_q.weight.lora_a", [8, 4]),
+            ("blk.0.attn_q.weight.lora_b", [4, 8]),
+        ];
+        let mut junk = lora_meta("llama");
+        junk.push(("general.junk", Value::Array(vec![Value::U8(1); 100_000])));
+        let e = check(&file(&junk, &pair)).unwrap_err();
+        assert!(
+            matches!(&e, LoraError::Unreadable(m) if m.contains("100000 elements")),
+            "{e}"
+        );
+        let mut alpha = lora_meta("llama");
+        alpha[3].1 = Value::F32(3e38);
+        assert!(matches!(
+            check(&file(&alpha, &pair)),
+            Err(LoraError::Alpha(_))
+        ));
+        for garbage in [&b"GGUF\x09\0\0\0"[..], b"GGUF", b"\0\0\0\0\0\0\0\0"] {
+            let e = check(garbage).unwrap_err().to_string();
+            assert!(!e.contains('\n'), "{e}");
+        }
+
+        // Values: written as F32 tensors holding NaN, then 1e30.
+        let m = LoraBase {
+            architecture: "llama".into(),
+            matrices: [("blk.0.attn_q.weight".to_string(), [8, 8])]
+                .into_iter()
+                .collect(),
+        };
+        for bad in [f32::NAN, 1e30] {
+            let t = |rows, cols, v: f32| {
+                let d = vec![v; rows * cols];
+                let t = Tensor::from_vec(d, (rows, cols), &Device::Cpu).unwrap();
+                QTensor::quantize(&t, GgmlDType::F32).unwrap()
+            };
+            let bytes = pair_file(&t(4, 8, bad), &t(8, 4, 0.1));
+            assert!(
+                validate(&bytes, &m, "m", MAX_RANK).is_ok(),
+                "the header is fine"
+            );
+            assert!(matches!(
+                LoraWeights::load(&bytes, &m, "m", 1),
+                Err(LoraError::Values(_))
+            ));
+        }
+
+        // Q8_0 rows of 8 values: not whole 32-value blocks.
+        let q8 = LoraBase {
+            architecture: "llama".into(),
+            matrices: [("blk.0.attn_q.weight".to_string(), [64, 64])]
+                .into_iter()
+                .collect(),
+        };
+        let a = QTensor::quantize(
+            &Tensor::zeros((8, 64), candle_core::DType::F32, &Device::Cpu).unwrap(),
+            GgmlDType::Q8_0,
+        )
+        .unwrap();
+        // B's rows are rank (8) long; build its bytes as if it were Q8_0.
+        let b = QTensor::quantize(
+            &Tensor::zeros((8, 64), candle_core::DType::F32, &Device::Cpu).unwrap(),
+            GgmlDType::Q8_0,
+        )
+        .unwrap();
+        let mut bytes = pair_file(&a, &b);
+        // Rewrite lora_b's dims from [64, 8] (ne) to [8, 64]: rank 8, out 64.
+        let name = b"blk.0.attn_q.weight.lora_b";
+        let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+        let dims = at + 4;
+        bytes[dims..dims + 8].copy_from_slice(&8u64.to_le_bytes());
+        bytes[dims + 8..dims + 16].copy_from_slice(&64u64.to_le_bytes());
+        let e = validate(&bytes, &q8, "m", MAX_RANK).unwrap_err();
+        assert!(
+            matches!(&e, LoraError::TensorType { dtype, .. } if dtype.contains("whole blocks")),
+            "{e}"
+        );
     }
 
     #[test]

@@ -96,11 +96,23 @@ pub fn direct_kv(m: &LoadedModel, prompt: &[u32], tokens: usize) -> (KvManager, 
 /// Greedy decoding of `n` tokens straight through the forward pass (one sequence,
 /// its own pool, no engine): the token ids and the logits each was chosen from.
 pub fn greedy_with_logits(m: &LoadedModel, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    greedy_with_logits_lora(m, None, prompt, n)
+}
+
+/// [`greedy_with_logits`] with every row under LoRA adapter `lora`.
+pub fn greedy_with_logits_lora(
+    m: &LoadedModel,
+    lora: Option<&crate::lora::LoraWeights>,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let (mut kv, mut rows) = direct_kv(m, prompt, prompt.len() + n);
     let seq = SeqId(1);
     let (mut out, mut all) = (Vec::new(), Vec::new());
     for step in 0..n {
-        let fwd = m.transformer.forward(&rows, &mut kv);
+        let per_row = vec![lora; rows.len()];
+        let per_row = if lora.is_some() { &per_row[..] } else { &[] };
+        let fwd = m.transformer.forward_lora(&rows, per_row, &mut kv);
         assert!(fwd.failed.is_empty());
         let logits = fwd.logits.into_iter().next().unwrap().1;
         let tok = argmax(&logits);

@@ -750,11 +750,55 @@ fn add_lora(
     at: usize,
     len: usize,
 ) {
-    for (i, w) in lora.iter().enumerate() {
-        if let Some(p) = w.and_then(|w| w.pair(layer, target)) {
-            let o = i * stride + at;
-            p.apply_row(&x[i * in_dim..(i + 1) * in_dim], &mut out[o..o + len]);
+    debug_assert!(lora.iter().flatten().all(|w| w
+        .pair(layer, target)
+        .is_none_or(|p| p.inputs == in_dim && p.outputs == len)));
+    // Rows grouped by adapter, so each adapter's weights are read once a pass (per
+    // thread): work units of up to a group's share of rows, spread over the pool.
+    let threads = tessera_kernels::pool::global().threads().max(1);
+    let mut done = vec![false; lora.len()];
+    let mut units: Vec<(&crate::lora::LoraPair, Vec<usize>)> = Vec::new();
+    for i in 0..lora.len() {
+        let Some(w) = lora[i].filter(|_| !done[i]) else {
+            continue;
+        };
+        let rows: Vec<usize> = (i..lora.len())
+            .filter(|&j| lora[j].is_some_and(|v| std::ptr::eq(v, w)))
+            .collect();
+        for &j in &rows {
+            done[j] = true;
         }
+        if let Some(p) = w.pair(layer, target) {
+            let per = rows.len().div_ceil(threads).max(4);
+            units.extend(rows.chunks(per).map(|c| (p, c.to_vec())));
+        }
+    }
+    assert!(units.iter().all(|(_, rows)| rows
+        .iter()
+        .all(|&i| (i + 1) * in_dim <= x.len() && i * stride + at + len <= out.len())));
+    let base = RowsPtr(out.as_mut_ptr());
+    tessera_kernels::pool::global().parallel_for(units.len(), |u| {
+        let (p, rows) = &units[u];
+        // SAFETY: in bounds (checked above); each row belongs to one unit and its
+        // range `i * stride + at..+len` to that row alone (len <= stride).
+        p.apply_rows_to(rows, x, |i| unsafe {
+            std::slice::from_raw_parts_mut(base.at(i * stride + at), len)
+        });
+    });
+}
+
+/// An output buffer written by several pool tasks at disjoint rows.
+#[derive(Clone, Copy)]
+struct RowsPtr(*mut f32);
+// SAFETY: tasks write disjoint rows of a buffer that outlives the parallel region.
+unsafe impl Send for RowsPtr {}
+unsafe impl Sync for RowsPtr {}
+
+impl RowsPtr {
+    /// Pointer to element `idx` (a method, so closures capture the whole wrapper).
+    fn at(self, idx: usize) -> *mut f32 {
+        // SAFETY: callers pass in-bounds indices.
+        unsafe { self.0.add(idx) }
     }
 }
 

@@ -37,6 +37,14 @@ fn common(o: &Map<String, Value>, input: Input) -> Result<ParsedRequest, ApiErro
         opt_string(o, "model")?.ok_or_else(|| ApiError::field("model", "`model` is required"))?;
     check_len("model", model)?;
     // `model: "<base>:<fine-tune>"` names a fine-tune as the `lora` field does.
+    if let Some((base, ft)) = model.split_once(':') {
+        if base.is_empty() || ft.is_empty() {
+            return Err(ApiError::field(
+                "model",
+                format!("`model` names a base model and a fine-tune as `<base>:<fine-tune>`, both non-empty. Given: {model:?}"),
+            ));
+        }
+    }
     let (model, lora) = match (model.split_once(':'), lora(o)?) {
         (Some((_, ft)), Some(_)) if !ft.is_empty() => {
             return Err(ApiError::field(

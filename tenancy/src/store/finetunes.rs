@@ -90,11 +90,18 @@ fn from_row(r: &AnyRow) -> Result<Finetune, StoreError> {
     })
 }
 
-/// Whether `name` is a valid fine-tune name (see [`Finetune::name`]).
-pub(crate) fn valid_name(name: &str) -> bool {
+/// Whether `name` is a valid fine-tune name (see [`Finetune::name`]): also not
+/// `public` (a route of its own) and not shaped like an id (`8-4-4-4-12` hex), so
+/// a name never shadows an id.
+pub fn valid_finetune_name(name: &str) -> bool {
+    let id_shaped = name.len() == 36
+        && name.split('-').map(str::len).eq([8, 4, 4, 4, 12])
+        && name.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-');
     !name.is_empty()
         && name.len() <= MAX_NAME_BYTES
         && !name.starts_with('.')
+        && name != "public"
+        && !id_shaped
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
@@ -117,10 +124,11 @@ impl Store {
         f: &NewFinetune<'_>,
     ) -> Result<Finetune, StoreError> {
         use sha2::{Digest, Sha256};
-        if !valid_name(f.name) {
+        if !valid_finetune_name(f.name) {
             return Err(StoreError::Invalid(format!(
                 "name must be 1 to {MAX_NAME_BYTES} characters of A-Z, a-z, 0-9, '.', '_' \
-                 and '-', not starting with '.'. Given: {:?}",
+                 and '-', not starting with '.', not `public` and not shaped like an id. \
+                 Given: {:?}",
                 f.name.chars().take(80).collect::<String>()
             )));
         }
@@ -187,7 +195,14 @@ impl Store {
         .bind(i64::from(ft.targets))
         .bind(ft.created_ms)
         .execute(&mut *tx)
-        .await?;
+        .await
+        .map_err(|e| match &e {
+            // A concurrent upload of the same name won the race.
+            sqlx::Error::Database(d) if d.is_unique_violation() => StoreError::Conflict(
+                format!("this account already has a fine-tune named {:?}", f.name),
+            ),
+            _ => StoreError::from(e),
+        })?;
         sqlx::query("INSERT INTO finetune_blobs (finetune_id, data) VALUES ($1, $2)")
             .bind(&ft.id)
             .bind(f.data)
@@ -357,15 +372,32 @@ impl Audited<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::valid_name;
+    use super::valid_finetune_name as valid;
 
     #[test]
     fn names_are_short_plain_and_not_hidden() {
-        for ok in ["a", "my-adapter_v1.2", &"x".repeat(64)] {
-            assert!(valid_name(ok), "{ok}");
+        for ok in [
+            "a",
+            "my-adapter_v1.2",
+            &"x".repeat(64),
+            "publicity",
+            "0123-4567",
+        ] {
+            assert!(valid(ok), "{ok}");
         }
-        for bad in ["", ".hidden", "a b", "a/b", "é", &"x".repeat(65), "a\u{0}"] {
-            assert!(!valid_name(bad), "{bad:?}");
+        let id = "c9e0451e-65db-5080-e949-ac2a878263f5";
+        for bad in [
+            "",
+            ".hidden",
+            "a b",
+            "a/b",
+            "é",
+            &"x".repeat(65),
+            "a\u{0}",
+            "public",
+            id,
+        ] {
+            assert!(!valid(bad), "{bad:?}");
         }
     }
 }

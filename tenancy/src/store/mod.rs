@@ -21,7 +21,7 @@ mod usage;
 
 pub use audit::Audited;
 pub use dates::{days_from_civil, parse_time, rfc3339};
-pub use finetunes::{Finetune, NewFinetune, MAX_FINETUNES_PER_TENANT};
+pub use finetunes::{valid_finetune_name, Finetune, NewFinetune, MAX_FINETUNES_PER_TENANT};
 pub use sessions::DashSession;
 pub use types::{
     AuditCtx, AuditRecord, AuthError, CacheLimits, GroupBy, KeyInfo, Limits, LimitsPatch,
