@@ -358,6 +358,47 @@ fn check_room(state: &AppState, tenant_id: &str) -> Result<(), ApiError> {
     room(batches, &jobs, tenant_id)
 }
 
+/// Most distinct fine-tunes one batch's items may name.
+const MAX_BATCH_LORAS: usize = 8;
+
+/// The fine-tunes a batch's items name (`lora`), each resolved and loaded for the
+/// tenant once, before any item is validated; malformed `lora` values are left to
+/// the items' own validation.
+///
+/// Errors: more than [`MAX_BATCH_LORAS`] distinct ones (400), or a fine-tune the
+/// tenant cannot reach (404) or of another base model (400), naming the item.
+async fn batch_loras(
+    state: &AppState,
+    tenant_id: &str,
+    served: &ServedModel,
+    requests: &Value,
+) -> Result<std::collections::HashMap<String, tessera_serving::LoraRef>, ApiError> {
+    let mut out = std::collections::HashMap::new();
+    for (i, item) in requests.as_array().into_iter().flatten().enumerate() {
+        let Some(Value::String(name)) = item.get("lora") else {
+            continue;
+        };
+        if name.is_empty() || name.len() > crate::MAX_ID_BYTES || out.contains_key(name) {
+            continue;
+        }
+        let field = format!("requests[{i}].lora");
+        if out.len() == MAX_BATCH_LORAS {
+            return Err(ApiError::field(
+                &field,
+                format!("a batch's items may name at most {MAX_BATCH_LORAS} fine-tunes"),
+            ));
+        }
+        let l = crate::finetunes_api::resolve(state, tenant_id, served, name)
+            .await
+            .map_err(|mut e| {
+                e.param = Some(field);
+                e
+            })?;
+        out.insert(name.clone(), l);
+    }
+    Ok(out)
+}
+
 /// A new batch: room, allowances (one slot, a request per item), items validated
 /// on the CPU pool, their tokens reserved, then stored and started.
 ///
@@ -389,11 +430,16 @@ async fn submit(
         served.engine.admission(),
         pipeline::tenant_context(tenant),
     );
+    let loras = batch_loras(state, &tenant.id, served, &requests)
+        .await
+        .map_err(refused)?;
     let m = model.to_string();
     let checked = state
         .cpu
         .run(Lane::Batch, &tenant.id, move || {
             items(&m, &requests, &|p| {
+                let lora = p.lora.as_ref().and_then(|n| loras.get(n).cloned());
+                let tc = model_check::TenantContext { lora, ..tc.clone() };
                 model_check::validate(p, &entry, &loaded, admission, &tc)
             })
         })

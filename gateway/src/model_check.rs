@@ -114,15 +114,17 @@ pub fn validate(
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
     // control tokens, as llama.cpp's server and vLLM parse completions prompts.
     let tools = p.tools;
-    // A fine-tune is resolved for the tenant before validation; one named on a path
-    // that resolves none (an async batch's items) is refused, never run as the base.
+    // A fine-tune is resolved for the tenant before validation (requests, batch
+    // items); one named but not resolved is refused, never run as the base.
     let lora = match (&p.lora, &tenant.lora) {
         (None, _) => None,
         (Some(_), Some(l)) => Some(l.clone()),
-        (Some(_), None) => return Err(ApiError::field(
-            "lora",
-            "`lora` (a fine-tune) is not served for async batch items: send the request on its own",
-        )),
+        (Some(_), None) => {
+            return Err(ApiError::field(
+                "lora",
+                "`lora` names a fine-tune that was not resolved for this request",
+            ))
+        }
     };
     // The field the input came in, which a refusal of it names.
     let input_field = match &p.input {

@@ -495,15 +495,36 @@ async fn serve_fine_tunes(s: &TestServer) {
 
     // Refused: an empty name, a batch item, a fine-tune for another base model.
     assert_eq!(run(s, &a.id, &a_key, body(Some(""))).await.0, 400);
-    let (status, _, v) = s
-        .post(
-            &format!("{}?queueRequest=true", s.run_url(&a.id)),
-            Some(&a_key),
-            &serde_json::json!({"requests": [body(Some("tuned"))]}),
-        )
-        .await;
-    assert_eq!(status, 400, "{v}");
-    assert!(message(&v).contains("lora"), "{v}");
+    // An async batch: its items run under the fine-tunes they name, each as alone;
+    // another tenant's fine-tune in any item refuses the whole batch (404 naming it).
+    let batch = format!("{}?queueRequest=true", s.run_url(&a.id));
+    let items = serde_json::json!({"requests": [body(Some("tuned")), body(None)]});
+    let (status, _, v) = s.post(&batch, Some(&a_key), &items).await;
+    assert_eq!(status, 200, "{v}");
+    let rid = v["result"]["request_id"].as_str().unwrap().to_string();
+    let mut done = None;
+    for _ in 0..600 {
+        let poll = serde_json::json!({"request_id": rid});
+        let (_, _, v) = s.post(&batch, Some(&a_key), &poll).await;
+        if v["result"].get("responses").is_some() {
+            done = Some(v["result"]["responses"].clone());
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let responses = done.expect("the batch did not finish");
+    let text = |i: usize| {
+        responses[i]["result"]["response"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!((text(0), text(1)), (tuned.clone(), base.clone()));
+    let b_batch = format!("{}?queueRequest=true", s.run_url(&b.id));
+    let items = serde_json::json!({"requests": [body(None), body(Some("tuned"))]});
+    let (status, _, v) = s.post(&b_batch, Some(&b_key), &items).await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["errors"][0]["message"], "no fine-tune \"tuned\"");
     let other = store
         .create_finetune(&tessera_tenancy::NewFinetune {
             tenant_id: &a.id,
