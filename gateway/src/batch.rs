@@ -388,7 +388,7 @@ async fn batch_loras(
                 format!("a batch's items may name at most {MAX_BATCH_LORAS} fine-tunes"),
             ));
         }
-        let l = crate::finetunes_api::resolve(state, tenant_id, served, name)
+        let l = crate::finetune_resolve::resolve(state, tenant_id, served, name)
             .await
             .map_err(|mut e| {
                 e.param = Some(field);

@@ -19,13 +19,15 @@
 //! against the account's rate of usage-API queries; uploads are read up to
 //! `max_finetune_bytes` (413 past it), one at a time per account (429 with
 //! `retry-after`), after the checks that need no file (name, description, count,
-//! base model); then at most [`MAX_UPLOADS`] files are decoded at once per gateway,
+//! base model); then at most [`MAX_UPLOADS`](crate::lora_cache::MAX_UPLOADS) files are decoded at once per gateway,
 //! on the CPU pool, in full (so a stored fine-tune always loads).
 
 use crate::cpu::Lane;
 use crate::error::{ApiError, ErrorKind, Flavor};
+use crate::finetune_resolve::{bad, not_found, store_error};
 use crate::http::{envelope, read_body};
-use crate::state::{AppState, Ctx, ServedModel};
+use crate::lora_cache::UploadSlot;
+use crate::state::{AppState, Ctx};
 use crate::usage_api::account_query;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -36,128 +38,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_model::lora::{self, LoraWeights, MAX_RANK};
-use tessera_serving::LoraRef;
 use tessera_tenancy::store::rfc3339;
 use tessera_tenancy::store::valid_finetune_name;
-use tessera_tenancy::{
-    AuditCtx, Finetune, NewFinetune, Scope, StoreError, MAX_FINETUNES_PER_TENANT,
-};
-
-/// Uploads decoded and checked at once per gateway (each holds its file and its
-/// f32 weights in memory); reading the files is bounded by one per account.
-pub(crate) const MAX_UPLOADS: usize = 2;
+use tessera_tenancy::{AuditCtx, Finetune, NewFinetune, Scope, MAX_FINETUNES_PER_TENANT};
 
 /// Longest description, in bytes (as the store's).
 const MAX_DESCRIPTION_BYTES: usize = 1024;
-
-/// Loaded adapters a gateway keeps (the least recently used one goes first).
-const MAX_LOADED: usize = 16;
-
-/// Adapters loaded for serving, by fine-tune id (with the file's SHA-256, so a
-/// changed file is loaded anew).
-#[derive(Debug, Default)]
-pub(crate) struct LoadedLoras {
-    map: std::sync::Mutex<HashMap<String, Loaded>>,
-    clock: std::sync::atomic::AtomicU64,
-}
-
-/// A loaded adapter: its file's SHA-256, its weights, when it was last used.
-type Loaded = (String, Arc<LoraWeights>, u64);
-
-impl LoadedLoras {
-    fn get(&self, id: &str, sha256: &str) -> Option<Arc<LoraWeights>> {
-        let now = self
-            .clock
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut map = self.map.lock().expect("lora cache lock");
-        let (sha, w, used) = map.get_mut(id)?;
-        (sha == sha256).then(|| {
-            *used = now;
-            w.clone()
-        })
-    }
-
-    fn put(&self, id: &str, sha256: &str, w: Arc<LoraWeights>) {
-        let now = self
-            .clock
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut map = self.map.lock().expect("lora cache lock");
-        if map.len() >= MAX_LOADED && !map.contains_key(id) {
-            let oldest = map.iter().min_by_key(|(_, v)| v.2).map(|(k, _)| k.clone());
-            if let Some(k) = oldest {
-                map.remove(&k);
-            }
-        }
-        map.insert(id.into(), (sha256.into(), w, now));
-    }
-}
-
-/// The fine-tune `name` (id or name) of tenant `tenant_id` for a request to
-/// `served`, loaded: its own, or a public one by id.
-///
-/// Errors: 404 naming `lora` for one the tenant cannot reach (another tenant's is
-/// unknown to it); 400 when it was made for another base model; 503 when the store
-/// cannot be read; 500 when its file does not load.
-pub(crate) async fn resolve(
-    state: &AppState,
-    tenant_id: &str,
-    served: &ServedModel,
-    name: &str,
-) -> Result<LoraRef, ApiError> {
-    let unknown = || {
-        let mut e = not_found(name);
-        e.param = Some("lora".into());
-        e
-    };
-    let ft = state
-        .store
-        .finetune_for(tenant_id, name)
-        .await
-        .map_err(store_error)?
-        .ok_or_else(unknown)?;
-    if ft.base_model != served.entry.id {
-        return Err(bad(
-            "lora",
-            format!(
-                "the fine-tune {name:?} is for model {}, not {}",
-                ft.base_model, served.entry.id
-            ),
-        ));
-    }
-    if let Some(w) = state.loras.get(&ft.id, &ft.sha256) {
-        return Ok(LoraRef {
-            id: ft.id,
-            weights: Some(w),
-        });
-    }
-    let data = state
-        .store
-        .finetune_data(&ft.id)
-        .await
-        .map_err(store_error)?
-        .ok_or_else(unknown)?;
-    let (base, layers, id) = (
-        served.model.lora_base.clone(),
-        served.model.config().layers,
-        ft.id.clone(),
-    );
-    let loaded = state
-        .cpu
-        .run(Lane::Request, tenant_id, move || {
-            LoraWeights::load(&data, &base, &id, layers)
-        })
-        .await
-        .map_err(|e| {
-            tracing::error!(id = %ft.id, error = %e, "a stored fine-tune does not load");
-            ApiError::new(ErrorKind::Internal, "the fine-tune could not be loaded")
-        })?;
-    let w = Arc::new(loaded);
-    state.loras.put(&ft.id, &ft.sha256, w.clone());
-    Ok(LoraRef {
-        id: ft.id,
-        weights: Some(w),
-    })
-}
 
 /// How long an upload's body may take, as a multiple of the body-read deadline
 /// (an adapter is up to hundreds of MB, a request body a few kB).
@@ -182,28 +68,6 @@ fn to_json(f: &Finetune, own: bool) -> Value {
         v["account_id"] = json!(f.tenant_id);
     }
     v
-}
-
-fn store_error(e: StoreError) -> ApiError {
-    match e {
-        StoreError::Invalid(m) => ApiError::new(ErrorKind::BadRequest, m),
-        StoreError::Conflict(m) => ApiError::new(ErrorKind::Conflict, m),
-        e => {
-            tracing::error!(error = %e, "fine-tune store unavailable");
-            ApiError::new(ErrorKind::Unavailable, "the fine-tune store is unavailable")
-        }
-    }
-}
-
-fn not_found(id: &str) -> ApiError {
-    let shown: String = id.chars().take(80).collect();
-    ApiError::new(ErrorKind::NotFound, format!("no fine-tune {shown:?}"))
-}
-
-fn bad(param: &str, message: String) -> ApiError {
-    let mut e = ApiError::new(ErrorKind::BadRequest, message);
-    e.param = Some(param.into());
-    e
 }
 
 /// Handler: `POST .../ai/finetunes`.
@@ -364,31 +228,6 @@ async fn upload(
         "fine-tune stored"
     );
     Ok(f)
-}
-
-/// Accounts with an upload in progress on this gateway.
-pub(crate) type Uploading = std::sync::Mutex<std::collections::HashSet<String>>;
-
-/// An account's upload slot, given back on drop.
-struct UploadSlot<'a> {
-    set: &'a Uploading,
-    tenant: String,
-}
-
-impl<'a> UploadSlot<'a> {
-    fn take(set: &'a Uploading, tenant: &str) -> Option<Self> {
-        let fresh = set.lock().expect("uploads lock").insert(tenant.into());
-        fresh.then(|| Self {
-            set,
-            tenant: tenant.into(),
-        })
-    }
-}
-
-impl Drop for UploadSlot<'_> {
-    fn drop(&mut self) {
-        self.set.lock().expect("uploads lock").remove(&self.tenant);
-    }
 }
 
 /// Handler: `GET .../ai/finetunes` (the caller's own).

@@ -581,7 +581,8 @@ impl<'s> Phases for HttpPhases<'s> {
         let lora = match &r.request.lora {
             None => None,
             Some(name) => {
-                match crate::finetunes_api::resolve(self.state, &tenant.id, r.served, name).await {
+                match crate::finetune_resolve::resolve(self.state, &tenant.id, r.served, name).await
+                {
                     Ok(l) => Some(l),
                     Err(e) => return Err(Stop::failed(self.state, &self.ctx, e).await),
                 }

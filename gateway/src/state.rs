@@ -249,9 +249,9 @@ pub struct AppState {
     /// Fine-tune uploads being read and checked (each holds its file in memory).
     pub(crate) finetune_uploads: Arc<tokio::sync::Semaphore>,
     /// Adapters loaded for serving.
-    pub(crate) loras: crate::finetunes_api::LoadedLoras,
+    pub(crate) loras: crate::lora_cache::LoadedLoras,
     /// Accounts with a fine-tune upload in progress (one each).
-    pub(crate) finetune_uploading: crate::finetunes_api::Uploading,
+    pub(crate) finetune_uploading: crate::lora_cache::Uploading,
     /// Request deadlines.
     pub deadlines: Deadlines,
     /// Usage API limits and retention.
@@ -331,9 +331,7 @@ impl AppState {
             default_limits: cfg.default_limits,
             max_body_bytes: cfg.max_body_bytes,
             max_finetune_bytes: cfg.max_finetune_bytes,
-            finetune_uploads: Arc::new(tokio::sync::Semaphore::new(
-                crate::finetunes_api::MAX_UPLOADS,
-            )),
+            finetune_uploads: Arc::new(tokio::sync::Semaphore::new(crate::lora_cache::MAX_UPLOADS)),
             loras: Default::default(),
             finetune_uploading: Default::default(),
             deadlines: cfg.deadlines,

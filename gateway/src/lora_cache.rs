@@ -1,0 +1,79 @@
+//! What a gateway holds for LoRA fine-tunes between requests: the adapters loaded
+//! for serving (the least recently used dropped past [`MAX_LOADED`]) and the
+//! accounts with an upload in progress. Types only, so the gateway's state can hold
+//! them without depending on the handlers ([`crate::finetunes_api`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use tessera_model::lora::LoraWeights;
+
+/// Uploads decoded and checked at once per gateway (each holds its file and its
+/// f32 weights in memory); reading the files is bounded by one per account.
+pub(crate) const MAX_UPLOADS: usize = 2;
+
+/// Loaded adapters a gateway keeps (the least recently used one goes first).
+pub(crate) const MAX_LOADED: usize = 16;
+
+/// Adapters loaded for serving, by fine-tune id (with the file's SHA-256, so a
+/// changed file is loaded anew).
+#[derive(Debug, Default)]
+pub(crate) struct LoadedLoras {
+    map: std::sync::Mutex<HashMap<String, Loaded>>,
+    clock: std::sync::atomic::AtomicU64,
+}
+
+/// A loaded adapter: its file's SHA-256, its weights, when it was last used.
+type Loaded = (String, Arc<LoraWeights>, u64);
+
+impl LoadedLoras {
+    pub(crate) fn get(&self, id: &str, sha256: &str) -> Option<Arc<LoraWeights>> {
+        let now = self
+            .clock
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut map = self.map.lock().expect("lora cache lock");
+        let (sha, w, used) = map.get_mut(id)?;
+        (sha == sha256).then(|| {
+            *used = now;
+            w.clone()
+        })
+    }
+
+    pub(crate) fn put(&self, id: &str, sha256: &str, w: Arc<LoraWeights>) {
+        let now = self
+            .clock
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut map = self.map.lock().expect("lora cache lock");
+        if map.len() >= MAX_LOADED && !map.contains_key(id) {
+            let oldest = map.iter().min_by_key(|(_, v)| v.2).map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                map.remove(&k);
+            }
+        }
+        map.insert(id.into(), (sha256.into(), w, now));
+    }
+}
+
+/// Accounts with an upload in progress on this gateway.
+pub(crate) type Uploading = std::sync::Mutex<std::collections::HashSet<String>>;
+
+/// An account's upload slot, given back on drop.
+pub(crate) struct UploadSlot<'a> {
+    set: &'a Uploading,
+    tenant: String,
+}
+
+impl<'a> UploadSlot<'a> {
+    pub(crate) fn take(set: &'a Uploading, tenant: &str) -> Option<Self> {
+        let fresh = set.lock().expect("uploads lock").insert(tenant.into());
+        fresh.then(|| Self {
+            set,
+            tenant: tenant.into(),
+        })
+    }
+}
+
+impl Drop for UploadSlot<'_> {
+    fn drop(&mut self) {
+        self.set.lock().expect("uploads lock").remove(&self.tenant);
+    }
+}
