@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use serde_json::json;
 use std::path::PathBuf;
-use tessera_model::lora::{self, LoraBase, LoraWeights, MAX_RANK};
+use tessera_model::lora::{self, LoraWeights, MAX_RANK};
 use tessera_tenancy::NewFinetune;
 
 /// `tessera finetune ...`.
@@ -87,7 +87,7 @@ pub(crate) fn finetune(store: StoreArgs, cmd: FinetuneCommand) -> Result<()> {
                         data.len()
                     );
                 }
-                let base = LoraBase::from_file(&model_file)?;
+                let base = tessera_model::gguf::lora_base_of(&model_file)?;
                 // Decoded in full, as serving loads it (a stored fine-tune always loads).
                 let layers = base
                     .matrices

@@ -261,6 +261,15 @@ pub fn read_header(path: &Path) -> Result<(std::fs::File, Content), LoadError> {
     Ok((f, content))
 }
 
+/// What a LoRA adapter for the model in `path` is checked against, from its
+/// header alone (not its weights).
+///
+/// Errors: [`LoadError::Open`], [`LoadError::Gguf`].
+pub fn lora_base_of(path: &Path) -> Result<crate::lora::LoraBase, LoadError> {
+    let (_, content) = read_header(path)?;
+    Ok(crate::lora::LoraBase::from_gguf(&content))
+}
+
 impl LoadedModel {
     /// Loads a GGUF file of one of the supported architectures
     /// ([`crate::transformer::Arch`]).

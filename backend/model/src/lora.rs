@@ -49,14 +49,6 @@ pub struct LoraBase {
 }
 
 impl LoraBase {
-    /// Reads a base model file's header (not its weights) for [`Self::from_gguf`].
-    ///
-    /// Errors: the file cannot be opened or is not GGUF.
-    pub fn from_file(path: &std::path::Path) -> Result<Self, crate::gguf::LoadError> {
-        let (_, content) = crate::gguf::read_header(path)?;
-        Ok(Self::from_gguf(&content))
-    }
-
     /// Reads the adaptable weights' shapes from a base model's GGUF header.
     pub fn from_gguf(content: &Content) -> Self {
         let architecture = match content.metadata.get("general.architecture") {
