@@ -13,9 +13,11 @@ so the arrays are shaped (rank, in) and (out, rank).
 Kinds:
   random         small random A and B on --targets of --layers (changes logits a
                  little; output usually unchanged at temperature 0).
-  bias-token     a structured adapter on the last layer's ffn_down whose B pushes
-                 the residual stream along the output-embedding row of --token, so
-                 greedy decoding demonstrably changes towards that token.
+  bias-token     a structured rank-1 adapter on the last layer's ffn_down whose B
+                 pushes the residual stream along the output-embedding row of
+                 --token, by --scale times A x (whose sign depends on the position:
+                 --sign -1 flips it), so greedy outputs change (towards that token
+                 only where A x is positive).
   Deliberately invalid files (the upload must refuse them by name):
   wrong-arch     general.architecture is not the base's.
   wrong-shape    lora_a's input size is one less than the base weight's.
@@ -48,7 +50,11 @@ def token_row(reader, token):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Kinds:"):],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("base")
     ap.add_argument("out")
     ap.add_argument("--kind", default="random")

@@ -21,12 +21,13 @@ pub(crate) enum FinetuneCommand {
         /// The owning tenant's id.
         #[arg(long)]
         tenant: String,
-        /// The base model's catalog id.
-        #[arg(long, default_value = tessera_model::DEFAULT_MODEL_ID)]
-        model: String,
+        /// The base model's catalog id (with `--model-file`, the file it is served
+        /// from; default: the default model and its file in `models/`).
+        #[arg(long, requires = "model_file")]
+        model: Option<String>,
         /// The base model's GGUF file (only its header is read).
-        #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
-        model_file: PathBuf,
+        #[arg(long, requires = "model")]
+        model_file: Option<PathBuf>,
         /// Name, unique per tenant (default: the file's name without `.gguf`).
         #[arg(long)]
         name: Option<String>,
@@ -87,6 +88,13 @@ pub(crate) fn finetune(store: StoreArgs, cmd: FinetuneCommand) -> Result<()> {
                         data.len()
                     );
                 }
+                let (model, model_file) = match (model, model_file) {
+                    (Some(m), Some(f)) => (m, f),
+                    _ => (
+                        tessera_model::DEFAULT_MODEL_ID.to_string(),
+                        PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                    ),
+                };
                 let base = tessera_model::gguf::lora_base_of(&model_file)?;
                 // Decoded in full, as serving loads it (a stored fine-tune always loads).
                 let layers = base

@@ -583,6 +583,8 @@ fn finetune_commands() {
                 "create",
                 "--tenant",
                 t,
+                "--model",
+                "@cf/huggingfacetb/smollm2-135m-instruct",
                 "--model-file",
                 &model,
                 file,
@@ -597,6 +599,14 @@ fn finetune_commands() {
     );
     assert_eq!(v["targets"], 4, "attn_q and attn_v of layers 0 and 1");
     let id = v["id"].as_str().unwrap().to_string();
+    // A model id without its file is refused (it would be checked against another).
+    let (ok, _, err) = cli(
+        d,
+        &[
+            "finetune", "create", "--tenant", &a, "--model", "@cf/x/y", &good,
+        ],
+    );
+    assert!(!ok && err.contains("--model-file"), "{err}");
     let (ok, _, err) = create(&a, &bad);
     assert!(!ok);
     assert!(err.contains("architecture \"gpt2\""), "{err}");

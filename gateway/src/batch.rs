@@ -391,6 +391,7 @@ async fn batch_loras(
         let l = crate::finetune_resolve::resolve(state, tenant_id, served, name)
             .await
             .map_err(|mut e| {
+                e.message = format!("{field}: {}", e.message);
                 e.param = Some(field);
                 e
             })?;

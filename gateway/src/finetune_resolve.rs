@@ -41,11 +41,20 @@ pub(crate) async fn resolve(
             ),
         ));
     }
-    if let Some(w) = state.loras.get(&ft.id, &ft.sha256) {
-        return Ok(LoraRef {
-            id: ft.id,
+    let loaded = || {
+        state.loras.get(&ft.id, &ft.sha256).map(|w| LoraRef {
+            id: ft.id.clone(),
             weights: Some(w),
-        });
+        })
+    };
+    if let Some(l) = loaded() {
+        return Ok(l);
+    }
+    // One load per fine-tune at a time; who waited finds it loaded.
+    let gate = state.loras.load_gate(&ft.id);
+    let _loading = gate.lock().await;
+    if let Some(l) = loaded() {
+        return Ok(l);
     }
     let data = state
         .store

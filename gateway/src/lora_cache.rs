@@ -20,12 +20,23 @@ pub(crate) const MAX_LOADED: usize = 16;
 pub(crate) struct LoadedLoras {
     map: std::sync::Mutex<HashMap<String, Loaded>>,
     clock: std::sync::atomic::AtomicU64,
+    /// One lock per fine-tune being loaded: concurrent first requests load it once.
+    loading: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// A loaded adapter: its file's SHA-256, its weights, when it was last used.
 type Loaded = (String, Arc<LoraWeights>, u64);
 
 impl LoadedLoras {
+    /// The lock a load of fine-tune `id` holds (the same for every caller while
+    /// any holds it).
+    pub(crate) fn load_gate(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut loading = self.loading.lock().expect("lora loading lock");
+        // Gates nobody holds any more go (the map stays as small as the loads).
+        loading.retain(|_, g| Arc::strong_count(g) > 1);
+        loading.entry(id.into()).or_default().clone()
+    }
+
     pub(crate) fn get(&self, id: &str, sha256: &str) -> Option<Arc<LoraWeights>> {
         let now = self
             .clock

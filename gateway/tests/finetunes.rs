@@ -524,7 +524,10 @@ async fn serve_fine_tunes(s: &TestServer) {
     let items = serde_json::json!({"requests": [body(None), body(Some("tuned"))]});
     let (status, _, v) = s.post(&b_batch, Some(&b_key), &items).await;
     assert_eq!(status, 404, "{v}");
-    assert_eq!(v["errors"][0]["message"], "no fine-tune \"tuned\"");
+    assert_eq!(
+        v["errors"][0]["message"],
+        "requests[1].lora: no fine-tune \"tuned\""
+    );
     let other = store
         .create_finetune(&tessera_tenancy::NewFinetune {
             tenant_id: &a.id,

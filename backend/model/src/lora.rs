@@ -382,6 +382,9 @@ fn prescan(b: &[u8]) -> Result<(), String> {
     };
     let u32_ = |s: &[u8]| u32::from_le_bytes(s.try_into().unwrap());
     let u64_ = |s: &[u8]| u64::from_le_bytes(s.try_into().unwrap());
+    if b.is_empty() {
+        return Err("the file is empty".into());
+    }
     if take(4)? != b"GGUF" {
         return Err("not a GGUF file (no GGUF magic)".into());
     }
