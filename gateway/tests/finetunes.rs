@@ -56,9 +56,13 @@ impl Api<'_> {
         body: Vec<u8>,
         content_type: &str,
     ) -> (u16, Value) {
-        let mut r = self
-            .s
-            .client
+        // A fresh connection per upload: a refusal before the body is read closes
+        // its connection, and a pooled one reused after it fails mid-request.
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+        let mut r = client
             .post(format!("{}?{query}", self.url(account, "")))
             .header("content-type", content_type)
             .body(body);
@@ -271,7 +275,8 @@ async fn adapters_are_checked_stored_and_reachable_by_their_tenant_alone() {
         let (status, v) = api.upload(&a.id, Some(&a_key), &q, tiny(), oct).await;
         assert_eq!(status, 400, "{name}: {v}");
     }
-    let (status, v) = api.put_file(&a.id, &a_key, "style-v1", &random).await;
+    let taken = format!("model={}&name=style-v1", urlencode(MODEL_ID));
+    let (status, v) = api.upload(&a.id, Some(&a_key), &taken, tiny(), oct).await;
     assert_eq!(status, 409, "{v}");
 
     // A stalled upload holds its own account's slot only: A's next upload waits
