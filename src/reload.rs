@@ -145,7 +145,7 @@ pub(crate) fn reload_node_peers_on_sighup(
                     match reread_node_file(&path, &me) {
                         Ok(cfg) => {
                             let n = links.reload_peers(&cfg, &me);
-                            tracing::warn!(file = %path.display(), prefill_nodes = n, "SIGHUP: re-read the deployment file; accepting writer links from the prefill nodes it lists");
+                            tracing::warn!(file = %path.display(), writers = n, "SIGHUP: re-read the deployment file; accepting writer links from the prefill nodes it lists (and the other decode nodes, which move KV when they drain)");
                         }
                         Err(e) => {
                             tracing::error!(file = %path.display(), error = %format!("{e:#}"), "SIGHUP: refused the deployment file; keeping the old one");

@@ -25,8 +25,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Page writes and commits from raw clients holding valid identities of the cluster
 /// CA, aimed at live reservations of a real decode node while a tenant is served:
 /// a `Prealloc` whose counts disagree with its body is refused (no panic); a
-/// full-page write from a listed prefill identity that is not the request's writer
-/// is refused before it touches anything (the request later commits its own bytes,
+/// full-page write from a listed prefill identity, or a listed decode identity (a
+/// decode node writes when it moves a drained request's KV), that is not the
+/// request's writer is refused before it touches anything (the request later commits its own bytes,
 /// and keeps decoding when the same stranger writes after the commit); a full-page
 /// write from the writer after its commit was verified is refused and ends that
 /// request; a write aimed at another reservation's page is refused and that page
@@ -39,14 +40,21 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tenant_is_served() {
     let (page_bytes, vocab) = model_shape();
     let dir = tempfile::tempdir().unwrap();
-    let (p, stranger, d) = (free_port(), free_port(), free_port());
+    let (p, stranger, d, other) = (free_port(), free_port(), free_port(), free_port());
     let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
-    // A second prefill node in the file (never started): an identity the decode node
-    // accepts as a prefill peer, but no request's writer.
-    let text = std::fs::read_to_string(&config).unwrap().replace(
-        &format!("nodes = [\"127.0.0.1:{p}\"]"),
-        &format!("nodes = [\"127.0.0.1:{p}\", \"127.0.0.1:{stranger}\"]"),
-    );
+    // A second prefill node and a second decode node in the file (never started):
+    // identities the decode node accepts as writers (a decode node writes when it
+    // moves a drained request's KV), but no request's writer.
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace(
+            &format!("nodes = [\"127.0.0.1:{p}\"]"),
+            &format!("nodes = [\"127.0.0.1:{p}\", \"127.0.0.1:{stranger}\"]"),
+        )
+        .replace(
+            &format!("nodes = [\"127.0.0.1:{d}\"]"),
+            &format!("nodes = [\"127.0.0.1:{d}\", \"127.0.0.1:{other}\"]"),
+        );
     std::fs::write(&config, text).unwrap();
     let certs = dir.path().join("certs");
     issue_certs(&config, &certs);
@@ -102,6 +110,19 @@ async fn forged_writes_and_commits_at_live_reservations_are_refused_while_a_tena
     s.assert_cut("a page from a prefill identity that is not the writer")
         .await;
     one_more(metric_sum(&metrics, &violations).await, "stranger's page");
+    // The same from a listed decode identity: refused, it is not R1's writer either.
+    let as_decode = client(
+        &ca,
+        Some(&identity(&certs, &format!("decode-127.0.0.1-{other}"))),
+    );
+    let mut s = Raw::open(d, &decode_name, &as_decode, "Prefill").await;
+    s.send(&land(r1, &pages1[0], &forged)).await;
+    s.assert_cut("a page from a decode identity that is not the writer")
+        .await;
+    one_more(
+        metric_sum(&metrics, &violations).await,
+        "decode identity's page",
+    );
     // The writer writes and commits R1's pages: the commit verifies, so the
     // stranger's page never landed.
     let mut w = Raw::open(d, &decode_name, &as_writer, "Prefill").await;
@@ -387,8 +408,10 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
             Box::new(move |req| token_event(req.wrapping_add(1), "<<INJECTED>>")),
         ),
         (
-            "a prefill node's message from a decode identity",
-            "wrong_sender",
+            // A decode node also writes, as a draining node moving KV: believed
+            // only about requests whose writer side is routed to its link.
+            "a writer's message from a decode identity about a request it does not write",
+            "not_routed",
             Box::new(move |req| {
                 control(json!({"type": "abort_ack", "req": req, "from": "Prefill"}))
             }),

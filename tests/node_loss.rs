@@ -281,29 +281,38 @@ async fn a_panicking_node_exits_its_requests_fail_and_a_restart_serves() {
     dep.pool_is_free().await;
 }
 
-/// SIGTERM drains a decode node: it tells the gateway, which routes new requests
-/// to the other decode node (a request that would have gone to the draining node
-/// by load gets its solo answer from the other); the request it still runs at the
-/// drain deadline continues on the other node from the tokens its client has
-/// (issue 36) and completes with its solo text, and the node exits 0.
+/// SIGTERM drains a decode node by moving its requests' KV (issue 36): with a
+/// 600 s drain deadline, the node ends its running requests at once (a greedy
+/// stream and a seeded request, not streamed, both with tokens computed), keeps
+/// their pages in its prefix cache and writes each one's continuation into the
+/// other decode node from there (every full page from the cache, only the last
+/// partial page computed): both clients get exactly their solo answers, billed
+/// once; the node exits 0 long before its deadline; a request sent meanwhile is
+/// served by the other node, whose own stream is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_drains_a_decode_node_and_its_last_request_continues_elsewhere() {
-    let mut dep = TwoDecodes::start("", &["--drain-timeout-secs", "3"]).await;
+async fn sigterm_drains_a_decode_node_by_moving_its_requests_kv() {
+    let mut dep = TwoDecodes::start("", &["--drain-timeout-secs", "600"]).await;
     let (dir, decode0, gw) = (&dep.dir, &mut dep.decode0, &dep.gw);
     let late = endless(400);
     let solo = gw.run_when_up(&late).await["result"].clone();
     let cut = endless(1000);
     let cut_solo = gw.run(&cut).await.1["result"].clone();
-    // One long stream on each decode node (fewest outstanding, ties to decode 0).
+    let mut seeded = endless(300);
+    seeded["temperature"] = json!(0.8);
+    seeded["seed"] = json!(42);
+    seeded["frequency_penalty"] = json!(0.3);
+    let seeded_solo = gw.run(&seeded).await.1["result"].clone();
+    // Routing: fewest outstanding, ties to the lower index: `a` goes to decode 0,
+    // `b` to decode 1, the seeded one (a tie) to decode 0.
     let mut a = gw.stream(&cut).await;
     a.read_texts(2).await;
     let mut b = gw.stream(&endless(4000)).await;
     b.read_texts(2).await;
-    assert!(a.tokens() >= 2 && b.tokens() >= 2, "{}", logs(dir.path()));
+    let c = gw.spawn_run(&seeded);
+    a.read_texts(20).await;
+    assert!(a.tokens() >= 20 && b.tokens() >= 2, "{}", logs(dir.path()));
     signal(decode0, "-TERM");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    // A tie by load: it would go to decode 0, which is draining, and which would cut
-    // it at its 3 s deadline.
     let (status, v) = gw.run(&late).await;
     assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
     assert_eq!(
@@ -312,13 +321,49 @@ async fn sigterm_drains_a_decode_node_and_its_last_request_continues_elsewhere()
         "the late request was not served by the other node"
     );
     ends_as_solo(&mut a, &cut_solo, dir.path()).await;
+    let (status, v) = tokio::time::timeout(REQUEST, c)
+        .await
+        .expect("the seeded request ends")
+        .unwrap();
+    assert_eq!(status, 200, "{v}\n{}", logs(dir.path()));
+    assert_eq!(answer(&v["result"]), answer(&seeded_solo));
+    // Far inside its 600 s deadline: the drain waited for the moves only.
     let status = tokio::time::timeout(START, decode0.wait())
         .await
-        .expect("the drained node exits")
+        .expect("the drained node exits once its requests moved")
         .unwrap();
     assert!(status.success(), "{status:?}\n{}", logs(dir.path()));
     // The other node's stream is untouched.
     b.read_until(Duration::from_secs(1), |_| false).await;
     assert!(!b.has_error(), "{:?}", b.events.last());
-    assert!(restarts(gw, "continued").await >= 1.0);
+    assert_eq!(restarts(gw, "moved").await, 2.0, "{}", logs(dir.path()));
+    assert_eq!(restarts(gw, "not_restarted").await, 0.0);
+    // Each move took every full page from the drained node's cache: what it
+    // computed is at most the last partial page.
+    let log = std::fs::read_to_string(dir.path().join("decode.log")).unwrap();
+    let moves: Vec<(usize, usize)> = log
+        .lines()
+        .filter(|l| l.contains("moving a drained request's KV to another decode node"))
+        .map(|l| (field(l, "pages"), field(l, "cached_tokens")))
+        .collect();
+    assert_eq!(moves.len(), 2, "{log}");
+    let page = 16;
+    for (pages, cached) in moves {
+        assert!(
+            pages >= 2 && cached >= (pages - 1) * page,
+            "{pages} pages, {cached} cached\n{log}"
+        );
+    }
+}
+
+/// The number after `name=` in a log line.
+fn field(line: &str, name: &str) -> usize {
+    let at = line
+        .find(&format!("{name}="))
+        .unwrap_or_else(|| panic!("no {name} in {line}"));
+    line[at + name.len() + 1..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no number after {name} in {line}"))
 }

@@ -233,6 +233,7 @@ impl Engine {
             submitted,
         } = import;
         let r = req.into_request();
+        let root = self.chain_root_of(&r);
         let sampler =
             crate::engine::sampler_for(&self.tokenizer, &r, seed_fallback, Some(rng_word_pos));
         let mut sampler = match sampler {
@@ -248,6 +249,7 @@ impl Engine {
         // The prefill node's sampler consumed the first token; this one catches up.
         sampler.accept_external(first_token);
         let mut s = crate::engine::Seq::new(seq, r, sampler, sink, submitted, SeqRole::Generate);
+        s.root = root;
         s.prime(&self.tokenizer);
         s.prefilled = s.prompt.len();
         s.cached = cached_tokens;

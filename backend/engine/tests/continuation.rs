@@ -131,3 +131,72 @@ fn a_continuation_must_leave_a_prompt_token() {
     });
     assert!(e.admit(r).is_err());
 }
+
+/// A drain's move (issue 36): a sequence ended by [`Engine::end_caching_output`]
+/// after `k` tokens leaves every page whose K/V was computed, output pages
+/// included, in the prefix cache, and its continuation on the same engine reuses
+/// all of them and computes only the last partial page: it produces exactly what
+/// the uninterrupted run did. Another namespace's identical continuation finds
+/// none of them.
+#[test]
+fn a_drained_sequences_continuation_reuses_its_output_pages() {
+    let m = load();
+    let prompt = chat_prompt(&m, "Write a short poem about the sea, then explain it.");
+    let mut req = greedy(prompt.clone(), 64);
+    req.cache_namespace = Some([7; 32]);
+    let full = run(&m, req.clone());
+    let page = tessera_engine::EngineConfig::default().page_size;
+    let mut e = engine(&m, Default::default());
+    let mut rx = e.enqueue(e.admit(req.clone()).unwrap());
+    let k = 37;
+    let mut got = 0;
+    while got < k {
+        e.step();
+        while let Ok(ev) = rx.try_recv() {
+            assert!(matches!(ev, Event::Token { .. }), "{ev:?}");
+            got += 1;
+        }
+    }
+    assert_eq!(got, k, "one token a step without speculation");
+    let seq = e.running_ids()[0];
+    let computed = prompt.len() + k - 1;
+    assert_eq!(e.end_caching_output(seq), computed / page);
+    assert!(!e.has_work());
+    assert!(
+        rx.try_recv().is_err(),
+        "the end is the protocol's to report, not an event"
+    );
+
+    // What a continuation computes of its prompt (the prompt and the tokens its
+    // client has), and the tokens it produces.
+    let continue_on = |e: &mut tessera_engine::Engine, c: GenerateRequest| {
+        e.reset_served();
+        let mut rx = e.enqueue(e.admit(c).unwrap());
+        e.run_to_completion();
+        let mut ids = vec![];
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                Event::Token { id, .. } => ids.push(id),
+                Event::Done { .. } => {}
+                Event::Error(e) => panic!("{e}"),
+            }
+        }
+        let computed: u64 = e.served().values().map(|s| s.prefill).sum();
+        (ids, computed as usize)
+    };
+    let cont = continuation(&req, &full, k);
+    let (ids, prefilled) = continue_on(&mut e, cont.clone());
+    assert_eq!(ids, full.ids[k..]);
+    assert_eq!(prefilled, cont.prompt.len() - computed / page * page);
+    assert!(prefilled <= page, "only the last partial page is computed");
+
+    let mut other = cont.clone();
+    other.cache_namespace = Some([8; 32]);
+    let (ids, prefilled) = continue_on(&mut e, other);
+    assert_eq!(ids, full.ids[k..]);
+    assert_eq!(
+        prefilled,
+        cont.prompt.len(),
+        "another namespace hits nothing"
+    );
+}

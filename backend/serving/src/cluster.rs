@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use tessera_engine::{AdmissionLimits, Admitted, Engine, EngineConfig, PdAdmission};
 use tessera_model::LoadedModel;
 use tessera_transfer::inproc::{InprocTransport, PageLanding};
-use tessera_transfer::protocol::{Msg, ReqId, Role};
+use tessera_transfer::protocol::{Msg, ReqId, Role, Writer};
 use tessera_transfer::transport::{DestPage, KvTransport, TransportError};
 
 /// A node's command queue, thread and counters.
@@ -175,13 +175,13 @@ impl CoordLinks for Nodes {
                 body,
                 client,
                 submitted,
-                prefill,
+                writer,
                 trace,
             } => Some(Box::new(RequestBody {
                 req: Some(body),
                 sink: Box::new(client),
                 submitted,
-                writer: Some(prefill_name(prefill)),
+                writer: Some(prefill_name(writer.index)),
                 trace,
             })),
             _ => None,
@@ -193,12 +193,19 @@ impl CoordLinks for Nodes {
         })
     }
 
-    fn to_prefill(&self, index: usize, msg: Msg, extra: Attachment) -> bool {
+    /// In one process every writer is a prefill engine (decode engines never move
+    /// KV here: nothing drains them).
+    fn to_writer(&self, writer: Writer, msg: Msg, extra: Attachment) -> bool {
+        if writer.role != Role::Prefill {
+            return false;
+        }
+        let index = writer.index;
         let body = match extra {
             Attachment::Prefill {
                 body,
                 decode,
                 trace,
+                ..
             } => Some((body, decode, trace)),
             _ => None,
         };

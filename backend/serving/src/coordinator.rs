@@ -17,7 +17,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tessera_engine::{Admitted, EngineError, GenerateRequest, PdAdmission, Rejection, Resume};
 use tessera_transfer::protocol::{
-    Attempts, Cause, Coordinator, Msg, Outcome, Output, ReqId, Retry, RetryPolicy, Role,
+    Attempts, Cause, Coordinator, Msg, Outcome, Output, ReqId, Retry, RetryPolicy, Role, Writer,
 };
 
 /// What travels with a protocol message besides the message: the request body
@@ -26,12 +26,12 @@ use tessera_transfer::protocol::{
 pub(crate) enum Attachment {
     None,
     /// With `Prealloc`: the request, its stream (without the release guard) and the
-    /// prefill node assigned to write its pages.
+    /// node assigned to write its pages.
     Decode {
         body: GenerateRequest,
         client: ClientSink,
         submitted: Instant,
-        prefill: usize,
+        writer: Writer,
         /// The request's W3C `traceparent` (traces on).
         trace: Option<String>,
     },
@@ -39,6 +39,9 @@ pub(crate) enum Attachment {
     Prefill {
         body: GenerateRequest,
         decode: usize,
+        /// A move: the request, by its id on the draining decode node, whose KV
+        /// the writer moves.
+        moves: Option<ReqId>,
         /// The request's W3C `traceparent` (traces on).
         trace: Option<String>,
     },
@@ -72,8 +75,9 @@ pub(crate) enum CoordCmd {
 pub(crate) trait CoordLinks: Send + Sync {
     /// Sends to decode node `index`; `false` when unreachable.
     fn to_decode(&self, index: usize, msg: Msg, extra: Attachment) -> bool;
-    /// Sends to prefill node `index`; `false` when unreachable.
-    fn to_prefill(&self, index: usize, msg: Msg, extra: Attachment) -> bool;
+    /// Sends to `writer` (a prefill node, or the writer of a draining decode node
+    /// that moves a request's KV); `false` when unreachable.
+    fn to_writer(&self, writer: Writer, msg: Msg, extra: Attachment) -> bool;
     /// Whether the node is known dead (its thread exited, its connection closed).
     fn is_down(&self, role: Role, index: usize) -> bool;
     /// The node's current link epoch: it changes whenever the link is replaced (a
@@ -184,8 +188,14 @@ struct CoordReq {
     /// The client's stream; owns the release guard, dropped at `Released`.
     client: ClientSink,
     submitted: Instant,
+    /// The pair the router counts the request against.
     prefill: usize,
     decode: usize,
+    /// The node that writes the attempt's prompt KV: prefill node `prefill`, or a
+    /// draining decode node moving the request's KV ...
+    writer: Writer,
+    /// ... that of its attempt `moves` (its id there).
+    moves: Option<ReqId>,
     prefill_down: bool,
     decode_down: bool,
     /// The link epochs of both nodes when the request started (see
@@ -245,17 +255,22 @@ fn after_release(
     outcome: Outcome,
 ) {
     let gone = r.client.is_cancelled();
-    let pair = (r.prefill, r.decode);
+    let pair = (r.writer, r.decode);
     let attempts = &mut r.attempts;
     let max_tokens = r.body.max_tokens;
     let mut attempt = 0;
+    let mut move_from = None;
     let resumed = r.client.decide_restart(|fence, tokens, waited| {
         // A stream with every token but its end cannot be continued (nothing is
         // left to generate): it ends with the error.
         let continuable = tokens.len() < max_tokens;
         match attempts.after_release(&outcome, pair, gone, waited, continuable, fence) {
-            Retry::Restart { attempt: a } => {
+            Retry::Restart {
+                attempt: a,
+                move_from: m,
+            } => {
                 attempt = a;
+                move_from = m;
                 Some(a)
             }
             Retry::Fail => None,
@@ -285,9 +300,21 @@ fn after_release(
         return;
     };
     let req = new_req_id();
+    // The draining node writes the pages it kept, while its link is up (it is
+    // draining: no new requests, but moves).
+    let writer = match move_from {
+        Some(d) if nodes.epoch(Role::Decode, d).is_some() => Writer {
+            role: Role::Decode,
+            index: d,
+        },
+        _ => Writer::prefill(prefill),
+    };
     // A warning: operators see what a node's loss or drain cost (the lines beside it
     // name the node).
-    let what = if resumed.tokens.is_empty() {
+    let what = if writer.role == Role::Decode {
+        counters.moved.fetch_add(1, Ordering::Relaxed);
+        "moving the request's KV from the draining decode node to another"
+    } else if resumed.tokens.is_empty() {
         counters.restarted.fetch_add(1, Ordering::Relaxed);
         "starting the request again on other nodes before its first token"
     } else {
@@ -299,14 +326,15 @@ fn after_release(
         new = ?req,
         attempt,
         ?outcome,
-        prefill,
+        ?writer,
         decode,
         streamed = resumed.tokens.len(),
         "{what}"
     );
-    (r.prefill, r.decode) = (prefill, decode);
+    (r.prefill, r.decode, r.writer) = (prefill, decode, writer);
+    r.moves = (writer.role == Role::Decode).then_some(old);
     (r.prefill_down, r.decode_down) = (false, false);
-    r.prefill_epoch = nodes.epoch(Role::Prefill, prefill);
+    r.prefill_epoch = nodes.epoch(writer.role, writer.index);
     r.decode_epoch = nodes.epoch(Role::Decode, decode);
     r.attempt_body = continuation(&r.body, resumed);
     let (proto, out) = protocol_for(req, r.attempt_body.as_ref().unwrap_or(&r.body));
@@ -378,6 +406,8 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         submitted: Instant::now(),
                         prefill,
                         decode,
+                        writer: Writer::prefill(prefill),
+                        moves: None,
                         prefill_down: false,
                         decode_down: false,
                         prefill_epoch: nodes.epoch(Role::Prefill, prefill),
@@ -424,7 +454,7 @@ fn watch(nodes: &dyn CoordLinks, reqs: &mut HashMap<ReqId, CoordReq>) {
         let mut out = Vec::new();
         // A node whose link changed since the request started (down, reconnected,
         // restarted as a new incarnation) no longer holds it.
-        if !r.prefill_down && lost(nodes, Role::Prefill, r.prefill, r.prefill_epoch) {
+        if !r.prefill_down && lost(nodes, r.writer.role, r.writer.index, r.prefill_epoch) {
             r.prefill_down = true;
             r.proto.on_node_down(Role::Prefill, &mut out);
         }
@@ -472,7 +502,7 @@ fn execute(
                         body: r.attempt_body.as_ref().unwrap_or(&r.body).clone(),
                         client: r.client.detached(),
                         submitted: r.submitted,
-                        prefill: r.prefill,
+                        writer: r.writer,
                         trace: r.trace.clone(),
                     },
                     _ => Attachment::None,
@@ -493,14 +523,15 @@ fn execute(
                     Msg::Prefill { .. } => Attachment::Prefill {
                         body: r.attempt_body.as_ref().unwrap_or(&r.body).clone(),
                         decode: r.decode,
+                        moves: r.moves,
                         trace: r.trace.clone(),
                     },
                     _ => Attachment::None,
                 };
-                if lost(nodes, Role::Prefill, r.prefill, r.prefill_epoch) {
+                if lost(nodes, r.writer.role, r.writer.index, r.prefill_epoch) {
                     continue;
                 }
-                if !nodes.to_prefill(r.prefill, msg, extra) {
+                if !nodes.to_writer(r.writer, msg, extra) {
                     tracing::debug!(?req, "prefill node unreachable; the watcher reports it");
                 }
             }

@@ -108,6 +108,10 @@ pub(crate) enum DecodeCmd {
     WithEngine(Box<dyn FnOnce(&mut Engine) + Send>),
 }
 
+/// The requests a draining decode node ended and keeps the KV of until their moves
+/// start (by their ids before the move).
+pub(crate) type KeptForMoves = Arc<std::sync::Mutex<HashSet<ReqId>>>;
+
 /// What the driver keeps per request beside the protocol's record.
 struct DecodeRecord {
     reply: ReplyTo,
@@ -298,6 +302,9 @@ pub(crate) struct DecodeLoop {
     gone_writers: HashSet<String>,
     last_lease_check: Instant,
     last_ask: Instant,
+    /// Requests a drain ended whose KV this node keeps for a move
+    /// ([`Self::keeping_moves`]); `None`: the node does not move KV.
+    kept: Option<KeptForMoves>,
 }
 
 impl DecodeLoop {
@@ -314,7 +321,15 @@ impl DecodeLoop {
             gone_writers: HashSet::new(),
             last_lease_check: Instant::now(),
             last_ask: Instant::now(),
+            kept: None,
         }
+    }
+
+    /// A drain records in `kept` each request it ends whose pages stay cached for a
+    /// move; whoever takes the move's `Prefill` removes it.
+    pub(crate) fn keeping_moves(mut self, kept: KeptForMoves) -> Self {
+        self.kept = Some(kept);
+        self
     }
 
     /// Runs `f` on the protocol with the engine as its environment, then sends what it
@@ -742,6 +757,19 @@ impl NodeLoop for DecodeLoop {
             DecodeCmd::EndAll(reason) => {
                 let live: Vec<ReqId> = self.live_reqs().collect();
                 for req in live {
+                    if reason.kind == FailKind::Drained {
+                        // Its continuation may be written from here: the pages stay
+                        // in this node's prefix cache ([`Engine::end_caching_output`]).
+                        let pages = engine.end_caching_output(seq_of(req));
+                        if let (true, Some(kept)) = (pages > 0, &self.kept) {
+                            kept.lock().unwrap().insert(req);
+                            tracing::info!(
+                                ?req,
+                                pages,
+                                "a drained request's KV is cached for its move"
+                            );
+                        }
+                    }
                     // Ignored unless running; then the record is gone.
                     let outcome = DecodeOutcome::Failed {
                         reason: reason.clone(),

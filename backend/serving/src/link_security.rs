@@ -9,8 +9,9 @@
 //!   handshake.
 //! - An acceptor requires a client certificate from the CA, then [`NodeLinks::authorize`]
 //!   checks it against what the peer says it is: `Hello{from: Coordinator}` only from
-//!   the gateway identity, `Hello{from: Prefill}` (which gets the UCX region) only from
-//!   a prefill node the file lists, nothing else.
+//!   the gateway identity, `Hello{from: Prefill}` only from a prefill node the file
+//!   lists (which gets the UCX region) or another decode node of the same model (a
+//!   draining one moving KV: `Land` frames only, no region), nothing else.
 
 use std::collections::HashMap;
 use std::io;
@@ -95,12 +96,13 @@ struct LinkPolicy {
     settings: LinkSettings,
     /// The gateway identity's name.
     gateway: String,
-    /// Identity names of the prefill nodes the file lists, each with the node's
-    /// address (its name as a request's writer). For a decode node, only the prefill
-    /// nodes of pools that serve a model its own pool serves. Shared by every clone
+    /// Identity names of the writers the file lists, each with the node's address
+    /// (its name as a request's writer) and role. For a decode node, the prefill
+    /// nodes of pools that serve a model its own pool serves, and the other decode
+    /// nodes of such pools (they move drained requests' KV). Shared by every clone
     /// of these links, and replaced when the node re-reads its file
     /// ([`NodeLinks::reload_peers`]).
-    prefill: Arc<RwLock<HashMap<String, String>>>,
+    prefill: Arc<RwLock<HashMap<String, (String, NodeRole)>>>,
     /// The fingerprint (64 hex digits, [`tessera_model::transformer::Transformer::fingerprint`])
     /// of the model this process's links serve ([`NodeLinks::for_model`]): said in
     /// `Hello` and `Welcome`, and a peer that says another one is refused.
@@ -189,11 +191,11 @@ impl NodeLinks {
         })))
     }
 
-    /// Takes the prefill nodes a decode node accepts writers from out of `cfg` (a
-    /// re-read deployment file, SIGHUP on `tessera node`), for every clone of these
-    /// links: a prefill node added to the file may connect from now on, and one
-    /// removed may not open new links (links already open stay until they close).
-    /// Returns how many prefill identities are accepted now.
+    /// Takes the writers a decode node accepts (prefill nodes, and the other decode
+    /// nodes) out of `cfg` (a re-read deployment file, SIGHUP on `tessera node`), for
+    /// every clone of these links: a node added to the file may connect from now on,
+    /// and one removed may not open new links (links already open stay until they
+    /// close). Returns how many writer identities are accepted now.
     pub fn reload_peers(&self, cfg: &DeploymentConfig, me: &LinkIdentity) -> usize {
         let names = prefill_names(cfg, me);
         let n = names.len();
@@ -302,13 +304,26 @@ impl NodeLinks {
         Ok((Box::new(r), Box::new(w), cert))
     }
 
+    /// Whether the writer at `address` is a decode node (moving a drained request's
+    /// KV), not a prefill node: it writes with `Land` frames only and never gets this
+    /// node's UCX region (decode nodes hold no rkey of each other's pools).
+    pub(crate) fn is_decode_writer(&self, address: &str) -> bool {
+        self.0
+            .prefill
+            .read()
+            .unwrap()
+            .values()
+            .any(|(a, role)| a == address && *role == NodeRole::Decode)
+    }
+
     /// Whether a peer with `cert` may open a link saying `Hello{from, model}` to a
     /// node of role `me`: never when it names another model than this node's
-    /// ([`Self::check_model`]); a coordinator only with the gateway identity, a prefill
-    /// node (to a decode node only) only with the identity of a prefill node the file
-    /// lists for a pool sharing a model with this node's. Plain links check only the
-    /// roles and the model. Returns, for a prefill peer on a TLS link,
-    /// the address its certificate proves (the node's name as a request's writer).
+    /// ([`Self::check_model`]); a coordinator only with the gateway identity, a writer
+    /// (to a decode node only) only with the identity of a prefill node, or of
+    /// another decode node, that the file lists for a pool sharing a model with this
+    /// node's. Plain links check only the roles and the model. Returns, for a writer
+    /// on a TLS link, the address its certificate proves (the node's name as a
+    /// request's writer).
     ///
     /// Errors: why not, for the node's log.
     pub(crate) fn authorize(
@@ -319,12 +334,12 @@ impl NodeLinks {
         model: Option<&str>,
     ) -> Result<Option<String>, String> {
         self.check_model(model)?;
-        let prefill: HashMap<String, String>;
+        let prefill: HashMap<String, (String, NodeRole)>;
         let allowed: Vec<(&String, Option<&String>)> = match (from, me) {
             (Role::Coordinator, _) => vec![(&self.0.gateway, None)],
             (Role::Prefill, Role::Decode) => {
                 prefill = self.0.prefill.read().unwrap().clone();
-                prefill.iter().map(|(n, a)| (n, Some(a))).collect()
+                prefill.iter().map(|(n, (a, _))| (n, Some(a))).collect()
             }
             _ => return Err(format!("a {me:?} node takes no links from a {from:?} peer")),
         };
@@ -346,7 +361,7 @@ impl NodeLinks {
                 "its certificate is not a {} identity of the deployment",
                 match from {
                     Role::Coordinator => "gateway",
-                    _ => "prefill node",
+                    _ => "writer (prefill or decode node)",
                 }
             ))
         }
@@ -384,10 +399,11 @@ fn short(hex: &str) -> &str {
     hex.get(..12).unwrap_or(hex)
 }
 
-/// Identity names (with addresses) of the prefill nodes `cfg` lists that node `me`
-/// takes writer links from: for a decode node, those of pools sharing a model with
-/// its own pool.
-fn prefill_names(cfg: &DeploymentConfig, me: &LinkIdentity) -> HashMap<String, String> {
+/// Identity names (with addresses) of the writers `cfg` lists that node `me` takes
+/// writer links from: for a decode node, the prefill nodes of pools sharing a model
+/// with its own pool, and the other decode nodes of such pools (which move their
+/// drained requests' KV).
+fn prefill_names(cfg: &DeploymentConfig, me: &LinkIdentity) -> HashMap<String, (String, NodeRole)> {
     // A decode node takes writers only from prefill pools that share a model
     // with its own pool (KV of one model never lands in another's pages).
     let my_models: Option<Vec<&str>> = match me {
@@ -412,18 +428,32 @@ fn prefill_names(cfg: &DeploymentConfig, me: &LinkIdentity) -> HashMap<String, S
                 })
         })
     };
-    let names = |role: NodeRole| -> HashMap<String, String> {
+    let names = |role: NodeRole| -> HashMap<String, (String, NodeRole)> {
         cfg.link_identities()
             .into_iter()
             .filter_map(|i| match &i {
                 LinkIdentity::Node { role: r, address } if *r == role && shares_model(address) => {
-                    i.name().ok().map(|n| (n, address.clone()))
+                    i.name().ok().map(|n| (n, (address.clone(), role)))
                 }
                 _ => None,
             })
             .collect()
     };
-    names(NodeRole::Prefill)
+    let mut writers = names(NodeRole::Prefill);
+    // A decode node also takes writes from the other decode nodes of its model: a
+    // draining one moves its requests' KV (issue 36).
+    if let LinkIdentity::Node {
+        role: NodeRole::Decode,
+        address,
+    } = me
+    {
+        writers.extend(
+            names(NodeRole::Decode)
+                .into_iter()
+                .filter(|(_, (a, _))| a != address),
+        );
+    }
+    writers
 }
 
 /// rustls configurations for one identity: a server that requires client

@@ -89,6 +89,10 @@ pub struct PdCounters {
     /// Requests continued on another pair after a node failed mid-stream, from the
     /// tokens their client had.
     pub continued: AtomicU64,
+    /// Requests a draining decode node ended that went on on another decode node
+    /// with their KV moved from the draining one (it writes the next attempt's pages
+    /// from its prefix cache); counted here instead of `restarted` or `continued`.
+    pub moved: AtomicU64,
     /// Requests a node's failure ended although a restart could have cured it (no
     /// other pair up, the attempt bound or the deadline reached, nothing left to
     /// generate): each ended with an error.

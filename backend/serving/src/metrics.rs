@@ -260,7 +260,7 @@ impl NodeMetrics {
         );
         r.register(
             "tessera_request_restarts",
-            "Requests a node's failure or drain hit, by what the gateway did (node=gateway, role=coordinator): restarted (from the beginning on another pair, before the first token), continued (on another pair from the tokens the client had), not_restarted (no pair left, the attempt bound or the deadline reached: the client got an error)",
+            "Requests a node's failure or drain hit, by what the gateway did (node=gateway, role=coordinator): restarted (from the beginning on another pair, before the first token), continued (on another pair from the tokens the client had), moved (a draining decode node's request, on another decode node with its KV moved from the draining one), not_restarted (no pair left, the attempt bound or the deadline reached: the client got an error)",
             m.request_restarts.clone(),
         );
         r.register(
@@ -450,6 +450,7 @@ impl NodeMetrics {
             for (reason, v) in [
                 ("restarted", &c.restarted),
                 ("continued", &c.continued),
+                ("moved", &c.moved),
                 ("not_restarted", &c.not_restarted),
             ] {
                 let key = ReasonLabels {
@@ -487,7 +488,7 @@ impl NodeMetrics {
 }
 
 /// The `reason` values of `tessera_request_restarts`.
-const RESTART_KINDS: [&str; 3] = ["restarted", "continued", "not_restarted"];
+const RESTART_KINDS: [&str; 4] = ["restarted", "continued", "moved", "not_restarted"];
 
 /// One node's resolved metric handles (cheap to clone: each is an `Arc`).
 #[derive(Clone, Debug)]

@@ -188,6 +188,15 @@ pub(crate) struct Control {
     /// request asked for them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) logprobs: Option<Box<Logprobs>>,
+    /// Gateway -> decode node: the message is for the node's writer (`Prefill`,
+    /// `Abort`), which moves a drained request's KV to another decode node, not for
+    /// its decode side.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) to_writer: bool,
+    /// With a move's `Prefill` (`to_writer`): the request, by its id on the
+    /// draining node, whose KV it moves (the node stops waiting for it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) moves: Option<ReqId>,
 }
 
 impl Control {
@@ -205,6 +214,8 @@ impl Control {
             trace: None,
             model: None,
             logprobs: None,
+            to_writer: false,
+            moves: None,
         }
     }
 }

@@ -371,6 +371,8 @@ pub(crate) struct PrefillLoop {
     clock: ExpiryClock,
     /// The fingerprint of the model this node computes with (sent with each commit).
     model: [u8; 32],
+    /// A draining decode node's writer: each request is a move (logged as one).
+    mover: bool,
 }
 
 impl PrefillLoop {
@@ -396,7 +398,14 @@ impl PrefillLoop {
             crashed: false,
             last_renew: std::time::Instant::now(),
             clock: ExpiryClock::new(),
+            mover: false,
         }
+    }
+
+    /// This loop is a decode node's writer: it moves drained requests' KV.
+    pub(crate) fn moving(mut self) -> Self {
+        self.mover = true;
+        self
     }
 
     /// Runs `f` on the protocol with the engine as its environment, sends what it
@@ -527,6 +536,15 @@ impl PrefillLoop {
             });
             match exported {
                 Ok((first_token, pages)) => {
+                    if self.mover {
+                        // Like the gateway's restarts: operators see what a drain moved.
+                        tracing::warn!(
+                            ?req,
+                            pages = pages.len(),
+                            cached_tokens = done.cached_tokens,
+                            "moving a drained request's KV to another decode node"
+                        );
+                    }
                     let sums: Vec<u32> = pages.iter().map(|p| p.checksum).collect();
                     r.export = Some(pages);
                     r.span = crate::telemetry::child_span("transfer", req.0, r.trace.as_deref());

@@ -30,7 +30,7 @@ use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tessera_engine::{AdmissionLimits, Admitted, PdAdmission};
 use tessera_model::LoadedModel;
-use tessera_transfer::protocol::{LinkViolation, Msg, ReqId, Role, RouteBook, Routed};
+use tessera_transfer::protocol::{LinkViolation, Msg, ReqId, Role, RouteBook, Routed, Writer};
 
 pub use crate::link_security::{LinkSettings, LinkSetupError, NodeLinks, DEFAULT_MAX_HEADER};
 pub use crate::node_process::{
@@ -145,10 +145,16 @@ impl RemoteCoordLinks {
     /// is recorded as the request's (for `role`) first, so the node's answers are
     /// believed.
     fn send(&self, role: Role, index: usize, req: ReqId, f: &Frame) -> bool {
+        self.send_routed(role, index, role, req, f)
+    }
+
+    /// [`Self::send`] to node `index` of `role`, routing the link as the request's
+    /// `as_role` side.
+    fn send_routed(&self, role: Role, index: usize, as_role: Role, req: ReqId, f: &Frame) -> bool {
         let Some((c, epoch)) = self.node(role, index).and_then(|n| n.current()) else {
             return false;
         };
-        self.routes.lock().unwrap().route(req, role, epoch);
+        self.routes.lock().unwrap().route(req, as_role, epoch);
         c.try_send(f, &[])
     }
 
@@ -214,7 +220,14 @@ impl RemoteCoordLinks {
             let end = loop {
                 match reader.next_on(&conn).await {
                     Ok((Frame::Control(Control { msg, .. }), _)) => {
-                        let verdict = links.routes.lock().unwrap().check(epoch, role, &msg);
+                        // A decode node also speaks as a writer (moving a drained
+                        // request's KV): believed only about requests whose writer
+                        // side was routed to this very link.
+                        let from = match (role, msg.sender()) {
+                            (Role::Decode, Role::Prefill) => Role::Prefill,
+                            _ => role,
+                        };
+                        let verdict = links.routes.lock().unwrap().check(epoch, from, &msg);
                         match verdict {
                             Ok(Routed::Live) => {
                                 let _ = links.coord.send(CoordCmd::FromNode(msg));
@@ -335,14 +348,14 @@ impl CoordLinks for RemoteCoordLinks {
             Attachment::Decode {
                 body,
                 client,
-                prefill,
+                writer,
                 trace,
                 ..
             } => {
                 self.streams.lock().unwrap().insert(msg.req(), client);
                 (
                     Some(body),
-                    self.node(Role::Prefill, prefill).map(|n| n.addr.clone()),
+                    self.node(writer.role, writer.index).map(|n| n.addr.clone()),
                     trace,
                 )
             }
@@ -361,12 +374,13 @@ impl CoordLinks for RemoteCoordLinks {
         )
     }
 
-    fn to_prefill(&self, index: usize, msg: Msg, extra: Attachment) -> bool {
-        let (body, decode, decode_node, trace) = match extra {
+    fn to_writer(&self, writer: Writer, msg: Msg, extra: Attachment) -> bool {
+        let (body, decode, decode_node, trace, moves) = match extra {
             Attachment::Prefill {
                 body,
                 decode,
                 trace,
+                moves,
             } => (
                 Some(body),
                 Some(decode),
@@ -374,18 +388,24 @@ impl CoordLinks for RemoteCoordLinks {
                 // not be in this gateway's order (or know a node a reload added).
                 self.node(Role::Decode, decode).map(|n| n.addr.clone()),
                 trace,
+                moves,
             ),
-            _ => (None, None, None, None),
+            _ => (None, None, None, None, None),
         };
-        self.send(
+        // A decode node's writer is routed as the request's prefill side: its
+        // answers are believed on that link only as the writer's.
+        self.send_routed(
+            writer.role,
+            writer.index,
             Role::Prefill,
-            index,
             msg.req(),
             &Frame::Control(Control {
                 body,
                 decode,
                 decode_node,
                 trace,
+                to_writer: writer.role == Role::Decode,
+                moves,
                 ..Control::new(msg)
             }),
         )

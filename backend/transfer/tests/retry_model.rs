@@ -38,7 +38,7 @@ use stateright::{Checker, HasDiscoveries, Model, Property};
 use std::collections::BTreeSet;
 use std::time::Duration;
 use tessera_transfer::protocol::{
-    Attempts, Failure, Outcome, Retry, RetryPolicy, Role, StreamFence, StreamItem,
+    Attempts, Failure, Outcome, Retry, RetryPolicy, Role, StreamFence, StreamItem, Writer,
 };
 
 const PAIRS: usize = 4;
@@ -235,9 +235,14 @@ impl Model for RetryModel {
                 } else {
                     &mut st.fence
                 };
-                let decision =
-                    st.attempts
-                        .after_release(&outcome, (pair, pair), false, elapsed, true, fence);
+                let decision = st.attempts.after_release(
+                    &outcome,
+                    (Writer::prefill(pair), pair),
+                    false,
+                    elapsed,
+                    true,
+                    fence,
+                );
                 let next =
                     (0..PAIRS).find(|&p| st.pair_up[p] && !st.attempts.avoids(Role::Decode, p));
                 match (decision, next) {

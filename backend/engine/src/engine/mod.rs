@@ -421,17 +421,9 @@ impl Engine {
         role: SeqRole,
     ) {
         let r = req.request();
-        // Prompt logprobs need every prompt position computed: no cache reuse.
-        let cacheable = self.cfg.prefix_cache && r.output.prompt_logprobs.is_none();
-        let chain = match (cacheable, &r.cache_namespace) {
-            (true, Some(ns)) => {
-                let mut root = chain_root(ns, &self.model_fp, self.cfg.page_size);
-                if let Some(l) = &r.lora {
-                    root = lora_root(&root, &l.id);
-                }
-                chain(&root, &r.prompt, self.cfg.page_size)
-            }
-            _ => Vec::new(),
+        let chain = match self.chain_root_of(r) {
+            Some(root) => chain(&root, &r.prompt, self.cfg.page_size),
+            None => Vec::new(),
         };
         self.set_cache_policy(r.tenant, r.cache_policy);
         // A tenant's new namespace is a rotated salt: what it cached under the old
@@ -462,6 +454,25 @@ impl Engine {
             queued_at: Instant::now(),
             chain,
         })));
+    }
+
+    /// Where `r`'s prefix-cache chain starts: its namespace, the model, the page
+    /// size and its fine-tune; `None` when its pages are never cached (no
+    /// namespace, the cache off, or prompt log probabilities, which need every
+    /// prompt position computed).
+    pub(crate) fn chain_root_of(&self, r: &GenerateRequest) -> Option<ChainHash> {
+        if !self.cfg.prefix_cache || r.output.prompt_logprobs.is_some() {
+            return None;
+        }
+        let mut root = chain_root(
+            r.cache_namespace.as_ref()?,
+            &self.model_fp,
+            self.cfg.page_size,
+        );
+        if let Some(l) = &r.lora {
+            root = lora_root(&root, &l.id);
+        }
+        Some(root)
     }
 
     fn waiting_tenants(&self) -> Vec<u64> {
@@ -518,6 +529,36 @@ impl Engine {
     pub fn release_seq(&mut self, seq: SeqId) -> usize {
         self.seqs.take_running(seq);
         self.kv.release(seq)
+    }
+
+    /// Decode role, at a drain: ends running sequence `seq` without an event (the
+    /// transfer protocol reports the end) and caches every page whose K/V is
+    /// computed, output pages included (all its tokens but the last sampled one),
+    /// under the request's chain; the rest is freed. A continuation of it (its
+    /// prompt followed by the tokens its client has, [`crate::Resume`]) then finds
+    /// those pages in this engine's prefix cache: a drained decode node exports
+    /// them as that continuation's writer, so the KV moves instead of being
+    /// computed again (issue 36). Returns the pages cached: 0 when `seq` is not
+    /// running or its request is never cached (no namespace).
+    pub fn end_caching_output(&mut self, seq: SeqId) -> usize {
+        let Some(s) = self.seqs.take_running(seq) else {
+            return 0;
+        };
+        let Some(root) = s.root else {
+            self.kv.release(seq);
+            return 0;
+        };
+        let computed = if s.generated.is_empty() {
+            s.prefilled
+        } else {
+            s.prompt.len() + s.generated.len() - 1
+        };
+        let mut tokens = s.prompt;
+        tokens.extend_from_slice(&s.generated);
+        tokens.truncate(computed);
+        let keys = chain(&root, &tokens, self.cfg.page_size);
+        self.kv.release_caching(seq, &keys, keys.len());
+        self.kv.cached_prefix(s.tenant, &keys, keys.len())
     }
 
     /// Frees a sequence's pages; with `cache`, its prompt pages whose K/V is

@@ -38,6 +38,10 @@ pub(crate) struct Seq {
     pub(crate) priority: Priority,
     /// Prefix-cache keys of the full prompt pages (empty: not cached).
     pub(crate) chain: Vec<ChainHash>,
+    /// Where the request's chain starts (`None`: its pages are never cached); a
+    /// drained sequence's output pages are cached under it too
+    /// ([`Engine::end_caching_output`](super::Engine::end_caching_output)).
+    pub(crate) root: Option<ChainHash>,
     /// Prompt tokens reused from the prefix cache.
     pub(crate) cached: usize,
     /// Of `cached`, those restored from the lower tiers.
@@ -85,6 +89,7 @@ impl Seq {
             tenant: req.tenant,
             priority: req.priority,
             chain: Vec::new(),
+            root: None,
             cached: 0,
             cached_tiers: CachedTiers::default(),
             logprobs: req.output.logprobs.map(|k| k as usize),

@@ -347,7 +347,9 @@ impl Engine {
             ..
         } = w;
         let r = req.into_request();
+        let root = self.chain_root_of(&r);
         let mut s = Seq::new(id, r, sampler, sink, submitted, role);
+        s.root = root;
         s.prime(&self.tokenizer);
         let ps = self.cfg.page_size;
         s.cached = (hits.pool + hits.host + hits.disk) * ps;

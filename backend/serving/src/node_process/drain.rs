@@ -1,9 +1,12 @@
-//! The drain: a node stops taking requests, lets running ones finish until its
-//! deadline, ends the rest and exits; and `tessera node drain`, which asks a node to.
+//! The drain: a node stops taking requests; a decode node with another to move to
+//! ends its running requests at once and moves their KV there, any other node lets
+//! them finish until its deadline and ends the rest; then it exits. And `tessera
+//! node drain`, which asks a node to.
 
 use super::state::NodeState;
 use crate::link_security::{node_name, NodeLinks};
 use crate::net::{block_on, open_link, Frame};
+use crate::prefill_node::PrefillCmd;
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -12,6 +15,9 @@ use tessera_transfer::protocol::Role;
 /// After a drain's deadline, how long the node waits for the requests it ended to
 /// be reported before it exits anyway.
 const DRAIN_GRACE: Duration = Duration::from_secs(10);
+/// How long a draining decode node that moves KV stays idle, with no move left to
+/// start, before it exits (a margin for a command on its way to the engine thread).
+const MOVE_WINDOW: Duration = Duration::from_millis(200);
 
 impl NodeState {
     /// Starts a drain (once): tells the gateways, then waits on a thread of its own.
@@ -19,10 +25,17 @@ impl NodeState {
         if self.draining.swap(true, Ordering::AcqRel) {
             return;
         }
-        tracing::warn!(
-            timeout = ?self.drain_timeout,
-            "draining ({why}): no new requests; running requests may finish until the deadline"
-        );
+        if self.mover.is_some() {
+            tracing::warn!(
+                timeout = ?self.drain_timeout,
+                "draining ({why}): no new requests; running requests move to other decode nodes"
+            );
+        } else {
+            tracing::warn!(
+                timeout = ?self.drain_timeout,
+                "draining ({why}): no new requests; running requests may finish until the deadline"
+            );
+        }
         // The protocol refuses new requests from here on (the coordinator retries
         // them on another node); told before the gateways, so whatever a gateway
         // sends after it read the status below is refused, never accepted.
@@ -65,16 +78,50 @@ impl NodeState {
         true
     }
 
-    /// The drain: running requests finish until the deadline, the rest end as
-    /// drained (their gateways continue them on other nodes); queued frames go out;
-    /// then `run_node_process` returns.
+    /// Waits until `deadline` for every kept request's move to have started (its
+    /// `Prefill` arrives once another decode node reserved pages for it) and for
+    /// the node to be idle, [`MOVE_WINDOW`] in a row; returns whether it was.
+    fn wait_moves(&self, deadline: Instant) -> bool {
+        let mut quiet_since = Instant::now();
+        while Instant::now() < deadline {
+            if !self.idle() || !self.kept.lock().unwrap().is_empty() {
+                quiet_since = Instant::now();
+            } else if quiet_since.elapsed() >= MOVE_WINDOW {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// The drain. A decode node with another decode node to move to ends its
+    /// running requests at once, keeping their computed pages, and writes each
+    /// one's continuation into the decode node its gateway chose (issue 36): the
+    /// drain takes as long as those transfers, not as the longest request. Any
+    /// other node lets running requests finish until the deadline and ends the
+    /// rest as drained (their gateways continue them on other nodes). Queued
+    /// frames go out; then `run_node_process` returns.
     fn drain(&self) {
-        if !self.wait_idle(Instant::now() + self.drain_timeout) {
+        let deadline = Instant::now() + self.drain_timeout;
+        let idle = if self.mover.is_some() {
+            self.cmds.end_all(
+                "the node drains: the request goes on on another decode node, with its KV moved there",
+            );
+            self.wait_moves(deadline)
+        } else {
+            self.wait_idle(deadline)
+        };
+        if !idle {
             tracing::warn!(
                 "drain deadline passed; ending the requests still running (their gateways \
                  continue them on other nodes)"
             );
-            self.cmds.end_all();
+            self.cmds.end_all(
+                "the node is shutting down: its drain deadline passed before the request finished",
+            );
+            if let Some(mover) = &self.mover {
+                let _ = mover.send(PrefillCmd::EndAll);
+            }
             if !self.wait_idle(Instant::now() + DRAIN_GRACE) {
                 tracing::warn!("requests still held after the drain grace period; exiting anyway");
             }

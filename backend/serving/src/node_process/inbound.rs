@@ -160,7 +160,8 @@ impl NodeState {
         conn.try_send(
             &Frame::Welcome {
                 incarnation: self.incarnation,
-                ucx: (from == Role::Prefill)
+                // A decode node moving KV writes with frames: no rkey of this pool.
+                ucx: (from == Role::Prefill && !self.links.is_decode_writer(&writer.name))
                     .then(|| self.region.clone())
                     .flatten(),
                 draining: self.draining(),
@@ -211,6 +212,9 @@ impl NodeState {
         if from == Role::Coordinator {
             for req in self.carried.take(link.id) {
                 self.cmds.coordinator_lost(req);
+                if let Some(mover) = &self.mover {
+                    let _ = mover.send(PrefillCmd::CoordinatorLost(req));
+                }
             }
         }
     }
@@ -232,6 +236,71 @@ impl NodeState {
             ));
         }
         Ok(self.carried.carrier(req).is_none())
+    }
+
+    /// A coordinator's message for this node's writer (a prefill node's, or a decode
+    /// node's that moves drained requests' KV): `Prefill` with its body and decode
+    /// node, or `Abort`.
+    fn to_writer(
+        &self,
+        link: &mut Link,
+        c: Control,
+        tx: &std::sync::mpsc::Sender<PrefillCmd>,
+    ) -> Result<(), String> {
+        let gone = || "the engine thread is gone".to_string();
+        let Control {
+            msg,
+            body,
+            decode,
+            decode_node,
+            trace,
+            moves,
+            ..
+        } = c;
+        let req = msg.req();
+        let body = match (&msg, body.zip(decode)) {
+            (Msg::Prefill { .. }, Some((body, decode))) => {
+                // By address when the gateway names one (its index may
+                // follow another order than this node's file), else by
+                // index into this node's file (an older gateway).
+                let decode = match (decode_node, &self.peer_links) {
+                    (Some(addr), Some(peers)) => peers.index_of(&addr)?,
+                    _ if decode >= self.decode_peers => {
+                        return Err(format!("a Prefill for decode node {decode}, which the deployment does not have"));
+                    }
+                    _ => decode,
+                };
+                if !self.carried.claim(req, link.id) {
+                    return Err(format!("Prefill for {req:?}, which another link carries"));
+                }
+                // Claimed first: the drain sees it carried before it stops waiting.
+                if let Some(old) = moves {
+                    self.kept.lock().unwrap().remove(&old);
+                }
+                Some((body, decode, valid_traceparent(trace)))
+            }
+            (Msg::Prefill { .. }, None) => {
+                return Err("a Prefill without its request body and decode node".into())
+            }
+            (Msg::Abort { .. }, _) => {
+                if !self.about_unknown(link, req)? {
+                    return Ok(());
+                }
+                None
+            }
+            (m, _) => {
+                return Err(format!(
+                    "a coordinator may not send {} to a prefill node",
+                    msg_name(m)
+                ))
+            }
+        };
+        tx.send(PrefillCmd::FromCoordinator {
+            msg,
+            reply: link.reply.clone(),
+            body,
+        })
+        .map_err(|_| gone())
     }
 
     /// Turns one frame into the engine thread's command, or says why the peer may not
@@ -268,6 +337,12 @@ impl NodeState {
                     NodeCmds::Prefill(tx) => tx.send(PrefillCmd::WithEngine(job)).is_ok(),
                 };
                 sent.then_some(()).ok_or_else(gone)
+            }
+            (Frame::Control(c), NodeCmds::Decode(_), Role::Coordinator) if c.to_writer => {
+                match &self.mover {
+                    Some(tx) => self.to_writer(link, c, tx),
+                    None => Err("a frame for the writer of a decode node without one".into()),
+                }
             }
             (
                 Frame::Control(Control {
@@ -366,58 +441,8 @@ impl NodeState {
                 })
                 .map_err(|_| gone())
             }
-            (
-                Frame::Control(Control {
-                    msg,
-                    body,
-                    decode,
-                    decode_node,
-                    trace,
-                    ..
-                }),
-                NodeCmds::Prefill(tx),
-                Role::Coordinator,
-            ) => {
-                let req = msg.req();
-                let body = match (&msg, body.zip(decode)) {
-                    (Msg::Prefill { .. }, Some((body, decode))) => {
-                        // By address when the gateway names one (its index may
-                        // follow another order than this node's file), else by
-                        // index into this node's file (an older gateway).
-                        let decode = match (decode_node, &self.peer_links) {
-                            (Some(addr), Some(peers)) => peers.index_of(&addr)?,
-                            _ if decode >= self.decode_peers => {
-                                return Err(format!("a Prefill for decode node {decode}, which the deployment does not have"));
-                            }
-                            _ => decode,
-                        };
-                        if !self.carried.claim(req, link.id) {
-                            return Err(format!("Prefill for {req:?}, which another link carries"));
-                        }
-                        Some((body, decode, valid_traceparent(trace)))
-                    }
-                    (Msg::Prefill { .. }, None) => {
-                        return Err("a Prefill without its request body and decode node".into())
-                    }
-                    (Msg::Abort { .. }, _) => {
-                        if !self.about_unknown(link, req)? {
-                            return Ok(());
-                        }
-                        None
-                    }
-                    (m, _) => {
-                        return Err(format!(
-                            "a coordinator may not send {} to a prefill node",
-                            msg_name(m)
-                        ))
-                    }
-                };
-                tx.send(PrefillCmd::FromCoordinator {
-                    msg,
-                    reply: link.reply.clone(),
-                    body,
-                })
-                .map_err(|_| gone())
+            (Frame::Control(c), NodeCmds::Prefill(tx), Role::Coordinator) => {
+                self.to_writer(link, c, tx)
             }
             (Frame::Land { req, dest }, NodeCmds::Decode(tx), Role::Prefill) => tx
                 .send(DecodeCmd::Land {

@@ -18,6 +18,7 @@
 mod drain;
 mod inbound;
 mod ledger;
+mod mover;
 mod options;
 mod peers;
 mod state;
@@ -26,14 +27,15 @@ mod supervise;
 pub use drain::drain_node;
 pub use options::{pool_engine_config, NodeOptions, TestPanic, TransportKind};
 
-use crate::decode_node::DecodeLoop;
+use crate::decode_node::{DecodeLoop, KeptForMoves};
 use crate::links::PdCounters;
 use crate::metrics::{serve_metrics, NodeMetrics};
 use crate::net;
 use crate::node_loop::Shared;
-use crate::prefill_node::{PrefillLinks, PrefillLoop};
+use crate::prefill_node::{PrefillCmd, PrefillLoop};
 use inbound::accept_loop;
 use ledger::{Carried, Registry};
+use mover::{forward, DecodeAndWriter, MoverCmd};
 use peers::{PeerLinks, PeerSlot};
 use state::{NodeCmds, NodeState};
 use std::io;
@@ -105,43 +107,72 @@ pub fn run_node_process(
     let carried = Arc::new(Carried::default());
     let registry = Arc::new(Registry::default());
     let panic_engine = opts.test_panic == Some(TestPanic::Engine);
-    let mut peer_links_of_prefill = None;
+    // Where a writer (a prefill node, or a decode node moving a drained
+    // sequence's KV) writes: every decode node of the file.
+    let peer_links_with = |cmds: mpsc::Sender<PrefillCmd>| {
+        Arc::new(PeerLinks {
+            name: opts.listen.clone(),
+            peers: RwLock::new(
+                opts.decode_peers
+                    .iter()
+                    .map(|a| Arc::new(PeerSlot::new(a)))
+                    .collect(),
+            ),
+            ucx: ucx.clone(),
+            links: links.clone(),
+            carried: carried.clone(),
+            registry: registry.clone(),
+            counters: counters.clone(),
+            cmds,
+        })
+    };
+    let fp = engine.model_fingerprint();
+    let kept = KeptForMoves::default();
+    let mut peer_links = None;
+    let mut mover = None;
     let cmds = match opts.role {
         Role::Decode => {
-            let (tx, rx) = mpsc::channel();
             engine.track_ended();
-            let node = DecodeLoop::new(counters.clone(), handles.clone());
-            spawn_engine(
-                engine,
-                node,
-                rx,
-                shared.clone(),
-                "tessera-decode",
-                panic_engine,
-            )?;
-            NodeCmds::Decode(tx)
+            let decode =
+                DecodeLoop::new(counters.clone(), handles.clone()).keeping_moves(kept.clone());
+            // Another decode node to move to: a writer beside the decode loop.
+            if opts.decode_peers.iter().any(|a| *a != opts.listen) {
+                let (tx, rx) = mpsc::channel();
+                let decode_tx = forward(tx.clone(), MoverCmd::Decode, "tessera-decode-cmds")?;
+                let writer_tx = forward(tx, MoverCmd::Writer, "tessera-mover-cmds")?;
+                let peers = peer_links_with(writer_tx.clone());
+                peer_links = Some(peers.clone());
+                let writer =
+                    PrefillLoop::new(peers, writer_tx.clone(), handles.clone(), fp).moving();
+                let node = DecodeAndWriter { decode, writer };
+                spawn_engine(
+                    engine,
+                    node,
+                    rx,
+                    shared.clone(),
+                    "tessera-decode",
+                    panic_engine,
+                )?;
+                mover = Some(writer_tx);
+                NodeCmds::Decode(decode_tx)
+            } else {
+                let (tx, rx) = mpsc::channel();
+                spawn_engine(
+                    engine,
+                    decode,
+                    rx,
+                    shared.clone(),
+                    "tessera-decode",
+                    panic_engine,
+                )?;
+                NodeCmds::Decode(tx)
+            }
         }
         _ => {
             let (tx, rx) = mpsc::channel();
-            let peer_links = Arc::new(PeerLinks {
-                name: opts.listen.clone(),
-                peers: RwLock::new(
-                    opts.decode_peers
-                        .iter()
-                        .map(|a| Arc::new(PeerSlot::new(a)))
-                        .collect(),
-                ),
-                ucx,
-                links: links.clone(),
-                carried: carried.clone(),
-                registry: registry.clone(),
-                counters: counters.clone(),
-                cmds: tx.clone(),
-            });
-            peer_links_of_prefill = Some(peer_links.clone());
-            let peer_links: Arc<dyn PrefillLinks> = peer_links;
-            let fp = engine.model_fingerprint();
-            let node = PrefillLoop::new(peer_links, tx.clone(), handles.clone(), fp);
+            let peers = peer_links_with(tx.clone());
+            peer_links = Some(peers.clone());
+            let node = PrefillLoop::new(peers, tx.clone(), handles.clone(), fp);
             spawn_engine(
                 engine,
                 node,
@@ -164,7 +195,9 @@ pub fn run_node_process(
         shared,
         page_bytes,
         decode_peers: opts.decode_peers.len(),
-        peer_links: peer_links_of_prefill,
+        peer_links,
+        mover,
+        kept,
         carried,
         registry,
         gateways: Registry::default(),

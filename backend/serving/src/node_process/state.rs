@@ -4,7 +4,7 @@
 use super::ledger::{Carried, Registry};
 use super::options::TestPanic;
 use super::peers::PeerLinks;
-use crate::decode_node::DecodeCmd;
+use crate::decode_node::{DecodeCmd, KeptForMoves};
 use crate::link_security::NodeLinks;
 use crate::links::PdCounters;
 use crate::node_loop::Shared;
@@ -37,11 +37,11 @@ impl NodeCmds {
         };
     }
 
-    pub(super) fn end_all(&self) {
-        let reason = FailReason::new(
-            FailKind::Drained,
-            "the node is shutting down: its drain deadline passed before the request finished",
-        );
+    /// Ends every request the engine thread holds: running ones as drained (their
+    /// gateways continue them elsewhere; `why` is the failure's message), the rest
+    /// as if their coordinator were gone.
+    pub(super) fn end_all(&self, why: &str) {
+        let reason = FailReason::new(FailKind::Drained, why);
         let _ = match self {
             NodeCmds::Decode(tx) => tx.send(DecodeCmd::EndAll(reason)).is_ok(),
             NodeCmds::Prefill(tx) => tx.send(PrefillCmd::EndAll).is_ok(),
@@ -60,9 +60,15 @@ pub(super) struct NodeState {
     pub(super) shared: Arc<Shared>,
     pub(super) page_bytes: usize,
     pub(super) decode_peers: usize,
-    /// A prefill node's decode peers (to look up a decode node a gateway names by
-    /// address).
+    /// A writer's decode peers (to look up a decode node a gateway names by
+    /// address): a prefill node's, and a decode node's that can move KV.
     pub(super) peer_links: Option<Arc<PeerLinks>>,
+    /// A decode node's writer, which moves drained sequences' KV to another decode
+    /// node (`None`: a prefill node, or the only decode node of the file).
+    pub(super) mover: Option<mpsc::Sender<PrefillCmd>>,
+    /// Requests the drain ended whose KV this node keeps until their move's
+    /// `Prefill` arrives (the drain waits for them, until its deadline).
+    pub(super) kept: KeptForMoves,
     pub(super) carried: Arc<Carried>,
     pub(super) registry: Arc<Registry>,
     /// Coordinator links (they hear `Status`).

@@ -294,6 +294,13 @@ impl Coordinator {
             Role::Coordinator => return,
         }
         match (&self.phase, role) {
+            // The writer is gone before it was sent anything: nothing of it can land.
+            // The reservation is freed now, not once pages come (a request queued at
+            // a full decode node would wait that long to go on elsewhere).
+            (CoordPhase::Reserving, Role::Prefill) => {
+                self.decide(Outcome::Failed(Failure::NodeDown(Role::Prefill)), out);
+                self.abort_decode(out);
+            }
             (CoordPhase::Reserving, Role::Decode) => {
                 self.decide(Outcome::Failed(Failure::NodeDown(Role::Decode)), out);
                 self.finish(out);
@@ -341,6 +348,24 @@ mod tests {
             &mut out,
         );
         (c, out)
+    }
+
+    /// `role`'s node is declared down: the outcome says so, and `next` is sent an
+    /// `Abort` (`out` is cleared before and after).
+    fn down_then_abort(c: &mut Coordinator, role: Role, next: Role, out: &mut Vec<Output>) {
+        out.clear();
+        c.on_node_down(role, out);
+        assert_eq!(
+            out[0],
+            Output::Outcome(Outcome::Failed(Failure::NodeDown(role)))
+        );
+        assert_eq!(sends(out), [(next, Msg::Abort { req: R })]);
+        out.clear();
+    }
+
+    /// `role`'s `AbortAck` for [`R`].
+    fn ack(c: &mut Coordinator, role: Role, out: &mut Vec<Output>) {
+        c.on_msg(Msg::AbortAck { req: R, from: role }, out);
     }
 
     fn sends(out: &[Output]) -> Vec<(Role, Msg)> {
@@ -395,30 +420,12 @@ mod tests {
         assert_eq!(out[0], Output::Outcome(Outcome::Aborted));
         assert_eq!(sends(&out), [(Role::Prefill, Msg::Abort { req: R })]);
         out.clear();
-        c.on_msg(
-            Msg::AbortAck {
-                req: R,
-                from: Role::Decode,
-            },
-            &mut out,
-        );
+        ack(&mut c, Role::Decode, &mut out);
         assert!(out.is_empty(), "only the prefill ack moves on");
-        c.on_msg(
-            Msg::AbortAck {
-                req: R,
-                from: Role::Prefill,
-            },
-            &mut out,
-        );
+        ack(&mut c, Role::Prefill, &mut out);
         assert_eq!(sends(&out), [(Role::Decode, Msg::Abort { req: R })]);
         out.clear();
-        c.on_msg(
-            Msg::AbortAck {
-                req: R,
-                from: Role::Decode,
-            },
-            &mut out,
-        );
+        ack(&mut c, Role::Decode, &mut out);
         assert_eq!(out, [Output::Released]);
     }
 
@@ -445,24 +452,29 @@ mod tests {
     }
 
     #[test]
-    fn coordinator_treats_a_dead_node_as_acked() {
-        let (mut c, mut out) = transferring();
-        out.clear();
-        // Decode died mid-transfer: stop the prefill first, then nothing is left.
-        c.on_node_down(Role::Decode, &mut out);
-        assert_eq!(
-            out[0],
-            Output::Outcome(Outcome::Failed(Failure::NodeDown(Role::Decode)))
-        );
-        assert_eq!(sends(&out), [(Role::Prefill, Msg::Abort { req: R })]);
-        out.clear();
+    fn a_writer_lost_while_decode_reserves_frees_the_reservation_at_once() {
+        let mut out = Vec::new();
+        let mut c = Coordinator::start(R, 3, 20, 4, &mut out);
+        down_then_abort(&mut c, Role::Prefill, Role::Decode, &mut out);
+        // A descriptor that crossed the abort: the writer is never sent anything.
         c.on_msg(
-            Msg::AbortAck {
+            Msg::Descriptor {
                 req: R,
-                from: Role::Prefill,
+                pages: dests(2),
             },
             &mut out,
         );
+        assert!(sends(&out).is_empty(), "{out:?}");
+        ack(&mut c, Role::Decode, &mut out);
+        assert_eq!(out, [Output::Released]);
+    }
+
+    #[test]
+    fn coordinator_treats_a_dead_node_as_acked() {
+        let (mut c, mut out) = transferring();
+        // Decode died mid-transfer: stop the prefill first, then nothing is left.
+        down_then_abort(&mut c, Role::Decode, Role::Prefill, &mut out);
+        ack(&mut c, Role::Prefill, &mut out);
         assert_eq!(out, [Output::Released]);
 
         // Prefill died mid-transfer: free the decode reservation at once.

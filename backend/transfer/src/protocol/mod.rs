@@ -29,5 +29,5 @@ pub use messages::{
 };
 pub use prefill::{AfterDrain, PrefillAsk, PrefillEnv, PrefillNode, PrefillState};
 pub use records::{Records, RequestIo, RequestState};
-pub use retry::{Attempts, Cause, Retry, RetryPolicy, StreamFence, StreamItem};
+pub use retry::{Attempts, Cause, Retry, RetryPolicy, StreamFence, StreamItem, Writer};
 pub use routes::{LinkViolation, RouteBook, Routed};

@@ -115,6 +115,30 @@ pub struct Cause {
     pub role: Role,
     /// Whether it counts as a failed attempt (a drain refusal does not).
     pub counts: bool,
+    /// Whether the node ended the request for a drain and keeps its computed
+    /// pages for the next attempt to move ([`Retry::Restart::move_from`]).
+    pub moves: bool,
+}
+
+/// The node that writes an attempt's prompt KV into its decode node: a prefill
+/// node, or a draining decode node that moves a request's KV (its pages are in
+/// that node's prefix cache).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Writer {
+    /// [`Role::Prefill`] or [`Role::Decode`].
+    pub role: Role,
+    /// The node's index among the nodes of its role.
+    pub index: usize,
+}
+
+impl Writer {
+    /// Prefill node `index`.
+    pub fn prefill(index: usize) -> Self {
+        Self {
+            role: Role::Prefill,
+            index,
+        }
+    }
 }
 
 impl Cause {
@@ -131,14 +155,17 @@ impl Cause {
             Outcome::Rejected(r) => r.drained_by().map(|role| Self {
                 role,
                 counts: false,
+                moves: false,
             }),
             Outcome::Failed(Failure::NodeDown(role)) if *role != Role::Coordinator => Some(Self {
                 role: *role,
                 counts: true,
+                moves: false,
             }),
             Outcome::Failed(Failure::LeaseExpired) => Some(Self {
                 role: Role::Prefill,
                 counts: true,
+                moves: false,
             }),
             // The prefill node's page writes or flush into the decode node failed
             // (most often: that decode node died while its transfer ran, before the
@@ -146,12 +173,15 @@ impl Cause {
             Outcome::Failed(Failure::Prefill(r)) if r.kind == FailKind::Transport => Some(Self {
                 role: Role::Decode,
                 counts: true,
+                moves: false,
             }),
-            // A drained decode node ended a running request at its deadline: planned,
-            // so it does not count (the node is avoided afterwards).
+            // A draining decode node ended a running request: planned, so it does
+            // not count (the node is avoided afterwards), and the node keeps the
+            // request's computed pages for the next attempt to move.
             Outcome::Failed(Failure::Decode(r)) if r.kind == FailKind::Drained => Some(Self {
                 role: Role::Decode,
                 counts: false,
+                moves: true,
             }),
             _ => None,
         }
@@ -165,6 +195,11 @@ pub enum Retry {
     Restart {
         /// The new attempt's number (its events pass the fence).
         attempt: u32,
+        /// The draining decode node (its index) whose prefix cache holds the
+        /// request's computed pages: the new attempt's writer when its link is up
+        /// (the KV moves instead of being computed again); `None`: a prefill node
+        /// writes.
+        move_from: Option<usize>,
     },
     /// End the client's stream with the outcome's error.
     Fail,
@@ -198,7 +233,7 @@ impl Attempts {
         self.avoid.contains(&(role, index))
     }
 
-    /// Decides on a released attempt that ran on `(prefill, decode)` and ended with
+    /// Decides on a released attempt that ran on `(writer, decode)` and ended with
     /// `outcome`: [`Retry::Restart`] when the outcome has a [`Cause`], the client is
     /// still there, its stream can go on (`fence`, which is then moved to the new
     /// attempt: no token yet, or `continuable`), the failed attempts stay within the
@@ -208,7 +243,7 @@ impl Attempts {
     pub fn after_release(
         &mut self,
         outcome: &Outcome,
-        (prefill, decode): (usize, usize),
+        (writer, decode): (Writer, usize),
         client_gone: bool,
         waited: Duration,
         continuable: bool,
@@ -217,22 +252,30 @@ impl Attempts {
         let Some(cause) = Cause::of(outcome) else {
             return Retry::Fail;
         };
-        let index = if cause.role == Role::Prefill {
-            prefill
+        // A writer's failure avoids that node in its own role (a decode node that
+        // moved KV is avoided as a decode node).
+        let node = if cause.role == Role::Prefill {
+            (writer.role, writer.index)
         } else {
-            decode
+            (Role::Decode, decode)
         };
-        if !self.avoids(cause.role, index) {
-            self.avoid.push((cause.role, index));
+        if !self.avoid.contains(&node) {
+            self.avoid.push(node);
         }
-        if cause.counts {
+        // A move's writer is a draining node, which may exit (its drain deadline)
+        // before the move could start: planned, like the drain itself.
+        let moving_writer = cause.role == Role::Prefill && writer.role == Role::Decode;
+        if cause.counts && !moving_writer {
             self.failed += 1;
         }
         if client_gone || self.failed > self.policy.max_failed || waited >= self.policy.deadline {
             return Retry::Fail;
         }
         match fence.restart(continuable) {
-            Some(attempt) => Retry::Restart { attempt },
+            Some(attempt) => Retry::Restart {
+                attempt,
+                move_from: cause.moves.then_some(decode),
+            },
             None => Retry::Fail,
         }
     }
@@ -244,6 +287,24 @@ mod tests {
     use crate::protocol::{FailKind, FailReason, Refusal, RefusalKind};
 
     const NOW: Duration = Duration::ZERO;
+
+    /// [`Attempts::after_release`] with the client there and no time waited.
+    fn after(
+        a: &mut Attempts,
+        outcome: &Outcome,
+        on: (Writer, usize),
+        continuable: bool,
+        fence: &mut StreamFence,
+    ) -> Retry {
+        a.after_release(outcome, on, false, NOW, continuable, fence)
+    }
+
+    fn restart(attempt: u32) -> Retry {
+        Retry::Restart {
+            attempt,
+            move_from: None,
+        }
+    }
 
     fn down(role: Role) -> Outcome {
         Outcome::Failed(Failure::NodeDown(role))
@@ -277,7 +338,8 @@ mod tests {
             Cause::of(&drained),
             Some(Cause {
                 role: Role::Decode,
-                counts: false
+                counts: false,
+                moves: false,
             })
         );
         assert_eq!(Cause::of(&down(Role::Prefill)).unwrap().role, Role::Prefill);
@@ -286,22 +348,25 @@ mod tests {
             Cause::of(&Outcome::Failed(Failure::Prefill(lost))),
             Some(Cause {
                 role: Role::Decode,
-                counts: true
+                counts: true,
+                moves: false,
             })
         );
-        let drained = FailReason::new(FailKind::Drained, "drain deadline");
+        let drained = FailReason::new(FailKind::Drained, "drained");
         assert_eq!(
             Cause::of(&Outcome::Failed(Failure::Decode(drained))),
             Some(Cause {
                 role: Role::Decode,
-                counts: false
+                counts: false,
+                moves: true,
             })
         );
         assert_eq!(
             Cause::of(&Outcome::Failed(Failure::LeaseExpired)),
             Some(Cause {
                 role: Role::Prefill,
-                counts: true
+                counts: true,
+                moves: false,
             })
         );
         let busy = Refusal {
@@ -325,12 +390,30 @@ mod tests {
     fn failed_attempts_are_bounded_and_avoided() {
         let mut a = Attempts::new(RetryPolicy::default());
         let mut f = StreamFence::default();
-        let r = a.after_release(&down(Role::Decode), (0, 1), false, NOW, false, &mut f);
-        assert_eq!(r, Retry::Restart { attempt: 1 });
+        let r = after(
+            &mut a,
+            &down(Role::Decode),
+            (Writer::prefill(0), 1),
+            false,
+            &mut f,
+        );
+        assert_eq!(r, restart(1));
         assert!(a.avoids(Role::Decode, 1) && !a.avoids(Role::Prefill, 0));
-        let r = a.after_release(&down(Role::Prefill), (0, 2), false, NOW, false, &mut f);
-        assert_eq!(r, Retry::Restart { attempt: 2 });
-        let r = a.after_release(&down(Role::Decode), (1, 2), false, NOW, false, &mut f);
+        let r = after(
+            &mut a,
+            &down(Role::Prefill),
+            (Writer::prefill(0), 2),
+            false,
+            &mut f,
+        );
+        assert_eq!(r, restart(2));
+        let r = after(
+            &mut a,
+            &down(Role::Decode),
+            (Writer::prefill(1), 2),
+            false,
+            &mut f,
+        );
         assert_eq!(r, Retry::Fail, "a third failed attempt ends the request");
         assert_eq!(a.failed(), 3);
         assert_eq!(f.attempt(), 2, "the fence moves only on a restart");
@@ -345,10 +428,16 @@ mod tests {
         let mut f = StreamFence::default();
         for i in 0..4 {
             let drained = Outcome::Rejected(Refusal::draining(Role::Decode));
-            let r = a.after_release(&drained, (0, i), false, NOW, false, &mut f);
+            let r = after(&mut a, &drained, (Writer::prefill(0), i), false, &mut f);
             assert!(matches!(r, Retry::Restart { .. }), "{i}");
         }
-        let r = a.after_release(&down(Role::Decode), (0, 9), false, NOW, false, &mut f);
+        let r = after(
+            &mut a,
+            &down(Role::Decode),
+            (Writer::prefill(0), 9),
+            false,
+            &mut f,
+        );
         assert_eq!(r, Retry::Fail);
     }
 
@@ -358,12 +447,18 @@ mod tests {
         let mut f = StreamFence::default();
         assert!(f.admit(0, StreamItem::Token));
         let mut a = Attempts::new(policy);
-        let r = a.after_release(&down(Role::Decode), (0, 0), false, NOW, false, &mut f);
+        let r = after(
+            &mut a,
+            &down(Role::Decode),
+            (Writer::prefill(0), 0),
+            false,
+            &mut f,
+        );
         assert_eq!(r, Retry::Fail, "a token reached the client");
         let mut f = StreamFence::default();
         let r = a.after_release(
             &down(Role::Decode),
-            (0, 1),
+            (Writer::prefill(0), 1),
             false,
             policy.deadline,
             false,
@@ -371,11 +466,54 @@ mod tests {
         );
         assert_eq!(r, Retry::Fail, "past the deadline");
         let mut a = Attempts::new(policy);
-        let r = a.after_release(&down(Role::Decode), (0, 1), true, NOW, false, &mut f);
+        let r = a.after_release(
+            &down(Role::Decode),
+            (Writer::prefill(0), 1),
+            true,
+            NOW,
+            false,
+            &mut f,
+        );
         assert_eq!(r, Retry::Fail, "nobody waits");
         assert_eq!(f.attempt(), 0, "no fence moved");
-        let r = a.after_release(&Outcome::Succeeded, (0, 1), false, NOW, false, &mut f);
+        let r = after(
+            &mut a,
+            &Outcome::Succeeded,
+            (Writer::prefill(0), 1),
+            false,
+            &mut f,
+        );
         assert_eq!(r, Retry::Fail);
+    }
+
+    #[test]
+    fn a_drained_decode_end_moves_from_that_node_and_a_failed_move_avoids_it() {
+        let mut a = Attempts::new(RetryPolicy::default());
+        let mut f = StreamFence::default();
+        assert!(f.admit(0, StreamItem::Token));
+        let drained = Outcome::Failed(Failure::Decode(FailReason::new(FailKind::Drained, "d")));
+        let r = after(&mut a, &drained, (Writer::prefill(0), 3), true, &mut f);
+        assert_eq!(
+            r,
+            Retry::Restart {
+                attempt: 1,
+                move_from: Some(3)
+            }
+        );
+        assert_eq!(a.failed(), 0, "a drain is planned");
+        // The move's writer (decode node 3) dies: it is avoided as a decode node,
+        // never prefill node 3, and the next attempt computes (no move).
+        let moved = Writer {
+            role: Role::Decode,
+            index: 3,
+        };
+        let r = after(&mut a, &down(Role::Prefill), (moved, 1), true, &mut f);
+        assert_eq!(r, restart(2));
+        assert_eq!(a.failed(), 0, "a draining writer's exit is planned too");
+        assert!(a.avoids(Role::Decode, 3) && !a.avoids(Role::Prefill, 3));
+        let refused = Outcome::Rejected(Refusal::draining(Role::Decode));
+        let r = after(&mut a, &refused, (Writer::prefill(0), 1), true, &mut f);
+        assert_eq!(r, restart(3), "a refusal computed nothing: nothing to move");
     }
 
     #[test]
@@ -383,15 +521,27 @@ mod tests {
         let mut a = Attempts::new(RetryPolicy::default());
         let mut f = StreamFence::default();
         assert!(f.admit(0, StreamItem::Token));
-        let r = a.after_release(&down(Role::Decode), (0, 0), false, NOW, true, &mut f);
-        assert_eq!(r, Retry::Restart { attempt: 1 });
+        let r = after(
+            &mut a,
+            &down(Role::Decode),
+            (Writer::prefill(0), 0),
+            true,
+            &mut f,
+        );
+        assert_eq!(r, restart(1));
         assert!(
             !f.admit(0, StreamItem::Token),
             "the failed attempt is fenced off"
         );
         assert!(f.admit(1, StreamItem::Token), "the continuation streams on");
         assert!(f.admit(1, StreamItem::End));
-        let r = a.after_release(&down(Role::Decode), (0, 1), false, NOW, true, &mut f);
+        let r = after(
+            &mut a,
+            &down(Role::Decode),
+            (Writer::prefill(0), 1),
+            true,
+            &mut f,
+        );
         assert_eq!(r, Retry::Fail, "an ended stream is never continued");
     }
 }

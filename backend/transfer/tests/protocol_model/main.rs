@@ -115,13 +115,15 @@ fn check_safe(name: &str, cfg: Cfg) -> usize {
 }
 
 // Pinned unique state counts: a change means the protocol or the model changed
-// behaviour; re-pin only after reading why.
+// behaviour; re-pin only after reading why. (Last re-pinned for issue 36's moves: a
+// writer lost while its decode node still reserves aborts the reservation at once
+// instead of at the descriptor, which adds states wherever a writer crashes.)
 const ABORT_REORDER_STATES: usize = 5332;
-const EVERYTHING_STATES: usize = 2806727;
+const EVERYTHING_STATES: usize = 2885958;
 const WRITE_FAULT_STATES: usize = 18939;
-const OVERSIZED_STATES: usize = 389987;
+const OVERSIZED_STATES: usize = 474166;
 const QUEUED_STATES: usize = 150082;
-const COORDINATOR_CRASH_STATES: usize = 152869;
+const COORDINATOR_CRASH_STATES: usize = 157629;
 const LEASE_STATES: usize = 37812;
 const DRAINING_STATES: usize = 757469;
 const COORDINATOR_CRASH_LOSSY_STATES: usize = 503861;
