@@ -70,8 +70,11 @@ pub(crate) struct NodeArgs {
     /// otherwise, naming the address).
     #[arg(long)]
     insecure_node_links: bool,
-    /// On SIGTERM or `tessera node drain`: seconds running requests may finish before
-    /// the rest end with an error and the node exits 0.
+    /// On SIGTERM or `tessera node drain`: a decode node with another decode node in
+    /// the file moves its running requests there with their KV and exits once the
+    /// moves are written, within this many seconds; any other node lets running
+    /// requests finish for this long, then ends the rest (their gateways continue
+    /// them elsewhere) and exits 0.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
 }
@@ -80,8 +83,10 @@ pub(crate) struct NodeArgs {
 #[derive(Subcommand, Debug)]
 pub(crate) enum NodeCommand {
     /// Drain a running node: it stops taking new requests (the gateways route
-    /// around it), lets running ones finish until its --drain-timeout-secs, ends the
-    /// rest with an error and exits 0. Connects with the gateway identity.
+    /// around it); a decode node moves its running requests to another decode node
+    /// with their KV, any other node lets them finish until its
+    /// --drain-timeout-secs and ends the rest; then it exits 0. Connects with the
+    /// gateway identity.
     Drain(DrainArgs),
 }
 

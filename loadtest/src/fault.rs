@@ -333,6 +333,10 @@ pub struct RestartCounts {
     /// `reason="continued"`: went on on another pair from the tokens the client
     /// had.
     pub continued: u64,
+    /// `reason="moved"`: a draining decode node's request, gone on on another
+    /// decode node with its KV written from the draining node's cache.
+    #[serde(default)]
+    pub moved: u64,
     /// `reason="not_restarted"`: no pair left, the attempt bound or the
     /// deadline reached: the client got an error.
     pub not_restarted: u64,
@@ -345,6 +349,7 @@ impl RestartCounts {
         RestartCounts {
             restarted: self.restarted.saturating_sub(before.restarted),
             continued: self.continued.saturating_sub(before.continued),
+            moved: self.moved.saturating_sub(before.moved),
             not_restarted: self.not_restarted.saturating_sub(before.not_restarted),
         }
     }
@@ -352,6 +357,7 @@ impl RestartCounts {
     fn add(&mut self, o: &RestartCounts) {
         self.restarted += o.restarted;
         self.continued += o.continued;
+        self.moved += o.moved;
         self.not_restarted += o.not_restarted;
     }
 }
@@ -389,6 +395,7 @@ pub fn parse_restarts(text: &str) -> Option<RestartCounts> {
         match reason {
             Some("restarted") => c.restarted += n,
             Some("continued") => c.continued += n,
+            Some("moved") => c.moved += n,
             Some("not_restarted") => c.not_restarted += n,
             _ => {}
         }
@@ -668,6 +675,7 @@ mod tests {
 # TYPE tessera_request_restarts counter\n\
 tessera_request_restarts_total{node=\"gateway\",role=\"coordinator\",reason=\"restarted\"} 4\n\
 tessera_request_restarts_total{reason=\"continued\",node=\"gateway\",role=\"coordinator\"} 17 1700000000\n\
+tessera_request_restarts_total{node=\"gateway\",role=\"coordinator\",reason=\"moved\"} 2\n\
 tessera_request_restarts_total{node=\"gateway\",role=\"coordinator\",reason=\"not_restarted\"} 1\n\
 tessera_request_restarts_created{node=\"gateway\",role=\"coordinator\",reason=\"restarted\"} 1700000000.1\n\
 tessera_requests_total{node=\"gateway\"} 99\n\
@@ -678,12 +686,14 @@ tessera_requests_total{node=\"gateway\"} 99\n\
             RestartCounts {
                 restarted: 4,
                 continued: 17,
+                moved: 2,
                 not_restarted: 1
             }
         );
         let before = RestartCounts {
             restarted: 1,
             continued: 20,
+            moved: 0,
             not_restarted: 0,
         };
         assert_eq!(
@@ -691,6 +701,7 @@ tessera_requests_total{node=\"gateway\"} 99\n\
             RestartCounts {
                 restarted: 3,
                 continued: 0,
+                moved: 2,
                 not_restarted: 1
             }
         );

@@ -233,6 +233,9 @@ impl Engine {
             submitted,
         } = import;
         let r = req.into_request();
+        // Its tenant's cache bounds and namespace hold for the pages a drain may
+        // cache from this sequence ([`Engine::end_caching_output`]).
+        self.note_tenant_cache(&r);
         let root = self.chain_root_of(&r);
         let sampler =
             crate::engine::sampler_for(&self.tokenizer, &r, seed_fallback, Some(rng_word_pos));

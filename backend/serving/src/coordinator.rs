@@ -99,6 +99,9 @@ pub(crate) trait CoordLinks: Send + Sync {
     fn router(&self) -> &Router;
     /// The request is over everywhere (every node acknowledged or is down).
     fn released(&self, _req: ReqId) {}
+    /// Tells decode node `index` that the KV it keeps for attempt `req` will not
+    /// be moved (its drain stops waiting for it). Best effort.
+    fn unkeep(&self, _index: usize, _req: ReqId) {}
     /// Where restarts, continuations and the failures they could not cure are
     /// counted.
     fn counters(&self) -> &PdCounters;
@@ -196,6 +199,10 @@ struct CoordReq {
     writer: Writer,
     /// ... that of its attempt `moves` (its id there).
     moves: Option<ReqId>,
+    /// A draining decode node (its index) that keeps this request's KV under its
+    /// attempt's id, until the move's `Prefill` is sent or the gateway tells it
+    /// the KV will not be moved ([`CoordLinks::unkeep`]).
+    kept: Option<(usize, ReqId)>,
     prefill_down: bool,
     decode_down: bool,
     /// The link epochs of both nodes when the request started (see
@@ -256,6 +263,11 @@ fn after_release(
 ) {
     let gone = r.client.is_cancelled();
     let pair = (r.writer, r.decode);
+    // A move not sent yet is not coming: that node stops keeping the KV.
+    release_kept(nodes, &mut r);
+    if Cause::of(&outcome).is_some_and(|c| c.moves) {
+        r.kept = Some((r.decode, old));
+    }
     let attempts = &mut r.attempts;
     let max_tokens = r.body.max_tokens;
     let mut attempt = 0;
@@ -278,6 +290,7 @@ fn after_release(
     });
     let counters = nodes.counters();
     let Some(resumed) = resumed else {
+        release_kept(nodes, &mut r);
         if !gone {
             counters.not_restarted.fetch_add(1, Ordering::Relaxed);
             r.client.fail(client_error(&outcome));
@@ -295,6 +308,7 @@ fn after_release(
         r.affinity,
     );
     let Some((prefill, decode)) = pair else {
+        release_kept(nodes, &mut r);
         counters.not_restarted.fetch_add(1, Ordering::Relaxed);
         r.client.fail(client_error(&outcome));
         return;
@@ -332,7 +346,13 @@ fn after_release(
         "{what}"
     );
     (r.prefill, r.decode, r.writer) = (prefill, decode, writer);
-    r.moves = (writer.role == Role::Decode).then_some(old);
+    r.moves = r
+        .kept
+        .filter(|_| writer.role == Role::Decode)
+        .map(|(_, id)| id);
+    if r.moves.is_none() {
+        release_kept(nodes, &mut r);
+    }
     (r.prefill_down, r.decode_down) = (false, false);
     r.prefill_epoch = nodes.epoch(writer.role, writer.index);
     r.decode_epoch = nodes.epoch(Role::Decode, decode);
@@ -342,6 +362,13 @@ fn after_release(
     r.last_heard = Instant::now();
     reqs.insert(req, r);
     execute(nodes, reqs, req, out);
+}
+
+/// Tells the node that keeps `r`'s KV for a move that no move will come.
+fn release_kept(nodes: &dyn CoordLinks, r: &mut CoordReq) {
+    if let Some((decode, id)) = r.kept.take() {
+        nodes.unkeep(decode, id);
+    }
 }
 
 /// The request an attempt after `resumed.tokens` runs: `None` (the request as
@@ -408,6 +435,7 @@ pub(crate) fn coordinate(nodes: Arc<dyn CoordLinks>, rx: mpsc::Receiver<CoordCmd
                         decode,
                         writer: Writer::prefill(prefill),
                         moves: None,
+                        kept: None,
                         prefill_down: false,
                         decode_down: false,
                         prefill_epoch: nodes.epoch(Role::Prefill, prefill),
@@ -531,8 +559,12 @@ fn execute(
                 if lost(nodes, r.writer.role, r.writer.index, r.prefill_epoch) {
                     continue;
                 }
+                let prefill = matches!(msg, Msg::Prefill { .. });
                 if !nodes.to_writer(r.writer, msg, extra) {
                     tracing::debug!(?req, "prefill node unreachable; the watcher reports it");
+                } else if prefill && r.moves.is_some() {
+                    // The node stops keeping the KV when the move's `Prefill` arrives.
+                    r.kept = None;
                 }
             }
             Output::Send { .. } => {}
@@ -553,8 +585,9 @@ fn execute(
                 // learns that nothing is held for it anywhere (unless it starts
                 // again elsewhere, keeping the guard).
                 if let Some(mut r) = reqs.remove(&req) {
-                    if let Some(outcome) = r.held.take() {
-                        after_release(nodes, reqs, req, r, outcome);
+                    match r.held.take() {
+                        Some(outcome) => after_release(nodes, reqs, req, r, outcome),
+                        None => release_kept(nodes, &mut r),
                     }
                 }
             }

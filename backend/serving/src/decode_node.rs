@@ -27,8 +27,8 @@ use tessera_engine::{Admitted, Engine, EngineError, GenerateRequest, SeqEnd};
 use tessera_model::kv::SeqId;
 use tessera_transfer::inproc::PageLanding;
 use tessera_transfer::protocol::{
-    CommitError, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, FailKind, FailReason,
-    Msg, Output, Refusal, RefusalKind, ReqId, RequestIo, RequestState, Role,
+    CommitError, DecodeEnv, DecodeNode, DecodeOutcome, DecodeReserveError, DecodeState, FailKind,
+    FailReason, Msg, Output, Refusal, RefusalKind, ReqId, RequestIo, RequestState, Role,
 };
 use tessera_transfer::transport::DestPage;
 
@@ -101,6 +101,12 @@ pub(crate) enum DecodeCmd {
     /// coordinators hear `Finished` with the failure); requests not decoding yet are
     /// aborted as if their coordinator were gone.
     EndAll(FailReason),
+    /// A drain that moves KV (issue 36): every decoding sequence ends now, and each
+    /// one that commits later as soon as it decodes, with its computed pages kept in
+    /// the prefix cache for its next attempt to move (failure `Moving`; `Drained`
+    /// when nothing could be kept); requests still waiting for their commit are left
+    /// to commit first. The message is the failure's.
+    MoveAll(String),
     /// Stop at once, as a crash would (tests).
     Crash,
     /// Run on the engine between steps (fault-injection tests: a planted block-table
@@ -305,6 +311,8 @@ pub(crate) struct DecodeLoop {
     /// Requests a drain ended whose KV this node keeps for a move
     /// ([`Self::keeping_moves`]); `None`: the node does not move KV.
     kept: Option<KeptForMoves>,
+    /// Set by [`DecodeCmd::MoveAll`]: the drain's message for the sequences it ends.
+    moving: Option<String>,
 }
 
 impl DecodeLoop {
@@ -322,7 +330,13 @@ impl DecodeLoop {
             last_lease_check: Instant::now(),
             last_ask: Instant::now(),
             kept: None,
+            moving: None,
         }
+    }
+
+    /// Whether the node holds a record (live or a tombstone) of `req`.
+    pub(crate) fn knows(&self, req: ReqId) -> bool {
+        self.proto.records().state(req).is_some()
     }
 
     /// A drain records in `kept` each request it ends whose pages stay cached for a
@@ -448,6 +462,39 @@ impl DecodeLoop {
             .filter(|(_, _, r)| r.writer.as_deref() == Some(name))
             .map(|(req, _, _)| req)
             .collect()
+    }
+
+    /// While a drain moves KV ([`DecodeCmd::MoveAll`]): ends every decoding sequence,
+    /// caching its computed pages ([`Engine::end_caching_output`]) and recording it
+    /// as kept when any were (`Moving`), else as plainly `Drained`.
+    fn move_decoding(&mut self, engine: &mut Engine) {
+        let Some(why) = self.moving.clone() else {
+            return;
+        };
+        let decoding: Vec<ReqId> = self
+            .proto
+            .records()
+            .states()
+            .filter(|(_, s)| matches!(s, DecodeState::Running))
+            .map(|(req, _)| req)
+            .collect();
+        for req in decoding {
+            let pages = engine.end_caching_output(seq_of(req));
+            let kind = match (&self.kept, pages) {
+                (Some(kept), 1..) => {
+                    kept.lock().unwrap().insert(req);
+                    tracing::info!(?req, pages, "a drained request's KV is cached for its move");
+                    FailKind::Moving
+                }
+                _ => FailKind::Drained,
+            };
+            let outcome = DecodeOutcome::Failed {
+                reason: FailReason::new(kind, why.clone()),
+            };
+            self.with_proto(engine, req, None, CommitExtra::default(), |p, env, out| {
+                p.on_decode_finished(req, outcome, env, out)
+            });
+        }
     }
 
     /// The requests whose state is not terminal.
@@ -757,19 +804,6 @@ impl NodeLoop for DecodeLoop {
             DecodeCmd::EndAll(reason) => {
                 let live: Vec<ReqId> = self.live_reqs().collect();
                 for req in live {
-                    if reason.kind == FailKind::Drained {
-                        // Its continuation may be written from here: the pages stay
-                        // in this node's prefix cache ([`Engine::end_caching_output`]).
-                        let pages = engine.end_caching_output(seq_of(req));
-                        if let (true, Some(kept)) = (pages > 0, &self.kept) {
-                            kept.lock().unwrap().insert(req);
-                            tracing::info!(
-                                ?req,
-                                pages,
-                                "a drained request's KV is cached for its move"
-                            );
-                        }
-                    }
                     // Ignored unless running; then the record is gone.
                     let outcome = DecodeOutcome::Failed {
                         reason: reason.clone(),
@@ -788,9 +822,11 @@ impl NodeLoop for DecodeLoop {
                     }
                 }
             }
+            DecodeCmd::MoveAll(why) => self.moving = Some(why),
             DecodeCmd::Crash => self.crashed = true,
             DecodeCmd::WithEngine(f) => f(engine),
         }
+        self.move_decoding(engine);
         self.expire_tombstones();
         self.check_leases(engine);
         self.ask_writers(engine);
@@ -850,6 +886,7 @@ impl NodeLoop for DecodeLoop {
             });
         }
         self.offer_capacity(engine);
+        self.move_decoding(engine);
         self.expire_tombstones();
         self.check_leases(engine);
         self.ask_writers(engine);

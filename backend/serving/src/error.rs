@@ -100,7 +100,7 @@ impl ServeError {
         let kind = match r.kind {
             FailKind::Integrity => ServeErrorKind::Integrity,
             // A drained node that no other node could take the request from.
-            FailKind::Transport | FailKind::Drained => ServeErrorKind::NodeDown,
+            FailKind::Transport | FailKind::Drained | FailKind::Moving => ServeErrorKind::NodeDown,
             FailKind::Busy => ServeErrorKind::Busy,
             // The client is gone: nobody reads this, but it must not read as success.
             FailKind::ClientGone | FailKind::Internal => ServeErrorKind::Internal,

@@ -148,6 +148,10 @@ pub(crate) enum Frame {
     Cache { id: u64, query: CacheQuery },
     /// Node -> gateway: the answer to `Cache` `id`.
     CacheAnswer { id: u64, answer: CacheAnswer },
+    /// Gateway -> draining decode node: request `req`'s KV, kept for a move, will
+    /// not be moved (the client left, the request could not go on, or its move
+    /// failed before its `Prefill`): the drain stops waiting for it.
+    Unkeep { req: ReqId },
 }
 
 /// A protocol message on the wire, with what the protocol leaves out: the request body
@@ -241,6 +245,7 @@ impl Frame {
             Frame::Drain => "drain",
             Frame::Cache { .. } => "cache",
             Frame::CacheAnswer { .. } => "cache_answer",
+            Frame::Unkeep { .. } => "unkeep",
         }
     }
 }

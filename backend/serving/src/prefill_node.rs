@@ -402,6 +402,11 @@ impl PrefillLoop {
         }
     }
 
+    /// Whether the node holds a record (live or a tombstone) of `req`.
+    pub(crate) fn knows(&self, req: ReqId) -> bool {
+        self.proto.records().state(req).is_some()
+    }
+
     /// This loop is a decode node's writer: it moves drained requests' KV.
     pub(crate) fn moving(mut self) -> Self {
         self.mover = true;

@@ -451,6 +451,12 @@ impl CoordLinks for RemoteCoordLinks {
         &self.router
     }
 
+    fn unkeep(&self, index: usize, req: ReqId) {
+        if let Some((c, _)) = self.node(Role::Decode, index).and_then(|n| n.current()) {
+            c.try_send(&Frame::Unkeep { req }, &[]);
+        }
+    }
+
     fn released(&self, req: ReqId) {
         self.streams.lock().unwrap().remove(&req);
         self.routes.lock().unwrap().end(req);

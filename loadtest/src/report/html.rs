@@ -589,8 +589,8 @@ fn node_loss_html(h: &mut String, n: &NodeLoss) {
         (Some(r), _) => {
             let _ = write!(
                 h,
-                "<p>Gateway <code>tessera_request_restarts_total</code> over the load phase: retried (restarted) <b>{}</b>, continued <b>{}</b>, not restarted <b>{}</b>.</p>",
-                r.restarted, r.continued, r.not_restarted
+                "<p>Gateway <code>tessera_request_restarts_total</code> over the load phase: retried (restarted) <b>{}</b>, continued <b>{}</b>, moved (drained, with their KV) <b>{}</b>, not restarted <b>{}</b>.</p>",
+                r.restarted, r.continued, r.moved, r.not_restarted
             );
         }
         (None, why) => {

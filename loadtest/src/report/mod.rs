@@ -406,6 +406,7 @@ mod tests {
         t.node_loss.restarts = Some(crate::fault::RestartCounts {
             restarted: 3,
             continued: 5,
+            moved: 0,
             not_restarted: 1,
         });
         let v = serde_json::to_value(&r).unwrap();
@@ -417,14 +418,17 @@ mod tests {
         let h = html(&r, &[&outs]);
         assert!(h.contains("<h3>Node loss</h3>"));
         assert!(
-            h.contains("retried (restarted) <b>3</b>, continued <b>5</b>, not restarted <b>1</b>")
+            h.contains("retried (restarted) <b>3</b>, continued <b>5</b>, moved (drained, with their KV) <b>0</b>, not restarted <b>1</b>")
         );
         let s = summary(&r);
         assert!(
             s.contains("failed 2 of 4 (0.00%): 1 with an error event, 1 truncated, 0 transport"),
             "{s}"
         );
-        assert!(s.contains("retried 3, continued 5, not restarted 1"), "{s}");
+        assert!(
+            s.contains("retried 3, continued 5, moved 0, not restarted 1"),
+            "{s}"
+        );
         r.targets[0].node_loss.restarts = None;
         r.targets[0].node_loss.restarts_unavailable = Some("no token".into());
         assert!(summary(&r).contains("restarts not read (no token)"));

@@ -120,8 +120,8 @@ pub fn summary(report: &Report) -> String {
 fn node_loss_line(n: &NodeLoss) -> String {
     let restarts = match (&n.restarts, &n.restarts_unavailable) {
         (Some(r), _) => format!(
-            "retried {}, continued {}, not restarted {}",
-            r.restarted, r.continued, r.not_restarted
+            "retried {}, continued {}, moved {}, not restarted {}",
+            r.restarted, r.continued, r.moved, r.not_restarted
         ),
         (None, Some(why)) => format!("restarts not read ({why})"),
         (None, None) => "restarts not read".into(),

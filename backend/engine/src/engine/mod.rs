@@ -425,6 +425,23 @@ impl Engine {
             Some(root) => chain(&root, &r.prompt, self.cfg.page_size),
             None => Vec::new(),
         };
+        self.note_tenant_cache(r);
+        let waiting: Vec<u64> = self.waiting_tenants();
+        self.vtc.on_arrival(r.tenant, r.weight, &waiting);
+        self.seqs.enter(Stage::Waiting(Box::new(Waiting {
+            req,
+            id,
+            sink,
+            submitted,
+            role,
+            queued_at: Instant::now(),
+            chain,
+        })));
+    }
+
+    /// Applies what request `r` says of its tenant's cache here: its own bounds,
+    /// and its namespace (a new one purges what the tenant cached under the old).
+    pub(crate) fn note_tenant_cache(&mut self, r: &GenerateRequest) {
         self.set_cache_policy(r.tenant, r.cache_policy);
         // A tenant's new namespace is a rotated salt: what it cached under the old
         // one can never be hit again, and its sealed pages must stop opening now,
@@ -443,17 +460,6 @@ impl Engine {
                 );
             }
         }
-        let waiting: Vec<u64> = self.waiting_tenants();
-        self.vtc.on_arrival(r.tenant, r.weight, &waiting);
-        self.seqs.enter(Stage::Waiting(Box::new(Waiting {
-            req,
-            id,
-            sink,
-            submitted,
-            role,
-            queued_at: Instant::now(),
-            chain,
-        })));
     }
 
     /// Where `r`'s prefix-cache chain starts: its namespace, the model, the page

@@ -84,7 +84,10 @@ impl NodeState {
     fn wait_moves(&self, deadline: Instant) -> bool {
         let mut quiet_since = Instant::now();
         while Instant::now() < deadline {
-            if !self.idle() || !self.kept.lock().unwrap().is_empty() {
+            // A kept request waits for its move's `Prefill` while a gateway that can
+            // send it is linked.
+            let kept = !self.kept.lock().unwrap().is_empty() && !self.gateways.open().is_empty();
+            if !self.idle() || kept {
                 quiet_since = Instant::now();
             } else if quiet_since.elapsed() >= MOVE_WINDOW {
                 return true;
@@ -104,7 +107,7 @@ impl NodeState {
     fn drain(&self) {
         let deadline = Instant::now() + self.drain_timeout;
         let idle = if self.mover.is_some() {
-            self.cmds.end_all(
+            self.cmds.move_all(
                 "the node drains: the request goes on on another decode node, with its KV moved there",
             );
             self.wait_moves(deadline)

@@ -290,7 +290,7 @@ impl NodeState {
             }
             (m, _) => {
                 return Err(format!(
-                    "a coordinator may not send {} to a prefill node",
+                    "a coordinator may not send {} to a writer",
                     msg_name(m)
                 ))
             }
@@ -321,6 +321,10 @@ impl NodeState {
         }
         let gone = || "the engine thread is gone".to_string();
         match (frame, &self.cmds, link.from) {
+            (Frame::Unkeep { req }, NodeCmds::Decode(_), Role::Coordinator) => {
+                self.kept.lock().unwrap().remove(&req);
+                Ok(())
+            }
             (Frame::Drain, _, Role::Coordinator) => {
                 self.begin_drain("a drain request from a gateway identity");
                 Ok(())

@@ -13,6 +13,7 @@ use crate::prefill_node::{PrefillCmd, PrefillLoop};
 use std::sync::mpsc;
 use std::time::Duration;
 use tessera_engine::Engine;
+use tessera_transfer::protocol::Msg;
 
 /// A command for one half of a [`DecodeAndWriter`] loop.
 // Each command is moved once through the queue; boxing the larger half's would only
@@ -34,7 +35,22 @@ impl NodeLoop for DecodeAndWriter {
     type Cmd = MoverCmd;
 
     fn on_cmd(&mut self, engine: &mut Engine, cmd: MoverCmd) {
+        // One engine, one sequence per request id: a request new to one half under
+        // an id the other half holds is dropped (ids are 64 random bits per
+        // attempt, so only a forged or broken gateway gets here).
         match cmd {
+            MoverCmd::Decode(DecodeCmd::FromCoordinator {
+                msg: msg @ Msg::Prealloc { .. },
+                ..
+            }) if self.writer.knows(msg.req()) => {
+                tracing::warn!(req = ?msg.req(), "dropped a Prealloc for a request this node writes");
+            }
+            MoverCmd::Writer(PrefillCmd::FromCoordinator {
+                msg: msg @ Msg::Prefill { .. },
+                ..
+            }) if self.decode.knows(msg.req()) => {
+                tracing::warn!(req = ?msg.req(), "dropped a Prefill for a request this node decodes");
+            }
             MoverCmd::Decode(c) => self.decode.on_cmd(engine, c),
             MoverCmd::Writer(c) => self.writer.on_cmd(engine, c),
         }

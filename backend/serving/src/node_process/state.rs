@@ -37,6 +37,15 @@ impl NodeCmds {
         };
     }
 
+    /// A drain that moves KV: running requests end now, those committing later as
+    /// soon as they decode, with their pages kept for their moves (`why`: the
+    /// failure's message).
+    pub(super) fn move_all(&self, why: &str) {
+        if let NodeCmds::Decode(tx) = self {
+            let _ = tx.send(DecodeCmd::MoveAll(why.into()));
+        }
+    }
+
     /// Ends every request the engine thread holds: running ones as drained (their
     /// gateways continue them elsewhere; `why` is the failure's message), the rest
     /// as if their coordinator were gone.

@@ -162,6 +162,10 @@ pub enum FailKind {
     /// Nothing is wrong with the request; the coordinator continues it on another
     /// node ([`crate::protocol::Cause::of`]).
     Drained,
+    /// A draining decode node ended the request and keeps its computed pages (its
+    /// prefix cache) for the next attempt to move (issue 36): the coordinator names
+    /// that node the next attempt's writer ([`crate::protocol::Cause::of`]).
+    Moving,
     /// Anything else (a bad descriptor, an engine that refused a verified sequence).
     Internal,
 }

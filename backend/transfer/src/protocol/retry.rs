@@ -176,13 +176,17 @@ impl Cause {
                 moves: false,
             }),
             // A draining decode node ended a running request: planned, so it does
-            // not count (the node is avoided afterwards), and the node keeps the
-            // request's computed pages for the next attempt to move.
-            Outcome::Failed(Failure::Decode(r)) if r.kind == FailKind::Drained => Some(Self {
-                role: Role::Decode,
-                counts: false,
-                moves: true,
-            }),
+            // not count (the node is avoided afterwards); when it keeps the
+            // request's computed pages, the next attempt moves them.
+            Outcome::Failed(Failure::Decode(r))
+                if matches!(r.kind, FailKind::Drained | FailKind::Moving) =>
+            {
+                Some(Self {
+                    role: Role::Decode,
+                    counts: false,
+                    moves: r.kind == FailKind::Moving,
+                })
+            }
             _ => None,
         }
     }
@@ -352,15 +356,18 @@ mod tests {
                 moves: false,
             })
         );
-        let drained = FailReason::new(FailKind::Drained, "drained");
-        assert_eq!(
-            Cause::of(&Outcome::Failed(Failure::Decode(drained))),
-            Some(Cause {
-                role: Role::Decode,
-                counts: false,
-                moves: true,
-            })
-        );
+        for (kind, moves) in [(FailKind::Drained, false), (FailKind::Moving, true)] {
+            let drained = FailReason::new(kind, "drained");
+            assert_eq!(
+                Cause::of(&Outcome::Failed(Failure::Decode(drained))),
+                Some(Cause {
+                    role: Role::Decode,
+                    counts: false,
+                    moves,
+                }),
+                "{kind:?}"
+            );
+        }
         assert_eq!(
             Cause::of(&Outcome::Failed(Failure::LeaseExpired)),
             Some(Cause {
@@ -491,7 +498,7 @@ mod tests {
         let mut a = Attempts::new(RetryPolicy::default());
         let mut f = StreamFence::default();
         assert!(f.admit(0, StreamItem::Token));
-        let drained = Outcome::Failed(Failure::Decode(FailReason::new(FailKind::Drained, "d")));
+        let drained = Outcome::Failed(Failure::Decode(FailReason::new(FailKind::Moving, "d")));
         let r = after(&mut a, &drained, (Writer::prefill(0), 3), true, &mut f);
         assert_eq!(
             r,
