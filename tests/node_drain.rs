@@ -145,6 +145,86 @@ async fn a_draining_decode_node_refuses_new_work_and_the_other_serves_it() {
     }
 }
 
+/// A drain that moves KV lets a request whose pages are reserved commit first, then
+/// moves it (issue 36; the first cut ended such requests at once, and their commits
+/// were refused as late: 5 of 1,000 requests failed in a drain storm). A raw
+/// gateway-identity client reserves pages on decode 0 for two requests written by a
+/// raw prefill identity, one in a prefix-cache namespace and one without; SIGTERM;
+/// the writer lands and commits both: each commit is verified, the request decodes
+/// and is ended at once, the first as `moving` (its KV kept for its move), the other
+/// as `drained` (nothing to keep). The node waits for the kept request's move while
+/// the gateway is linked, and exits 0 once the gateway says it will not move it
+/// (`Unkeep`), long before its 600 s deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moving_drain_lets_reserved_requests_commit_then_ends_them_for_their_moves() {
+    let (page_bytes, _) = model_shape();
+    let dir = tempfile::tempdir().unwrap();
+    let (p, d0, d1) = (free_port(), free_port(), free_port());
+    // Decode 1 is in the file (decode 0 can move to it) but never started.
+    let config = write_config(dir.path(), free_port(), p, &[d0, d1], (CONTEXT, CONTEXT));
+    let mut decode0 = start_node_with(
+        dir.path(),
+        &config,
+        "decode",
+        d0,
+        &["--drain-timeout-secs", "600"],
+        &[],
+    )
+    .await;
+    let (as_gateway, as_writer) = gateway_and_writer(dir.path(), p);
+    let name = node_name("decode", d0);
+    let writer = format!("127.0.0.1:{p}");
+    let mut gw = Raw::open(d0, &name, &as_gateway, "Coordinator").await;
+    let (kept, plain) = (raw_req(1), raw_req(2));
+    let mut pages = Vec::new();
+    for (req, namespace) in [(kept, Some([9; 32])), (plain, None)] {
+        gw.send(&raw_prealloc_in(
+            req,
+            20,
+            4000,
+            (20, 4000),
+            &writer,
+            namespace,
+        ))
+        .await;
+        pages.push(descriptor(&gw.reply(req).await));
+    }
+    signal(&decode0, "-TERM");
+    let status = gw.until(|h| !h["status"].is_null()).await;
+    assert_eq!(status, Some(json!({"status": {"draining": true}})));
+    let zeros = vec![0u8; page_bytes];
+    let mut w = Raw::open(d0, &name, &as_writer, "Prefill").await;
+    for ((req, kind), pages) in [(kept, "moving"), (plain, "drained")]
+        .into_iter()
+        .zip(&pages)
+    {
+        for dest in pages {
+            w.send(&land(req, dest, &zeros)).await;
+        }
+        w.send(&raw_commit(req, 20, pages, &zeros, 100)).await;
+        let r = gw.reply(req).await;
+        assert_eq!(r["type"], "committed", "{r}\n{}", logs(dir.path()));
+        let r = gw.reply(req).await;
+        assert_eq!(r["type"], "finished", "{r}");
+        assert_eq!(r["outcome"]["Failed"]["reason"]["kind"], kind, "{r}");
+    }
+    // The kept request's move may still come while this gateway is linked ...
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        decode0.try_wait().unwrap().is_none(),
+        "the node exited before the kept request's move was settled\n{}",
+        logs(dir.path())
+    );
+    // ... until the gateway says it will not move it.
+    gw.send(&frame(&json!({"unkeep": {"req": kept}}), &[]))
+        .await;
+    let status = tokio::time::timeout(START, decode0.wait())
+        .await
+        .expect("the drained node exits")
+        .unwrap();
+    assert!(status.success(), "{status:?}\n{}", logs(dir.path()));
+}
+
 /// A prefill node refuses new work once its drain began and finishes what it holds.
 /// A raw gateway-identity client hands it a request whose transfer cannot complete
 /// yet (its decode node's port accepts connections but never answers the TLS

@@ -119,13 +119,7 @@ async fn one_of_two_writer_links_closing_does_not_free_a_quarantine() {
     // The prefill node in the file never runs: only the raw links carry its name.
     let (mut decode, metrics) =
         start_node_with_metrics(dir.path(), &config, "decode", d, &[]).await;
-    let certs = dir.path().join("certs");
-    let ca = certs.join("ca.pem");
-    let as_gateway = client(&ca, Some(&identity(&certs, "gateway")));
-    let as_writer = client(
-        &ca,
-        Some(&identity(&certs, &format!("prefill-127.0.0.1-{p}"))),
-    );
+    let (as_gateway, as_writer) = gateway_and_writer(dir.path(), p);
     let decode_name = node_name("decode", d);
     let mut gw = Raw::open(d, &decode_name, &as_gateway, "Coordinator").await;
     let r = raw_req(1);

@@ -290,6 +290,22 @@ pub fn model_shape() -> (usize, usize) {
     (c.kv_layout(16).page_bytes(), c.vocab)
 }
 
+/// TLS connectors for raw clients of the deployment in `dir`: as the gateway
+/// identity, and as prefill node `127.0.0.1:{prefill}` (a writer).
+pub fn gateway_and_writer(
+    dir: &Path,
+    prefill: u16,
+) -> (tokio_rustls::TlsConnector, tokio_rustls::TlsConnector) {
+    let certs = dir.join("certs");
+    let ca = certs.join("ca.pem");
+    let as_gateway = client(&ca, Some(&identity(&certs, "gateway")));
+    let as_writer = client(
+        &ca,
+        Some(&identity(&certs, &format!("prefill-127.0.0.1-{prefill}"))),
+    );
+    (as_gateway, as_writer)
+}
+
 /// A raw request's id (a gateway draws 64 random bits per request: they do not meet).
 pub fn raw_req(i: u64) -> u64 {
     0x7a57_0000_0000_0000 + i
@@ -306,10 +322,24 @@ pub fn raw_prealloc(
     counts: (usize, usize),
     writer: &str,
 ) -> Vec<u8> {
+    raw_prealloc_in(req, prompt, max_tokens, counts, writer, None)
+}
+
+/// [`raw_prealloc`] of a request in prefix-cache namespace `namespace` (`None`: its
+/// pages are never cached).
+pub fn raw_prealloc_in(
+    req: u64,
+    prompt: usize,
+    max_tokens: usize,
+    counts: (usize, usize),
+    writer: &str,
+    namespace: Option<[u8; 32]>,
+) -> Vec<u8> {
     let body = GenerateRequest {
         priority: Priority::default(),
         sampling: SamplingParams::default(),
         ignore_eos: true,
+        cache_namespace: namespace,
         ..GenerateRequest::new(
             77,
             (0..prompt as u32).map(|i| 100 + i).collect(),
