@@ -126,12 +126,19 @@ pub(crate) fn finetune(store: StoreArgs, cmd: FinetuneCommand) -> Result<()> {
                         data: &data,
                     })
                     .await?;
-                print(json!(ft))
+                print(ft.api_json(true))
             }
-            FinetuneCommand::List { tenant } => print(json!(s.finetunes_of(&tenant).await?)),
+            // The API's shape (`api_json`), so scripts read one set of fields.
+            FinetuneCommand::List { tenant } => {
+                let all = s.finetunes_of(&tenant).await?;
+                print(json!(all
+                    .iter()
+                    .map(|f| f.api_json(true))
+                    .collect::<Vec<_>>()))
+            }
             FinetuneCommand::Delete { tenant, id } => {
                 match admin.delete_finetune(&tenant, &id).await? {
-                    Some(ft) => print(json!({ "deleted": ft })),
+                    Some(ft) => print(json!({ "deleted": ft.api_json(true) })),
                     None => bail!("tenant {tenant} has no fine-tune {id:?}"),
                 }
             }

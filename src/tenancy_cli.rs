@@ -156,11 +156,26 @@ impl DefaultLimitArgs {
     }
 }
 
-/// Who the CLI acts as in the audit log: `cli:<user>`, one request id per run.
+/// The process's real user id (`/proc/self/status`), or `unknown`.
+fn current_uid() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|v| v.split_whitespace().next().map(str::to_string))
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Who the CLI acts as in the audit log: `cli:<user>` (`cli:uid-<n>` without
+/// `$USER` or `$LOGNAME`), one request id per run.
 pub(crate) fn cli_actor() -> AuditCtx {
+    // Without $USER or $LOGNAME (a container, a cron job) the numeric uid still
+    // tells operators apart.
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| "unknown".into());
+        .unwrap_or_else(|_| format!("uid-{}", current_uid()));
     AuditCtx {
         request_id: tessera_tenancy::random_hex(16),
         source: format!("cli:{user}"),

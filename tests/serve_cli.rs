@@ -597,6 +597,13 @@ fn finetune_commands() {
         (v["name"].as_str(), v["rank"].as_u64()),
         (Some("random"), Some(8))
     );
+    // The API's field names.
+    assert_eq!(v["model"], "@cf/huggingfacetb/smollm2-135m-instruct", "{v}");
+    assert_eq!(v["account_id"], a.as_str(), "{v}");
+    assert!(
+        v["created_at"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{v}"
+    );
     assert_eq!(v["targets"], 4, "attn_q and attn_v of layers 0 and 1");
     let id = v["id"].as_str().unwrap().to_string();
     // A model id without its file is refused (it would be checked against another).
@@ -619,8 +626,17 @@ fn finetune_commands() {
     assert_eq!(v.as_array().unwrap().len(), 1);
     let (_, v, _) = cli(d, &["finetune", "list", "--tenant", &b]);
     assert_eq!(v.as_array().unwrap().len(), 0);
-    let (ok, v, _) = cli(d, &["finetune", "publish", &id]);
-    assert!(ok && v["public"] == true);
+    // Without $USER and $LOGNAME the audit names the uid, not `unknown`.
+    let out = std::process::Command::new(BIN)
+        .args(["finetune", "publish", &id, "--data-dir"])
+        .arg(d)
+        .env_remove("TESSERA_STORE")
+        .env_remove("USER")
+        .env_remove("LOGNAME")
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    assert!(out.status.success() && v["public"] == true, "{v}");
     let (ok, _, _) = cli(d, &["finetune", "delete", "--tenant", &b, &id]);
     assert!(!ok, "only the owner deletes");
     let (ok, v, _) = cli(d, &["finetune", "delete", "--tenant", &a, "random"]);
@@ -636,5 +652,17 @@ fn finetune_commands() {
     assert_eq!(
         actions,
         ["finetune.create", "finetune.visibility", "finetune.delete"]
+    );
+    let publish = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["action"] == "finetune.visibility")
+        .unwrap();
+    assert!(
+        publish["source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("cli:uid-")),
+        "{publish}"
     );
 }

@@ -38,7 +38,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tessera_model::lora::{self, LoraWeights, MAX_RANK};
-use tessera_tenancy::store::rfc3339;
 use tessera_tenancy::store::valid_finetune_name;
 use tessera_tenancy::{AuditCtx, Finetune, NewFinetune, Scope, MAX_FINETUNES_PER_TENANT};
 
@@ -48,27 +47,6 @@ const MAX_DESCRIPTION_BYTES: usize = 1024;
 /// How long an upload's body may take, as a multiple of the body-read deadline
 /// (an adapter is up to hundreds of MB, a request body a few kB).
 const UPLOAD_DEADLINE_FACTOR: u32 = 10;
-
-/// A fine-tune as the API shows it; `own`: the caller's (with its account id).
-fn to_json(f: &Finetune, own: bool) -> Value {
-    let mut v = json!({
-        "id": f.id,
-        "name": f.name,
-        "description": f.description,
-        "model": f.base_model,
-        "public": f.public,
-        "created_at": rfc3339(f.created_ms),
-        "sha256": f.sha256,
-        "size_bytes": f.size_bytes,
-        "rank": f.rank,
-        "alpha": f.alpha,
-        "targets": f.targets,
-    });
-    if own {
-        v["account_id"] = json!(f.tenant_id);
-    }
-    v
-}
 
 /// Handler: `POST .../ai/finetunes`.
 pub(crate) async fn create(
@@ -84,7 +62,7 @@ pub(crate) async fn create(
         Err(refused) => return refused,
     };
     match upload(&state, &ctx, &p, &q, &headers, body).await {
-        Ok(f) => ctx.header(axum::Json(envelope(to_json(&f, true))).into_response()),
+        Ok(f) => ctx.header(axum::Json(envelope(f.api_json(true))).into_response()),
         Err(e) => e.into_response_as(Flavor::WorkersAi, &ctx.rid),
     }
 }
@@ -268,7 +246,7 @@ async fn list_where(
     };
     match all {
         Ok(all) => {
-            let v: Vec<Value> = all.iter().map(|f| to_json(f, &f.tenant_id == me)).collect();
+            let v: Vec<Value> = all.iter().map(|f| f.api_json(&f.tenant_id == me)).collect();
             ctx.header(axum::Json(envelope(json!(v))).into_response())
         }
         Err(e) => store_error(e).into_response_as(Flavor::WorkersAi, &ctx.rid),
@@ -290,7 +268,7 @@ pub(crate) async fn show(
     match state.store.finetune_for(&t.id, &id).await {
         Ok(Some(f)) => {
             let own = f.tenant_id == t.id;
-            ctx.header(axum::Json(envelope(to_json(&f, own))).into_response())
+            ctx.header(axum::Json(envelope(f.api_json(own))).into_response())
         }
         Ok(None) => not_found(&id).into_response_as(Flavor::WorkersAi, &ctx.rid),
         Err(e) => store_error(e).into_response_as(Flavor::WorkersAi, &ctx.rid),

@@ -48,6 +48,32 @@ pub struct Finetune {
     pub created_ms: i64,
 }
 
+impl Finetune {
+    /// The fine-tune as the API (`GET .../ai/finetunes`) and the CLI show it:
+    /// `id`, `name`, `description`, `model` (the base), `public`, `created_at`
+    /// (RFC 3339), `sha256`, `size_bytes`, `rank`, `alpha`, `targets`, and, for its
+    /// owner (`own`), `account_id`.
+    pub fn api_json(&self, own: bool) -> serde_json::Value {
+        let mut v = json!({
+            "id": self.id,
+            "name": self.name,
+            "description": self.description,
+            "model": self.base_model,
+            "public": self.public,
+            "created_at": super::rfc3339(self.created_ms),
+            "sha256": self.sha256,
+            "size_bytes": self.size_bytes,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "targets": self.targets,
+        });
+        if own {
+            v["account_id"] = json!(self.tenant_id);
+        }
+        v
+    }
+}
+
 /// A fine-tune to store: its description (checked by the caller against its base
 /// model) and its file.
 #[derive(Clone, Debug)]
