@@ -1,7 +1,8 @@
 //! The catalog's endpoints (authenticated with an inference key):
 //!
 //! - `GET /v1/models` and `GET /client/v4/accounts/{account_id}/ai/v1/models`
-//!   (OpenAI list: `{"object": "list", "data": [model, ...]}`),
+//!   (OpenAI list: `{"object": "list", "data": [model, ...]}`; the caller's own
+//!   fine-tunes follow the catalog's models as `<base>:<name>`),
 //! - `GET /v1/models/{id}` and `.../ai/v1/models/{id}` (one model; an alias resolves
 //!   to its model, whose `id` is the catalog id),
 //! - `GET /client/v4/accounts/{account_id}/ai/models/search` (Workers AI:
@@ -60,6 +61,20 @@ fn openai_object(e: &CatalogEntry) -> Value {
     if let (Some(o), Value::Object(m)) = (v.as_object_mut(), metadata(e)) {
         o.extend(m);
     }
+    v
+}
+
+/// A tenant's fine-tune of `base` as an OpenAI model object: `id` is
+/// `<base>:<name>`, `owned_by` the account, `parent`/`root` the base model, with the
+/// base's metadata and a `finetune` object (`id`, `name`).
+fn finetune_object(base: &CatalogEntry, f: &tessera_tenancy::Finetune) -> Value {
+    let mut v = openai_object(base);
+    v["id"] = json!(format!("{}:{}", base.id, f.name));
+    v["created"] = json!(f.created_ms / 1000);
+    v["owned_by"] = json!(f.tenant_id);
+    v["parent"] = json!(base.id);
+    v["root"] = json!(base.id);
+    v["finetune"] = json!({"id": f.id, "name": f.name});
     v
 }
 
@@ -174,10 +189,20 @@ async fn list(state: Arc<AppState>, headers: HeaderMap, account: Option<String>)
         Ok(p) => p,
         Err(r) => return r,
     };
-    let data: Vec<Value> = match listed(&state, &p).await {
-        Ok(l) => l.into_iter().map(openai_object).collect(),
+    let listed = match listed(&state, &p).await {
+        Ok(l) => l,
         Err(e) => return e.into_response_as(Flavor::OpenAi, &ctx.rid),
     };
+    let mut data: Vec<Value> = listed.iter().map(|e| openai_object(e)).collect();
+    // The caller's own fine-tunes of the listed models, as `base:name` (what
+    // `model` takes): where to find them without the fine-tunes API.
+    match state.store.finetunes_of(&p.tenant.id).await {
+        Ok(fts) => data.extend(fts.iter().filter_map(|f| {
+            let base = listed.iter().find(|e| e.id == f.base_model)?;
+            Some(finetune_object(base, f))
+        })),
+        Err(e) => return store_down(e).into_response_as(Flavor::OpenAi, &ctx.rid),
+    }
     ctx.header(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
 

@@ -421,6 +421,23 @@ async fn serve_fine_tunes(s: &TestServer) {
     let (status, v) = api.put_file(&a.id, &a_key, "tuned", &file).await;
     assert_eq!(status, 200, "{v}");
     let id = v["result"]["id"].as_str().unwrap().to_string();
+    // `GET /v1/models` lists it, as `model` takes it, to its tenant alone.
+    let listed = |key: &str| {
+        let key = key.to_string();
+        async move {
+            let (st, _, v) = s.get(&format!("{}/v1/models", s.base), Some(&key)).await;
+            assert_eq!(st, 200, "{v}");
+            v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        }
+    };
+    let tuned_id = format!("{MODEL_ID}:tuned");
+    assert!(listed(&a_key).await.contains(&tuned_id));
+    assert!(!listed(&b_key).await.contains(&tuned_id));
 
     let prompt = "Describe the colour of the sky in one sentence. ".repeat(4);
     let body = |lora: Option<&str>| {
