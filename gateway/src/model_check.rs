@@ -67,6 +67,9 @@ pub struct ValidRequest {
     pub echo: Option<String>,
     /// The request's tools: its output is scanned for calls.
     pub tools: Option<Tools>,
+    /// The fine-tune it runs under, as the caller named it (`lora`, or after the
+    /// `:` of `model`): OpenAI answers name the model `<model>:<fine-tune>`.
+    pub finetune: Option<String>,
 }
 
 /// The 404 for a model id the catalog does not have (Workers AI code 5007).
@@ -109,6 +112,7 @@ pub fn validate(
     tenant: &TenantContext,
 ) -> Result<ValidRequest, ApiError> {
     let entry = entry.clone();
+    let finetune = p.lora.clone().filter(|_| tenant.lora.is_some());
     // Chat input: control tokens only where the template put them (message
     // contents are plain text, so they cannot open new turns). A raw prompt is the
     // caller's own template: its control-token text (`<|im_start|>`, ...) becomes the
@@ -291,6 +295,7 @@ pub fn validate(
         include_usage: p.include_usage,
         echo,
         tools,
+        finetune,
     })
 }
 

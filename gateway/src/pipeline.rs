@@ -395,7 +395,10 @@ pub(crate) async fn submit<'s>(
     let fmt = Formatter {
         shape,
         rid: ctx.rid.clone(),
-        model: v.model.id.clone(),
+        model: match &v.finetune {
+            Some(f) => format!("{}:{f}", v.model.id),
+            None => v.model.id.clone(),
+        },
         created: ctx.created_ms / 1000,
         include_usage: v.include_usage,
         started: false,

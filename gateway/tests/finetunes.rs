@@ -10,7 +10,7 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use tessera_gateway::GatewayOptions;
@@ -487,6 +487,12 @@ async fn serve_fine_tunes(s: &TestServer) {
     assert_eq!((st, st2, st3), (200, 200, 200), "{named} {field}");
     assert_eq!(content(&named), content(&field));
     assert_ne!(content(&named), content(&plain));
+    // Answers name the fine-tune as asked, after the base model.
+    let tuned_model = format!("{MODEL}:tuned");
+    assert_eq!(
+        (&plain["model"], &named["model"], &field["model"]),
+        (&json!(MODEL), &json!(tuned_model), &json!(tuned_model))
+    );
     let (st, _, v) = s
         .post(
             &url,
