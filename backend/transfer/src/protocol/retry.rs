@@ -303,6 +303,18 @@ mod tests {
         a.after_release(outcome, on, false, NOW, continuable, fence)
     }
 
+    /// [`after`] for an attempt on prefill node `p` and decode node `d` whose
+    /// `role` node went down.
+    fn down_on(
+        a: &mut Attempts,
+        role: Role,
+        (p, d): (usize, usize),
+        continuable: bool,
+        fence: &mut StreamFence,
+    ) -> Retry {
+        after(a, &down(role), (Writer::prefill(p), d), continuable, fence)
+    }
+
     fn restart(attempt: u32) -> Retry {
         Retry::Restart {
             attempt,
@@ -397,30 +409,12 @@ mod tests {
     fn failed_attempts_are_bounded_and_avoided() {
         let mut a = Attempts::new(RetryPolicy::default());
         let mut f = StreamFence::default();
-        let r = after(
-            &mut a,
-            &down(Role::Decode),
-            (Writer::prefill(0), 1),
-            false,
-            &mut f,
-        );
+        let r = down_on(&mut a, Role::Decode, (0, 1), false, &mut f);
         assert_eq!(r, restart(1));
         assert!(a.avoids(Role::Decode, 1) && !a.avoids(Role::Prefill, 0));
-        let r = after(
-            &mut a,
-            &down(Role::Prefill),
-            (Writer::prefill(0), 2),
-            false,
-            &mut f,
-        );
+        let r = down_on(&mut a, Role::Prefill, (0, 2), false, &mut f);
         assert_eq!(r, restart(2));
-        let r = after(
-            &mut a,
-            &down(Role::Decode),
-            (Writer::prefill(1), 2),
-            false,
-            &mut f,
-        );
+        let r = down_on(&mut a, Role::Decode, (1, 2), false, &mut f);
         assert_eq!(r, Retry::Fail, "a third failed attempt ends the request");
         assert_eq!(a.failed(), 3);
         assert_eq!(f.attempt(), 2, "the fence moves only on a restart");
@@ -438,13 +432,7 @@ mod tests {
             let r = after(&mut a, &drained, (Writer::prefill(0), i), false, &mut f);
             assert!(matches!(r, Retry::Restart { .. }), "{i}");
         }
-        let r = after(
-            &mut a,
-            &down(Role::Decode),
-            (Writer::prefill(0), 9),
-            false,
-            &mut f,
-        );
+        let r = down_on(&mut a, Role::Decode, (0, 9), false, &mut f);
         assert_eq!(r, Retry::Fail);
     }
 
@@ -454,13 +442,7 @@ mod tests {
         let mut f = StreamFence::default();
         assert!(f.admit(0, StreamItem::Token));
         let mut a = Attempts::new(policy);
-        let r = after(
-            &mut a,
-            &down(Role::Decode),
-            (Writer::prefill(0), 0),
-            false,
-            &mut f,
-        );
+        let r = down_on(&mut a, Role::Decode, (0, 0), false, &mut f);
         assert_eq!(r, Retry::Fail, "a token reached the client");
         let mut f = StreamFence::default();
         let r = a.after_release(
@@ -528,13 +510,7 @@ mod tests {
         let mut a = Attempts::new(RetryPolicy::default());
         let mut f = StreamFence::default();
         assert!(f.admit(0, StreamItem::Token));
-        let r = after(
-            &mut a,
-            &down(Role::Decode),
-            (Writer::prefill(0), 0),
-            true,
-            &mut f,
-        );
+        let r = down_on(&mut a, Role::Decode, (0, 0), true, &mut f);
         assert_eq!(r, restart(1));
         assert!(
             !f.admit(0, StreamItem::Token),
@@ -542,13 +518,7 @@ mod tests {
         );
         assert!(f.admit(1, StreamItem::Token), "the continuation streams on");
         assert!(f.admit(1, StreamItem::End));
-        let r = after(
-            &mut a,
-            &down(Role::Decode),
-            (Writer::prefill(0), 1),
-            true,
-            &mut f,
-        );
+        let r = down_on(&mut a, Role::Decode, (0, 1), true, &mut f);
         assert_eq!(r, Retry::Fail, "an ended stream is never continued");
     }
 }
