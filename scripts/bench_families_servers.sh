@@ -78,30 +78,11 @@ mkdir -p "$out"
 : >"$out/results.jsonl"
 bench=$root/scripts/bench_servers.py
 
-export TESSERA_DEFAULT_RPM=0 TESSERA_DEFAULT_INPUT_TPM=0 TESSERA_DEFAULT_OUTPUT_TPM=0 \
-  TESSERA_DEFAULT_MAX_CONCURRENT=0 TESSERA_DEFAULT_DAILY_TOKENS=0
+# shellcheck source=scripts/bench_server_lib.sh
+. "$root/scripts/bench_server_lib.sh"
 admin=tadm_bench_$(od -An -N24 -tx1 /dev/urandom | tr -d " \n")
 work=$(mktemp -d)
-spid=
-stop_server() {
-  [ -n "$spid" ] || return 0
-  kill "$spid" 2>/dev/null || true
-  for _ in $(seq 150); do kill -0 "$spid" 2>/dev/null || break; sleep 0.2; done
-  kill -9 "$spid" 2>/dev/null || true
-  wait "$spid" 2>/dev/null || true
-  spid=
-}
 trap 'stop_server; rm -rf "$work"' EXIT
-
-wait_ready() { # URL LOG
-  local end=$((SECONDS + ready_timeout))
-  while [ $SECONDS -lt $end ]; do
-    kill -0 "$spid" 2>/dev/null || { echo "server exited; its log:" >&2; tail -30 "$2" >&2; exit 1; }
-    curl -sf -o /dev/null "$1" && return 0
-    sleep 0.2
-  done
-  echo "server not ready at $1 after ${ready_timeout}s; its log:" >&2; tail -30 "$2" >&2; exit 1
-}
 
 run_tessera() { # ROUND
   local log=$out/tessera-r$1.log data=$work/tessera-r$1

@@ -104,6 +104,7 @@ pub(crate) fn remote_deployment(
                 prefill_pool_tokens: usable(&prefill).unwrap_or(0),
                 decode_pool_tokens: usable(&decode).unwrap_or(0),
                 page_size: decode[0].page_size,
+                draft: m.draft.is_some(),
                 links: links.clone(),
             },
         ));

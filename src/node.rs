@@ -219,6 +219,9 @@ pub(crate) fn run(a: NodeArgs) -> Result<()> {
     let mut engine = tessera_serving::remote::pool_engine_config(pool);
     engine.kv_scrub = a.kv_scrub;
     engine.speculate = a.speculate as usize;
+    if let (NodeRole::Decode, Some(path)) = (role, &entry.draft) {
+        engine.draft = Some(crate::serve::load_draft(&entry.id, path, &model)?);
+    }
     if role == NodeRole::Prefill {
         // The prefill node keeps the prefix cache: its lower tiers, per pool.
         let page_bytes = model

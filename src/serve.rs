@@ -70,6 +70,14 @@ pub(crate) struct ServeArgs {
     /// without them (faster where answers repeat their input, e.g. code edits).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
     speculate: u32,
+    /// Draft-model speculation: `ID=PATH` (or a bare `PATH` for the first --model),
+    /// a GGUF of a smaller model with the same tokenizer that drafts for model ID;
+    /// repeatable, one per model. Requests of that model may then ask for
+    /// `speculative` mode `draft`, which is also the mode of those that speculate
+    /// without naming one (with --speculate K: every request). The output is the
+    /// same with or without drafts. With --config: the file's `draft` per model.
+    #[arg(long, value_parser = parse_draft_arg, conflicts_with = "config")]
+    draft_model: Vec<(Option<String>, PathBuf)>,
     #[command(flatten)]
     kv_spill: crate::kv_spill::KvSpillArgs,
     #[command(flatten)]
@@ -210,6 +218,29 @@ fn parse_model_arg(v: &str) -> Result<ModelArg, String> {
         id,
         path: path.into(),
     })
+}
+
+/// Parses `--draft-model`: `ID=PATH`, or `PATH` (`None`: the first model's).
+fn parse_draft_arg(v: &str) -> Result<(Option<String>, PathBuf), String> {
+    let m = parse_model_arg(v).map_err(|e| e.replace("--model", "--draft-model"))?;
+    Ok((v.contains('=').then_some(m.id), m.path))
+}
+
+/// Loads `path` as the draft model of `model` (served as `id`).
+///
+/// Errors: the file does not load, or its tokenizer is not the served model's.
+pub(crate) fn load_draft(
+    id: &str,
+    path: &Path,
+    model: &LoadedModel,
+) -> Result<tessera_serving::DraftModel> {
+    let small = load(path)?;
+    tessera_serving::DraftModel::new(
+        small.transformer.clone(),
+        &small.tokenizer,
+        &model.tokenizer,
+    )
+    .map_err(|e| anyhow::anyhow!("the draft model {} for {id}: {e}", path.display()))
 }
 
 /// A fresh admin token: `tadm_` and 48 random hex digits, drawn again in the rare
@@ -592,6 +623,22 @@ const DEFAULT_PREFILL_POOL_TOKENS: usize = 8192;
 /// when a pool cannot hold one full context window of a model (I2), naming both.
 fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHandle)>> {
     let args = model_args(a)?;
+    for (i, (id, _)) in a.draft_model.iter().enumerate() {
+        let named = |j: usize| {
+            a.draft_model[j]
+                .0
+                .as_deref()
+                .unwrap_or(&args[0].id)
+                .to_string()
+        };
+        let id = id.as_deref().unwrap_or(&args[0].id);
+        if !args.iter().any(|m| m.id.eq_ignore_ascii_case(id)) {
+            anyhow::bail!("--draft-model: no --model has the id {id}");
+        }
+        if (0..i).any(|j| named(j).eq_ignore_ascii_case(id)) {
+            anyhow::bail!("--draft-model: model {id} is given two draft models");
+        }
+    }
     let engine_cfg = |tokens: usize| EngineConfig {
         kv_pool_tokens: tokens,
         kv_scrub: a.kv_scrub,
@@ -625,6 +672,13 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
             anyhow::bail!("--model: model id {} is given twice", m.id);
         }
         let model = load(&m.path)?;
+        let draft = match a.draft_model.iter().find(|(id, _)| {
+            id.as_deref()
+                .map_or(i == 0, |d| d.eq_ignore_ascii_case(&m.id))
+        }) {
+            Some((_, path)) => Some(load_draft(&m.id, path, &model)?),
+            None => None,
+        };
         let context = model.transformer.config().context;
         let (decode_tokens, prefill_tokens) = (
             sized(a.kv_pool_tokens, DEFAULT_DECODE_POOL_TOKENS, context),
@@ -654,7 +708,8 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
             String::new()
         };
         let engine = if a.colocated {
-            let cfg = caching_cfg(decode_tokens, &model, format!("{prefix}colocated"))?;
+            let mut cfg = caching_cfg(decode_tokens, &model, format!("{prefix}colocated"))?;
+            cfg.draft = draft;
             EngineHandle::spawn_in(&model, cfg, metrics.clone(), &prefix)
         } else {
             EngineHandle::spawn_disaggregated_in(
@@ -664,7 +719,10 @@ fn embedded(a: &ServeArgs) -> Result<Vec<(String, PathBuf, LoadedModel, EngineHa
                     &model,
                     format!("{prefix}prefill-0"),
                 )?],
-                &[engine_cfg(decode_tokens)],
+                &[EngineConfig {
+                    draft,
+                    ..engine_cfg(decode_tokens)
+                }],
                 metrics.clone(),
                 &prefix,
             )

@@ -90,6 +90,7 @@ pub fn rejection(r: &Rejection) -> ApiError {
         Rejection::ZeroMaxTokens => ApiError::field("max_tokens", r.to_string()),
         Rejection::EmptyPrompt => ApiError::field("prompt", r.to_string()),
         Rejection::Lora(_) => ApiError::field("lora", r.to_string()),
+        Rejection::NoDraftModel => ApiError::field("speculative", r.to_string()),
         Rejection::BadToken { .. } => ApiError::new(ErrorKind::BadRequest, r.to_string()),
         Rejection::Unavailable(_) => {
             let mut e = ApiError::new(ErrorKind::Unavailable, r.to_string());
@@ -282,7 +283,8 @@ pub fn validate(
         ignore_eos: false,
         output,
         resume: None,
-        speculate: p.speculative,
+        speculate: p.speculative.map(|s| s.k),
+        speculate_mode: p.speculative.and_then(|s| s.mode),
         lora,
     };
     let request = admission

@@ -12,7 +12,7 @@ use tessera_model::chat::ChatMessage;
 use tessera_model::detok::{MAX_STOPS, MAX_STOP_BYTES};
 use tessera_model::grammar::ResponseFormat;
 use tessera_model::sampling::{SamplingError, SamplingParams, MAX_TOP_K};
-use tessera_serving::{Priority, MAX_SPECULATE};
+use tessera_serving::{Priority, SpecMode, MAX_SPECULATE};
 
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -64,9 +64,9 @@ pub struct ParsedRequest {
     /// `tools` and `tool_choice` (chat and Workers AI); `None`: no tools, or
     /// `tool_choice: "none"`.
     pub tools: Option<Tools>,
-    /// `speculative`: draft tokens per step for prompt-lookup speculation (0: off);
-    /// `None`: the model's setting (`tessera serve --speculate`).
-    pub speculative: Option<u32>,
+    /// `speculative`: draft tokens per step and where they come from; `None`: the
+    /// model's setting (`tessera serve --speculate`, `--draft-model`).
+    pub speculative: Option<Speculative>,
     /// `lora`: the caller's LoRA fine-tune (id or name) to run the model under
     /// (OpenAI also `model: "<base>:<fine-tune>"`); `None`: the base model.
     pub lora: Option<String>,
@@ -435,11 +435,23 @@ pub(crate) fn lora(o: &Map<String, Value>) -> Result<Option<String>, ApiError> {
     }
 }
 
-/// `speculative`: `{"mode": "ngram", "k": N}` (both keys optional: mode `ngram`, k 4;
-/// `k` in `0..=`[`MAX_SPECULATE`], 0 turns speculation off for the request). Drafts
-/// come from the request's own prompt and output only, and the output is the same
-/// with or without them. `"mode": "draft"` (a draft model) is refused: not served.
-pub(crate) fn speculative(o: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+/// A request's `speculative` object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speculative {
+    /// `mode`: `ngram` (prompt lookup) or `draft` (the model's draft model);
+    /// `None`: the model's default (`draft` where it has a draft model).
+    pub mode: Option<SpecMode>,
+    /// `k`: draft tokens per step, `0..=`[`MAX_SPECULATE`] (0: off).
+    pub k: u32,
+}
+
+/// `speculative`: `{"mode": "ngram" | "draft", "k": N}` (both keys optional: the
+/// model's default mode, k 4; `k` in `0..=`[`MAX_SPECULATE`], 0 turns speculation
+/// off for the request). Prompt-lookup drafts come from the request's own prompt
+/// and output only; draft-model drafts from a model of the same tokenizer (a model
+/// without one refuses `draft` at admission). The output is the same with or
+/// without drafts.
+pub(crate) fn speculative(o: &Map<String, Value>) -> Result<Option<Speculative>, ApiError> {
     const F: &str = "speculative";
     let Some(v) = present(o, F) else {
         return Ok(None);
@@ -459,27 +471,22 @@ pub(crate) fn speculative(o: &Map<String, Value>) -> Result<Option<u32>, ApiErro
             format!("`{F}` has an unknown key `{k}` (known: `mode`, `k`)"),
         ));
     }
-    match present(sp, "mode") {
-        None => {}
-        Some(Value::String(m)) if m == "ngram" => {}
-        Some(Value::String(m)) if m == "draft" => {
-            return Err(ApiError::field(
-                F,
-                "`speculative.mode` \"draft\" (a draft model) is not served; use \"ngram\" \
-                 (prompt lookup)",
-            ))
-        }
+    let mode = match present(sp, "mode") {
+        None => None,
+        Some(Value::String(m)) if m == "ngram" => Some(SpecMode::Ngram),
+        Some(Value::String(m)) if m == "draft" => Some(SpecMode::Draft),
         Some(v) => {
             return Err(ApiError::field(
                 F,
-                format!("`speculative.mode` must be \"ngram\". Given: {v}"),
+                format!("`speculative.mode` must be \"ngram\" or \"draft\". Given: {v}"),
             ))
         }
-    }
+    };
+    let k = |k: u32| Ok(Some(Speculative { mode, k }));
     match present(sp, "k") {
-        None => Ok(Some(4)),
+        None => k(4),
         Some(Value::Number(n)) => match n.as_u64() {
-            Some(k) if k <= u64::from(MAX_SPECULATE) => Ok(Some(k as u32)),
+            Some(n) if n <= u64::from(MAX_SPECULATE) => k(n as u32),
             _ => Err(ApiError::field(
                 F,
                 format!("`speculative.k` must be an integer from 0 to {MAX_SPECULATE}. Given: {n}"),

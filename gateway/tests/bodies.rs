@@ -226,6 +226,7 @@ fn model() -> &'static LoadedModel {
 fn validation_never_panics_and_names_the_field() {
     let catalog = Catalog::single(MODEL, 8192);
     let limits = AdmissionLimits {
+        draft: false,
         context: 8192,
         pool_tokens: 16384,
         page_size: 16,

@@ -698,8 +698,8 @@ async fn speculative_changes_nothing_but_speed_and_is_validated() {
     assert_eq!(st, 200, "{a}");
     assert_eq!(a["result"]["response"], answer(&plain));
     for (sp, says) in [
-        (json!({"mode": "draft"}), "not served"),
-        (json!({"mode": "eagle"}), "must be \"ngram\""),
+        (json!({"mode": "draft"}), "has no draft model"),
+        (json!({"mode": "eagle"}), "must be \"ngram\" or \"draft\""),
         (json!({"k": 9}), "from 0 to 8"),
         (json!({"k": -1}), "from 0 to 8"),
         (json!({"k": "4"}), "from 0 to 8"),

@@ -26,10 +26,9 @@ pub async fn metric_sum(url: &str, prefix: &str) -> f64 {
         .sum()
 }
 
-/// One series of the gateway's `/metrics` (read with `token`), 0 when absent; and
-/// whether it is exported at all.
-pub async fn gateway_metric(gw: &Gateway, token: &str, series: &str) -> (f64, bool) {
-    let text = reqwest::Client::new()
+/// The gateway's `/metrics` text, read with `token`.
+async fn gateway_metrics(gw: &Gateway, token: &str) -> String {
+    reqwest::Client::new()
         .get(format!("{}/metrics", gw.base))
         .bearer_auth(token)
         .send()
@@ -37,7 +36,24 @@ pub async fn gateway_metric(gw: &Gateway, token: &str, series: &str) -> (f64, bo
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The sum of every series of the gateway's `/metrics` (read with `token`) whose
+/// `name{labels` starts with `prefix`.
+pub async fn gateway_metric_sum(gw: &Gateway, token: &str, prefix: &str) -> f64 {
+    gateway_metrics(gw, token)
+        .await
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// One series of the gateway's `/metrics` (read with `token`), 0 when absent; and
+/// whether it is exported at all.
+pub async fn gateway_metric(gw: &Gateway, token: &str, series: &str) -> (f64, bool) {
+    let text = gateway_metrics(gw, token).await;
     let v = text
         .lines()
         .filter_map(|l| l.rsplit_once(' '))

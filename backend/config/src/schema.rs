@@ -72,6 +72,13 @@ pub struct ModelEntry {
     /// that day on it answers 404 with Workers AI code 5007.
     #[serde(default)]
     pub sunset: Option<String>,
+    /// GGUF of a smaller model of the same tokenizer that drafts for this one
+    /// (draft-model speculation, issue 37): its decode nodes load it (and refuse to
+    /// start when its vocabulary differs), and the gateway then accepts requests'
+    /// `speculative.mode` `"draft"`, the default mode of requests that speculate.
+    /// Absent: prompt lookup only.
+    #[serde(default)]
+    pub draft: Option<PathBuf>,
 }
 
 /// Longest model id or alias, bytes (the gateway refuses longer path segments).

@@ -1,15 +1,20 @@
-//! Prompt-lookup speculation, same run with and without (issue 37): single-stream
-//! output tokens/s on prompts whose answers repeat their input (code editing,
-//! summarising, copying) and on open-ended ones, and 16 streams together; greedy,
-//! alternating plain and speculative runs, median of `REPS`. Prints one JSON line
-//! per measurement.
+//! Speculation, same run with and without (issue 37): single-stream output
+//! tokens/s on prompts whose answers repeat their input (code editing,
+//! summarising, copying) and on open-ended ones, and several streams together;
+//! greedy, alternating plain and speculative runs, median of `REPS`. Prints one
+//! JSON line per measurement.
 //!
 //! `cargo run --release -p tessera-engine --example speculation [-- K [REPS]]`
-//! (model: `TESSERA_MODEL` or the default model; `TESSERA_THREADS` threads).
+//! (model: `TESSERA_MODEL` or the default model; `TESSERA_THREADS` threads). With
+//! `TESSERA_DRAFT_MODEL=PATH` (a model of the same tokenizer) each measurement
+//! runs three ways, plain, prompt lookup (`ngram`) and draft model (`draft`), and
+//! the streams go 1, 2, 4, 16.
 
 use std::time::Instant;
 use tessera_engine::testing::*;
-use tessera_engine::{Engine, EngineConfig, Event, GenerateRequest, SPECULATE_MAX_DECODES};
+use tessera_engine::{
+    DraftModel, Engine, EngineConfig, Event, GenerateRequest, SpecMode, SPECULATE_MAX_DECODES,
+};
 use tessera_model::LoadedModel;
 
 const CODE: &str = "fn total(items: &[Item]) -> u64 {\n    let mut sum = 0;\n    for item in items {\n        if item.active {\n            sum += item.price * item.count;\n        }\n    }\n    sum\n}\n";
@@ -50,13 +55,19 @@ fn prompts(m: &LoadedModel) -> Vec<(&'static str, Vec<u32>)> {
 /// Output tokens/s of `reqs` run together on a fresh engine, the tokens generated
 /// and the drafts drafted and accepted: one request's decode rate (1 / TPOT, its
 /// prefill excluded), or several requests' total over the whole run.
-fn tok_s(m: &LoadedModel, speculate: usize, reqs: &[GenerateRequest]) -> (f64, usize, u64, u64) {
+fn tok_s(
+    m: &LoadedModel,
+    speculate: usize,
+    draft: Option<&DraftModel>,
+    reqs: &[GenerateRequest],
+) -> (f64, usize, u64, u64) {
     let mut e: Engine = engine(
         m,
         EngineConfig {
             speculate,
             // Drafting for every stream measured (the policy under test).
             speculate_max_decodes: reqs.len().max(SPECULATE_MAX_DECODES),
+            draft: draft.cloned(),
             ..EngineConfig::default()
         },
     );
@@ -87,48 +98,85 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The ways each measurement runs: (label, k, draft model).
+fn modes(k: usize, draft: Option<&DraftModel>) -> Vec<(&'static str, usize, Option<&DraftModel>)> {
+    let mut v = vec![("plain", 0, None)];
+    match draft {
+        None => v.push(("spec", k, None)),
+        Some(d) => {
+            v.push(("ngram", k, None));
+            v.push(("draft", k, Some(d)));
+        }
+    }
+    v
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let k: usize = args.next().map_or(4, |a| a.parse().expect("K"));
     let reps: usize = args.next().map_or(3, |a| a.parse().expect("REPS"));
     let m = load();
+    let small = std::env::var("TESSERA_DRAFT_MODEL")
+        .ok()
+        .map(|p| LoadedModel::load(std::path::Path::new(&p)).expect("load the draft model"));
+    let draft = small.as_ref().map(|d| {
+        DraftModel::new(d.transformer.clone(), &d.tokenizer, &m.tokenizer).expect("a draft model")
+    });
+    let modes = modes(k, draft.as_ref());
     // Warm-up: weights paged in, threads started.
-    tok_s(&m, 0, &[greedy(chat_prompt(&m, "Hi"), 8)]);
+    for &(_, k, d) in &modes {
+        tok_s(&m, k, d, &[greedy(chat_prompt(&m, "Hi"), 8)]);
+    }
     let max_tokens = 128;
     let mut all: Vec<GenerateRequest> = Vec::new();
     for (name, p) in prompts(&m) {
         let req = greedy(p, max_tokens);
         all.push(req.clone());
-        let (mut plain, mut spec) = (Vec::new(), Vec::new());
-        let mut last = (0, 0, 0);
+        let mut rates = vec![Vec::new(); modes.len()];
+        let mut last = vec![(0, 0, 0); modes.len()];
         for _ in 0..reps {
-            plain.push(tok_s(&m, 0, std::slice::from_ref(&req)).0);
-            let (t, n, d, a) = tok_s(&m, k, std::slice::from_ref(&req));
-            spec.push(t);
-            last = (n, d as usize, a as usize);
+            for (i, &(_, k, d)) in modes.iter().enumerate() {
+                let mut r = req.clone();
+                r.speculate_mode = d.map(|_| SpecMode::Draft);
+                let (t, n, dr, a) = tok_s(&m, k, d, std::slice::from_ref(&r));
+                rates[i].push(t);
+                last[i] = (n, dr as usize, a as usize);
+            }
         }
-        let (p, s) = (median(plain), median(spec));
-        println!(
-            "{{\"prompt\":\"{name}\",\"streams\":1,\"k\":{k},\"plain_tok_s\":{p:.1},\"spec_tok_s\":{s:.1},\"ratio\":{:.2},\"tokens\":{},\"drafted\":{},\"accepted\":{}}}",
-            s / p,
-            last.0,
-            last.1,
-            last.2
-        );
+        let plain = median(rates[0].clone());
+        for (i, &(label, ..)) in modes.iter().enumerate().skip(1) {
+            let s = median(rates[i].clone());
+            println!(
+                "{{\"prompt\":\"{name}\",\"streams\":1,\"mode\":\"{label}\",\"k\":{k},\"plain_tok_s\":{plain:.1},\"spec_tok_s\":{s:.1},\"ratio\":{:.2},\"tokens\":{},\"drafted\":{},\"accepted\":{}}}",
+                s / plain,
+                last[i].0,
+                last[i].1,
+                last[i].2
+            );
+        }
     }
     // N streams of the four prompts (cycled), drafting for all of them: where the
     // draft rows stop paying is the engine's `speculate_max_decodes`.
-    for streams in [2, 4, 8, 16] {
+    let streams: &[usize] = if draft.is_some() {
+        &[2, 4, 16]
+    } else {
+        &[2, 4, 8, 16]
+    };
+    for &streams in streams {
         let many: Vec<GenerateRequest> = all.iter().cycle().take(streams).cloned().collect();
-        let (mut plain, mut spec) = (Vec::new(), Vec::new());
+        let mut rates = vec![Vec::new(); modes.len()];
         for _ in 0..reps {
-            plain.push(tok_s(&m, 0, &many).0);
-            spec.push(tok_s(&m, k, &many).0);
+            for (i, &(_, k, d)) in modes.iter().enumerate() {
+                rates[i].push(tok_s(&m, k, d, &many).0);
+            }
         }
-        let (p, s) = (median(plain), median(spec));
-        println!(
-            "{{\"prompt\":\"the four, cycled\",\"streams\":{streams},\"k\":{k},\"plain_tok_s\":{p:.1},\"spec_tok_s\":{s:.1},\"ratio\":{:.2}}}",
-            s / p
-        );
+        let plain = median(rates[0].clone());
+        for (i, &(label, ..)) in modes.iter().enumerate().skip(1) {
+            let s = median(rates[i].clone());
+            println!(
+                "{{\"prompt\":\"the four, cycled\",\"streams\":{streams},\"mode\":\"{label}\",\"k\":{k},\"plain_tok_s\":{plain:.1},\"spec_tok_s\":{s:.1},\"ratio\":{:.2}}}",
+                s / plain
+            );
+        }
     }
 }

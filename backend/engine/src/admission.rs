@@ -83,6 +83,10 @@ pub struct GenerateRequest {
     /// same either way; only its speed changes.
     #[serde(default)]
     pub speculate: Option<u32>,
+    /// Where the drafts come from ([`SpecMode`]); `None`: the engine's default (a
+    /// draft model where the engine has one, else prompt lookup).
+    #[serde(default)]
+    pub speculate_mode: Option<SpecMode>,
     /// The tenant's LoRA fine-tune this request runs under (`None`: the base model).
     /// Its weights travel only within a process; over a node link only its id does,
     /// and an engine without the weights refuses the request ([`Rejection::Lora`]).
@@ -132,6 +136,21 @@ impl<'de> serde::Deserialize<'de> for LoraRef {
 
 /// Most draft tokens a request may ask for per step.
 pub const MAX_SPECULATE: u32 = 8;
+
+/// Where a speculating request's draft tokens come from (issue 37). Either way they
+/// are verified by the served model in its own forward pass, so the output is the
+/// same as without drafts; only its speed changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpecMode {
+    /// Prompt lookup: the request's own prompt and output ("prompt lookup
+    /// decoding", Saxena 2023).
+    Ngram,
+    /// A smaller model of the same tokenizer drafts greedily (Leviathan et al.,
+    /// "Fast Inference from Transformers via Speculative Decoding", 2023), with its
+    /// KV in a tagged pool of its own under the request's tenant tags.
+    Draft,
+}
 
 /// A request that continues output a client already received: its `prompt` is the
 /// original prompt followed by that output's `output_tokens` ids, prefilled like the
@@ -216,6 +235,13 @@ pub enum Rejection {
     /// The request names a LoRA fine-tune whose weights this engine does not have.
     #[error("the fine-tune {0} is not available on this engine")]
     Lora(String),
+    /// The request asks for draft-model speculation and the model has no draft
+    /// model (`tessera serve --draft-model`).
+    #[error(
+        "`speculative.mode` \"draft\": this model has no draft model; use \"ngram\" \
+         (prompt lookup) or leave `mode` out"
+    )]
+    NoDraftModel,
 }
 
 impl GenerateRequest {
@@ -236,6 +262,7 @@ impl GenerateRequest {
             output: OutputOptions::default(),
             resume: None,
             speculate: None,
+            speculate_mode: None,
             lora: None,
         }
     }
@@ -254,6 +281,7 @@ impl Rejection {
             Self::Stop(_) => "bad_stop",
             Self::Unavailable(_) => "unavailable",
             Self::Lora(_) => "lora_unavailable",
+            Self::NoDraftModel => "no_draft_model",
         }
     }
 }
@@ -305,6 +333,8 @@ pub struct AdmissionLimits {
     pub page_size: usize,
     /// Vocabulary size.
     pub vocab: usize,
+    /// Whether the decoding engines have a draft model ([`SpecMode::Draft`]).
+    pub draft: bool,
 }
 
 impl AdmissionLimits {
@@ -376,10 +406,16 @@ pub struct PdAdmission {
 impl PdAdmission {
     /// The I1 checks: pure, no allocation.
     ///
-    /// Errors: every [`Rejection`] of [`AdmissionLimits::admit`], and
+    /// Errors: every [`Rejection`] of [`AdmissionLimits::admit`],
     /// [`Rejection::PoolTooSmall`] with the prefill pool's capacity when the prompt
-    /// alone does not fit it.
+    /// alone does not fit it, and [`Rejection::NoDraftModel`] for draft-model
+    /// speculation where the decoding engines have no draft model. (An engine
+    /// checks only its own limits again: a prefill engine never drafts, and a
+    /// decoding engine without a draft model drafts by prompt lookup.)
     pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
+        if req.speculate_mode == Some(SpecMode::Draft) && !self.limits.draft {
+            return Err(Rejection::NoDraftModel);
+        }
         let admitted = self.limits.admit(req)?;
         prompt_fits(
             admitted.request(),

@@ -19,11 +19,11 @@ pub mod testing;
 
 pub use admission::{
     AdmissionLimits, Admitted, CacheNamespace, CachePolicy, GenerateRequest, LoraRef,
-    OutputOptions, PdAdmission, Rejection, Resume, MAX_SPECULATE,
+    OutputOptions, PdAdmission, Rejection, Resume, SpecMode, MAX_SPECULATE,
 };
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken, PageStates,
-    Prefilled, SeqEnd, Speculation, Usage, SPECULATE_MAX_DECODES,
+    DraftModel, Engine, EngineConfig, EngineError, EngineMetrics, Event, FinishReason, FirstToken,
+    PageStates, Prefilled, SeqEnd, Speculation, Usage, SPECULATE_MAX_DECODES,
 };
 pub use scheduler::{FairnessConfig, Policy, Priority, Served};
 pub use sink::{CachedTiers, EventSink, Gone};

@@ -7,7 +7,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 pub use tessera_model::testing::{
     chat_prompt, family_prompts, greedy_with_logits, load, load_family, model_path, raw_prompt,
-    FAMILY_MODEL_FILES,
+    DRAFT_PAIR, FAMILY_MODEL_FILES,
 };
 
 /// An engine over `m` with `cfg`.
@@ -36,6 +36,65 @@ pub fn enqueue_all<'a>(
     reqs.into_iter()
         .map(|r| e.enqueue(e.admit(r.clone()).unwrap()))
         .collect()
+}
+
+/// The requests speculation is checked on (the output must not change): `repeat`
+/// (a prompt whose answer repeats it) greedy, with seeded sampling and every
+/// penalty, and with the stop string `stop`, `max_tokens` each; then a JSON object
+/// with log probabilities (`json_tokens`). Labelled `greedy`, `seeded with
+/// penalties`, `stop string`, `JSON object with logprobs`.
+pub fn speculation_requests(
+    m: &LoadedModel,
+    repeat: Vec<u32>,
+    max_tokens: usize,
+    stop: &str,
+    json_tokens: usize,
+) -> Vec<(&'static str, GenerateRequest)> {
+    let mut seeded = greedy(repeat.clone(), max_tokens);
+    seeded.sampling = tessera_model::sampling::SamplingParams {
+        temperature: 0.7,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(11),
+        repetition_penalty: 1.05,
+        frequency_penalty: 0.2,
+        presence_penalty: 0.1,
+    };
+    let mut stops = greedy(repeat.clone(), max_tokens);
+    stops.stop = vec![stop.into()];
+    let mut json = greedy(
+        chat_prompt(m, "Describe a cat as a JSON object with a name and an age."),
+        json_tokens,
+    );
+    json.output.format = Some(tessera_model::grammar::ResponseFormat::JsonObject);
+    json.output.logprobs = Some(3);
+    vec![
+        ("greedy", greedy(repeat, max_tokens)),
+        ("seeded with penalties", seeded),
+        ("stop string", stops),
+        ("JSON object with logprobs", json),
+    ]
+}
+
+/// Every event `rx` holds now, in order, with `Done`'s timings zeroed (they differ
+/// run to run; everything else must not).
+pub fn events(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
+    let mut evs = Vec::new();
+    while let Ok(mut ev) = rx.try_recv() {
+        if let Event::Done { usage, .. } = &mut ev {
+            usage.ttft = Default::default();
+            usage.tpot = Default::default();
+        }
+        evs.push(ev);
+    }
+    evs
+}
+
+/// Every event of each request ([`events`]), run together on `e` to completion.
+pub fn run_all(e: &mut Engine, reqs: &[GenerateRequest]) -> Vec<Vec<Event>> {
+    let mut rxs = enqueue_all(e, reqs);
+    e.run_to_completion();
+    rxs.iter_mut().map(events).collect()
 }
 
 /// A greedy request of tenant 1.

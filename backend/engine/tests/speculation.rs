@@ -6,8 +6,6 @@
 
 use tessera_engine::testing::*;
 use tessera_engine::{Engine, EngineConfig, Event, GenerateRequest};
-use tessera_model::grammar::ResponseFormat;
-use tessera_model::sampling::SamplingParams;
 use tessera_model::LoadedModel;
 
 fn engine_with(m: &LoadedModel, speculate: usize) -> Engine {
@@ -20,55 +18,13 @@ fn engine_with(m: &LoadedModel, speculate: usize) -> Engine {
     )
 }
 
-/// Every event of each request, in order, run together on `e`.
-fn run_all(e: &mut Engine, reqs: &[GenerateRequest]) -> Vec<Vec<Event>> {
-    let mut rxs = enqueue_all(e, reqs);
-    e.run_to_completion();
-    rxs.iter_mut()
-        .map(|rx| {
-            let mut evs = Vec::new();
-            while let Ok(mut ev) = rx.try_recv() {
-                if let Event::Done { usage, .. } = &mut ev {
-                    usage.ttft = Default::default();
-                    usage.tpot = Default::default();
-                }
-                evs.push(ev);
-            }
-            evs
-        })
-        .collect()
-}
-
 fn requests(m: &LoadedModel) -> Vec<(&'static str, GenerateRequest)> {
     let text = "The quick brown fox jumps over the lazy dog. A journey of a thousand \
                 miles begins with a single step. To be or not to be, that is the question.";
     let copy = chat_prompt(m, &format!("Repeat this text exactly, twice:\n{text}"));
     let poem = chat_prompt(m, "Write a short poem about the sea, then explain it.");
-    let mut out = vec![
-        ("copy, greedy", greedy(copy.clone(), 80)),
-        ("poem, greedy", greedy(poem.clone(), 48)),
-    ];
-    let mut seeded = greedy(copy.clone(), 80);
-    seeded.sampling = SamplingParams {
-        temperature: 0.7,
-        top_p: 0.95,
-        top_k: 40,
-        seed: Some(11),
-        repetition_penalty: 1.05,
-        frequency_penalty: 0.2,
-        presence_penalty: 0.1,
-    };
-    out.push(("copy, seeded with penalties", seeded));
-    let mut stops = greedy(copy, 80);
-    stops.stop = vec!["single step. To".into()];
-    out.push(("copy, stop string", stops));
-    let mut json = greedy(
-        chat_prompt(m, "Describe a cat as a JSON object with a name and an age."),
-        40,
-    );
-    json.output.format = Some(ResponseFormat::JsonObject);
-    json.output.logprobs = Some(3);
-    out.push(("JSON object with logprobs", json));
+    let mut out = speculation_requests(m, copy, 80, "single step. To", 40);
+    out.insert(1, ("poem, greedy", greedy(poem, 48)));
     out
 }
 
@@ -82,7 +38,7 @@ fn drafts_change_nothing_alone_and_are_accepted_on_copies() {
         assert_eq!(spec, plain, "{what}");
         let s = e.speculation();
         assert!(s.accepted <= s.drafted, "{what}: {s:?}");
-        if what.starts_with("copy, greedy") {
+        if what == "greedy" {
             assert!(s.accepted >= 10, "{what}: the copy accepts drafts: {s:?}");
         }
         println!("{what}: {s:?}");

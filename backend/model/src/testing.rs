@@ -34,6 +34,14 @@ pub const FAMILY_MODEL_FILES: [&str; 2] = [
     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
 ];
 
+/// Draft-model speculation's pair in `models/` (`tessera model fetch --model
+/// qwen2.5-coder-1.5b-instruct --model qwen2.5-coder-0.5b-instruct`): the served
+/// model and the model that drafts for it (same tokenizer).
+pub const DRAFT_PAIR: (&str, &str) = (
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+);
+
 /// Path of model file `file` in `models/` (see [`FAMILY_MODEL_FILES`]).
 ///
 /// Panics when the file is missing: model tests fail, they never skip.
@@ -44,7 +52,7 @@ pub fn family_model_path(file: &str) -> PathBuf {
     assert!(
         p.exists(),
         "model file {} missing: run `cargo run --release -- model fetch --model gemma-3-270m \
-         --model qwen2.5-coder-0.5b-instruct`",
+         --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct`",
         p.display()
     );
     p

@@ -159,7 +159,8 @@ impl From<Rejection> for ServeError {
             | Rejection::BadToken { .. }
             | Rejection::Sampling(_)
             | Rejection::Stop(_)
-            | Rejection::Lora(_) => ServeErrorKind::Invalid,
+            | Rejection::Lora(_)
+            | Rejection::NoDraftModel => ServeErrorKind::Invalid,
         };
         Self::new(kind, r.to_string())
     }

@@ -40,6 +40,6 @@ pub use stream::{RequestStream, StreamEvent};
 /// Admission (I1) as the gateway runs it before submitting (the engine's types).
 pub use tessera_engine::admission;
 pub use tessera_engine::{
-    CachePolicy, EngineConfig, FairnessConfig, FinishReason, GenerateRequest, LoraRef, Policy,
-    Priority, Usage, MAX_SPECULATE,
+    CachePolicy, DraftModel, EngineConfig, FairnessConfig, FinishReason, GenerateRequest, LoraRef,
+    Policy, Priority, SpecMode, Usage, MAX_SPECULATE,
 };

@@ -35,6 +35,14 @@ struct NodeLabels {
     role: &'static str,
 }
 
+/// A node's speculation series: where the drafts came from.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SpecLabels {
+    node: String,
+    role: &'static str,
+    mode: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PageLabels {
     node: String,
@@ -176,8 +184,8 @@ pub struct NodeMetrics {
     frames_rejected: Family<NodeLabels, Counter>,
     peers_refused: Family<NodeLabels, Counter>,
     request_restarts: Family<ReasonLabels, Counter>,
-    spec_drafted: Family<NodeLabels, Counter>,
-    spec_accepted: Family<NodeLabels, Counter>,
+    spec_drafted: Family<SpecLabels, Counter>,
+    spec_accepted: Family<SpecLabels, Counter>,
     cache_pages_purged: Family<NodeLabels, Counter>,
     tier_pages: Family<TierLabels, Gauge>,
     tier_events: Family<TierEventLabels, Counter>,
@@ -265,7 +273,7 @@ impl NodeMetrics {
         );
         r.register(
             "tessera_spec_drafted_tokens",
-            "Draft tokens from prompt-lookup speculation fed to a decoding engine's forward passes (each from its own request's prompt and output)",
+            "Draft tokens fed to a decoding engine's forward passes, by mode: ngram (prompt lookup, from the request's own prompt and output) or draft (the model's draft model)",
             m.spec_drafted.clone(),
         );
         r.register(
@@ -323,6 +331,15 @@ impl NodeMetrics {
                 reader,
             })
         };
+        let spec = |family: &Family<SpecLabels, Counter>| {
+            ["ngram", "draft"].map(|mode| {
+                family.get_or_create_owned(&SpecLabels {
+                    node: node.to_string(),
+                    role,
+                    mode,
+                })
+            })
+        };
         let decode = role == "decode";
         let commits = if decode {
             COMMIT_REASONS
@@ -361,8 +378,8 @@ impl NodeMetrics {
             engine: EngineMetrics {
                 attention_tag_mismatches: reader("attention"),
                 transfer_source_tag_mismatches: reader("transfer_source"),
-                spec_drafted: self.spec_drafted.get_or_create_owned(&labels),
-                spec_accepted: self.spec_accepted.get_or_create_owned(&labels),
+                spec_drafted: spec(&self.spec_drafted),
+                spec_accepted: spec(&self.spec_accepted),
                 cache_pages_purged: self.cache_pages_purged.get_or_create_owned(&labels),
             },
             sink_tag_mismatches: decode.then(|| reader("transfer_sink")),

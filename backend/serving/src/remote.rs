@@ -488,6 +488,9 @@ pub struct RemoteNodes {
     pub decode_pool_tokens: usize,
     /// Tokens per page.
     pub page_size: usize,
+    /// Whether the decode nodes have a draft model (the model's `draft` in the
+    /// deployment file): requests may then ask for draft-model speculation.
+    pub draft: bool,
     /// The gateway's node links (its identity, the CA, timings).
     pub links: NodeLinks,
 }
@@ -563,6 +566,7 @@ impl RemoteCluster {
                     pool_tokens: nodes.decode_pool_tokens,
                     page_size: nodes.page_size,
                     vocab: cfg.vocab,
+                    draft: nodes.draft,
                 },
                 prefill_pool_tokens: nodes.prefill_pool_tokens,
             },

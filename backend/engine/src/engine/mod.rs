@@ -11,11 +11,13 @@
 //! prefill-only sequences whose pages are exported ([`crate::kv_transfer`]); a decode
 //! node's engine adopts transferred sequences and decodes them.
 
+mod draft;
 mod seq;
 mod speculate;
 mod stage;
 mod step;
 
+pub use draft::DraftModel;
 pub(crate) use seq::{accept_token, sampler_for, Accepted, Seq, SeqRole};
 pub(crate) use stage::{Sequences, Stage};
 
@@ -46,10 +48,11 @@ pub struct EngineMetrics {
     /// Pages whose tag did not match when a prefill's pages were exported for
     /// transfer ([`Engine::export_pages`]): one per failed export.
     pub transfer_source_tag_mismatches: Counter,
-    /// Draft tokens fed to forward passes (prompt-lookup speculation).
-    pub spec_drafted: Counter,
-    /// Draft tokens accepted (each equalled the token sampled at its position).
-    pub spec_accepted: Counter,
+    /// Draft tokens fed to forward passes: `[prompt lookup, draft model]`.
+    pub spec_drafted: [Counter; 2],
+    /// Draft tokens accepted (each equalled the token sampled at its position):
+    /// `[prompt lookup, draft model]`.
+    pub spec_accepted: [Counter; 2],
     /// Prefix-cache pages dropped by tenant purges ([`Engine::purge_tenant_cache`]):
     /// freed at once, poisoned until their reader ends, or dropped from a lower
     /// tier.
@@ -110,6 +113,11 @@ pub struct EngineConfig {
     /// The prefix cache's lower tiers (host memory, sealed files on disk): pages
     /// evicted for room spill there and come back on a hit. Default: none.
     pub spill: SpillConfig,
+    /// Draft-model speculation (`draft.rs`): the model that drafts for this
+    /// engine's, with a KV pool of its own of `kv_pool_tokens` tokens; requests
+    /// that name no speculation mode then draft with it. `None` (the default):
+    /// prompt lookup only.
+    pub draft: Option<DraftModel>,
 }
 
 /// Most decoding sequences in a step for which drafts are added by default: past it,
@@ -134,6 +142,7 @@ impl Default for EngineConfig {
             speculate: 0,
             speculate_max_decodes: SPECULATE_MAX_DECODES,
             spill: SpillConfig::default(),
+            draft: None,
         }
     }
 }
@@ -249,12 +258,14 @@ pub struct Engine {
     /// The cache namespace each tenant's requests last came with: a new one is a
     /// rotated salt ([`Self::push_waiting`] purges the old one's pages).
     namespaces: HashMap<u64, crate::admission::CacheNamespace>,
+    /// The draft model and its pool ([`EngineConfig::draft`]).
+    pub(crate) drafter: Option<draft::Drafter>,
 }
 
 /// How often a step looks for cached pages past their tenant's idle time.
 pub(crate) const EXPIRY_EVERY: Duration = Duration::from_millis(250);
 
-/// Prompt-lookup speculation's counts ([`EngineConfig::speculate`]).
+/// Speculation's counts ([`EngineConfig::speculate`]), both modes together.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Speculation {
     /// Draft tokens fed to forward passes.
@@ -265,9 +276,15 @@ pub struct Speculation {
 }
 
 impl Engine {
-    /// Prompt-lookup speculation's counts so far.
+    /// Speculation's counts so far (prompt lookup and draft model).
     pub fn speculation(&self) -> Speculation {
         self.speculation
+    }
+
+    /// Pages of the draft model's pool held by sequences (0 without a draft model);
+    /// they are freed when their sequence leaves the running batch.
+    pub fn draft_pages_in_use(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.pages_in_use())
     }
 
     /// The fingerprint of the engine's model ([`Transformer::fingerprint`], 32 bytes).
@@ -295,7 +312,17 @@ impl Engine {
             // The caller made the directory; a failure here leaves the pool's cache.
             tracing::error!(error = %e, "the prefix cache's lower tiers are off");
         }
+        let drafter = cfg.draft.as_ref().map(|d| {
+            draft::Drafter::new(
+                d,
+                &model,
+                cfg.page_size,
+                cfg.kv_pool_tokens / cfg.page_size,
+                cfg.kv_scrub,
+            )
+        });
         Self {
+            drafter,
             model_fp: model.fingerprint(),
             vtc: Vtc::new(cfg.fairness),
             model,
@@ -374,6 +401,7 @@ impl Engine {
             pool_tokens: self.kv.pool().capacity_tokens(),
             page_size: self.cfg.page_size,
             vocab: self.model.config().vocab,
+            draft: self.drafter.is_some(),
         }
     }
 
@@ -618,6 +646,13 @@ impl Engine {
             .cache_pages_purged
             .inc_by((purge.freed + purge.poisoned + purge.host + purge.disk) as u64);
         purge
+    }
+
+    /// The draft model's KV manager ([`EngineConfig::draft`]), for fault-injection
+    /// tests only.
+    #[doc(hidden)]
+    pub fn draft_kv_mut_for_test(&mut self) -> Option<&mut KvManager> {
+        self.drafter.as_mut().map(|d| d.kv_mut())
     }
 
     /// Mutable KV manager, for fault-injection tests only.

@@ -59,10 +59,16 @@ pub(crate) struct Seq {
     /// This step's draft tokens (prompt-lookup speculation), fed after its decode
     /// row; empty when it does not speculate.
     pub(crate) drafts: Vec<u32>,
+    /// Whether this step's drafts came from the draft model (else prompt lookup).
+    pub(crate) drafts_from_model: bool,
+    /// How the draft model's drafts fare for this sequence (how many to draft).
+    pub(crate) draft_model: super::draft::DraftPolicy,
     /// The position of this step's decode row, which the drafts follow.
     pub(crate) drafts_after: usize,
     /// The request's own draft limit, if it set one ([`GenerateRequest::speculate`]).
     pub(crate) speculate: Option<usize>,
+    /// Where its drafts come from, if it said ([`GenerateRequest::speculate_mode`]).
+    pub(crate) speculate_mode: Option<crate::admission::SpecMode>,
     /// Drafts accepted in this step.
     pub(crate) accepted_now: usize,
     /// Steps in a row whose drafts were all rejected, and steps left to wait before
@@ -97,11 +103,14 @@ impl Seq {
             prompt_lp: Vec::new(),
             resumed: req.resume.map_or(0, |r| r.output_tokens),
             drafts: Vec::new(),
+            drafts_from_model: false,
+            draft_model: Default::default(),
             drafts_after: 0,
             accepted_now: 0,
             draft_misses: 0,
             draft_wait: 0,
             lora: req.lora.and_then(|l| l.weights),
+            speculate_mode: req.speculate_mode,
             speculate: req
                 .speculate
                 .map(|k| k.min(crate::admission::MAX_SPECULATE) as usize),

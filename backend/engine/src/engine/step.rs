@@ -6,6 +6,7 @@ use super::seq::{
 };
 use super::speculate::propose;
 use super::{Engine, FirstToken, Parked, Prefilled, SeqEnd, Stage, Waiting};
+use crate::admission::SpecMode;
 use crate::scheduler::{self, Queued, SeqProgress, StepLimits, Work};
 use crate::sink::{EngineError, Event};
 use std::time::Instant;
@@ -135,7 +136,7 @@ impl Engine {
                 }
                 if !s.drafts.is_empty() && pos > s.drafts_after {
                     self.speculation.accepted += 1;
-                    self.metrics.spec_accepted.inc();
+                    self.metrics.spec_accepted[usize::from(s.drafts_from_model)].inc();
                     s.accepted_now += 1;
                 }
             }
@@ -210,6 +211,8 @@ impl Engine {
             }
             self.record_end(id, end);
         }
+        // Ended sequences' draft pages go back now, not at the next step.
+        self.settle_draft_pool();
         rows.len()
     }
 
@@ -369,10 +372,13 @@ impl Engine {
     /// more than it may still generate, less one (the drafts' positions stay inside
     /// the pages reserved for prompt + `max_tokens`).
     fn propose_drafts(&mut self, work: &[Work], slots: &[usize]) {
+        self.settle_draft_pool();
         for s in self.seqs.running_mut() {
-            // Back off where drafts miss: after n steps in a row whose drafts were all
-            // rejected, wait 2^n steps (at most 32) before drafting again.
-            if !s.drafts.is_empty() {
+            if s.drafts_from_model {
+                s.draft_model.observe(s.accepted_now, s.drafts.len());
+            } else if !s.drafts.is_empty() {
+                // Prompt lookup backs off where drafts miss: after n steps in a row
+                // whose drafts were all rejected, wait 2^n steps (at most 32).
                 if s.accepted_now == 0 {
                     s.draft_misses += 1;
                     s.draft_wait = 1 << s.draft_misses.min(5);
@@ -381,6 +387,7 @@ impl Engine {
                 }
             }
             s.drafts.clear();
+            s.drafts_from_model = false;
             s.accepted_now = 0;
         }
         let decodes = work
@@ -390,24 +397,48 @@ impl Engine {
         if decodes > self.cfg.speculate_max_decodes {
             return;
         }
+        let default_mode = self.default_spec_mode();
+        let draft_cost = self.drafter.as_ref().map(|d| d.cost());
+        let mut from_model = Vec::new();
         for w in work {
             let Work::Decode { seq, pos } = *w else {
                 continue;
             };
             let s = self.seqs.at_mut(slots[seq]);
-            if s.draft_wait > 0 {
-                s.draft_wait -= 1;
-                continue;
-            }
             let left = s.max_tokens.saturating_sub(s.generated.len());
             let k = s
                 .speculate
                 .unwrap_or(self.cfg.speculate)
                 .min(left.saturating_sub(1));
-            s.drafts = propose(&s.prompt, &s.generated, k);
             s.drafts_after = pos;
+            if s.draft_wait > 0 {
+                s.draft_wait -= 1;
+            } else {
+                s.drafts = propose(&s.prompt, &s.generated, k);
+            }
+            // Draft mode: prompt lookup where the request's own history offers drafts
+            // (free; on text that repeats its input they beat the draft model's), the
+            // draft model elsewhere, for as many tokens as pay (`draft.rs`). Without
+            // a draft model a request asking for one drafts by prompt lookup alone
+            // (the gateway refuses it where no engine has one).
+            if s.drafts.is_empty()
+                && k > 0
+                && s.speculate_mode.unwrap_or(default_mode) == SpecMode::Draft
+            {
+                if let Some(cost) = draft_cost {
+                    if let Some(k) = s.draft_model.next_k(k, cost) {
+                        from_model.push((slots[seq], pos, k));
+                    }
+                }
+                continue;
+            }
             self.speculation.drafted += s.drafts.len() as u64;
-            self.metrics.spec_drafted.inc_by(s.drafts.len() as u64);
+            self.metrics.spec_drafted[0].inc_by(s.drafts.len() as u64);
+        }
+        if !from_model.is_empty() {
+            let drafted = self.draft_with_model(&from_model) as u64;
+            self.speculation.drafted += drafted;
+            self.metrics.spec_drafted[1].inc_by(drafted);
         }
     }
 

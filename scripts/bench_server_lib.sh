@@ -1,0 +1,27 @@
+# Shared by the server benchmarks (bench_families_servers.sh, bench_spec_servers.sh):
+# source it after setting `ready_timeout` (seconds). One server at a time runs as
+# `$spid`; `stop_server` ends it (TERM, then KILL after 30 s), `wait_ready URL LOG`
+# waits until URL answers (exits naming the log when the server dies or the
+# deadline passes). The caller's EXIT trap calls stop_server. Tenant limits are off
+# (TESSERA_DEFAULT_* = 0) so that no limit throttles a measurement.
+export TESSERA_DEFAULT_RPM=0 TESSERA_DEFAULT_INPUT_TPM=0 TESSERA_DEFAULT_OUTPUT_TPM=0 \
+  TESSERA_DEFAULT_MAX_CONCURRENT=0 TESSERA_DEFAULT_DAILY_TOKENS=0
+spid=
+stop_server() {
+  [ -n "$spid" ] || return 0
+  kill "$spid" 2>/dev/null || true
+  for _ in $(seq 150); do kill -0 "$spid" 2>/dev/null || break; sleep 0.2; done
+  kill -9 "$spid" 2>/dev/null || true
+  wait "$spid" 2>/dev/null || true
+  spid=
+}
+
+wait_ready() { # URL LOG
+  local end=$((SECONDS + ready_timeout))
+  while [ $SECONDS -lt $end ]; do
+    kill -0 "$spid" 2>/dev/null || { echo "server exited; its log:" >&2; tail -30 "$2" >&2; exit 1; }
+    curl -sf -o /dev/null "$1" && return 0
+    sleep 0.2
+  done
+  echo "server not ready at $1 after ${ready_timeout}s; its log:" >&2; tail -30 "$2" >&2; exit 1
+}
