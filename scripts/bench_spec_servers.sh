@@ -8,7 +8,8 @@
 #      alternated on the same server;
 #   2. llama-server -m TARGET (plain);
 #   3. llama-server -m TARGET --spec-type ngram-simple (its prompt lookup);
-#   4. llama-server -m TARGET -md DRAFT --spec-draft-n-max K (its draft model).
+#   4. llama-server -m TARGET --spec-type draft-simple -md DRAFT --spec-draft-n-max K
+#      (its draft model).
 #
 #   scripts/bench_spec_servers.sh [TARGET.gguf DRAFT.gguf [OUT_DIR]]
 #
@@ -75,4 +76,4 @@ run_llama() { # LABEL ARGS...
 }
 run_llama plain
 run_llama ngram-simple --spec-type ngram-simple --spec-draft-n-max "$k"
-run_llama draft -md "$draft" --spec-draft-n-max "$k" -td "$threads"
+run_llama draft --spec-type draft-simple -md "$draft" --spec-draft-n-max "$k" -td "$threads"
