@@ -461,24 +461,50 @@ async fn a_rogue_decode_identity_cannot_write_into_another_nodes_requests() {
     rogue.abort();
 }
 
+/// A deployment with the tenant's solo answer to `greedy(4)`, and raw-client
+/// connectors holding the gateway's and the prefill node's identities.
+struct Identities {
+    dep: Deployment,
+    p: u16,
+    d: u16,
+    solo: Value,
+    as_gateway: tokio_rustls::TlsConnector,
+    as_prefill: tokio_rustls::TlsConnector,
+}
+
+impl Identities {
+    async fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, d) = (free_port(), free_port());
+        let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
+        let certs = dir.path().join("certs");
+        let (dep, _metrics) = Deployment::start_metered(dir, config, p, d).await;
+        let solo = dep.gateway.run_when_up(&greedy(4)).await["result"].clone();
+        let ca = certs.join("ca.pem");
+        let as_gateway = client(&ca, Some(&identity(&certs, "gateway")));
+        let as_prefill = client(
+            &ca,
+            Some(&identity(&certs, &format!("prefill-127.0.0.1-{p}"))),
+        );
+        Self {
+            dep,
+            p,
+            d,
+            solo,
+            as_gateway,
+            as_prefill,
+        }
+    }
+}
+
 /// Cache questions on node links (`cache` frames: the purge and report of the cache
 /// API): a gateway identity's question is answered by the node, a prefill identity's
 /// is refused at a decode node and cuts its link, and the tenant is served as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_gateway_identity_may_ask_a_node_about_its_cache() {
-    let dir = tempfile::tempdir().unwrap();
-    let (p, d) = (free_port(), free_port());
-    let config = write_config(dir.path(), free_port(), p, &[d], (CONTEXT, CONTEXT));
-    let certs = dir.path().join("certs");
-    let (dep, _metrics) = Deployment::start_metered(dir, config, p, d).await;
-    let body = greedy(4);
-    let solo = dep.gateway.run_when_up(&body).await["result"].clone();
-    let ca = certs.join("ca.pem");
-    let as_gateway = client(&ca, Some(&identity(&certs, "gateway")));
-    let as_prefill = client(
-        &ca,
-        Some(&identity(&certs, &format!("prefill-127.0.0.1-{p}"))),
-    );
+    let ids = Identities::start().await;
+    let (dep, p, d, body, solo) = (&ids.dep, ids.p, ids.d, greedy(4), ids.solo.clone());
+    let (as_gateway, as_prefill) = (&ids.as_gateway, &ids.as_prefill);
     let ask = |id: u64, op: &str| {
         frame(
             &json!({"cache": {"id": id, "query": {"op": op, "tenant": 1}}}),
@@ -486,16 +512,53 @@ async fn only_a_gateway_identity_may_ask_a_node_about_its_cache() {
         )
     };
 
-    let mut gw = Raw::open(p, &node_name("prefill", p), &as_gateway, "Coordinator").await;
+    let mut gw = Raw::open(p, &node_name("prefill", p), as_gateway, "Coordinator").await;
     gw.send(&ask(9, "report")).await;
     let a = gw.until(|h| h["cache_answer"]["id"] == 9).await;
     let a = a.unwrap_or_else(|| panic!("no answer\n{}", dep.logs()));
     assert_eq!(a["cache_answer"]["answer"]["op"], "report", "{a}");
     assert!(a["cache_answer"]["answer"]["pool"].is_u64(), "{a}");
 
-    let mut s = Raw::open(d, &node_name("decode", d), &as_prefill, "Prefill").await;
+    let mut s = Raw::open(d, &node_name("decode", d), as_prefill, "Prefill").await;
     s.send(&ask(1, "purge")).await;
     s.assert_cut("a cache question from a prefill identity")
+        .await;
+
+    let (st, again) = dep.gateway.run(&body).await;
+    let answer = (st, &again["result"]["response"]);
+    assert_eq!(answer, (200, &solo["response"]), "{}", dep.logs());
+}
+
+/// LoRA adapter files on node links (`adapter` frames, issue 38): from a prefill
+/// identity, empty, or not matching the SHA-256 they announce, each cuts its link;
+/// the node keeps serving the tenant as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_gateway_identity_may_send_adapters_and_a_bad_one_cuts_its_link() {
+    let ids = Identities::start().await;
+    let (dep, p, d, body, solo) = (&ids.dep, ids.p, ids.d, greedy(4), ids.solo.clone());
+    let (as_gateway, as_prefill) = (&ids.as_gateway, &ids.as_prefill);
+    let adapter = |sha: &str, payload: &[u8]| {
+        frame(
+            &json!({"adapter": {"id": "ft-x", "sha256": sha, "offset": 0, "total": 4}}),
+            payload,
+        )
+    };
+    // SHA-256 of "abcd".
+    let sha = "88d4266fd4e6338d13b845fcf289579d209c897823b9217da3e161936f031589";
+
+    let mut s = Raw::open(d, &node_name("decode", d), as_prefill, "Prefill").await;
+    s.send(&adapter(sha, b"abcd")).await;
+    s.assert_cut("an adapter from a prefill identity").await;
+    let mut gw = Raw::open(p, &node_name("prefill", p), as_gateway, "Coordinator").await;
+    gw.send(&adapter(&"0".repeat(64), b"abcd")).await;
+    gw.assert_cut("an adapter whose SHA-256 is not the one announced")
+        .await;
+    let mut gw = Raw::open(d, &node_name("decode", d), as_gateway, "Coordinator").await;
+    gw.send(&adapter(sha, b"")).await;
+    gw.assert_cut("an empty adapter frame").await;
+    let mut gw = Raw::open(d, &node_name("decode", d), as_gateway, "Coordinator").await;
+    gw.send(&adapter(sha, b"abcd")).await;
+    gw.assert_cut("a file that is no adapter of the node's model")
         .await;
 
     let (st, again) = dep.gateway.run(&body).await;

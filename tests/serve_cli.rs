@@ -1,6 +1,8 @@
 //! `tessera serve` first start (tenant, key and a curl command that works) and the
 //! `tessera tenant|key|usage` subcommands, run as real processes.
 
+mod common;
+
 use serde_json::Value;
 use std::process::Stdio;
 use std::time::Duration;
@@ -550,11 +552,7 @@ fn finetune_commands() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let root = env!("CARGO_MANIFEST_DIR");
-    let py = std::process::Command::new(format!("{root}/scripts/python-env"))
-        .output()
-        .unwrap();
-    assert!(py.status.success(), "scripts/python-env failed");
-    let python = String::from_utf8(py.stdout).unwrap().trim().to_string();
+    let python = common::test_python();
     let model = format!("{root}/models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let make = |kind: &str| {
         let out = d.join(format!("{kind}.gguf"));

@@ -6,7 +6,7 @@ use crate::error::{ApiError, ErrorKind};
 use crate::state::{AppState, ServedModel};
 use std::sync::Arc;
 use tessera_model::lora::LoraWeights;
-use tessera_serving::LoraRef;
+use tessera_serving::{AdapterFile, LoraRef};
 use tessera_tenancy::StoreError;
 
 /// The fine-tune `name` (id or name) of tenant `tenant_id` for a request to
@@ -42,10 +42,14 @@ pub(crate) async fn resolve(
         ));
     }
     let loaded = || {
-        state.loras.get(&ft.id, &ft.sha256).map(|w| LoraRef {
-            id: ft.id.clone(),
-            weights: Some(w),
-        })
+        state
+            .loras
+            .get(&ft.id, &ft.sha256)
+            .map(|(w, file)| LoraRef {
+                id: ft.id.clone(),
+                weights: Some(w),
+                file: Some(file),
+            })
     };
     if let Some(l) = loaded() {
         return Ok(l);
@@ -70,18 +74,26 @@ pub(crate) async fn resolve(
     let loaded = state
         .cpu
         .run(Lane::Request, tenant_id, move || {
-            LoraWeights::load(&data, &base, &id, layers)
+            LoraWeights::load(&data, &base, &id, layers).map(|w| (w, data))
         })
         .await
         .map_err(|e| {
             tracing::error!(id = %ft.id, error = %e, "a stored fine-tune does not load");
             ApiError::new(ErrorKind::Internal, "the fine-tune could not be loaded")
         })?;
-    let w = Arc::new(loaded);
-    state.loras.put(&ft.id, &ft.sha256, w.clone());
+    let (w, bytes) = loaded;
+    let (w, file) = (
+        Arc::new(w),
+        Arc::new(AdapterFile {
+            sha256: ft.sha256.clone(),
+            bytes,
+        }),
+    );
+    state.loras.put(&ft.id, w.clone(), file.clone());
     Ok(LoraRef {
         id: ft.id,
         weights: Some(w),
+        file: Some(file),
     })
 }
 

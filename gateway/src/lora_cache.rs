@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use tessera_model::lora::LoraWeights;
+use tessera_serving::AdapterFile;
 
 /// Uploads decoded and checked at once per gateway (each holds its file and its
 /// f32 weights in memory); reading the files is bounded by one per account.
@@ -24,8 +25,9 @@ pub(crate) struct LoadedLoras {
     loading: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-/// A loaded adapter: its file's SHA-256, its weights, when it was last used.
-type Loaded = (String, Arc<LoraWeights>, u64);
+/// A loaded adapter: its weights, its file (sent to the nodes of a node
+/// deployment, and whose SHA-256 keys it), when it was last used.
+type Loaded = (Arc<LoraWeights>, Arc<AdapterFile>, u64);
 
 impl LoadedLoras {
     /// The lock a load of fine-tune `id` holds (the same for every caller while
@@ -37,19 +39,27 @@ impl LoadedLoras {
         loading.entry(id.into()).or_default().clone()
     }
 
-    pub(crate) fn get(&self, id: &str, sha256: &str) -> Option<Arc<LoraWeights>> {
+    /// Fine-tune `id`'s weights and file, when loaded from the file of SHA-256
+    /// `sha256`.
+    pub(crate) fn get(
+        &self,
+        id: &str,
+        sha256: &str,
+    ) -> Option<(Arc<LoraWeights>, Arc<AdapterFile>)> {
         let now = self
             .clock
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut map = self.map.lock().expect("lora cache lock");
-        let (sha, w, used) = map.get_mut(id)?;
-        (sha == sha256).then(|| {
+        let (w, file, used) = map.get_mut(id)?;
+        (file.sha256 == sha256).then(|| {
             *used = now;
-            w.clone()
+            (w.clone(), file.clone())
         })
     }
 
-    pub(crate) fn put(&self, id: &str, sha256: &str, w: Arc<LoraWeights>) {
+    /// Keeps fine-tune `id`'s weights and file (the least recently used entry goes
+    /// past [`MAX_LOADED`]).
+    pub(crate) fn put(&self, id: &str, w: Arc<LoraWeights>, file: Arc<AdapterFile>) {
         let now = self
             .clock
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -60,7 +70,7 @@ impl LoadedLoras {
                 map.remove(&k);
             }
         }
-        map.insert(id.into(), (sha256.into(), w, now));
+        map.insert(id.into(), (w, file, now));
     }
 }
 

@@ -40,6 +40,17 @@ pub fn model_path() -> PathBuf {
     p
 }
 
+/// The test Python (`scripts/python-env`: a virtual environment with the test
+/// requirements, `gguf` among them).
+pub fn test_python() -> String {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let py = std::process::Command::new(format!("{root}/scripts/python-env"))
+        .output()
+        .unwrap();
+    assert!(py.status.success(), "scripts/python-env failed");
+    String::from_utf8(py.stdout).unwrap().trim().to_string()
+}
+
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -83,6 +83,7 @@ fn main() {
         adapters.push(LoraRef {
             id: format!("bench-{i}"),
             weights: Some(Arc::new(w)),
+            file: None,
         });
     }
     println!(

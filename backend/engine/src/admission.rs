@@ -96,13 +96,26 @@ pub struct GenerateRequest {
 
 /// A request's LoRA adapter: the fine-tune's id and its loaded weights. Serialized
 /// as the id alone (weights are never sent in a request), so a deserialized one has
-/// no weights.
+/// no weights: a node gets the adapter's file once per link ([`AdapterFile`]) and
+/// attaches the weights it loaded from it.
 #[derive(Clone, Debug)]
 pub struct LoraRef {
     /// The fine-tune's id (what its pages' cache namespace is derived with).
     pub id: String,
     /// The adapter, when this process has it.
     pub weights: Option<std::sync::Arc<tessera_model::lora::LoraWeights>>,
+    /// The adapter's file, where this process may have to send it to the nodes
+    /// that run the request (a gateway in front of `tessera node` processes).
+    pub file: Option<std::sync::Arc<AdapterFile>>,
+}
+
+/// A LoRA adapter's GGUF file as uploaded, with its SHA-256 (lowercase hex).
+#[derive(Debug, PartialEq, Eq)]
+pub struct AdapterFile {
+    /// SHA-256 of `bytes`, lowercase hex (64 digits).
+    pub sha256: String,
+    /// The file.
+    pub bytes: Vec<u8>,
 }
 
 /// Equal: the same fine-tune id and the same loaded weights (or neither loaded).
@@ -130,6 +143,7 @@ impl<'de> serde::Deserialize<'de> for LoraRef {
         Ok(Self {
             id: String::deserialize(d)?,
             weights: None,
+            file: None,
         })
     }
 }

@@ -18,7 +18,7 @@ pub mod sink;
 pub mod testing;
 
 pub use admission::{
-    AdmissionLimits, Admitted, CacheNamespace, CachePolicy, GenerateRequest, LoraRef,
+    AdapterFile, AdmissionLimits, Admitted, CacheNamespace, CachePolicy, GenerateRequest, LoraRef,
     OutputOptions, PdAdmission, Rejection, Resume, SpecMode, MAX_SPECULATE,
 };
 pub use engine::{

@@ -19,6 +19,7 @@ fn adapter(m: &LoadedModel, id: &str, targets: &[&str], scale: f32, seed: u64) -
     LoraRef {
         id: id.into(),
         weights: Some(Arc::new(w)),
+        file: None,
     }
 }
 
@@ -136,6 +137,7 @@ fn a_request_naming_an_adapter_the_engine_lacks_is_refused() {
     r.lora = Some(LoraRef {
         id: "ft-1".into(),
         weights: None,
+        file: None,
     });
     assert!(matches!(e.admit(r), Err(Rejection::Lora(id)) if id == "ft-1"));
     // What a node link carries: the id alone, never the weights.

@@ -12,6 +12,7 @@
 //!   small tokio runtime) and who may be on them (`link_security`: mutual TLS,
 //!   [`remote::NodeLinks`]).
 
+mod adapters;
 mod cache_query;
 pub mod cluster;
 mod conn_gate;
@@ -40,6 +41,6 @@ pub use stream::{RequestStream, StreamEvent};
 /// Admission (I1) as the gateway runs it before submitting (the engine's types).
 pub use tessera_engine::admission;
 pub use tessera_engine::{
-    CachePolicy, DraftModel, EngineConfig, FairnessConfig, FinishReason, GenerateRequest, LoraRef,
-    Policy, Priority, SpecMode, Usage, MAX_SPECULATE,
+    AdapterFile, CachePolicy, DraftModel, EngineConfig, FairnessConfig, FinishReason,
+    GenerateRequest, LoraRef, Policy, Priority, SpecMode, Usage, MAX_SPECULATE,
 };

@@ -3,11 +3,13 @@
 //! coordinator thread ever blocks on a socket.
 //!
 //! Frame: `u32` big-endian header length, the header as JSON ([`Frame`]), `u32`
-//! big-endian payload length, the payload (page bytes for `Land`, else empty). Both
-//! lengths are checked before anything is allocated: a header over
-//! [`LinkSettings::max_header`], a `Land` payload that is not exactly one page of the
-//! receiving node's layout, or any other frame with a payload closes the connection
-//! (and counts in [`PdCounters::frames_rejected`]).
+//! big-endian payload length, the payload (page bytes for `Land`, a chunk of a LoRA
+//! adapter's file for `Adapter`, else empty). Both lengths are checked before
+//! anything is allocated: a header over [`LinkSettings::max_header`], a `Land`
+//! payload that is not exactly one page of the receiving node's layout, an `Adapter`
+//! payload that is empty or over [`ADAPTER_CHUNK`] (or on a link that takes none), or
+//! any other frame with a payload closes the connection (and counts in
+//! [`PdCounters::frames_rejected`]).
 //!
 //! Every link (TLS or, on loopback only, plain TCP; see [`crate::link_security`])
 //! starts with `Hello` from the dialer, answered by `Welcome` (the node's incarnation,
@@ -152,7 +154,20 @@ pub(crate) enum Frame {
     /// not be moved (the client left, the request could not go on, or its move
     /// failed before its `Prefill`): the drain stops waiting for it.
     Unkeep { req: ReqId },
+    /// Gateway identity -> node: bytes `offset..offset + payload` of fine-tune
+    /// `id`'s LoRA adapter file (`total` bytes, SHA-256 `sha256`, lowercase hex),
+    /// in order, before the first request that runs under it on this link
+    /// ([`crate::adapters`]).
+    Adapter {
+        id: String,
+        sha256: String,
+        offset: u64,
+        total: u64,
+    },
 }
+
+/// Largest `Adapter` payload: an adapter's file goes in chunks of at most this.
+pub(crate) const ADAPTER_CHUNK: usize = 1 << 20;
 
 /// A protocol message on the wire, with what the protocol leaves out: the request body
 /// (`Prealloc`, `Prefill`), the decode node chosen (`Prefill`), the prefill node
@@ -246,6 +261,7 @@ impl Frame {
             Frame::Cache { .. } => "cache",
             Frame::CacheAnswer { .. } => "cache_answer",
             Frame::Unkeep { .. } => "unkeep",
+            Frame::Adapter { .. } => "adapter",
         }
     }
 }
@@ -417,6 +433,9 @@ pub(crate) struct FrameLimits {
     /// The exact payload of a `Land` frame (one page of the receiving node's layout);
     /// `None`: the link takes no page writes.
     pub(crate) page_bytes: Option<usize>,
+    /// Whether `Adapter` frames (1 to [`ADAPTER_CHUNK`] payload bytes) may come
+    /// (a node's inbound links; only a gateway identity may then send them).
+    pub(crate) adapters: bool,
 }
 
 /// The reading half of a link: whole frames, pings skipped, each within the
@@ -465,6 +484,12 @@ async fn read_frame(
         Frame::Land { .. } => limits
             .page_bytes
             .ok_or_else(|| LinkEnd::Violation("a page write on a link that takes none".into()))?,
+        Frame::Adapter { .. } if limits.adapters && (1..=ADAPTER_CHUNK).contains(&p) => p,
+        Frame::Adapter { .. } => {
+            return Err(LinkEnd::Violation(format!(
+                "an adapter frame with a {p}-byte payload (1 to {ADAPTER_CHUNK}, on a node's link)"
+            )))
+        }
         _ => 0,
     };
     if p != expected {
@@ -746,6 +771,7 @@ pub(crate) async fn open_link(
         FrameLimits {
             max_header: s.max_header,
             page_bytes,
+            adapters: false,
         },
         s.dead_after,
     );
@@ -795,6 +821,7 @@ mod tests {
         FrameLimits {
             max_header: 1024,
             page_bytes,
+            adapters: false,
         }
     }
 

@@ -23,7 +23,7 @@ use crate::node_loop::EngineStats;
 use crate::routing::{Reach, Router};
 use crate::stream::{ClientSink, RequestStream};
 use prometheus_client::metrics::counter::Counter;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
@@ -118,6 +118,8 @@ struct RemoteCoordLinks {
     /// it was sent on (only that link may answer) and where the answer goes.
     cache_asks: Mutex<HashMap<u64, (u64, mpsc::Sender<CacheAnswer>)>>,
     next_cache_ask: AtomicU64,
+    /// The LoRA adapters (fine-tune id, file SHA-256) sent on each link epoch.
+    adapters_sent: Mutex<HashMap<u64, HashSet<(String, String)>>>,
 }
 
 /// The `reason` label (one of [`GATEWAY_VIOLATIONS`]) of a frame a node may not
@@ -155,7 +157,54 @@ impl RemoteCoordLinks {
             return false;
         };
         self.routes.lock().unwrap().route(req, as_role, epoch);
+        if let Frame::Control(Control {
+            body: Some(body), ..
+        }) = f
+        {
+            if let Some(l) = &body.lora {
+                if !self.adapter_on(&c, epoch, l) {
+                    return false;
+                }
+            }
+        }
         c.try_send(f, &[])
+    }
+
+    /// Sends fine-tune `l`'s adapter file on link `epoch` (`c`), in order, unless
+    /// it went there already; the request's frame follows on the same link, so the
+    /// node has the adapter when the request arrives. Returns whether the link took
+    /// every chunk (a request without the file is left to the node, which refuses
+    /// it).
+    fn adapter_on(&self, c: &Conn, epoch: u64, l: &tessera_engine::LoraRef) -> bool {
+        let Some(file) = &l.file else {
+            return true;
+        };
+        let key = (l.id.clone(), file.sha256.clone());
+        let mut sent = self.adapters_sent.lock().unwrap();
+        if sent.get(&epoch).is_some_and(|s| s.contains(&key)) {
+            return true;
+        }
+        let total = file.bytes.len() as u64;
+        for (i, chunk) in file.bytes.chunks(net::ADAPTER_CHUNK).enumerate() {
+            let frame = Frame::Adapter {
+                id: l.id.clone(),
+                sha256: file.sha256.clone(),
+                offset: (i * net::ADAPTER_CHUNK) as u64,
+                total,
+            };
+            if !c.try_send(&frame, chunk) {
+                return false;
+            }
+        }
+        // Links that closed forget what they were sent.
+        let live: HashSet<u64> = [Role::Prefill, Role::Decode]
+            .into_iter()
+            .flat_map(|r| self.nodes(r))
+            .filter_map(|n| n.current().map(|(_, e)| e))
+            .collect();
+        sent.retain(|e, _| live.contains(e));
+        sent.entry(epoch).or_default().insert(key);
+        true
     }
 
     /// Counts a node link's violation (`reason`: one of [`GATEWAY_VIOLATIONS`]).
@@ -534,6 +583,7 @@ impl RemoteCluster {
             metrics,
             cache_asks: Mutex::new(HashMap::new()),
             next_cache_ask: AtomicU64::new(1),
+            adapters_sent: Mutex::new(HashMap::new()),
         });
         for role in [Role::Prefill, Role::Decode] {
             for node in links.nodes(role) {

@@ -98,6 +98,7 @@ impl NodeState {
         let limits = FrameLimits {
             max_header: s.max_header,
             page_bytes: None,
+            adapters: true,
         };
         let mut reader = FrameReader::new(r, limits, s.dead_after);
         let hello = tokio::select! {
@@ -210,6 +211,7 @@ impl NodeState {
         // The coordinator is gone: nobody will finish or abort its requests, so the
         // protocol aborts them (answers into the closed connection are dropped).
         if from == Role::Coordinator {
+            self.adapters.forget_link(link.id);
             for req in self.carried.take(link.id) {
                 self.cmds.coordinator_lost(req);
                 if let Some(mover) = &self.mover {
@@ -277,6 +279,8 @@ impl NodeState {
                 if let Some(old) = moves {
                     self.kept.lock().unwrap().remove(&old);
                 }
+                let mut body = body;
+                self.adapters.attach(&mut body);
                 Some((body, decode, valid_traceparent(trace)))
             }
             (Msg::Prefill { .. }, None) => {
@@ -325,6 +329,18 @@ impl NodeState {
                 self.kept.lock().unwrap().remove(&req);
                 Ok(())
             }
+            (
+                Frame::Adapter {
+                    id,
+                    sha256,
+                    offset,
+                    total,
+                },
+                _,
+                Role::Coordinator,
+            ) => self
+                .adapters
+                .receive(link.id, id, sha256, offset, total, &payload),
             (Frame::Drain, _, Role::Coordinator) => {
                 self.begin_drain("a drain request from a gateway identity");
                 Ok(())
@@ -368,6 +384,8 @@ impl NodeState {
                             ));
                         }
                         tracing::debug!(?req, "a new request from a gateway");
+                        let mut body = body;
+                        self.adapters.attach(&mut body);
                         Some(Box::new(RequestBody {
                             req: Some(body),
                             sink: Box::new(ConnSink {

@@ -206,6 +206,7 @@ pub fn run_node_process(
         drain_timeout: opts.drain_timeout,
         exit: Mutex::new(Some(exit_tx)),
         test_panic: opts.test_panic,
+        adapters: crate::adapters::NodeAdapters::new(model),
     });
     let addr = listener.local_addr()?;
     let metrics_addr = match metrics_listener {

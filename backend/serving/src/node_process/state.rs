@@ -87,6 +87,9 @@ pub(super) struct NodeState {
     pub(super) drain_timeout: Duration,
     pub(super) exit: Mutex<Option<mpsc::Sender<()>>>,
     pub(super) test_panic: Option<TestPanic>,
+    /// The LoRA adapters gateways sent (`Frame::Adapter`), attached to the requests
+    /// that name them.
+    pub(super) adapters: crate::adapters::NodeAdapters,
 }
 
 impl NodeState {

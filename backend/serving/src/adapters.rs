@@ -1,0 +1,272 @@
+//! LoRA adapters on a node process (issue 38): a request names its fine-tune by id
+//! only ([`LoraRef`] travels without weights), so before the first request under a
+//! fine-tune on a link the gateway sends the adapter's file on it, in order, in
+//! `Frame::Adapter` chunks of at most [`crate::net::ADAPTER_CHUNK`] bytes. The node
+//! checks the file (its SHA-256, then the adapter against its own model, as the
+//! gateway checked it at upload), keeps the loaded weights by fine-tune id (the
+//! least recently used going past [`MAX_ADAPTERS`]) and attaches them to each
+//! request that names the fine-tune. A request whose adapter the node does not have
+//! is refused by its engine ([`tessera_engine::Rejection::Lora`]), never run as the
+//! base model. Only a gateway identity may send adapters.
+
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tessera_engine::GenerateRequest;
+use tessera_model::lora::{LoraBase, LoraWeights};
+use tessera_model::LoadedModel;
+
+/// Largest adapter file a node takes, bytes.
+pub(crate) const MAX_ADAPTER_BYTES: u64 = 512 << 20;
+/// Loaded adapters a node keeps.
+pub(crate) const MAX_ADAPTERS: usize = 16;
+/// Adapter files being received at once (over every link); a new one past it
+/// drops the oldest.
+const MAX_PARTIAL: usize = 4;
+/// Longest fine-tune id, bytes.
+const MAX_ID_BYTES: usize = 256;
+
+/// A node's adapters: the loaded ones and the files being received.
+pub(crate) struct NodeAdapters {
+    base: Arc<LoraBase>,
+    layers: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// By fine-tune id: the file's SHA-256, the weights, when last used.
+    loaded: HashMap<String, (String, Arc<LoraWeights>, u64)>,
+    /// By (link, fine-tune id): the file so far.
+    partial: HashMap<(u64, String), Partial>,
+    clock: u64,
+}
+
+struct Partial {
+    sha256: String,
+    total: u64,
+    bytes: Vec<u8>,
+    started: u64,
+}
+
+impl NodeAdapters {
+    /// Adapters for `model` (what they are checked against).
+    pub(crate) fn new(model: &LoadedModel) -> Self {
+        Self {
+            base: model.lora_base.clone(),
+            layers: model.config().layers,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Bytes `offset..offset + chunk.len()` of fine-tune `id`'s file (`total`
+    /// bytes, SHA-256 `sha256`) from link `link`; the last chunk checks and loads
+    /// the file. Loading runs on the caller (an adapter of rank <= 64 loads in
+    /// milliseconds to tens of milliseconds).
+    ///
+    /// Errors (the peer broke the protocol; its link is closed): a malformed id or
+    /// hash, a size of 0 or over [`MAX_ADAPTER_BYTES`], a chunk out of order or past
+    /// the end, a file whose SHA-256 is not the one announced, or an adapter that
+    /// does not fit this node's model.
+    pub(crate) fn receive(
+        &self,
+        link: u64,
+        id: String,
+        sha256: String,
+        offset: u64,
+        total: u64,
+        chunk: &[u8],
+    ) -> Result<(), String> {
+        if id.is_empty() || id.len() > MAX_ID_BYTES {
+            return Err(format!("an adapter id of {} bytes", id.len()));
+        }
+        if sha256.len() != 64
+            || !sha256
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        {
+            return Err("an adapter hash that is not 64 lowercase hex digits".into());
+        }
+        if total == 0 || total > MAX_ADAPTER_BYTES {
+            return Err(format!(
+                "an adapter of {total} bytes (1 to {MAX_ADAPTER_BYTES})"
+            ));
+        }
+        let mut inner = self.inner.lock().unwrap();
+        inner.clock += 1;
+        let now = inner.clock;
+        let key = (link, id.clone());
+        if offset == 0 {
+            if inner.partial.len() >= MAX_PARTIAL && !inner.partial.contains_key(&key) {
+                let oldest = inner
+                    .partial
+                    .iter()
+                    .min_by_key(|(_, p)| p.started)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    inner.partial.remove(&k);
+                }
+            }
+            inner.partial.insert(
+                key.clone(),
+                Partial {
+                    sha256: sha256.clone(),
+                    total,
+                    bytes: Vec::new(),
+                    started: now,
+                },
+            );
+        }
+        let Some(p) = inner.partial.get_mut(&key) else {
+            return Err(format!(
+                "adapter {id} bytes from {offset} without its start"
+            ));
+        };
+        if p.sha256 != sha256 || p.total != total || p.bytes.len() as u64 != offset {
+            return Err(format!("adapter {id} bytes from {offset} out of order"));
+        }
+        if offset + chunk.len() as u64 > total {
+            return Err(format!("adapter {id} bytes past its {total} bytes"));
+        }
+        p.bytes.extend_from_slice(chunk);
+        if (p.bytes.len() as u64) < total {
+            return Ok(());
+        }
+        let p = inner.partial.remove(&key).expect("present above");
+        if inner
+            .loaded
+            .get(&id)
+            .is_some_and(|(sha, ..)| *sha == sha256)
+        {
+            inner.loaded.get_mut(&id).expect("present").2 = now;
+            return Ok(());
+        }
+        drop(inner);
+        let actual = Sha256::digest(&p.bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>();
+        if actual != sha256 {
+            return Err(format!(
+                "adapter {id} has SHA-256 {actual}, announced {sha256}"
+            ));
+        }
+        let w = LoraWeights::load(&p.bytes, &self.base, &id, self.layers)
+            .map_err(|e| format!("adapter {id} does not fit this node's model: {e}"))?;
+        let mut inner = self.inner.lock().unwrap();
+        if inner.loaded.len() >= MAX_ADAPTERS && !inner.loaded.contains_key(&id) {
+            let oldest = inner
+                .loaded
+                .iter()
+                .min_by_key(|(_, v)| v.2)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                inner.loaded.remove(&k);
+            }
+        }
+        inner.loaded.insert(id, (sha256, Arc::new(w), now));
+        Ok(())
+    }
+
+    /// Gives `req` the weights of the fine-tune it names, when this node has them
+    /// (else its engine refuses it).
+    pub(crate) fn attach(&self, req: &mut GenerateRequest) {
+        let Some(l) = req.lora.as_mut().filter(|l| l.weights.is_none()) else {
+            return;
+        };
+        let mut inner = self.inner.lock().unwrap();
+        inner.clock += 1;
+        let now = inner.clock;
+        if let Some((_, w, used)) = inner.loaded.get_mut(&l.id) {
+            *used = now;
+            l.weights = Some(w.clone());
+        }
+    }
+
+    /// Drops what link `link` was sending (it closed).
+    pub(crate) fn forget_link(&self, link: u64) {
+        self.inner
+            .lock()
+            .unwrap()
+            .partial
+            .retain(|(l, _), _| *l != link);
+    }
+
+    /// Loaded adapters.
+    #[cfg(test)]
+    pub(crate) fn loaded(&self) -> usize {
+        self.inner.lock().unwrap().loaded.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_engine::LoraRef;
+    use tessera_model::testing::{load, lora_file};
+
+    fn sha(b: &[u8]) -> String {
+        Sha256::digest(b)
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect()
+    }
+
+    #[test]
+    fn a_file_in_order_loads_and_attaches_and_anything_else_is_refused() {
+        let m = load();
+        let a = NodeAdapters::new(&m);
+        let file = lora_file(&m, &["attn_q"], 4, 8.0, 0.05, 1);
+        let (h, n) = (sha(&file), file.len() as u64);
+        let (first, rest) = file.split_at(file.len() / 2);
+        let id = || "ft-1".to_string();
+        a.receive(1, id(), h.clone(), 0, n, first).unwrap();
+        let mut r = GenerateRequest::new(1, vec![1, 2], 4);
+        r.lora = Some(LoraRef {
+            id: id(),
+            weights: None,
+            file: None,
+        });
+        a.attach(&mut r);
+        assert!(r.lora.as_ref().unwrap().weights.is_none(), "not loaded yet");
+        a.receive(1, id(), h.clone(), first.len() as u64, n, rest)
+            .unwrap();
+        a.attach(&mut r);
+        assert!(r.lora.as_ref().unwrap().weights.is_some());
+        assert_eq!(a.loaded(), 1);
+
+        // Out of order, past the end, without a start, a wrong hash, too big.
+        a.receive(2, id(), h.clone(), 0, n, first).unwrap();
+        let e = a.receive(2, id(), h.clone(), 1, n, rest).unwrap_err();
+        assert!(e.contains("out of order"), "{e}");
+        let e = a.receive(3, id(), h.clone(), 0, 4, &file[..8]).unwrap_err();
+        assert!(e.contains("past"), "{e}");
+        let e = a.receive(4, id(), h.clone(), 5, n, rest).unwrap_err();
+        assert!(e.contains("without its start"), "{e}");
+        let e = a.receive(5, id(), sha(b"x"), 0, n, &file).unwrap_err();
+        assert!(e.contains("announced"), "{e}");
+        let e = a
+            .receive(6, id(), h.to_uppercase(), 0, n, &file)
+            .unwrap_err();
+        assert!(e.contains("hex"), "{e}");
+        let e = a
+            .receive(7, id(), h, 0, MAX_ADAPTER_BYTES + 1, &file)
+            .unwrap_err();
+        assert!(e.contains("bytes"), "{e}");
+        // A file that is no adapter of this model, with its own hash.
+        let junk = vec![7u8; 64];
+        let e = a
+            .receive(8, "ft-2".into(), sha(&junk), 0, 64, &junk)
+            .unwrap_err();
+        assert!(e.contains("does not fit"), "{e}");
+        // Another tenant's id that was never sent attaches nothing.
+        let mut other = r.clone();
+        other.lora = Some(LoraRef {
+            id: "ft-2".into(),
+            weights: None,
+            file: None,
+        });
+        a.attach(&mut other);
+        assert!(other.lora.unwrap().weights.is_none());
+    }
+}
