@@ -398,8 +398,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
                 ),
                 None => format!("pool {}", limits.pool_tokens),
             };
+            let drafts = if m.engine.admission().limits.draft {
+                "; a draft model drafts for it"
+            } else {
+                ""
+            };
             format!(
-                "tessera: serving {} (context {} tokens; {pools} tokens) from {}",
+                "tessera: serving {} (context {} tokens; {pools} tokens{drafts}) from {}",
                 m.entry.id,
                 m.entry.context_window,
                 path.display()

@@ -427,7 +427,11 @@ impl PdAdmission {
     /// checks only its own limits again: a prefill engine never drafts, and a
     /// decoding engine without a draft model drafts by prompt lookup.)
     pub fn admit(&self, req: GenerateRequest) -> Result<Admitted, Rejection> {
-        if req.speculate_mode == Some(SpecMode::Draft) && !self.limits.draft {
+        // `k: 0` turns speculation off: no draft model is needed then.
+        if req.speculate_mode == Some(SpecMode::Draft)
+            && req.speculate != Some(0)
+            && !self.limits.draft
+        {
             return Err(Rejection::NoDraftModel);
         }
         let admitted = self.limits.admit(req)?;

@@ -1,32 +1,84 @@
 //! LoRA adapters on a node process (issue 38): a request names its fine-tune by id
-//! only ([`LoraRef`] travels without weights), so before the first request under a
-//! fine-tune on a link the gateway sends the adapter's file on it, in order, in
-//! `Frame::Adapter` chunks of at most [`crate::net::ADAPTER_CHUNK`] bytes. The node
-//! checks the file (its SHA-256, then the adapter against its own model, as the
-//! gateway checked it at upload), keeps the loaded weights by fine-tune id (the
-//! least recently used going past [`MAX_ADAPTERS`]) and attaches them to each
-//! request that names the fine-tune. A request whose adapter the node does not have
-//! is refused by its engine ([`tessera_engine::Rejection::Lora`]), never run as the
+//! only ([`LoraRef`](tessera_engine::LoraRef) travels without weights), so before
+//! the first request under a fine-tune on a link the gateway sends the adapter's
+//! file on it, in order, in `Frame::Adapter` chunks of at most
+//! [`crate::net::ADAPTER_CHUNK`] bytes. The node checks the file (its SHA-256, then
+//! the adapter against its own model, as the gateway checked it at upload), keeps
+//! the loaded weights for that link and attaches them to each request on the link
+//! that names the fine-tune. A request whose adapter the link did not bring is
+//! refused by the engine ([`tessera_engine::Rejection::Lora`]), never run as the
 //! base model. Only a gateway identity may send adapters.
+//!
+//! Each link keeps at most [`MAX_ADAPTERS_PER_LINK`], the least recently used
+//! (sent, or named by a request) going first, and the gateway keeps the same list
+//! for the link ([`LinkAdapters`], one per side): both see the same sends and
+//! requests in the same order, so the gateway knows which adapters the node still
+//! has and sends an evicted one again. Links that carry the same file share one
+//! copy of its weights.
 
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use tessera_engine::GenerateRequest;
 use tessera_model::lora::{LoraBase, LoraWeights};
 use tessera_model::LoadedModel;
 
 /// Largest adapter file a node takes, bytes.
 pub(crate) const MAX_ADAPTER_BYTES: u64 = 512 << 20;
-/// Loaded adapters a node keeps.
-pub(crate) const MAX_ADAPTERS: usize = 16;
+/// Adapters a link keeps (the gateway's list for the link is as long).
+pub(crate) const MAX_ADAPTERS_PER_LINK: usize = 16;
 /// Adapter files being received at once (over every link); a new one past it
 /// drops the oldest.
 const MAX_PARTIAL: usize = 4;
 /// Longest fine-tune id, bytes.
 const MAX_ID_BYTES: usize = 256;
 
-/// A node's adapters: the loaded ones and the files being received.
+/// The adapters one link holds, most recently used last: `(fine-tune id, file
+/// SHA-256)` with a value (the node: the weights; the gateway: nothing).
+#[derive(Debug)]
+pub(crate) struct LinkAdapters<V> {
+    list: Vec<((String, String), V)>,
+}
+
+impl<V> Default for LinkAdapters<V> {
+    fn default() -> Self {
+        Self { list: Vec::new() }
+    }
+}
+
+impl<V: Clone> LinkAdapters<V> {
+    /// The value of `key`, which becomes the most recently used.
+    pub(crate) fn touch(&mut self, key: &(String, String)) -> Option<V> {
+        let i = self.list.iter().position(|(k, _)| k == key)?;
+        let e = self.list.remove(i);
+        let v = e.1.clone();
+        self.list.push(e);
+        Some(v)
+    }
+
+    /// The value of fine-tune `id` (any file), which becomes the most recently used.
+    fn touch_id(&mut self, id: &str) -> Option<V> {
+        let key = self.list.iter().find(|(k, _)| k.0 == id)?.0.clone();
+        self.touch(&key)
+    }
+
+    /// Adds `key` as the most recently used (replacing the fine-tune's older file),
+    /// dropping the least recently used past [`MAX_ADAPTERS_PER_LINK`].
+    pub(crate) fn insert(&mut self, key: (String, String), v: V) {
+        self.list.retain(|(k, _)| k.0 != key.0);
+        self.list.push((key, v));
+        if self.list.len() > MAX_ADAPTERS_PER_LINK {
+            self.list.remove(0);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.list.len()
+    }
+}
+
+/// A node's adapters: each link's, and the files being received.
 pub(crate) struct NodeAdapters {
     base: Arc<LoraBase>,
     layers: usize,
@@ -35,8 +87,10 @@ pub(crate) struct NodeAdapters {
 
 #[derive(Default)]
 struct Inner {
-    /// By fine-tune id: the file's SHA-256, the weights, when last used.
-    loaded: HashMap<String, (String, Arc<LoraWeights>, u64)>,
+    /// By link: its adapters.
+    links: HashMap<u64, LinkAdapters<Arc<LoraWeights>>>,
+    /// Weights by (fine-tune id, SHA-256), while any link holds them.
+    shared: HashMap<(String, String), Weak<LoraWeights>>,
     /// By (link, fine-tune id): the file so far.
     partial: HashMap<(u64, String), Partial>,
     clock: u64,
@@ -60,9 +114,9 @@ impl NodeAdapters {
     }
 
     /// Bytes `offset..offset + chunk.len()` of fine-tune `id`'s file (`total`
-    /// bytes, SHA-256 `sha256`) from link `link`; the last chunk checks and loads
-    /// the file. Loading runs on the caller (an adapter of rank <= 64 loads in
-    /// milliseconds to tens of milliseconds).
+    /// bytes, SHA-256 `sha256`) from link `link`; the last chunk checks the file
+    /// and gives it to the link. Loading runs on the caller (an adapter of rank <=
+    /// 64 loads in milliseconds to tens of milliseconds).
     ///
     /// Errors (the peer broke the protocol; its link is closed): a malformed id or
     /// hash, a size of 0 or over [`MAX_ADAPTER_BYTES`], a chunk out of order or past
@@ -133,14 +187,8 @@ impl NodeAdapters {
             return Ok(());
         }
         let p = inner.partial.remove(&key).expect("present above");
-        if inner
-            .loaded
-            .get(&id)
-            .is_some_and(|(sha, ..)| *sha == sha256)
-        {
-            inner.loaded.get_mut(&id).expect("present").2 = now;
-            return Ok(());
-        }
+        let file = (id.clone(), sha256.clone());
+        let known = inner.shared.get(&file).and_then(Weak::upgrade);
         drop(inner);
         let actual = Sha256::digest(&p.bytes)
             .iter()
@@ -151,51 +199,48 @@ impl NodeAdapters {
                 "adapter {id} has SHA-256 {actual}, announced {sha256}"
             ));
         }
-        let w = LoraWeights::load(&p.bytes, &self.base, &id, self.layers)
-            .map_err(|e| format!("adapter {id} does not fit this node's model: {e}"))?;
+        let w = match known {
+            Some(w) => w,
+            None => Arc::new(
+                LoraWeights::load(&p.bytes, &self.base, &id, self.layers)
+                    .map_err(|e| format!("adapter {id} does not fit this node's model: {e}"))?,
+            ),
+        };
         let mut inner = self.inner.lock().unwrap();
-        if inner.loaded.len() >= MAX_ADAPTERS && !inner.loaded.contains_key(&id) {
-            let oldest = inner
-                .loaded
-                .iter()
-                .min_by_key(|(_, v)| v.2)
-                .map(|(k, _)| k.clone());
-            if let Some(k) = oldest {
-                inner.loaded.remove(&k);
-            }
-        }
-        inner.loaded.insert(id, (sha256, Arc::new(w), now));
+        inner.shared.retain(|_, w| w.strong_count() > 0);
+        inner.shared.insert(file.clone(), Arc::downgrade(&w));
+        inner.links.entry(link).or_default().insert(file, w);
         Ok(())
     }
 
-    /// Gives `req` the weights of the fine-tune it names, when this node has them
-    /// (else its engine refuses it).
-    pub(crate) fn attach(&self, req: &mut GenerateRequest) {
+    /// Gives `req`, which came on link `link`, the weights of the fine-tune it
+    /// names when the link brought them (else its engine refuses it).
+    pub(crate) fn attach(&self, link: u64, req: &mut GenerateRequest) {
         let Some(l) = req.lora.as_mut().filter(|l| l.weights.is_none()) else {
             return;
         };
         let mut inner = self.inner.lock().unwrap();
-        inner.clock += 1;
-        let now = inner.clock;
-        if let Some((_, w, used)) = inner.loaded.get_mut(&l.id) {
-            *used = now;
-            l.weights = Some(w.clone());
+        if let Some(w) = inner.links.get_mut(&link).and_then(|a| a.touch_id(&l.id)) {
+            l.weights = Some(w);
         }
     }
 
-    /// Drops what link `link` was sending (it closed).
+    /// Drops what link `link` sent and was sending (it closed).
     pub(crate) fn forget_link(&self, link: u64) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.partial.retain(|(l, _), _| *l != link);
+        inner.links.remove(&link);
+    }
+
+    /// Adapters link `link` holds.
+    #[cfg(test)]
+    pub(crate) fn held(&self, link: u64) -> usize {
         self.inner
             .lock()
             .unwrap()
-            .partial
-            .retain(|(l, _), _| *l != link);
-    }
-
-    /// Loaded adapters.
-    #[cfg(test)]
-    pub(crate) fn loaded(&self) -> usize {
-        self.inner.lock().unwrap().loaded.len()
+            .links
+            .get(&link)
+            .map_or(0, LinkAdapters::len)
     }
 }
 
@@ -227,13 +272,13 @@ mod tests {
             weights: None,
             file: None,
         });
-        a.attach(&mut r);
+        a.attach(1, &mut r);
         assert!(r.lora.as_ref().unwrap().weights.is_none(), "not loaded yet");
         a.receive(1, id(), h.clone(), first.len() as u64, n, rest)
             .unwrap();
-        a.attach(&mut r);
+        a.attach(1, &mut r);
         assert!(r.lora.as_ref().unwrap().weights.is_some());
-        assert_eq!(a.loaded(), 1);
+        assert_eq!(a.held(1), 1);
 
         // Out of order, past the end, without a start, a wrong hash, too big.
         a.receive(2, id(), h.clone(), 0, n, first).unwrap();
@@ -266,7 +311,54 @@ mod tests {
             weights: None,
             file: None,
         });
-        a.attach(&mut other);
+        a.attach(1, &mut other);
         assert!(other.lora.unwrap().weights.is_none());
+    }
+
+    #[test]
+    fn each_link_keeps_its_most_recent_adapters_as_the_gateway_counts_them() {
+        let m = load();
+        let a = NodeAdapters::new(&m);
+        let file = lora_file(&m, &["attn_q"], 2, 4.0, 0.05, 2);
+        let (h, n) = (sha(&file), file.len() as u64);
+        let mut gateway: LinkAdapters<()> = LinkAdapters::default();
+        let request = |id: &str| {
+            let mut r = GenerateRequest::new(1, vec![1], 2);
+            r.lora = Some(LoraRef {
+                id: id.into(),
+                weights: None,
+                file: None,
+            });
+            r
+        };
+        // Link 1 gets 17 adapters (the same file under 17 ids).
+        for i in 0..=MAX_ADAPTERS_PER_LINK {
+            let id = format!("ft-{i}");
+            a.receive(1, id.clone(), h.clone(), 0, n, &file).unwrap();
+            gateway.insert((id.clone(), h.clone()), ());
+            if i == 8 {
+                // A request names ft-0 half way: it is no longer the oldest.
+                let mut r = request("ft-0");
+                a.attach(1, &mut r);
+                assert!(r.lora.unwrap().weights.is_some());
+                assert!(gateway.touch(&("ft-0".into(), h.clone())).is_some());
+            }
+        }
+        assert_eq!(a.held(1), MAX_ADAPTERS_PER_LINK);
+        // Both dropped ft-1, the least recently used (ft-0 was named by a request).
+        let mut r = request("ft-1");
+        a.attach(1, &mut r);
+        assert!(r.lora.unwrap().weights.is_none());
+        assert!(gateway.touch(&("ft-1".into(), h.clone())).is_none());
+        let mut r = request("ft-0");
+        a.attach(1, &mut r);
+        assert!(r.lora.unwrap().weights.is_some());
+        assert!(gateway.touch(&("ft-0".into(), h.clone())).is_some());
+        // Another link holds nothing of link 1's; a closed link forgets its own.
+        let mut r = request("ft-0");
+        a.attach(2, &mut r);
+        assert!(r.lora.unwrap().weights.is_none());
+        a.forget_link(1);
+        assert_eq!(a.held(1), 0);
     }
 }

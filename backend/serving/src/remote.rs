@@ -12,6 +12,7 @@
 //! any other request (another node's, or one never routed) is a violation that is
 //! counted (`tessera_node_link_violations_total{reason}`) and cuts that link.
 
+use crate::adapters::LinkAdapters;
 use crate::cache_query::{CacheAnswer, CacheQuery};
 use crate::coordinator::{coordinate, Attachment, CoordCmd, CoordLinks, Submitter};
 use crate::error::ServeError;
@@ -118,8 +119,9 @@ struct RemoteCoordLinks {
     /// it was sent on (only that link may answer) and where the answer goes.
     cache_asks: Mutex<HashMap<u64, (u64, mpsc::Sender<CacheAnswer>)>>,
     next_cache_ask: AtomicU64,
-    /// The LoRA adapters (fine-tune id, file SHA-256) sent on each link epoch.
-    adapters_sent: Mutex<HashMap<u64, HashSet<(String, String)>>>,
+    /// The LoRA adapters (fine-tune id, file SHA-256) each link epoch's node holds,
+    /// as the node keeps them ([`LinkAdapters`]: sends and requests in link order).
+    adapters_sent: Mutex<HashMap<u64, LinkAdapters<()>>>,
 }
 
 /// The `reason` label (one of [`GATEWAY_VIOLATIONS`]) of a frame a node may not
@@ -171,17 +173,22 @@ impl RemoteCoordLinks {
     }
 
     /// Sends fine-tune `l`'s adapter file on link `epoch` (`c`), in order, unless
-    /// it went there already; the request's frame follows on the same link, so the
-    /// node has the adapter when the request arrives. Returns whether the link took
-    /// every chunk (a request without the file is left to the node, which refuses
-    /// it).
+    /// the node still holds it from an earlier send on this link (it keeps the
+    /// [`MAX_ADAPTERS_PER_LINK`](crate::adapters::MAX_ADAPTERS_PER_LINK) most
+    /// recently used; so does this list); the request's frame follows on the same
+    /// link, so the node has the adapter when the request arrives. Returns whether
+    /// the link took every chunk (a request without the file is left to the node,
+    /// which refuses it).
     fn adapter_on(&self, c: &Conn, epoch: u64, l: &tessera_engine::LoraRef) -> bool {
         let Some(file) = &l.file else {
             return true;
         };
         let key = (l.id.clone(), file.sha256.clone());
         let mut sent = self.adapters_sent.lock().unwrap();
-        if sent.get(&epoch).is_some_and(|s| s.contains(&key)) {
+        if sent
+            .get_mut(&epoch)
+            .is_some_and(|s| s.touch(&key).is_some())
+        {
             return true;
         }
         let total = file.bytes.len() as u64;
@@ -203,7 +210,7 @@ impl RemoteCoordLinks {
             .filter_map(|n| n.current().map(|(_, e)| e))
             .collect();
         sent.retain(|e, _| live.contains(e));
-        sent.entry(epoch).or_default().insert(key);
+        sent.entry(epoch).or_default().insert(key, ());
         true
     }
 

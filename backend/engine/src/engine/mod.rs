@@ -12,6 +12,7 @@
 //! node's engine adopts transferred sequences and decodes them.
 
 mod draft;
+mod drafting;
 mod seq;
 mod speculate;
 mod stage;

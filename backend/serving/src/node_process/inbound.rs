@@ -280,7 +280,7 @@ impl NodeState {
                     self.kept.lock().unwrap().remove(&old);
                 }
                 let mut body = body;
-                self.adapters.attach(&mut body);
+                self.adapters.attach(link.id, &mut body);
                 Some((body, decode, valid_traceparent(trace)))
             }
             (Msg::Prefill { .. }, None) => {
@@ -385,7 +385,7 @@ impl NodeState {
                         }
                         tracing::debug!(?req, "a new request from a gateway");
                         let mut body = body;
-                        self.adapters.attach(&mut body);
+                        self.adapters.attach(link.id, &mut body);
                         Some(Box::new(RequestBody {
                             req: Some(body),
                             sink: Box::new(ConnSink {
