@@ -36,6 +36,29 @@ PROMPTS = [
 ]
 
 
+def stream(base, key, path, body):
+    """POSTs the streaming `body` to `path`; returns the arrival time of each chunk
+    with text (chat: `delta.content`, completions: `text`), the final usage and the
+    text."""
+    req = urllib.request.Request(base.rstrip("/") + path, data=json.dumps(body).encode(), headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    times, usage, text = [], None, ""
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for chunk in r:
+            line = chunk.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for c in ev.get("choices") or []:
+                piece = c.get("text") or (c.get("delta") or {}).get("content")
+                if piece:
+                    times.append(time.perf_counter())
+                    text += piece
+    return times, usage, text
+
+
 def one(base, key, model, prompt, max_tokens, raw=False):
     body = {
         "model": model,
@@ -50,23 +73,8 @@ def one(base, key, model, prompt, max_tokens, raw=False):
     else:
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"
-    req = urllib.request.Request(base.rstrip("/") + path, data=json.dumps(body).encode(), headers={
-        "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     t0 = time.perf_counter()
-    times, usage = [], None
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for chunk in r:
-            line = chunk.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            if ev.get("choices"):
-                c = ev["choices"][0]
-                # chat: delta.content; completions: text (one chunk per token or so)
-                if (c.get("text") if raw else (c.get("delta") or {}).get("content")):
-                    times.append(time.perf_counter())
+    times, usage, _ = stream(base, key, path, body)
     n = (usage or {}).get("completion_tokens", len(times))
     ttft = (times[0] - t0) if times else None
     tpot = ((times[-1] - times[0]) / (len(times) - 1)) if len(times) > 1 else None

@@ -17,9 +17,12 @@ Standard library only.
 """
 import argparse
 import json
+import os
 import statistics
-import time
-import urllib.request
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_servers import stream  # noqa: E402
 
 CODE = ("fn total(items: &[Item]) -> u64 {\n    let mut sum = 0;\n    for item in items {\n"
         "        if item.active {\n            sum += item.price * item.count;\n        }\n"
@@ -45,24 +48,7 @@ def one(base, key, model, prompt, max_tokens, extra):
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": prompt}]}
     body.update(extra)
-    req = urllib.request.Request(base.rstrip("/") + "/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Authorization": f"Bearer {key}",
-                                          "Content-Type": "application/json"})
-    times, usage, text = [], None, ""
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for chunk in r:
-            line = chunk.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for c in ev.get("choices") or []:
-                piece = (c.get("delta") or {}).get("content")
-                if piece:
-                    times.append(time.perf_counter())
-                    text += piece
+    times, usage, text = stream(base, key, "/v1/chat/completions", body)
     n = (usage or {}).get("completion_tokens", len(times))
     rate = (n - 1) / (times[-1] - times[0]) if len(times) > 1 else None
     return rate, n, len(text)

@@ -4,6 +4,7 @@
 mod bench;
 mod deployment;
 mod device;
+mod fetchable;
 mod finetune_cli;
 mod generate;
 mod kv_spill;

@@ -12,24 +12,22 @@ use std::path::Path;
 
 /// `tessera finetune create` for `tenant` in the store of `data`, named `tuned`.
 fn create(data: &Path, tenant: &str, file: &Path) {
-    let out = std::process::Command::new(BIN)
-        .args([
-            "finetune", "create", "--tenant", tenant, "--model", MODEL_ID,
-        ])
-        .arg("--model-file")
-        .arg(model_path())
-        .args(["--name", "tuned"])
-        .arg(file)
-        .arg("--data-dir")
-        .arg(data)
-        .env_remove("TESSERA_STORE")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let model = model_path();
+    tessera(&[
+        "finetune",
+        "create",
+        "--tenant",
+        tenant,
+        "--model",
+        MODEL_ID,
+        "--model-file",
+        model.to_str().unwrap(),
+        "--name",
+        "tuned",
+        file.to_str().unwrap(),
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]);
 }
 
 /// A random adapter for the default model on four projections of every block

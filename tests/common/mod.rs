@@ -167,14 +167,20 @@ pub fn issue_certs(config: &Path, certs: &Path) {
 
 /// Runs `tessera ops ARGS`; panics unless it succeeds. Returns stdout.
 pub fn ops(args: &[&str]) -> String {
+    tessera(&[&["ops"], args].concat())
+}
+
+/// Runs `tessera ARGS` (without `TESSERA_STORE`: a `--data-dir` names the store);
+/// panics unless it succeeds. Returns stdout.
+pub fn tessera(args: &[&str]) -> String {
     let out = std::process::Command::new(BIN)
-        .arg("ops")
         .args(args)
+        .env_remove("TESSERA_STORE")
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "tessera ops {args:?} failed: {}",
+        "tessera {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()

@@ -250,6 +250,17 @@ mod tests {
     use tessera_engine::LoraRef;
     use tessera_model::testing::{load, lora_file};
 
+    /// A request naming fine-tune `id`, without its weights (as one arrives).
+    fn request(id: &str) -> GenerateRequest {
+        let mut r = GenerateRequest::new(1, vec![1, 2], 4);
+        r.lora = Some(LoraRef {
+            id: id.into(),
+            weights: None,
+            file: None,
+        });
+        r
+    }
+
     fn sha(b: &[u8]) -> String {
         Sha256::digest(b)
             .iter()
@@ -266,12 +277,7 @@ mod tests {
         let (first, rest) = file.split_at(file.len() / 2);
         let id = || "ft-1".to_string();
         a.receive(1, id(), h.clone(), 0, n, first).unwrap();
-        let mut r = GenerateRequest::new(1, vec![1, 2], 4);
-        r.lora = Some(LoraRef {
-            id: id(),
-            weights: None,
-            file: None,
-        });
+        let mut r = request(&id());
         a.attach(1, &mut r);
         assert!(r.lora.as_ref().unwrap().weights.is_none(), "not loaded yet");
         a.receive(1, id(), h.clone(), first.len() as u64, n, rest)
@@ -305,12 +311,7 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("does not fit"), "{e}");
         // Another tenant's id that was never sent attaches nothing.
-        let mut other = r.clone();
-        other.lora = Some(LoraRef {
-            id: "ft-2".into(),
-            weights: None,
-            file: None,
-        });
+        let mut other = request("ft-2");
         a.attach(1, &mut other);
         assert!(other.lora.unwrap().weights.is_none());
     }
@@ -322,15 +323,6 @@ mod tests {
         let file = lora_file(&m, &["attn_q"], 2, 4.0, 0.05, 2);
         let (h, n) = (sha(&file), file.len() as u64);
         let mut gateway: LinkAdapters<()> = LinkAdapters::default();
-        let request = |id: &str| {
-            let mut r = GenerateRequest::new(1, vec![1], 2);
-            r.lora = Some(LoraRef {
-                id: id.into(),
-                weights: None,
-                file: None,
-            });
-            r
-        };
         // Link 1 gets 17 adapters (the same file under 17 ids).
         for i in 0..=MAX_ADAPTERS_PER_LINK {
             let id = format!("ft-{i}");
