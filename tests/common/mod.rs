@@ -51,13 +51,28 @@ pub fn test_python() -> String {
     String::from_utf8(py.stdout).unwrap().trim().to_string()
 }
 
-/// A loopback port nobody listens on right now.
+/// A loopback port nobody listens on right now, never handed out before by this
+/// process.
+///
+/// Drawn from 20000-31999, below Linux's ephemeral range (32768-60999): a port the
+/// kernel picks for `bind(0)` can come back on the next `bind(0)` once released (CI
+/// once got one port for two nodes of one deployment), and an outgoing connection of
+/// another test can take it before the server binds. Each process starts at an offset
+/// from its id so that parallel test processes walk apart.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::AtomicU32;
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(7_919) % SPAN;
+    for _ in 0..SPAN {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (FIRST + (start + n) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {FIRST}..{}", FIRST + SPAN);
 }
 
 /// Node-link timings for tests that need a stalled node noticed quickly.
