@@ -579,9 +579,7 @@ impl Transformer {
                 (Target::K, qd, kvd),
                 (Target::V, qd + kvd, kvd),
             ];
-            for (target, at, len) in parts {
-                add_lora(lora, li, target, &h, d, &mut qkv, qkv_dim, at, len);
-            }
+            add_lora(lora, li, &parts, &h, d, &mut qkv, qkv_dim);
             if let Some(bias) = &l.qkv_bias {
                 for row in qkv.chunks_exact_mut(qkv_dim) {
                     row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
@@ -681,7 +679,7 @@ impl Transformer {
 
             acts.set(&attn, n, qd);
             l.wo.matmul(&acts, &mut proj);
-            add_lora(lora, li, Target::O, &attn, qd, &mut proj, d, 0, d);
+            add_lora(lora, li, &[(Target::O, 0, d)], &attn, qd, &mut proj, d);
             add_residual(
                 &mut x,
                 &mut proj,
@@ -694,16 +692,23 @@ impl Transformer {
             acts.set(&h, n, d);
             l.gate_up.matmul(&acts, &mut gate_up);
             let ffn = cfg.ffn;
-            for (target, at) in [(Target::Gate, 0), (Target::Up, ffn)] {
-                add_lora(lora, li, target, &h, d, &mut gate_up, 2 * ffn, at, ffn);
-            }
+            let parts = [(Target::Gate, 0, ffn), (Target::Up, ffn, ffn)];
+            add_lora(lora, li, &parts, &h, d, &mut gate_up, 2 * ffn);
             match cfg.arch {
                 Arch::Gemma3 => gelu_tanh_rows(&gate_up, cfg.ffn, &mut gate),
                 Arch::Llama | Arch::Qwen2 => swiglu_rows(&gate_up, cfg.ffn, &mut gate),
             }
             acts.set(&gate, n, cfg.ffn);
             l.down.matmul(&acts, &mut proj);
-            add_lora(lora, li, Target::Down, &gate, cfg.ffn, &mut proj, d, 0, d);
+            add_lora(
+                lora,
+                li,
+                &[(Target::Down, 0, d)],
+                &gate,
+                cfg.ffn,
+                &mut proj,
+                d,
+            );
             add_residual(
                 &mut x,
                 &mut proj,
@@ -736,28 +741,30 @@ impl Transformer {
     }
 }
 
-/// Adds each row's LoRA delta for `target` of block `layer`: row `i` reads
-/// `x[i * in_dim..][..in_dim]` and adds into `out[i * stride + at..][..len]`.
-#[allow(clippy::too_many_arguments)] // one projection's geometry
+/// Adds each row's LoRA deltas for the projections `parts` of block `layer` that
+/// share the input `x`: `(target, at, len)` adds row `i`'s delta, reading
+/// `x[i * in_dim..][..in_dim]`, into `out[i * stride + at..][..len]`.
 fn add_lora(
     lora: &[Option<&LoraWeights>],
     layer: usize,
-    target: Target,
+    parts: &[(Target, usize, usize)],
     x: &[f32],
     in_dim: usize,
     out: &mut [f32],
     stride: usize,
-    at: usize,
-    len: usize,
 ) {
-    debug_assert!(lora.iter().flatten().all(|w| w
-        .pair(layer, target)
-        .is_none_or(|p| p.inputs == in_dim && p.outputs == len)));
+    debug_assert!(parts
+        .iter()
+        .all(|&(target, _, len)| lora.iter().flatten().all(|w| w
+            .pair(layer, target)
+            .is_none_or(|p| p.inputs == in_dim && p.outputs == len))));
     // Rows grouped by adapter, so each adapter's weights are read once a pass (per
-    // thread): work units of up to a group's share of rows, spread over the pool.
+    // thread): work units of up to a group's share of rows for one projection, all
+    // of `parts` in one parallel region (a fork-join costs microseconds, and a
+    // decode step has one per region).
     let threads = tessera_kernels::pool::global().threads().max(1);
     let mut done = vec![false; lora.len()];
-    let mut units: Vec<(&crate::lora::LoraPair, Vec<usize>)> = Vec::new();
+    let mut units: Vec<(&crate::lora::LoraPair, usize, Vec<usize>)> = Vec::new();
     for i in 0..lora.len() {
         let Some(w) = lora[i].filter(|_| !done[i]) else {
             continue;
@@ -768,21 +775,26 @@ fn add_lora(
         for &j in &rows {
             done[j] = true;
         }
-        if let Some(p) = w.pair(layer, target) {
-            let per = rows.len().div_ceil(threads).max(4);
-            units.extend(rows.chunks(per).map(|c| (p, c.to_vec())));
+        for &(target, at, _) in parts {
+            if let Some(p) = w.pair(layer, target) {
+                let per = rows.len().div_ceil(threads).max(4);
+                units.extend(rows.chunks(per).map(|c| (p, at, c.to_vec())));
+            }
         }
     }
-    assert!(units.iter().all(|(_, rows)| rows
-        .iter()
-        .all(|&i| (i + 1) * in_dim <= x.len() && i * stride + at + len <= out.len())));
+    assert!(parts.windows(2).all(|w| w[0].1 + w[0].2 <= w[1].1));
+    assert!(units.iter().all(|(p, at, rows)| at + p.outputs <= stride
+        && rows
+            .iter()
+            .all(|&i| (i + 1) * in_dim <= x.len() && (i + 1) * stride <= out.len())));
     let base = RowsPtr(out.as_mut_ptr());
     tessera_kernels::pool::global().parallel_for(units.len(), |u| {
-        let (p, rows) = &units[u];
-        // SAFETY: in bounds (checked above); each row belongs to one unit and its
-        // range `i * stride + at..+len` to that row alone (len <= stride).
+        let (p, at, rows) = &units[u];
+        // SAFETY: in bounds (checked above); each (row, projection) belongs to one
+        // unit, and its range `i * stride + at..+outputs` to that row and projection
+        // alone (the parts' column ranges are disjoint within a row).
         p.apply_rows_to(rows, x, |i| unsafe {
-            std::slice::from_raw_parts_mut(base.at(i * stride + at), len)
+            std::slice::from_raw_parts_mut(base.at(i * stride + at), p.outputs)
         });
     });
 }

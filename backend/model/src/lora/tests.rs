@@ -165,21 +165,15 @@ fn truncated_and_garbage_files_are_unreadable_not_panics() {
     assert!(matches!(check(&f), Err(LoraError::Unreadable(_))));
 }
 
-/// `apply_row` is `y += scale * B (A x)` (checked in f64).
+/// `apply_row` is `y += scale * B (A x)` (checked in f64 over the f16 values held).
 #[test]
 fn a_pair_adds_its_scaled_low_rank_product() {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
     let (rank, inputs, outputs) = (5, 37, 23);
     let mut draw = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
-    let p = LoraPair {
-        rank,
-        inputs,
-        outputs,
-        a: draw(rank * inputs),
-        bt: draw(rank * outputs),
-        scale: 0.75,
-    };
+    let (a, b) = (draw(rank * inputs), draw(outputs * rank));
+    let p = LoraPair::new(rank, inputs, outputs, &a, &b, 0.75);
     // Rows applied together equal each row applied alone, bit for bit.
     let xs = draw(7 * inputs);
     let mut together = draw(7 * outputs);
@@ -198,9 +192,9 @@ fn a_pair_adds_its_scaled_low_rank_product() {
         let mut u = 0f64;
         for r in 0..rank {
             let t: f64 = (0..inputs)
-                .map(|j| f64::from(p.a[r * inputs + j]) * f64::from(x[j]))
+                .map(|j| f64::from(p.factors.a_at(r, j)) * f64::from(x[j]))
                 .sum();
-            u += f64::from(p.bt[r * outputs + o]) * t;
+            u += f64::from(p.factors.b_at(o, r)) * t;
         }
         let want = f64::from(y0[o]) + 0.75 * u;
         assert!(

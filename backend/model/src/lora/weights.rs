@@ -1,10 +1,11 @@
-//! An adapter's pairs in f32 ([`LoraWeights`]) and their product in the forward
-//! pass ([`LoraPair::apply_rows`]).
+//! An adapter's pairs ([`LoraWeights`], held in f16) and their product in the
+//! forward pass ([`LoraPair::apply_rows`]).
 
 use super::check::{
     first_line, read_header, validate, LoraBase, LoraError, ADAPTABLE, MAX_RANK, MAX_VALUE,
 };
 use std::io::Cursor;
+use tessera_kernels::lora::LoraFactors;
 
 /// The weight an adapter pair targets, within a block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -44,10 +45,10 @@ impl Target {
     }
 }
 
-/// One A/B pair in f32: `a` is `[rank, in]` row-major (the GGUF data of `lora_a`,
-/// `ne = [in, rank]`), `bt` is B transposed, `[rank, out]` row-major (`lora_b` has
-/// `ne = [rank, out]`, i.e. B is `[out, rank]`), and `scale` is `alpha / rank` (1
-/// when alpha is 0), as llama.cpp's `llm_build_lora_mm` scales it.
+/// One A/B pair: its factors packed in f16 for the forward pass
+/// ([`LoraFactors`]: A is `[rank, in]`, the GGUF data of `lora_a`, `ne = [in,
+/// rank]`; B is `[out, rank]`, `lora_b`, `ne = [rank, out]`), and `scale`, `alpha /
+/// rank` (1 when alpha is 0), as llama.cpp's `llm_build_lora_mm` scales it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraPair {
     /// The rank.
@@ -56,15 +57,32 @@ pub struct LoraPair {
     pub inputs: usize,
     /// Output size (the base weight's `ne1`).
     pub outputs: usize,
-    /// `[rank, inputs]`.
-    pub a: Vec<f32>,
-    /// B transposed: `[rank, outputs]` (so `B t` is a sum of scaled rows).
-    pub bt: Vec<f32>,
+    /// A and B as held.
+    pub factors: LoraFactors,
     /// Multiplier of `B (A x)`.
     pub scale: f32,
 }
 
 impl LoraPair {
+    /// A pair from A (`[rank, inputs]` row-major) and B (`[outputs, rank]`
+    /// row-major) in f32, rounded to f16 as held. Panics on other lengths.
+    pub fn new(
+        rank: usize,
+        inputs: usize,
+        outputs: usize,
+        a: &[f32],
+        b: &[f32],
+        scale: f32,
+    ) -> Self {
+        LoraPair {
+            rank,
+            inputs,
+            outputs,
+            factors: LoraFactors::new(rank, inputs, outputs, a, b),
+            scale,
+        }
+    }
+
     /// `out[o] += scale * sum_r B[o, r] * (sum_j A[r, j] * x[j])` for one row `x`
     /// (`inputs` long) into `out` (`outputs` long). A row's result depends on that
     /// row alone (fixed loop order), so it is the same in any batch.
@@ -73,23 +91,9 @@ impl LoraPair {
         self.apply_rows(&[0], x, out, self.outputs, 0);
     }
 
-    /// `u = B t` as rank scaled rows of `bt` added in order, then `out += scale * u`.
-    fn add_bt(&self, t: &[f32], u: &mut [f32], out: &mut [f32]) {
-        u.fill(0.0);
-        for (r, &tr) in t.iter().enumerate() {
-            let row = &self.bt[r * self.outputs..(r + 1) * self.outputs];
-            u.iter_mut().zip(row).for_each(|(u, b)| *u += tr * b);
-        }
-        out.iter_mut()
-            .zip(u.iter())
-            .for_each(|(y, u)| *y += self.scale * u);
-    }
-}
-
-impl LoraPair {
     /// [`Self::apply_row`] for the rows `rows` of a batch at once: row `i` reads
     /// `x[i * inputs..][..inputs]` and adds into `out[i * stride + at..][..outputs]`.
-    /// Each A and B row is read once for all of them (the rows of one adapter share
+    /// Each A and B value is read once for all of them (the rows of one adapter share
     /// its weights' memory traffic); every row's arithmetic is exactly
     /// [`Self::apply_row`]'s, so its result does not depend on the other rows.
     pub fn apply_rows(&self, rows: &[usize], x: &[f32], out: &mut [f32], stride: usize, at: usize) {
@@ -104,44 +108,20 @@ impl LoraPair {
     }
 
     /// [`Self::apply_rows`], adding row `i`'s delta into `out_row(i)` (`outputs`
-    /// long; called once per row).
+    /// long; called once per row, all before any is written).
     pub fn apply_rows_to<'o>(
         &self,
         rows: &[usize],
         x: &[f32],
         mut out_row: impl FnMut(usize) -> &'o mut [f32],
     ) {
-        use tessera_kernels::dot::dot_f32;
-        let (rank, inputs) = (self.rank, self.inputs);
-        let mut t = vec![0f32; rows.len() * rank];
-        let xr = |i: usize| &x[i * inputs..(i + 1) * inputs];
-        for r in 0..rank {
-            let a = &self.a[r * inputs..(r + 1) * inputs];
-            let mut k = 0;
-            while k + 4 <= rows.len() {
-                let d = dot_f32(
-                    a,
-                    [
-                        xr(rows[k]),
-                        xr(rows[k + 1]),
-                        xr(rows[k + 2]),
-                        xr(rows[k + 3]),
-                    ],
-                );
-                for (j, v) in d.into_iter().enumerate() {
-                    t[(k + j) * rank + r] = v;
-                }
-                k += 4;
-            }
-            for k in k..rows.len() {
-                t[k * rank + r] = dot_f32(a, [xr(rows[k])])[0];
-            }
-        }
-        let mut u = vec![0f32; self.outputs];
-        for (k, &i) in rows.iter().enumerate() {
-            let tk = &t[k * rank..(k + 1) * rank];
-            self.add_bt(tk, &mut u, out_row(i));
-        }
+        let inputs = self.inputs;
+        let xs: Vec<&[f32]> = rows
+            .iter()
+            .map(|&i| &x[i * inputs..(i + 1) * inputs])
+            .collect();
+        let mut outs: Vec<&mut [f32]> = rows.iter().map(|&i| out_row(i)).collect();
+        self.factors.apply(&xs, self.scale, &mut outs);
     }
 }
 
@@ -151,7 +131,7 @@ impl LoraPair {
 pub struct LoraWeights {
     /// `layers[i]`: block `i`'s pairs.
     pub layers: Vec<std::collections::HashMap<Target, LoraPair>>,
-    /// Bytes of f32 weights held.
+    /// Bytes of weights held (f16).
     pub bytes: usize,
 }
 
@@ -161,7 +141,7 @@ impl LoraWeights {
         self.layers.get(layer)?.get(&target)
     }
 
-    /// Checks `bytes` as [`validate`] does, then reads every pair into f32.
+    /// Checks `bytes` as [`validate`] does, then reads every pair (into f16).
     ///
     /// Errors: [`LoraError`] from the check, or [`LoraError::Unreadable`] when a
     /// tensor cannot be decoded.
@@ -212,29 +192,14 @@ impl LoraWeights {
                     "{target:?} holds a value that is not finite or over {MAX_VALUE} in magnitude"
                 )));
             }
-            out.bytes += 4 * (a.len() + b.len());
             let scale = if alpha == 0.0 {
                 1.0
             } else {
                 alpha / rank as f32
             };
-            let mut bt = vec![0f32; b.len()];
-            for o in 0..outputs {
-                for r in 0..rank {
-                    bt[r * outputs + o] = b[o * rank + r];
-                }
-            }
-            out.layers[layer].insert(
-                weight,
-                LoraPair {
-                    rank,
-                    inputs,
-                    outputs,
-                    a,
-                    bt,
-                    scale,
-                },
-            );
+            let pair = LoraPair::new(rank, inputs, outputs, &a, &b, scale);
+            out.bytes += pair.factors.bytes();
+            out.layers[layer].insert(weight, pair);
         }
         Ok(out)
     }
