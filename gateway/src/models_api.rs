@@ -4,7 +4,8 @@
 //!   (OpenAI list: `{"object": "list", "data": [model, ...]}`; the caller's own
 //!   fine-tunes follow the catalog's models as `<base>:<name>`),
 //! - `GET /v1/models/{id}` and `.../ai/v1/models/{id}` (one model; an alias resolves
-//!   to its model, whose `id` is the catalog id),
+//!   to its model, whose `id` is the catalog id; `<base>:<fine-tune>` is the caller's
+//!   fine-tune as listed, or a public one by id),
 //! - `GET /client/v4/accounts/{account_id}/ai/models/search` (Workers AI:
 //!   `{"result": [...], "result_info": {"page", "per_page", "count",
 //!   "total_count"}, "success": true, ...}`) with the public API's filters `task`
@@ -224,10 +225,39 @@ async fn one(
             Err(err) => err.into_response_as(Flavor::OpenAi, &ctx.rid),
         },
         Lookup::Removed(e) => removed(e).into_response_as(Flavor::OpenAi, &ctx.rid),
-        Lookup::Unknown => {
-            crate::model_check::no_such_model(id).into_response_as(Flavor::OpenAi, &ctx.rid)
-        }
+        Lookup::Unknown => match one_finetune(&state, &p, id).await {
+            Ok(v) => ctx.header(axum::Json(v).into_response()),
+            Err(err) => err.into_response_as(Flavor::OpenAi, &ctx.rid),
+        },
     }
+}
+
+/// `<base>:<fine-tune>` as `GET /v1/models/{id}` answers it: the caller's own
+/// fine-tune by name or id (the object `/v1/models` lists), or a public one by id
+/// (named by id, its owner not shown). Anything else, another account's fine-tune
+/// included, is the 404 of an unknown model; a base model the caller may not use
+/// is refused as when asked for alone.
+async fn one_finetune(state: &AppState, p: &Principal, id: &str) -> Result<Value, ApiError> {
+    let unknown = || crate::model_check::no_such_model(id);
+    let (base_id, name) = id.split_once(':').ok_or_else(unknown)?;
+    let Lookup::Served(base) = state.catalog.lookup(base_id, now_secs()) else {
+        return Err(unknown());
+    };
+    check_access(state, &p.tenant.id, base, base_id).await?;
+    let f = state
+        .store
+        .finetune_for(&p.tenant.id, name)
+        .await
+        .map_err(crate::finetune_resolve::store_error)?
+        .filter(|f| f.base_model == base.id)
+        .ok_or_else(unknown)?;
+    let mut v = finetune_object(base, &f);
+    if f.tenant_id != p.tenant.id {
+        v["id"] = json!(format!("{}:{}", base.id, f.id));
+        v["owned_by"] = json!("public");
+        v["finetune"] = json!({"id": f.id});
+    }
+    Ok(v)
 }
 
 /// A `page`/`per_page` query value: an integer in `min..=max`, or the 400 naming it.

@@ -438,6 +438,47 @@ async fn serve_fine_tunes(s: &TestServer) {
     let tuned_id = format!("{MODEL_ID}:tuned");
     assert!(listed(&a_key).await.contains(&tuned_id));
     assert!(!listed(&b_key).await.contains(&tuned_id));
+    // `GET /v1/models/{id}` answers what the list gives, by name or id, to its
+    // tenant; to another it is an unknown model until an operator publishes it, and
+    // then by id alone, without its name or owner.
+    let one = |key: &str, asked: String| {
+        let key = key.to_string();
+        async move {
+            let (st, _, v) = s
+                .get(&format!("{}/v1/models/{asked}", s.base), Some(&key))
+                .await;
+            (st, v)
+        }
+    };
+    for asked in [tuned_id.clone(), format!("{MODEL_ID}:{id}")] {
+        let (st, v) = one(&a_key, asked).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["id"], tuned_id.as_str());
+        assert_eq!(v["finetune"]["id"], id.as_str());
+        assert_eq!(v["owned_by"], a.id.as_str());
+    }
+    let (st, unknown) = one(&b_key, format!("{MODEL_ID}:no-such-name")).await;
+    assert_eq!(st, 404, "{unknown}");
+    for asked in [tuned_id.clone(), format!("{MODEL_ID}:{id}")] {
+        let (st, v) = one(&b_key, asked.clone()).await;
+        assert_eq!(st, 404, "{v}");
+        assert_eq!(v["error"]["code"], unknown["error"]["code"]);
+        assert_eq!(
+            v["error"]["message"],
+            format!("No such model {asked}").as_str()
+        );
+    }
+    assert_eq!(one(&a_key, "no-such-model:tuned".into()).await.0, 404);
+    assert!(store.set_finetune_public(&id, true).await.unwrap());
+    let (st, v) = one(&b_key, format!("{MODEL_ID}:{id}")).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["id"], format!("{MODEL_ID}:{id}").as_str());
+    assert_eq!(v["owned_by"], "public");
+    assert!(v["finetune"]["name"].is_null(), "{v}");
+    assert!(!v.to_string().contains(":tuned") && !v.to_string().contains(&a.id));
+    assert_eq!(one(&b_key, tuned_id.clone()).await.0, 404);
+    assert!(store.set_finetune_public(&id, false).await.unwrap());
+    assert_eq!(one(&b_key, format!("{MODEL_ID}:{id}")).await.0, 404);
 
     let prompt = "Describe the colour of the sky in one sentence. ".repeat(4);
     let body = |lora: Option<&str>| {
