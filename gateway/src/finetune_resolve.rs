@@ -78,9 +78,11 @@ pub(crate) async fn resolve(
         })
         .await
         .map_err(|e| {
+            state.metrics.lora_load("failed");
             tracing::error!(id = %ft.id, error = %e, "a stored fine-tune does not load");
             ApiError::new(ErrorKind::Internal, "the fine-tune could not be loaded")
         })?;
+    state.metrics.lora_load("loaded");
     let (w, bytes) = loaded;
     let (w, file) = (
         Arc::new(w),
@@ -89,7 +91,8 @@ pub(crate) async fn resolve(
             bytes,
         }),
     );
-    state.loras.put(&ft.id, w.clone(), file.clone());
+    let (loaded, bytes, evicted) = state.loras.put(&ft.id, w.clone(), file.clone());
+    state.metrics.lora_cache(loaded, bytes, evicted);
     Ok(LoraRef {
         id: ft.id,
         weights: Some(w),

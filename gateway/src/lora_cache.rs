@@ -9,7 +9,7 @@ use tessera_model::lora::LoraWeights;
 use tessera_serving::AdapterFile;
 
 /// Uploads decoded and checked at once per gateway (each holds its file and its
-/// f32 weights in memory); reading the files is bounded by one per account.
+/// f16 weights in memory); reading the files is bounded by one per account.
 pub(crate) const MAX_UPLOADS: usize = 2;
 
 /// Loaded adapters a gateway keeps (the least recently used one goes first).
@@ -58,19 +58,29 @@ impl LoadedLoras {
     }
 
     /// Keeps fine-tune `id`'s weights and file (the least recently used entry goes
-    /// past [`MAX_LOADED`]).
-    pub(crate) fn put(&self, id: &str, w: Arc<LoraWeights>, file: Arc<AdapterFile>) {
+    /// past [`MAX_LOADED`]). Returns what is loaded then: adapters, the bytes they
+    /// hold (weights and files), and how many were dropped for this one (0 or 1).
+    pub(crate) fn put(
+        &self,
+        id: &str,
+        w: Arc<LoraWeights>,
+        file: Arc<AdapterFile>,
+    ) -> (usize, usize, usize) {
         let now = self
             .clock
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut map = self.map.lock().expect("lora cache lock");
+        let mut evicted = 0;
         if map.len() >= MAX_LOADED && !map.contains_key(id) {
             let oldest = map.iter().min_by_key(|(_, v)| v.2).map(|(k, _)| k.clone());
             if let Some(k) = oldest {
                 map.remove(&k);
+                evicted = 1;
             }
         }
         map.insert(id.into(), (w, file, now));
+        let bytes = map.values().map(|(w, f, _)| w.bytes + f.bytes.len()).sum();
+        (map.len(), bytes, evicted)
     }
 }
 

@@ -278,6 +278,10 @@ pub struct Metrics {
     accept_errors: Counter,
     pruned_rows: Counter,
     release_timeouts: Counter,
+    lora_loads: Family<OutcomeLabels, Counter>,
+    lora_evictions: Counter,
+    lora_loaded: Gauge,
+    lora_loaded_bytes: Gauge,
     batch_items: Family<OutcomeLabels, Counter>,
     config_reloads: Family<OutcomeLabels, Counter>,
     limits_up: Gauge,
@@ -327,6 +331,10 @@ impl Metrics {
             accept_errors: Counter::default(),
             pruned_rows: Counter::default(),
             release_timeouts: Counter::default(),
+            lora_loads: Family::default(),
+            lora_evictions: Counter::default(),
+            lora_loaded: Gauge::default(),
+            lora_loaded_bytes: Gauge::default(),
             batch_items: Family::default(),
             config_reloads: Family::default(),
             limits_up: Gauge::default(),
@@ -454,6 +462,26 @@ impl Metrics {
             "tessera_release_wait_timeouts",
             "Requests whose nodes did not confirm release (abort or end acknowledged by every node) within the bound",
             self.release_timeouts.clone(),
+        );
+        r.register(
+            "tessera_lora_loads",
+            "Fine-tune adapters loaded from the store for serving, by outcome: loaded, failed (a stored file that does not load)",
+            self.lora_loads.clone(),
+        );
+        r.register(
+            "tessera_lora_evictions",
+            "Loaded adapters dropped for another (the least recently used, past 16)",
+            self.lora_evictions.clone(),
+        );
+        r.register(
+            "tessera_lora_loaded",
+            "Adapters loaded for serving on this gateway",
+            self.lora_loaded.clone(),
+        );
+        r.register(
+            "tessera_lora_loaded_bytes",
+            "Bytes the loaded adapters hold (f16 weights and the files kept for node links)",
+            self.lora_loaded_bytes.clone(),
         );
         r.register(
             "tessera_batch_items",
@@ -619,6 +647,22 @@ impl Metrics {
         self.batch_items
             .get_or_create(&OutcomeLabels { outcome })
             .inc_by(n as u64);
+    }
+
+    /// Counts an adapter load from the store (`outcome`: `loaded` or `failed`).
+    /// Fine-tunes are never a label: their ids and names are their tenants'.
+    pub fn lora_load(&self, outcome: &'static str) {
+        self.lora_loads
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    /// The loaded adapters after a load: how many, the bytes they hold, and how many
+    /// went to make room.
+    pub fn lora_cache(&self, loaded: usize, bytes: usize, evicted: usize) {
+        self.lora_loaded.set(loaded as i64);
+        self.lora_loaded_bytes.set(bytes as i64);
+        self.lora_evictions.inc_by(evicted as u64);
     }
 
     /// Counts a request whose nodes did not confirm its release within the bound (its

@@ -614,6 +614,23 @@ async fn serve_fine_tunes(s: &TestServer) {
     assert_eq!(status, 400);
     assert!(m.contains("is for model @cf/someone/else"), "{m}");
 
+    // Metrics count the load, never naming the fine-tune.
+    let m = s.metrics_text().await;
+    assert!(
+        m.contains("tessera_lora_loads_total{outcome=\"loaded\"} 1\n"),
+        "{m}"
+    );
+    assert!(
+        m.contains("tessera_lora_loaded 1\n") && m.contains("tessera_lora_evictions_total 0\n")
+    );
+    let bytes: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("tessera_lora_loaded_bytes "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(bytes > std::fs::metadata(&file).unwrap().len(), "{bytes}");
+    assert!(!m.contains(&id) && !m.contains("tuned"));
+
     // Deleted: gone for the next request.
     assert_eq!(api.delete(&a.id, &a_key, "/tuned").await.0, 200);
     assert_eq!(run(s, &a.id, &a_key, body(Some("tuned"))).await.0, 404);
