@@ -53,18 +53,12 @@ mode=$2
 case $mode in raw) raw_flag=--raw ;; chat) raw_flag= ;; *) usage ;; esac
 [ -f "$model" ] || { echo "no model file: $model" >&2; exit 1; }
 model=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
-llama=${LLAMA_SERVER:-/work/ext/build/bin/llama-server}
-bin=${TESSERA_BIN:-$root/target/release/tessera}
-[ -x "$llama" ] || { echo "no llama-server at $llama (set LLAMA_SERVER)" >&2; exit 1; }
-[ -x "$bin" ] || { echo "no tessera at $bin (cargo build --release -p tessera, or set TESSERA_BIN)" >&2; exit 1; }
+# shellcheck source=scripts/bench_server_lib.sh
+. "$root/scripts/bench_server_lib.sh"
 rounds=${ROUNDS:-2}
 conc=${CONCURRENCY:-16}
 nreq=${REQUESTS:-32}
 maxtok=${MAX_TOKENS:-128}
-threads=${THREADS:-2}
-tport=${TESSERA_PORT:-18787}
-lport=${LLAMA_PORT:-18080}
-ready_timeout=${READY_TIMEOUT:-300}
 base=$(basename "$model" .gguf)
 case $base in
   gemma-3-270m*) default_id=@cf/google/gemma-3-270m ;;
@@ -78,8 +72,6 @@ mkdir -p "$out"
 : >"$out/results.jsonl"
 bench=$root/scripts/bench_servers.py
 
-# shellcheck source=scripts/bench_server_lib.sh
-. "$root/scripts/bench_server_lib.sh"
 admin=tadm_bench_$(od -An -N24 -tx1 /dev/urandom | tr -d " \n")
 work=$(mktemp -d)
 trap 'stop_server; rm -rf "$work"' EXIT

@@ -30,24 +30,16 @@ target=${1:-$root/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}
 draft=${2:-$root/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
 out=${3:-$root/target/bench-spec-servers}
 for f in "$target" "$draft"; do [ -f "$f" ] || { echo "no model file: $f" >&2; exit 1; }; done
-llama=${LLAMA_SERVER:-/work/ext/build/bin/llama-server}
-bin=${TESSERA_BIN:-$root/target/release/tessera}
-[ -x "$llama" ] || { echo "no llama-server at $llama (set LLAMA_SERVER)" >&2; exit 1; }
-[ -x "$bin" ] || { echo "no tessera at $bin (cargo build --release -p tessera)" >&2; exit 1; }
-threads=${THREADS:-2}
+# shellcheck source=scripts/bench_server_lib.sh
+. "$root/scripts/bench_server_lib.sh"
 k=${K:-4}
 reps=${REPS:-3}
 maxtok=${MAX_TOKENS:-128}
-tport=${TESSERA_PORT:-18787}
-lport=${LLAMA_PORT:-18080}
-ready_timeout=${READY_TIMEOUT:-300}
 id=local/target
 mkdir -p "$out"
 : >"$out/results.jsonl"
 bench="python3 $root/scripts/bench_spec_servers.py"
 
-# shellcheck source=scripts/bench_server_lib.sh
-. "$root/scripts/bench_server_lib.sh"
 work=$(mktemp -d)
 trap 'stop_server; rm -rf "$work"' EXIT
 
